@@ -1,0 +1,50 @@
+"""moelab: expert-routing experiments on Mixture-of-Experts language models.
+
+Public API (imported lazily so that ``import moelab`` stays fast)::
+
+    model, tok = moelab.load("tiny-random-mixtral")      # or a bundled name, a path, a hub id
+    layers = moelab.moe_layers(model)                      # per MoE layer: router, experts, E, top-k, ...
+    with moelab.record(model, "traces/run1") as rec:       # routing trace, streamed to disk
+        model.generate(...)
+    trace = moelab.open_trace("traces/run1")
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+from typing import Any
+
+__version__ = "0.1.0"
+
+logging.getLogger(__name__).addHandler(logging.NullHandler())
+
+# name -> module that defines it; resolved on first attribute access (PEP 562).
+_LAZY: dict[str, str] = {
+    "load": "moelab.loading",
+    "MoelabError": "moelab.errors",
+    "moe_layers": "moelab.adapters",
+    "get_adapter": "moelab.adapters",
+    "model_info": "moelab.adapters",
+    "register_adapter": "moelab.adapters",
+    "MoELayer": "moelab.adapters",
+    "record": "moelab.trace",
+    "TraceRecorder": "moelab.trace",
+    "RoutingTrace": "moelab.trace",
+    "open_trace": "moelab.trace",
+    "build_tiny": "moelab.models.tiny",
+    "FAMILIES": "moelab.models.tiny",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'moelab' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_LAZY])

@@ -1,0 +1,64 @@
+"""The ``moelab`` command line: a thin layer over the Python API.
+
+Each sub-command lives in its own module in this package and exposes
+``register(subparsers)``; add a module name to ``COMMAND_MODULES`` to add a command.
+Errors that are the user's to fix (:class:`moelab.errors.MoelabError`) print as one
+line on stderr with exit status 2, never as a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+
+from moelab.errors import MoelabError
+
+#: Sub-command modules, in the order ``moelab --help`` lists them.
+COMMAND_MODULES: list[str] = [
+    "models",
+    "trace",
+    "trace_info",
+    "demo",
+]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from moelab import __version__
+
+    parser = argparse.ArgumentParser(
+        prog="moelab",
+        description="Expert-routing experiments on Mixture-of-Experts language models.",
+    )
+    parser.add_argument("--version", action="version", version=f"moelab {__version__}")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name in COMMAND_MODULES:
+        importlib.import_module(f"moelab.cli.{name}").register(subparsers)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.WARNING,
+        format="%(levelname)s %(name)s: %(message)s",
+    )
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    try:
+        code = args.func(args)
+    except MoelabError as exc:
+        print(f"moelab: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("moelab: interrupted", file=sys.stderr)
+        return 130
+    return int(code or 0)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,48 @@
+"""Helpers shared by the CLI commands: JSON output and argument validation."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from moelab.errors import MoelabError
+
+
+def emit_json(obj: Any) -> None:
+    """Print ``obj`` as JSON on stdout (the machine-readable output of ``--json``)."""
+    json.dump(obj, sys.stdout, indent=2, default=_default)
+    sys.stdout.write("\n")
+
+
+def _default(o: Any) -> Any:
+    import numpy as np
+
+    if isinstance(o, np.generic):
+        return o.item()
+    if isinstance(o, np.ndarray):
+        return o.tolist()
+    if isinstance(o, Path):
+        return str(o)
+    raise TypeError(f"not JSON serialisable: {type(o).__name__}")
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an integer ≥ 1, with a message that says so."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer (≥ 1), got {value}")
+    return value
+
+
+def check_output_path(path: str | Path, overwrite: bool) -> Path:
+    """Refuse to replace an existing output unless ``--overwrite`` was given."""
+    p = Path(path)
+    if p.exists() and not overwrite:
+        raise MoelabError(f"output {str(p)!r} already exists; pass --overwrite to replace it or choose another path.")
+    return p
