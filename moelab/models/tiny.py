@@ -27,7 +27,7 @@ FAMILIES: tuple[str, ...] = (
 )
 
 _COMMON: dict[str, Any] = dict(
-    vocab_size=320,
+    vocab_size=259,  # = len(byte_tokenizer()), so every generated id decodes
     hidden_size=32,
     intermediate_size=64,
     num_hidden_layers=4,
@@ -141,8 +141,8 @@ def tiny_config(family: str, **overrides: Any):
 def build_tiny(family: str, seed: int = 0, dtype: torch.dtype = torch.float32, **overrides: Any):
     """A randomly initialised tiny ``family`` causal LM, deterministic for a seed, in eval mode.
 
-    Router weights are re-drawn with a larger scale so that routing depends on the
-    input (the default init of some families is all zeros, which routes every token alike).
+    Router weights are re-drawn (std 2/sqrt(H)) so that routing depends on the input: the
+    default init of some families is all zeros, which routes every token alike.
     """
     from transformers import AutoModelForCausalLM
 
@@ -155,5 +155,6 @@ def build_tiny(family: str, seed: int = 0, dtype: torch.dtype = torch.float32, *
             leaf = name.rsplit(".", 1)[0].rsplit(".", 1)[-1]
             if leaf in ("gate", "router") and param.dim() == 2:
                 with torch.no_grad():
-                    param.copy_(torch.randn(param.shape, generator=gen, dtype=torch.float32).to(param.dtype))
+                    std = 2.0 / param.shape[1] ** 0.5
+                    param.copy_((std * torch.randn(param.shape, generator=gen)).to(param.dtype))
     return model.eval()

@@ -1,0 +1,162 @@
+"""``moelab.load``: one entry point for bundled names, tiny random models, local paths and hub ids."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from moelab.errors import MoelabError, did_you_mean
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {
+    "auto": "auto",
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
+
+
+def parse_dtype(dtype: str | torch.dtype | None) -> torch.dtype | str | None:
+    """A torch dtype (or ``"auto"``) from a name such as ``"bf16"``; None stays None."""
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in _DTYPES:
+        raise MoelabError(f"unknown dtype {dtype!r}; expected one of {', '.join(_DTYPES)}.")
+    return _DTYPES[dtype]
+
+
+def known_model_names() -> list[str]:
+    """Names ``load`` accepts without a path: bundled models and ``tiny-random-<family>``."""
+    from moelab.models.bundled import TINY_RANDOM_PREFIX, bundled_models
+    from moelab.models.tiny import FAMILIES
+
+    return [*bundled_models(), *(TINY_RANDOM_PREFIX + f for f in FAMILIES)]
+
+
+def load(
+    name_or_path: str | Path | nn.Module,
+    *,
+    tokenizer: Any = None,
+    dtype: str | torch.dtype | None = None,
+    device_map: str | dict | None = None,
+    trust_remote_code: bool = False,
+    seed: int = 0,
+    **kwargs: Any,
+) -> tuple[nn.Module, Any]:
+    """Load an MoE causal LM and its tokenizer; returns ``(model, tokenizer)`` in eval mode.
+
+    ``name_or_path`` is one of:
+
+    * a model instance — returned as is (with ``tokenizer`` if given, else None);
+    * a bundled model name (``moelab models`` lists them);
+    * ``tiny-random-<family>`` — a random tiny model of a supported family (``seed``);
+    * a local directory saved with ``save_pretrained``;
+    * a hub id (needs network access; real checkpoints load as with transformers).
+
+    ``dtype`` and ``device_map`` (accelerate; e.g. ``"auto"`` to spread a model larger
+    than memory over devices and disk) and any other keyword are passed to
+    ``from_pretrained``. ``trust_remote_code`` stays off unless asked for.
+    """
+    from moelab.adapters import get_adapter
+
+    if isinstance(name_or_path, nn.Module):
+        get_adapter(name_or_path)
+        return name_or_path, tokenizer
+
+    from moelab.models.bundled import TINY_RANDOM_PREFIX, bundled_path
+
+    name = str(name_or_path)
+    torch_dtype = parse_dtype(dtype)
+    if name.startswith(TINY_RANDOM_PREFIX):
+        from moelab.models.tiny import FAMILIES, build_tiny
+        from moelab.models.tokenizer import byte_tokenizer
+
+        family = name[len(TINY_RANDOM_PREFIX) :]
+        if family not in FAMILIES:
+            raise MoelabError(
+                f"unknown tiny random model {name!r}.{did_you_mean(name, known_model_names())} "
+                f"Tiny random models are named {TINY_RANDOM_PREFIX}<family> with family one of: {', '.join(FAMILIES)}."
+            )
+        model = build_tiny(family, seed=seed, dtype=torch_dtype if isinstance(torch_dtype, torch.dtype) else torch.float32)
+        model.name_or_path = name
+        return model, tokenizer or byte_tokenizer()
+
+    path = bundled_path(name)
+    if path is None and Path(name).expanduser().exists():
+        path = Path(name).expanduser()
+        if not (path / "config.json").is_file():
+            raise MoelabError(
+                f"{str(path)!r} exists but has no config.json; expected a directory written by "
+                "model.save_pretrained() (and tokenizer.save_pretrained())."
+            )
+    if path is None and _looks_like_path(name):
+        raise MoelabError(
+            f"model {name!r} is neither a bundled model nor an existing directory.{did_you_mean(name, known_model_names())} "
+            f"Known names: {', '.join(known_model_names())}."
+        )
+    source = str(path) if path is not None else name
+    model = _from_pretrained(source, torch_dtype, device_map, trust_remote_code, kwargs)
+    get_adapter(model)  # refuse non-MoE and unsupported models with a clear message
+    if tokenizer is None:
+        tokenizer = _load_tokenizer(source, trust_remote_code)
+    model.eval()
+    return model, tokenizer
+
+
+def _looks_like_path(name: str) -> bool:
+    return name.startswith((".", "/", "~")) or name.count("/") != 1 or " " in name
+
+
+def _from_pretrained(source: str, dtype, device_map, trust_remote_code: bool, kwargs: dict) -> nn.Module:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    try:
+        config = AutoConfig.from_pretrained(source, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as exc:
+        raise MoelabError(
+            f"could not load model {source!r}: not a bundled model ({', '.join(known_model_names())}), "
+            f"not a local model directory, and not reachable as a hub id ({exc.__class__.__name__}: "
+            f"{str(exc).splitlines()[0][:200]})."
+        ) from None
+    from moelab.adapters import get_adapter, supported_families
+
+    model_type = getattr(config, "model_type", None)
+    if model_type not in supported_families():
+        # Fail before reading weights: a dense or unsupported model.
+        raise MoelabError(
+            f"model {source!r} has model type {model_type!r}, which is not a supported Mixture-of-Experts "
+            f"family. Supported: {', '.join(supported_families())}."
+        )
+    load_kwargs: dict[str, Any] = dict(kwargs)
+    if dtype is not None:
+        load_kwargs["dtype"] = dtype
+    if device_map is not None:
+        load_kwargs["device_map"] = device_map
+    log.info("loading %s (%s)", source, model_type)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(source, trust_remote_code=trust_remote_code, **load_kwargs)
+    except ValueError as exc:
+        raise MoelabError(f"{source!r} cannot be loaded as a causal language model: {str(exc)[:300]}") from None
+    get_adapter(model)
+    return model
+
+
+def _load_tokenizer(source: str, trust_remote_code: bool):
+    from transformers import AutoTokenizer
+
+    try:
+        tok = AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError, TypeError) as exc:
+        log.warning("no tokenizer found with %s (%s); pass tokenizer= to moelab.load", source, exc)
+        return None
+    if tok.pad_token is None and tok.eos_token is not None:
+        tok.pad_token = tok.eos_token
+    return tok

@@ -1,0 +1,429 @@
+"""Record routing traces from any forward, ``generate`` or lm-eval run.
+
+>>> with moelab.record(model, "traces/run1", hidden_states=True) as rec:
+...     model.generate(**inputs, max_new_tokens=32)
+>>> trace = rec.trace
+
+How tokens are identified: a forward hook on the top-level model sees ``input_ids``,
+``attention_mask`` and the KV cache. A forward on an empty cache is a *prompt*: each
+batch row starts a new sequence (``seq``), ``step`` 0, phase ``prefill``. A forward on
+a non-empty cache continues the current sequences: ``step`` n, phase ``decode`` for
+one new token per row (a multi-token continuation is labelled ``prefill``). Positions
+count the real tokens of a row; padding (attention mask 0) is not recorded.
+
+Router forward hooks collect each MoE layer's outputs; they are converted to rows once
+per forward (one host transfer per forward, not per layer), buffered, and flushed to
+Parquet row groups (and safetensors shards for hidden states) every ``flush_rows``
+rows, so memory stays bounded. Hooks are removed on exit, also on exceptions; an
+exception (or an interrupted process) leaves no directory that looks like a trace.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from moelab.adapters import MoELayer, get_adapter, make_routing, model_info, moe_layers
+from moelab.errors import MoelabError
+from moelab.trace.schema import (
+    HIDDEN_PATTERN,
+    META_FILE,
+    ROUTES_FILE,
+    SCHEMA_VERSION,
+    routes_schema,
+)
+
+log = logging.getLogger(__name__)
+
+_HIDDEN_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+@dataclass
+class RecordConfig:
+    """What a :class:`TraceRecorder` captures."""
+
+    scores: bool = True
+    """Record the router's full score vector (E floats per row); needed by MRS caches."""
+    hidden_states: bool = False
+    """Record the router-input hidden state of every row (needed to train learned predictors)."""
+    hidden_dtype: str = "bfloat16"
+    """dtype of stored hidden states: bfloat16, float16 or float32."""
+    flush_rows: int = 1 << 16
+    """Rows buffered in memory before a Parquet row group is written."""
+
+    def __post_init__(self) -> None:
+        if self.hidden_dtype not in _HIDDEN_DTYPES:
+            raise MoelabError(
+                f"hidden_dtype {self.hidden_dtype!r} is not supported; expected one of {', '.join(_HIDDEN_DTYPES)}."
+            )
+        if self.flush_rows < 1:
+            raise MoelabError(f"flush_rows must be ≥ 1, got {self.flush_rows}.")
+
+
+@dataclass
+class _Forward:
+    """What the model pre-hook learned about the forward in flight."""
+
+    mask: torch.Tensor  # (B, S) bool, real tokens
+    seq: np.ndarray  # (B,)
+    pos: np.ndarray  # (B, S)
+    token_id: np.ndarray  # (B, S)
+    step: int
+    phase: str
+    calls: list = field(default_factory=list)  # (moe index, hidden, logits, weights, experts)
+
+
+class TraceRecorder:
+    """Context manager that streams a routing trace of ``model`` to ``out``.
+
+    ``out=None`` records into a new temporary directory (kept; see ``rec.path``).
+    An existing ``out`` is refused unless ``overwrite=True``.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        out: str | Path | None = None,
+        *,
+        config: RecordConfig | None = None,
+        overwrite: bool = False,
+        model_name: str | None = None,
+        metadata: dict[str, Any] | None = None,
+        **config_kwargs: Any,
+    ) -> None:
+        if config is not None and config_kwargs:
+            raise MoelabError("pass either config= or keyword settings (scores=..., hidden_states=...), not both.")
+        self.config = config or RecordConfig(**config_kwargs)
+        self.model = model
+        self.adapter = get_adapter(model)
+        self.layers: list[MoELayer] = moe_layers(model)
+        self.path = Path(out) if out is not None else Path(tempfile.mkdtemp(prefix="moelab-trace-")) / "trace"
+        self.overwrite = overwrite
+        self.model_name = model_name or str(getattr(model, "name_or_path", "") or type(model).__name__)
+        self.metadata = dict(metadata or {})
+        self.trace = None
+        self._hooks: list = []
+        self._tmp: Path | None = None
+        self._reset_state()
+
+    def _reset_state(self) -> None:
+        self._fwd: _Forward | None = None
+        self._depth = 0
+        self._next_seq = 0
+        self._cur_seq: np.ndarray | None = None
+        self._row_len: np.ndarray | None = None
+        self._step = 0
+        self._buf: dict[str, list] = {k: [] for k in ("seq", "step", "pos", "phase", "token_id", "layer", "moe_layer")}
+        self._buf_lists: dict[str, list] = {"experts": [], "weights": [], "scores": [], "k": []}
+        self._buf_hidden: list[torch.Tensor] = []
+        self._buf_rows = 0
+        self._rows = 0
+        self._phase_rows = {"prefill": 0, "decode": 0}
+        self._writer = None
+        self._shards: list[dict] = []
+
+    # ------------------------------------------------------------------ lifecycle
+    def __enter__(self) -> TraceRecorder:
+        self.start()
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        if exc_type is None:
+            self.close()
+        else:
+            self.abort()
+        return False
+
+    def start(self) -> None:
+        if self._tmp is not None:
+            raise MoelabError("this recorder is already recording; use a new TraceRecorder for a new trace.")
+        if self.path.exists() and not self.overwrite:
+            raise MoelabError(
+                f"trace directory {str(self.path)!r} already exists; pass overwrite=True (CLI: --overwrite) or choose another path."
+            )
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._tmp = Path(tempfile.mkdtemp(prefix=f".{self.path.name}.partial-", dir=self.path.parent))
+        self._reset_state()
+        try:
+            self._hooks.append(self.model.register_forward_pre_hook(self._pre_forward, with_kwargs=True))
+            self._hooks.append(self.model.register_forward_hook(self._post_forward, always_call=True))
+            for layer in self.layers:
+                self._hooks.append(layer.router.register_forward_hook(self._router_hook(layer)))
+        except BaseException:
+            self._remove_hooks()
+            raise
+
+    def close(self):
+        """Finish: flush, write meta.json, move the trace into place atomically."""
+        from moelab.trace.reader import RoutingTrace
+
+        self._remove_hooks()
+        try:
+            self._flush()
+            if self._writer is not None:
+                self._writer.close()
+                self._writer = None
+            else:  # no rows: still a valid (empty) Parquet file
+                import pyarrow.parquet as pq
+
+                pq.write_table(routes_schema(self.config.scores).empty_table(), self._tmp / ROUTES_FILE)
+            meta = self._meta()
+            _write_json_atomic(self._tmp / META_FILE, meta)
+            if self.path.exists():
+                trash = self.path.with_name(f".{self.path.name}.old-{uuid.uuid4().hex[:8]}")
+                os.replace(self.path, trash)
+                os.replace(self._tmp, self.path)
+                shutil.rmtree(trash, ignore_errors=True)
+            else:
+                os.replace(self._tmp, self.path)
+        except BaseException:
+            self.abort()
+            raise
+        self._tmp = None
+        if self._rows == 0:
+            log.warning("trace %s has no rows: nothing ran through the model while recording", self.path)
+        self.trace = RoutingTrace(self.path)
+        return self.trace
+
+    def abort(self) -> None:
+        """Stop without producing a trace; removes everything written so far."""
+        self._remove_hooks()
+        if self._writer is not None:
+            try:
+                self._writer.close()
+            except Exception:  # noqa: BLE001 - best effort on the failure path
+                pass
+            self._writer = None
+        if self._tmp is not None:
+            shutil.rmtree(self._tmp, ignore_errors=True)
+            self._tmp = None
+
+    def _remove_hooks(self) -> None:
+        while self._hooks:
+            self._hooks.pop().remove()
+
+    # ------------------------------------------------------------------ hooks
+    def _pre_forward(self, module, args, kwargs):
+        self._depth += 1
+        if self._depth > 1:
+            return None
+        input_ids = kwargs.get("input_ids", args[0] if args else None)
+        embeds = kwargs.get("inputs_embeds")
+        if input_ids is not None:
+            B, S = input_ids.shape[:2]
+            token_id = input_ids.detach().to("cpu", torch.int64).numpy()
+        elif embeds is not None:
+            B, S = embeds.shape[:2]
+            token_id = np.full((B, S), -1, dtype=np.int64)
+        else:
+            self._fwd = None
+            return None
+        mask = kwargs.get("attention_mask")
+        if mask is not None and mask.dim() == 2:
+            cur = mask[:, -S:].detach().to("cpu").bool()
+        else:
+            cur = torch.ones(B, S, dtype=torch.bool)
+        past = _past_length(kwargs.get("past_key_values"))
+        continuing = past > 0 and self._cur_seq is not None and len(self._cur_seq) == B
+        if past > 0 and not continuing:
+            log.warning("forward continues a KV cache of an unknown sequence; recording it as new sequences")
+        if not continuing:
+            self._cur_seq = np.arange(self._next_seq, self._next_seq + B, dtype=np.int64)
+            self._next_seq += B
+            self._row_len = np.zeros(B, dtype=np.int64)
+            self._step = 0
+        else:
+            self._step += 1
+        cur_np = cur.numpy()
+        pos = self._row_len[:, None] + np.cumsum(cur_np, axis=1) - 1
+        self._row_len = self._row_len + cur_np.sum(axis=1)
+        phase = "decode" if continuing and S == 1 else "prefill"
+        self._fwd = _Forward(mask=cur, seq=self._cur_seq, pos=pos, token_id=token_id, step=self._step, phase=phase)
+        return None
+
+    def _router_hook(self, layer: MoELayer):
+        want_hidden = self.config.hidden_states
+
+        def hook(module, args, output):
+            fwd = self._fwd
+            if fwd is None or self._depth != 1:
+                return
+            logits, weights, experts = output[0], output[1], output[2]
+            hidden = args[0].detach() if want_hidden and args else None
+            fwd.calls.append((layer, hidden, logits.detach(), weights.detach(), experts.detach()))
+
+        return hook
+
+    def _post_forward(self, module, args, output):
+        self._depth -= 1
+        if self._depth > 0:
+            return None
+        fwd, self._fwd = self._fwd, None
+        if fwd is None or not fwd.calls:
+            return None
+        self._add_forward(fwd)
+        if self._buf_rows >= self.config.flush_rows:
+            self._flush()
+        return None
+
+    # ------------------------------------------------------------------ rows
+    def _add_forward(self, fwd: _Forward) -> None:
+        valid = fwd.mask.reshape(-1)
+        n = int(valid.sum())
+        if n == 0:
+            return
+        valid_np = valid.numpy()
+        B, S = fwd.mask.shape
+        seq = np.repeat(fwd.seq, S)[valid_np]
+        pos = fwd.pos.reshape(-1)[valid_np].astype(np.int32)
+        tok = fwd.token_id.reshape(-1)[valid_np]
+        for layer, hidden, logits, weights, experts in fwd.calls:
+            r = make_routing(logits, weights, experts, layer.spec.scoring)
+            idx = valid.to(r.experts.device)
+            k = r.experts.shape[1]
+            self._buf["seq"].append(seq)
+            self._buf["step"].append(np.full(n, fwd.step, dtype=np.int32))
+            self._buf["pos"].append(pos)
+            self._buf["phase"].append(np.full(n, fwd.phase, dtype=object))
+            self._buf["token_id"].append(tok)
+            self._buf["layer"].append(np.full(n, layer.layer_idx, dtype=np.int32))
+            self._buf["moe_layer"].append(np.full(n, layer.index, dtype=np.int32))
+            self._buf_lists["experts"].append(r.experts[idx].to("cpu", torch.int32).numpy().reshape(-1))
+            self._buf_lists["weights"].append(r.weights[idx].to("cpu", torch.float32).numpy().reshape(-1))
+            self._buf_lists["k"].append(np.full(n, k, dtype=np.int32))
+            if self.config.scores:
+                self._buf_lists["scores"].append(r.scores[idx].to("cpu", torch.float32).numpy())
+            if hidden is not None:
+                h = hidden.reshape(-1, hidden.shape[-1])[idx.to(hidden.device)]
+                self._buf_hidden.append(h.to("cpu", _HIDDEN_DTYPES[self.config.hidden_dtype]))
+            self._buf_rows += n
+            self._phase_rows[fwd.phase] += n
+
+    def _flush(self) -> None:
+        if self._buf_rows == 0:
+            return
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        cols: dict[str, Any] = {k: np.concatenate(v) for k, v in self._buf.items()}
+        ks = np.concatenate(self._buf_lists["k"])
+        offsets = np.concatenate([[0], np.cumsum(ks)]).astype(np.int32)
+        arrays = [
+            pa.array(cols["seq"], pa.int64()),
+            pa.array(cols["step"], pa.int32()),
+            pa.array(cols["pos"], pa.int32()),
+            pa.array(cols["phase"], pa.string()),
+            pa.array(cols["token_id"], pa.int64()),
+            pa.array(cols["layer"], pa.int32()),
+            pa.array(cols["moe_layer"], pa.int32()),
+            pa.ListArray.from_arrays(offsets, pa.array(np.concatenate(self._buf_lists["experts"]), pa.int32())),
+            pa.ListArray.from_arrays(offsets, pa.array(np.concatenate(self._buf_lists["weights"]), pa.float32())),
+        ]
+        if self.config.scores:
+            scores = self._buf_lists["scores"]
+            lens = np.concatenate([np.full(s.shape[0], s.shape[1], dtype=np.int32) for s in scores])
+            s_off = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+            flat = np.concatenate([s.reshape(-1) for s in scores])
+            arrays.append(pa.ListArray.from_arrays(s_off, pa.array(flat, pa.float32())))
+        schema = routes_schema(self.config.scores)
+        table = pa.Table.from_arrays(arrays, schema=schema)
+        if self._writer is None:
+            self._writer = pq.ParquetWriter(self._tmp / ROUTES_FILE, schema, compression="zstd")
+        self._writer.write_table(table, row_group_size=table.num_rows)
+        if self.config.hidden_states:
+            from safetensors.torch import save_file
+
+            name = HIDDEN_PATTERN.format(len(self._shards))
+            hidden = torch.cat(self._buf_hidden) if self._buf_hidden else torch.empty(0)
+            save_file({"hidden": hidden.contiguous()}, str(self._tmp / name))
+            self._shards.append({"file": name, "rows": int(hidden.shape[0])})
+        self._rows += table.num_rows
+        self._buf = {k: [] for k in self._buf}
+        self._buf_lists = {k: [] for k in self._buf_lists}
+        self._buf_hidden = []
+        self._buf_rows = 0
+
+    def _meta(self) -> dict[str, Any]:
+        import platform
+
+        import pyarrow
+        import transformers
+
+        from moelab import __version__
+        from moelab.adapters import model_fingerprint
+
+        info = model_info(self.model).to_dict()
+        dtype = next((p.dtype for p in self.model.parameters()), torch.float32)
+        hidden = None
+        if self.config.hidden_states:
+            hidden = {
+                "dtype": self.config.hidden_dtype,
+                "hidden_size": info["hidden_size"],
+                "shards": self._shards,
+                "what": "input of each MoE layer's router (the post-attention-norm hidden state)",
+            }
+        return {
+            "format": "moelab.routing_trace",
+            "schema_version": SCHEMA_VERSION,
+            "trace_id": uuid.uuid4().hex,
+            "created_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "model": {
+                "name": self.model_name,
+                "fingerprint": model_fingerprint(self.model),
+                "dtype": str(dtype).replace("torch.", ""),
+                **info,
+            },
+            "recording": {"scores": self.config.scores, "hidden_states": hidden},
+            "num_rows": self._rows,
+            "num_sequences": int(self._next_seq),
+            "rows_by_phase": self._phase_rows,
+            "versions": {
+                "moelab": __version__,
+                "torch": torch.__version__,
+                "transformers": transformers.__version__,
+                "pyarrow": pyarrow.__version__,
+                "python": platform.python_version(),
+            },
+            "metadata": self.metadata,
+        }
+
+
+def _past_length(past) -> int:
+    if past is None:
+        return 0
+    get = getattr(past, "get_seq_length", None)
+    if get is not None:
+        try:
+            return int(get())
+        except Exception:  # noqa: BLE001 - caches without layers yet report nothing
+            return 0
+    try:  # legacy tuple of (k, v) per layer
+        return int(past[0][0].shape[-2])
+    except Exception:  # noqa: BLE001
+        return 0
+
+
+def _write_json_atomic(path: Path, obj: Any) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=2)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def record(model: nn.Module, out: str | Path | None = None, **kwargs: Any) -> TraceRecorder:
+    """A :class:`TraceRecorder` for ``model`` (use it as a context manager)."""
+    return TraceRecorder(model, out, **kwargs)
