@@ -1,0 +1,54 @@
+"""Accuracy scoring with lm-eval: local synthetic tasks and offline GSM8K / HumanEval.
+
+::
+
+    import moelab
+    from moelab import evals
+
+    model, tok = moelab.load("tiny-random-mixtral")
+    result = evals.evaluate(model, tok, tasks=["arith", "pycode"], limit=20,
+                            allow_code_execution=True)
+    print(result.table())
+
+Tasks: ``evals.eval_task_names()``; the lm-eval YAMLs live in ``evals/``
+(``moelab._resources.resource_dir("evals")``). Generated code runs only in
+:mod:`moelab.evals.sandbox`, and only with ``allow_code_execution=True``.
+lm-eval is imported lazily, when something is scored.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_LAZY: dict[str, str] = {
+    "evaluate": "moelab.evals.api",
+    "versions": "moelab.evals.api",
+    "EvalConfig": "moelab.evals.results",
+    "EvalResult": "moelab.evals.results",
+    "TaskResult": "moelab.evals.results",
+    "EvalTask": "moelab.evals.registry",
+    "EVAL_TASKS": "moelab.evals.registry",
+    "eval_task_names": "moelab.evals.registry",
+    "get_eval_task": "moelab.evals.registry",
+    "estimate_pass_at_k": "moelab.evals.metrics",
+    "SandboxConfig": "moelab.evals.sandbox",
+    "ExecResult": "moelab.evals.sandbox",
+    "run_program": "moelab.evals.sandbox",
+    "report_section": "moelab.evals.report",
+}
+
+__all__ = sorted(_LAZY)
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'moelab.evals' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_LAZY])

@@ -1,0 +1,313 @@
+"""Score a live model with lm-eval: ``moelab.evals.evaluate(model, tokenizer, tasks=[...])``.
+
+The model is scored as it is, so a routing policy applied as a context manager
+around the call is part of what is measured::
+
+    with some_policy(model):
+        result = moelab.evals.evaluate(model, tok, tasks=["arith", "gsm8k"], limit=50)
+
+lm-eval is imported here only (``import moelab`` stays fast).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import platform
+import shutil
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from moelab.errors import MoelabError
+from moelab.evals.metrics import sandbox_defaults
+from moelab.evals.registry import EvalTask, parse_tasks
+from moelab.evals.results import EvalConfig, EvalResult, TaskResult
+from moelab.evals.sandbox import SandboxConfig
+
+logger = logging.getLogger(__name__)
+
+#: The code-execution opt-in, as the Python API and the CLI spell it.
+OPT_IN_HINT = "pass allow_code_execution=True (CLI: --allow-code-execution)"
+
+
+def evaluate(
+    model: Any,
+    tokenizer: Any = None,
+    tasks: str | list[str] = ("arith",),
+    *,
+    limit: int | None = None,
+    num_fewshot: int | None = None,
+    allow_code_execution: bool = False,
+    log_samples_dir: str | os.PathLike | None = None,
+    overwrite: bool = False,
+    config: EvalConfig | None = None,
+    **settings: Any,
+) -> EvalResult:
+    """Score ``model`` on ``tasks`` with lm-eval and return an :class:`EvalResult`.
+
+    ``model`` is a loaded causal LM (any routing policy already applied) or a name/path
+    for :func:`moelab.load`. Other settings (``batch_size``, ``seed``, ``max_gen_toks``,
+    ``gsm8k_dir``, ``humaneval_path``, ``code_timeout_s``) are the fields of
+    :class:`EvalConfig`; pass ``config=`` to give them all at once. With
+    ``log_samples_dir``, per-sample logs and ``results.json`` are written there
+    atomically (nothing is left behind if the evaluation fails).
+    """
+    if config is None:
+        config = EvalConfig(
+            tasks=list(tasks) if not isinstance(tasks, str) else tasks,
+            limit=limit,
+            num_fewshot=num_fewshot,
+            allow_code_execution=allow_code_execution,
+            **settings,
+        )
+    elif settings:
+        config = replace(config, **settings)
+    eval_tasks = parse_tasks(config.tasks)
+    config.tasks = [t.name for t in eval_tasks]
+    metadata = _check_tasks(eval_tasks, config)
+    out_dir = _check_out_dir(log_samples_dir, overwrite)
+
+    if isinstance(model, (str, os.PathLike)):
+        from moelab import load
+
+        model, tokenizer = load(model)
+    if _is_lm_eval_lm(model):
+        lm = model  # an lm-eval LM object (e.g. a test oracle), used as is
+    else:
+        _check_generative(model, tokenizer)
+        lm = _wrap(model, tokenizer, config)
+    from lm_eval.tasks import TaskManager
+
+    from moelab._resources import resource_dir
+
+    task_manager = TaskManager(
+        include_path=str(resource_dir("evals")), include_defaults=False, metadata=metadata
+    )
+    results: dict[str, TaskResult] = {}
+    samples: dict[str, list[dict]] = {}
+    with sandbox_defaults(SandboxConfig(timeout_s=config.code_timeout_s)), _quiet_lm_eval():
+        for task in eval_tasks:
+            results[task.name], samples[task.name] = _run_task(lm, task, task_manager, config)
+
+    result = EvalResult(
+        model=_model_name(model),
+        tasks=results,
+        config=config,
+        versions=versions(),
+        samples_dir=str(out_dir) if out_dir is not None else None,
+    )
+    if out_dir is not None:
+        _write_atomically(out_dir, result, samples, overwrite)
+    return result
+
+
+def _model_name(model: Any) -> str:
+    for owner in (model, getattr(model, "config", None)):
+        name = getattr(owner, "name_or_path", None)
+        if name:
+            return str(name)
+    return type(model).__name__
+
+
+def versions() -> dict[str, str]:
+    """Versions of the packages an evaluation result depends on."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    import moelab
+
+    out = {"moelab": moelab.__version__, "python": platform.python_version()}
+    for pkg, dist in (("torch", "torch"), ("transformers", "transformers"), ("lm_eval", "lm_eval")):
+        try:
+            out[pkg] = version(dist)
+        except PackageNotFoundError:
+            out[pkg] = "not installed"
+    return out
+
+
+def _check_tasks(tasks: list[EvalTask], config: EvalConfig) -> dict[str, Any]:
+    """Refuse what cannot run before any work; return the lm-eval metadata (data paths)."""
+    from moelab.evals.data import resolve_gsm8k_dir, resolve_humaneval_file
+
+    metadata: dict[str, Any] = {}
+    for task in tasks:
+        if task.executes_code and not config.allow_code_execution:
+            raise MoelabError(
+                f"task {task.name!r} runs model-generated code to score it; {OPT_IN_HINT} to run "
+                "that code in moelab's sandbox (a separate process with time/memory limits and an "
+                "empty working directory; defence in depth, not a jail — see README, 'Accuracy with lm-eval')."
+            )
+        if config.num_fewshot and not task.fewshot:
+            raise MoelabError(
+                f"task {task.name!r} is 0-shot only; got num_fewshot={config.num_fewshot}. "
+                "Leave num_fewshot unset (or 0) for it, or score it in a separate run."
+            )
+        if task.data == "gsm8k":
+            metadata["gsm8k_dir"] = str(resolve_gsm8k_dir(config.gsm8k_dir))
+        elif task.data == "humaneval":
+            metadata["humaneval_path"] = str(resolve_humaneval_file(config.humaneval_path))
+    return metadata
+
+
+def _check_out_dir(path: str | os.PathLike | None, overwrite: bool) -> Path | None:
+    if path is None:
+        return None
+    out = Path(path).expanduser()
+    if out.exists() and not overwrite:
+        raise MoelabError(
+            f"output {str(out)!r} already exists; pass overwrite=True (CLI: --overwrite) or choose another path."
+        )
+    if not out.parent.is_dir():
+        raise MoelabError(
+            f"cannot write {str(out)!r}: directory {str(out.parent)!r} does not exist."
+        )
+    return out
+
+
+def _is_lm_eval_lm(obj: Any) -> bool:
+    return callable(getattr(obj, "generate_until", None)) and callable(
+        getattr(obj, "loglikelihood", None)
+    )
+
+
+@contextmanager
+def _quiet_lm_eval() -> Iterator[None]:
+    """lm-eval's warnings are noise for moelab users (we pass a live model on purpose),
+    so they are shown only when moelab logs at INFO or more verbosely."""
+    lm_logger = logging.getLogger("lm_eval")
+    previous = lm_logger.level
+    if logging.getLogger("moelab").getEffectiveLevel() > logging.INFO:
+        lm_logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        lm_logger.setLevel(previous)
+
+
+def _check_generative(model: Any, tokenizer: Any) -> None:
+    can = getattr(model, "can_generate", None)
+    if not callable(getattr(model, "generate", None)) or (callable(can) and not can()):
+        raise MoelabError(
+            f"model of type {type(model).__name__} cannot generate text; lm-eval's generative tasks "
+            "need a causal LM (e.g. AutoModelForCausalLM / moelab.load(...))."
+        )
+    if tokenizer is None:
+        raise MoelabError(
+            "no tokenizer given; pass the tokenizer that moelab.load returned "
+            "(evaluate(model, tokenizer, ...)) or a model name instead of a model object."
+        )
+
+
+def _wrap(model: Any, tokenizer: Any, config: EvalConfig):
+    """lm-eval's HFLM around the live model (not copied, not moved)."""
+    from lm_eval.models.huggingface import HFLM
+
+    return HFLM(pretrained=model, tokenizer=tokenizer, batch_size=config.batch_size)
+
+
+def _gen_kwargs(lm, task_obj, config: EvalConfig) -> dict[str, Any] | None:
+    """``max_gen_toks`` override: the user's cap, lowered to leave room for a prompt in short contexts."""
+    wanted = (task_obj.config.generation_kwargs or {}).get(
+        "max_gen_toks", getattr(lm, "max_gen_toks", 256)
+    )
+    cap = config.max_gen_toks or wanted
+    max_length = getattr(lm, "max_length", None)
+    room = max(1, max_length // 2) if isinstance(max_length, int) else cap
+    if cap > room:
+        logger.warning(
+            "%s: the model's context is %d tokens; generating at most %d tokens instead of %d",
+            task_obj.config.task,
+            max_length,
+            room,
+            cap,
+        )
+        cap = room
+    return {"max_gen_toks": cap} if cap != wanted else None
+
+
+def _run_task(
+    lm, task: EvalTask, task_manager, config: EvalConfig
+) -> tuple[TaskResult, list[dict]]:
+    import lm_eval
+
+    task_obj = task_manager.load([task.lm_eval_task])["tasks"][task.lm_eval_task]
+    docs = task_obj.eval_docs
+    n_available = len(docs)
+    notes: list[str] = []
+    if config.limit is not None and config.limit > n_available:
+        note = f"limit {config.limit} is larger than the {n_available} documents of {task.name!r}; scored all {n_available}"
+        logger.warning(note)
+        notes.append(note)
+    logger.info("scoring %s (%s)", task.name, task.lm_eval_task)
+    raw = lm_eval.simple_evaluate(
+        model=lm,
+        tasks=[task_obj],
+        num_fewshot=config.num_fewshot,
+        limit=config.limit,
+        gen_kwargs=_gen_kwargs(lm, task_obj, config),
+        task_manager=task_manager,
+        log_samples=True,
+        bootstrap_iters=1000,
+        random_seed=config.seed,
+        numpy_random_seed=config.seed,
+        torch_random_seed=config.seed,
+        fewshot_random_seed=config.seed,
+        confirm_run_unsafe_code=config.allow_code_execution,
+    )
+    if raw is None:  # pragma: no cover - only on non-zero ranks of a distributed run
+        raise MoelabError("lm-eval returned no results (not rank 0 of a distributed run?)")
+    name = task.lm_eval_task
+    values = raw["results"][name]
+    metrics, stderr = {}, {}
+    for key, value in values.items():
+        if "," not in key or not isinstance(value, (int, float)):
+            continue  # "alias", "sample_len", and "N/A" stderrs
+        metric, _, filt = key.partition(",")
+        if metric.endswith("_stderr"):
+            stderr[f"{metric[: -len('_stderr')]},{filt}"] = float(value)
+        else:
+            metrics[key] = float(value)
+    n = raw.get("n-samples", {}).get(name, {})
+    result = TaskResult(
+        task=task.name,
+        lm_eval_task=name,
+        metrics=metrics,
+        stderr=stderr,
+        primary_metric=task.primary_metric,
+        n_docs=int(n.get("effective", n_available)),
+        n_available=int(n.get("original", n_available)),
+        num_fewshot=int(raw.get("n-shot", {}).get(name, config.num_fewshot or 0)),
+        notes=notes,
+    )
+    return result, raw.get("samples", {}).get(name, [])
+
+
+def _write_atomically(
+    out: Path, result: EvalResult, samples: dict[str, list[dict]], overwrite: bool
+) -> None:
+    """``results.json`` + ``samples_<task>.jsonl`` into a temporary sibling, then renamed into place."""
+    from lm_eval.utils import handle_non_serializable
+
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
+    try:
+        for task, rows in samples.items():
+            with open(tmp / f"samples_{task}.jsonl", "w", encoding="utf-8") as f:
+                for row in rows:
+                    f.write(
+                        json.dumps(row, default=handle_non_serializable, ensure_ascii=False) + "\n"
+                    )
+        with open(tmp / "results.json", "w", encoding="utf-8") as f:
+            json.dump(result.to_dict(), f, indent=2, default=str)
+        if out.exists() and overwrite:
+            if out.is_dir():
+                shutil.rmtree(out)
+            else:
+                out.unlink()
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise

@@ -1,0 +1,115 @@
+"""The settings of an evaluation and what it measured (plain dataclasses, JSON-ready)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from moelab.errors import MoelabError
+
+
+@dataclass
+class EvalConfig:
+    """How to score a model; drives :func:`moelab.evals.evaluate` and ``moelab eval`` alike."""
+
+    tasks: list[str] = field(default_factory=lambda: ["arith"])
+    """moelab task names (``moelab.evals.eval_task_names()``)."""
+    limit: int | None = None
+    """Score only the first ``limit`` documents of each task (None: all). Larger than the split: all."""
+    num_fewshot: int | None = None
+    """Few-shot examples per prompt; None keeps each task's standard setting (gsm8k 8, others 0)."""
+    allow_code_execution: bool = False
+    """Opt-in to run model-generated code (pycode, humaneval) in moelab's sandbox."""
+    batch_size: int = 1
+    """Prompts per forward pass in lm-eval."""
+    seed: int = 1234
+    """Seed of lm-eval's python/numpy/torch RNGs and few-shot sampling (1234: lm-eval's default)."""
+    max_gen_toks: int | None = None
+    """Cap on generated tokens per answer (None: the task's; lowered to fit a short context)."""
+    gsm8k_dir: str | None = None
+    """Directory of the local GSM8K copy (None: ``$MOELAB_GSM8K_DIR``)."""
+    humaneval_path: str | None = None
+    """Local HumanEval directory or file (None: ``$MOELAB_HUMANEVAL_DIR``)."""
+    code_timeout_s: float = 10.0
+    """Wall-clock seconds each generated program may run in the sandbox."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.tasks, str):
+            self.tasks = [t for t in self.tasks.split(",") if t.strip()]
+        for name in ("limit", "batch_size", "max_gen_toks"):
+            value = getattr(self, name)
+            if value is not None and (
+                not isinstance(value, int) or isinstance(value, bool) or value < 1
+            ):
+                raise MoelabError(f"{name}={value!r}: expected a positive integer or None.")
+        if self.num_fewshot is not None and (
+            not isinstance(self.num_fewshot, int) or self.num_fewshot < 0
+        ):
+            raise MoelabError(f"num_fewshot={self.num_fewshot!r}: expected an integer ≥ 0 or None.")
+        if not self.code_timeout_s > 0:
+            raise MoelabError(f"code_timeout_s={self.code_timeout_s!r}: expected seconds > 0.")
+
+
+@dataclass
+class TaskResult:
+    """The scores of one task."""
+
+    task: str
+    """moelab task name."""
+    lm_eval_task: str
+    """The lm-eval task that ran."""
+    metrics: dict[str, float]
+    """lm-eval's ``metric,filter`` keys (e.g. ``exact_match,strict-match``) to values in [0, 1]."""
+    stderr: dict[str, float]
+    """Standard errors of ``metrics`` (same keys), where lm-eval computed them."""
+    primary_metric: str
+    """The key of the headline number in ``metrics``."""
+    n_docs: int
+    """Documents scored."""
+    n_available: int
+    """Documents in the evaluated split."""
+    num_fewshot: int
+    """Few-shot examples per prompt that were used."""
+    notes: list[str] = field(default_factory=list)
+    """Things worth knowing about this run (e.g. limit larger than the split)."""
+
+    @property
+    def score(self) -> float:
+        """The headline number (``metrics[primary_metric]``)."""
+        return self.metrics[self.primary_metric]
+
+
+@dataclass
+class EvalResult:
+    """What :func:`moelab.evals.evaluate` measured, with everything needed to reproduce it."""
+
+    model: str
+    """The model's name or path (``config.name_or_path``)."""
+    tasks: dict[str, TaskResult]
+    """Per task name, its scores."""
+    config: EvalConfig
+    """The settings used."""
+    versions: dict[str, str]
+    """Versions of moelab, torch, transformers, lm_eval and python."""
+    samples_dir: str | None = None
+    """Where per-sample logs were written, if asked for."""
+
+    def score(self, task: str) -> float:
+        """The headline number of ``task``."""
+        return self.tasks[task].score
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict (``json.dumps(result.to_dict())``)."""
+        return asdict(self)
+
+    def table(self) -> str:
+        """A plain-text table: one row per task and metric."""
+        rows = [("task", "metric", "value", "stderr", "n")]
+        for t in self.tasks.values():
+            for key, value in t.metrics.items():
+                se = t.stderr.get(key)
+                rows.append(
+                    (t.task, key, f"{value:.4f}", "" if se is None else f"{se:.4f}", str(t.n_docs))
+                )
+        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+        return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
