@@ -20,6 +20,7 @@ COMMAND_MODULES: list[str] = [
     "models",
     "trace",
     "trace_info",
+    "eval",
     "demo",
 ]
 

@@ -46,6 +46,7 @@ def evaluate(
     log_samples_dir: str | os.PathLike | None = None,
     overwrite: bool = False,
     config: EvalConfig | None = None,
+    model_name: str | None = None,
     **settings: Any,
 ) -> EvalResult:
     """Score ``model`` on ``tasks`` with lm-eval and return an :class:`EvalResult`.
@@ -55,7 +56,8 @@ def evaluate(
     ``gsm8k_dir``, ``humaneval_path``, ``code_timeout_s``) are the fields of
     :class:`EvalConfig`; pass ``config=`` to give them all at once. With
     ``log_samples_dir``, per-sample logs and ``results.json`` are written there
-    atomically (nothing is left behind if the evaluation fails).
+    atomically (nothing is left behind if the evaluation fails). ``model_name`` labels
+    the result (default: the model's ``name_or_path``).
     """
     if config is None:
         config = EvalConfig(
@@ -67,10 +69,7 @@ def evaluate(
         )
     elif settings:
         config = replace(config, **settings)
-    eval_tasks = parse_tasks(config.tasks)
-    config.tasks = [t.name for t in eval_tasks]
-    metadata = _check_tasks(eval_tasks, config)
-    out_dir = _check_out_dir(log_samples_dir, overwrite)
+    eval_tasks, metadata, out_dir = preflight(config, log_samples_dir, overwrite)
 
     if isinstance(model, (str, os.PathLike)):
         from moelab import load
@@ -95,7 +94,7 @@ def evaluate(
             results[task.name], samples[task.name] = _run_task(lm, task, task_manager, config)
 
     result = EvalResult(
-        model=_model_name(model),
+        model=model_name or _model_name(model),
         tasks=results,
         config=config,
         versions=versions(),
@@ -127,6 +126,20 @@ def versions() -> dict[str, str]:
         except PackageNotFoundError:
             out[pkg] = "not installed"
     return out
+
+
+def preflight(
+    config: EvalConfig, log_samples_dir: str | os.PathLike | None = None, overwrite: bool = False
+) -> tuple[list[EvalTask], dict[str, Any], Path | None]:
+    """Everything that can be refused before loading or running a model: unknown tasks,
+    the missing code-execution opt-in, missing data, an existing output directory.
+
+    Returns the tasks, the lm-eval metadata (data paths) and the output directory.
+    """
+    eval_tasks = parse_tasks(config.tasks)
+    config.tasks = [t.name for t in eval_tasks]
+    metadata = _check_tasks(eval_tasks, config)
+    return eval_tasks, metadata, _check_out_dir(log_samples_dir, overwrite)
 
 
 def _check_tasks(tasks: list[EvalTask], config: EvalConfig) -> dict[str, Any]:

@@ -1,0 +1,151 @@
+"""``moelab eval``: score a model's accuracy with lm-eval (local tasks, offline GSM8K/HumanEval).
+
+The model is loaded, then scored inside :func:`model_context`, the one place where
+routing policies (``--deferred``, ``--skipped``, ``--policy-phase``) will wrap it:
+add their arguments in :func:`add_model_arguments` and enter them in ``model_context``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+from moelab.cli._util import emit_json, positive_int
+
+
+def register(subparsers) -> None:
+    from moelab.evals.data import GSM8K_ENV, HUMANEVAL_ENV
+
+    p = subparsers.add_parser(
+        "eval",
+        help="score accuracy with lm-eval",
+        description="Score a model with lm-eval on moelab's tasks: arith and pycode (synthetic), "
+        "gsm8k and humaneval (local copies, no hub). pycode and humaneval execute model-generated "
+        "code and need --allow-code-execution.",
+    )
+    add_model_arguments(p)
+    p.add_argument(
+        "--tasks",
+        required=True,
+        metavar="T[,T2]",
+        help="comma-separated: arith, pycode, gsm8k, humaneval",
+    )
+    p.add_argument(
+        "--limit", type=positive_int, help="score only the first N documents of each task"
+    )
+    p.add_argument(
+        "--num-fewshot",
+        type=_non_negative_int,
+        metavar="K",
+        help="few-shot examples (default: the task's; gsm8k 8)",
+    )
+    p.add_argument(
+        "--allow-code-execution",
+        "--confirm-run-unsafe-code",
+        dest="allow_code_execution",
+        action="store_true",
+        help="run model-generated code (pycode, humaneval) in moelab's sandbox",
+    )
+    p.add_argument(
+        "--gsm8k-dir",
+        metavar="DIR",
+        help=f"local GSM8K copy with test.jsonl, train.jsonl (default ${GSM8K_ENV})",
+    )
+    p.add_argument(
+        "--humaneval-dir",
+        metavar="PATH",
+        help=f"local HumanEval directory or .jsonl[.gz] file (default ${HUMANEVAL_ENV})",
+    )
+    p.add_argument(
+        "--batch-size", type=positive_int, default=1, help="prompts per forward pass (default 1)"
+    )
+    p.add_argument("--max-gen-toks", type=positive_int, help="cap on generated tokens per answer")
+    p.add_argument(
+        "--seed",
+        type=int,
+        default=1234,
+        help="seed for lm-eval and few-shot sampling (default 1234)",
+    )
+    p.add_argument(
+        "--code-timeout",
+        type=float,
+        default=10.0,
+        metavar="S",
+        help="seconds per generated program",
+    )
+    p.add_argument(
+        "--out", metavar="DIR", help="write results.json and per-sample logs to this new directory"
+    )
+    p.add_argument("--overwrite", action="store_true", help="replace an existing --out directory")
+    p.add_argument("--json", action="store_true", help="print the result as JSON")
+    p.set_defaults(func=run)
+
+
+def add_model_arguments(p) -> None:
+    """The model to score and (next) the routing policy to apply to it."""
+    p.add_argument(
+        "--model",
+        required=True,
+        help="bundled name, tiny-random-<family>, local directory or hub id",
+    )
+    p.add_argument("--dtype", default=None, help="model dtype (float32, bfloat16, ...)")
+
+
+@contextlib.contextmanager
+def model_context(args, model: Any) -> Iterator[Any]:
+    """The model as it should be scored: today as loaded; routing policies will wrap it here."""
+    yield model
+
+
+def run(args) -> int:
+    from moelab.evals import EvalConfig, evaluate
+    from moelab.evals.api import preflight
+    from moelab.loading import load
+
+    config = EvalConfig(
+        tasks=args.tasks,
+        limit=args.limit,
+        num_fewshot=args.num_fewshot,
+        allow_code_execution=args.allow_code_execution,
+        batch_size=args.batch_size,
+        seed=args.seed,
+        max_gen_toks=args.max_gen_toks,
+        gsm8k_dir=args.gsm8k_dir,
+        humaneval_path=args.humaneval_dir,
+        code_timeout_s=args.code_timeout,
+    )
+    preflight(config, args.out, args.overwrite)  # bad tasks, data, output: fail before loading
+    model, tokenizer = load(args.model, dtype=args.dtype)
+    with model_context(args, model) as scored:
+        result = evaluate(
+            scored,
+            tokenizer,
+            config=config,
+            log_samples_dir=args.out,
+            overwrite=args.overwrite,
+            model_name=args.model,
+        )
+    if args.json:
+        emit_json(result.to_dict())
+    else:
+        print(f"model {result.model}")
+        print(result.table())
+        for task in result.tasks.values():
+            for note in task.notes:
+                print(f"note: {task.task}: {note}")
+        if result.samples_dir:
+            print(f"wrote {result.samples_dir}")
+    return 0
+
+
+def _non_negative_int(text: str) -> int:
+    import argparse
+
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer ≥ 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer ≥ 0, got {value}")
+    return value
