@@ -1,0 +1,47 @@
+"""``moelab demo``: trace a model on a few prompts and write the HTML report."""
+
+from __future__ import annotations
+
+import logging
+import tempfile
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+
+def run_demo(
+    out: str | Path = "report.html",
+    *,
+    model: str | None = None,
+    prompts: list[str] | None = None,
+    max_new_tokens: int = 24,
+    quick: bool = False,
+    sections: list[str] | None = None,
+) -> Path:
+    """Load ``model`` (default: the bundled DeepSeek/Qwen2-style model), trace it, write the report."""
+    from moelab.loading import load
+    from moelab.models.bundled import default_model_name
+    from moelab.prompts import task_prompts
+    from moelab.report import ReportContext, build_report
+    from moelab.trace.run import trace_prompts
+
+    name = model or default_model_name()
+    mdl, tok = load(name)
+    if prompts is None:
+        prompts = _default_prompts(quick)
+    workdir = Path(tempfile.mkdtemp(prefix="moelab-demo-"))
+    log.info("tracing %s on %d prompts", name, len(prompts))
+    trace = trace_prompts(mdl, tok, prompts, workdir / "trace", max_new_tokens=max_new_tokens, model_name=name)
+    ctx = ReportContext(model=mdl, tokenizer=tok, model_name=name, trace=trace, workdir=workdir, quick=quick)
+    return build_report(ctx, out, sections=sections)
+
+
+def _default_prompts(quick: bool) -> list[str]:
+    from moelab.prompts import prompt_sources, task_prompts
+
+    n = 2 if quick else 4
+    prompts: list[str] = []
+    for task in ("arith", "pycode"):
+        if task in prompt_sources():
+            prompts += task_prompts(task, n)
+    return prompts or task_prompts("demo", 2 * n)

@@ -1,0 +1,89 @@
+"""Prompt sources for recording traces: ``--prompts FILE`` or ``--task NAME``.
+
+A task name resolves through a registry: ``demo`` (a few built-in prompts) is always
+there, and the synthetic tasks of :mod:`moelab.tasks` (``arith``, ``pycode``) are
+added when that module is present. Register more with :func:`register_prompt_source`.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+from moelab.errors import MoelabError, unknown_name
+
+DEMO_PROMPTS = [
+    "Tom has 3 apples and buys 5 more. How many apples does he have?",
+    "def add(a, b):\n    \"\"\"Return the sum of a and b.\"\"\"\n",
+    "The capital of France is",
+    "A train travels 60 km in 1 hour. How far does it travel in 3 hours?",
+    "def reverse(s):\n    \"\"\"Return the string s reversed.\"\"\"\n",
+    "Once upon a time, there was a",
+]
+
+_SOURCES: dict[str, Callable[[int | None], list[str]]] = {}
+
+
+def register_prompt_source(name: str, fn: Callable[[int | None], list[str]]) -> None:
+    """Make ``--task name`` yield ``fn(limit)`` (a list of prompt strings)."""
+    _SOURCES[name] = fn
+
+
+register_prompt_source("demo", lambda limit: DEMO_PROMPTS[:limit] if limit else list(DEMO_PROMPTS))
+
+
+def _task_prompts(name: str) -> Callable[[int | None], list[str]]:
+    def source(limit: int | None) -> list[str]:
+        from moelab import tasks
+
+        docs = tasks.generate(name, "test", n=limit)
+        return [d.get("question") or d["prompt"] for d in docs]
+
+    return source
+
+
+def prompt_sources() -> list[str]:
+    """Names usable with ``--task``."""
+    try:
+        from moelab import tasks
+
+        for name in tasks.TASKS:
+            _SOURCES.setdefault(name, _task_prompts(name))
+    except ImportError:
+        pass
+    return sorted(_SOURCES)
+
+
+def task_prompts(name: str, limit: int | None = None) -> list[str]:
+    """The prompts of task ``name`` (at most ``limit``)."""
+    names = prompt_sources()
+    if name not in _SOURCES:
+        raise unknown_name("task", name, names)
+    prompts = _SOURCES[name](limit)
+    return prompts[:limit] if limit else prompts
+
+
+def read_prompts(path: str | Path, limit: int | None = None) -> list[str]:
+    """Prompts from a file: ``.jsonl`` (field ``prompt``, ``question`` or ``text``) or one per line."""
+    p = Path(path)
+    if not p.is_file():
+        raise MoelabError(f"prompts file {str(p)!r} does not exist; pass a text file (one prompt per line) or .jsonl.")
+    prompts: list[str] = []
+    if p.suffix == ".jsonl":
+        for i, line in enumerate(p.read_text().splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise MoelabError(f"{p}:{i} is not valid JSON ({exc.msg}).") from None
+            text = next((obj[k] for k in ("prompt", "question", "text") if isinstance(obj, dict) and k in obj), None)
+            if not isinstance(text, str):
+                raise MoelabError(f"{p}:{i} has no 'prompt', 'question' or 'text' string field.")
+            prompts.append(text)
+    else:
+        prompts = [line for line in p.read_text().splitlines() if line.strip()]
+    if not prompts:
+        raise MoelabError(f"prompts file {str(p)!r} holds no prompts.")
+    return prompts[:limit] if limit else prompts

@@ -1,0 +1,1 @@
+"""Interactive plotly figures and ipywidgets panels over traces (plotly imported lazily)."""
