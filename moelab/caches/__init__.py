@@ -1,0 +1,65 @@
+"""Expert caches: LRU, LFU, FIFO, static, MRS and the Belady bound, offline and online.
+
+Offline::
+
+    from moelab.caches import simulate, sweep
+    r = simulate("traces/run1", "mrs", capacity=0.25, scope="layer")
+    r.hit_rate, r.layer_hit_rate, r.bytes_moved
+
+Online (a runtime calls it once per MoE layer per step)::
+
+    cache = make_cache("lru", num_experts=[8] * 4, capacity=0.25)
+    hits = cache.access(layer, experts)          # experts in descending router weight
+
+Semantics: :mod:`moelab.caches.stream` and :mod:`moelab.caches.base`.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_LAZY: dict[str, str] = {
+    "ExpertCache": "moelab.caches.base",
+    "register_policy": "moelab.caches.base",
+    "get_policy": "moelab.caches.base",
+    "available_policies": "moelab.caches.base",
+    "resolve_capacity": "moelab.caches.base",
+    "make_cache": "moelab.caches.policies",
+    "LRUCache": "moelab.caches.policies",
+    "LFUCache": "moelab.caches.policies",
+    "FIFOCache": "moelab.caches.policies",
+    "StaticCache": "moelab.caches.policies",
+    "MRSCache": "moelab.caches.policies",
+    "BeladyCache": "moelab.caches.policies",
+    "AccessStream": "moelab.caches.stream",
+    "build_stream": "moelab.caches.stream",
+    "stream_from_groups": "moelab.caches.stream",
+    "synthetic_stream": "moelab.caches.synthetic",
+    "simulate": "moelab.caches.simulate",
+    "sweep": "moelab.caches.simulate",
+    "load_stream": "moelab.caches.simulate",
+    "expert_bytes_of": "moelab.caches.simulate",
+    "PrefetchConfig": "moelab.caches.simulate",
+    "ExpertPredictor": "moelab.caches.prefetch",
+    "PredictContext": "moelab.caches.prefetch",
+    "OraclePrefetcher": "moelab.caches.prefetch",
+    "register_prefetcher": "moelab.caches.prefetch",
+    "CacheResult": "moelab.caches.results",
+    "CacheSweep": "moelab.caches.results",
+}
+
+__all__ = sorted(_LAZY)
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'moelab.caches' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_LAZY])

@@ -1,0 +1,338 @@
+"""Compiled (numba) replay of an access stream for the built-in policies.
+
+One kernel serves every built-in policy. It follows the reference classes in
+:mod:`moelab.caches.policies` step for step and is tested against them for exact parity
+(hit per access, counters, final contents). Victims come from one indexed binary min-heap
+per partition ordered by ``(speculative?, p1, p2, key)``, so every eviction is O(log C) and
+Belady is O(n log n). Memory: O(num_keys) state plus one byte per access for the hit flags.
+
+Shape legend: n accesses, G groups, R token rows, P top-p width, NK keys, NP partitions.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+try:  # numba is optional: without it, simulate() falls back to the reference classes.
+    from numba import njit
+
+    HAVE_NUMBA = True
+except ImportError:  # pragma: no cover - exercised only where numba is missing
+    HAVE_NUMBA = False
+
+    def njit(*args, **kwargs):  # type: ignore[no-redef]
+        def deco(f):
+            return f
+
+        return deco if not (len(args) == 1 and callable(args[0])) else args[0]
+
+
+LRU, FIFO, LFU, MRS, STATIC, BELADY = 0, 1, 2, 3, 4, 5
+POLICY_CODES: dict[str, int] = {"lru": LRU, "fifo": FIFO, "lfu": LFU, "mrs": MRS, "static": STATIC, "belady": BELADY}
+
+# counters[] slots
+EVICTIONS, TRANSFERS, PREFETCHED, PREFETCH_HITS, WASTED_EVICTED = 0, 1, 2, 3, 4
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _lt(a, b, srank, p1, p2):
+    """True if key a is evicted before key b."""
+    if srank[a] != srank[b]:
+        return srank[a] < srank[b]
+    if p1[a] != p1[b]:
+        return p1[a] < p1[b]
+    if p2[a] != p2[b]:
+        return p2[a] < p2[b]
+    return a < b
+
+
+@njit(cache=True, nogil=True)
+def _sift_up(heap, base, i, hpos, srank, p1, p2):
+    k = heap[base + i]
+    while i > 0:
+        parent = (i - 1) >> 1
+        pk = heap[base + parent]
+        if _lt(k, pk, srank, p1, p2):
+            heap[base + i] = pk
+            hpos[pk] = i
+            i = parent
+        else:
+            break
+    heap[base + i] = k
+    hpos[k] = i
+
+
+@njit(cache=True, nogil=True)
+def _sift_down(heap, base, size, i, hpos, srank, p1, p2):
+    k = heap[base + i]
+    while True:
+        c = 2 * i + 1
+        if c >= size:
+            break
+        if c + 1 < size and _lt(heap[base + c + 1], heap[base + c], srank, p1, p2):
+            c += 1
+        ck = heap[base + c]
+        if _lt(ck, k, srank, p1, p2):
+            heap[base + i] = ck
+            hpos[ck] = i
+            i = c
+        else:
+            break
+    heap[base + i] = k
+    hpos[k] = i
+
+
+@njit(cache=True, nogil=True)
+def _push(part, k, heap, hstart, hsize, hpos, srank, p1, p2):
+    i = hsize[part]
+    heap[hstart[part] + i] = k
+    hsize[part] = i + 1
+    _sift_up(heap, hstart[part], i, hpos, srank, p1, p2)
+
+
+@njit(cache=True, nogil=True)
+def _remove(part, k, heap, hstart, hsize, hpos, srank, p1, p2):
+    base = hstart[part]
+    i = hpos[k]
+    last = hsize[part] - 1
+    hsize[part] = last
+    hpos[k] = -1
+    if i != last:
+        lk = heap[base + last]
+        heap[base + i] = lk
+        hpos[lk] = i
+        _sift_up(heap, base, i, hpos, srank, p1, p2)
+        _sift_down(heap, base, last, hpos[lk], hpos, srank, p1, p2)
+
+
+@njit(cache=True, nogil=True)
+def _fix(part, k, heap, hstart, hsize, hpos, srank, p1, p2):
+    _sift_up(heap, hstart[part], hpos[k], hpos, srank, p1, p2)
+    _sift_down(heap, hstart[part], hsize[part], hpos[k], hpos, srank, p1, p2)
+
+
+@njit(cache=True, nogil=True)
+def _victim(part, stamp, prot, tmp, heap, hstart, hsize, hpos, srank, p1, p2):
+    """Smallest-ranked cached key of ``part`` not protected by ``stamp``; -1 if none."""
+    nt = 0
+    v = -1
+    while hsize[part] > 0:
+        top = heap[hstart[part]]
+        if prot[top] == stamp:
+            tmp[nt] = top
+            nt += 1
+            _remove(part, top, heap, hstart, hsize, hpos, srank, p1, p2)
+        else:
+            v = top
+            break
+    for j in range(nt):
+        _push(part, tmp[j], heap, hstart, hsize, hpos, srank, p1, p2)
+    return v
+
+
+@njit(cache=True, nogil=True)
+def _prio(policy, k, p1, p2, last, ins, freq, score, nxtk):
+    if policy == LRU:
+        p1[k] = last[k]
+    elif policy == FIFO:
+        p1[k] = ins[k]
+    elif policy == LFU:
+        p1[k] = freq[k]
+        p2[k] = last[k]
+    elif policy == MRS:
+        p1[k] = score[k]
+        p2[k] = last[k]
+    elif policy == BELADY:
+        p1[k] = -nxtk[k]
+
+
+@njit(cache=True, nogil=True)
+def replay(
+    policy,  # int: POLICY_CODES
+    keys,  # (n,) int32
+    group_ptr,  # (G+1,) int64
+    group_layer,  # (G,) int32
+    group_pass,  # (G,) int64
+    key_part,  # (NK,) int64 partition of each key
+    part_cap,  # (NP,) int64 slots per partition
+    key_offset,  # (L+1,) int64
+    warm_keys,  # (W,) int64 initial contents, least important first
+    lfu_reset,  # bool
+    alpha,  # float64 (mrs)
+    row_ptr,  # (G+1,) int64 token rows per group (mrs)
+    top_idx,  # (R, P) int32 top-p expert ids per row, -1 padded (mrs)
+    top_val,  # (R, P) float64 their scores (mrs)
+    nxt_access,  # (n,) int64 next use of each access (belady)
+    pinned,  # (NK,) bool (static)
+    bypass,  # bool (belady)
+    pf_ptr,  # (G+1,) int64 prefetch proposals per group (empty: no prefetch)
+    pf_keys,  # (M,) int64 proposed keys, target layer's keys
+    budget,  # int64 prefetch transfers per pass, -1 = unlimited
+    hit,  # (n,) uint8 out
+    counters,  # (5,) int64 out
+    resident,  # (NK,) bool out (final contents)
+    spec,  # (NK,) bool out (unused prefetches at the end)
+):
+    n = keys.shape[0]
+    G = group_layer.shape[0]
+    NK = key_part.shape[0]
+    NP = part_cap.shape[0]
+    hstart = np.zeros(NP, dtype=np.int64)
+    for p in range(1, NP):
+        hstart[p] = hstart[p - 1] + part_cap[p - 1]
+    heap = np.zeros(max(1, hstart[NP - 1] + part_cap[NP - 1]), dtype=np.int64)
+    hsize = np.zeros(NP, dtype=np.int64)
+    count = np.zeros(NP, dtype=np.int64)
+    hpos = np.full(NK, -1, dtype=np.int64)
+    prot = np.full(NK, -1, dtype=np.int64)
+    tmp = np.zeros(NK, dtype=np.int64)
+    srank = np.ones(NK, dtype=np.int8)
+    p1 = np.zeros(NK, dtype=np.float64)
+    p2 = np.zeros(NK, dtype=np.float64)
+    last = np.zeros(NK, dtype=np.int64)
+    ins = np.zeros(NK, dtype=np.int64)
+    freq = np.zeros(NK, dtype=np.int64)
+    score = np.zeros(NK, dtype=np.float64)
+    dense = np.zeros(NK, dtype=np.float64)
+    nxtk = np.full(NK, n, dtype=np.int64)
+    if policy == BELADY:
+        for i in range(n - 1, -1, -1):
+            nxtk[keys[i]] = i
+    t = 0
+    for j in range(warm_keys.shape[0]):
+        k = warm_keys[j]
+        part = key_part[k]
+        if count[part] < part_cap[part]:
+            t += 1
+            resident[k] = True
+            count[part] += 1
+            ins[k] = t
+            last[k] = t
+            _prio(policy, k, p1, p2, last, ins, freq, score, nxtk)
+            _push(part, k, heap, hstart, hsize, hpos, srank, p1, p2)
+
+    cur_pass = -1
+    left = budget
+    for g in range(G):
+        layer = group_layer[g]
+        if group_pass[g] != cur_pass:
+            cur_pass = group_pass[g]
+            left = budget
+        a = group_ptr[g]
+        b = group_ptr[g + 1]
+        stamp = 2 * g + 1
+        for i in range(a, b):
+            prot[keys[i]] = stamp
+        if policy == MRS:
+            lo = key_offset[layer]
+            hi = key_offset[layer + 1]
+            nr = 0
+            for k in range(lo, hi):
+                if hpos[k] >= 0:
+                    tmp[nr] = k
+                    nr += 1
+                    _remove(key_part[k], k, heap, hstart, hsize, hpos, srank, p1, p2)
+            for r in range(row_ptr[g], row_ptr[g + 1]):
+                for j in range(top_idx.shape[1]):
+                    e = top_idx[r, j]
+                    if e < 0:
+                        break
+                    dense[lo + e] = top_val[r, j]
+                for k in range(lo, hi):
+                    score[k] = alpha * dense[k] + (1.0 - alpha) * score[k]
+                    dense[k] = 0.0
+            for j in range(nr):
+                k = tmp[j]
+                _prio(policy, k, p1, p2, last, ins, freq, score, nxtk)
+                _push(key_part[k], k, heap, hstart, hsize, hpos, srank, p1, p2)
+
+        for i in range(a, b):
+            k = keys[i]
+            part = key_part[k]
+            t += 1
+            if resident[k]:
+                hit[i] = 1
+                if spec[k]:
+                    spec[k] = False
+                    srank[k] = 1
+                    counters[PREFETCH_HITS] += 1
+            else:
+                admit = True
+                if policy == STATIC:
+                    admit = pinned[k]
+                elif policy == BELADY and bypass:
+                    admit = nxt_access[i] < n
+                if admit and count[part] >= part_cap[part]:
+                    v = _victim(part, stamp, prot, tmp, heap, hstart, hsize, hpos, srank, p1, p2)
+                    if v < 0 or policy == BELADY and bypass and nxt_access[i] >= nxtk[v]:
+                        admit = False
+                    else:
+                        _remove(part, v, heap, hstart, hsize, hpos, srank, p1, p2)
+                        resident[v] = False
+                        count[part] -= 1
+                        counters[EVICTIONS] += 1
+                        if spec[v]:
+                            spec[v] = False
+                            srank[v] = 1
+                            counters[WASTED_EVICTED] += 1
+                        if lfu_reset:
+                            freq[v] = 0
+                if admit:
+                    resident[k] = True
+                    count[part] += 1
+                    ins[k] = t
+                    counters[TRANSFERS] += 1
+            last[k] = t
+            freq[k] += 1
+            nxtk[k] = nxt_access[i] if policy == BELADY else n
+            if resident[k]:
+                _prio(policy, k, p1, p2, last, ins, freq, score, nxtk)
+                if hpos[k] >= 0:
+                    _fix(part, k, heap, hstart, hsize, hpos, srank, p1, p2)
+                else:
+                    _push(part, k, heap, hstart, hsize, hpos, srank, p1, p2)
+
+        if policy == STATIC or pf_ptr[g + 1] == pf_ptr[g]:
+            continue
+        stamp2 = 2 * g + 2
+        for j in range(pf_ptr[g], pf_ptr[g + 1]):
+            prot[pf_keys[j]] = stamp2
+        for j in range(pf_ptr[g], pf_ptr[g + 1]):
+            k = pf_keys[j]
+            if resident[k]:
+                continue
+            if left == 0:
+                break
+            part = key_part[k]
+            if policy == BELADY and bypass and nxtk[k] >= n:
+                continue
+            if count[part] >= part_cap[part]:
+                v = _victim(part, stamp2, prot, tmp, heap, hstart, hsize, hpos, srank, p1, p2)
+                if v < 0:
+                    continue
+                if policy == BELADY and bypass and nxtk[k] >= nxtk[v]:
+                    continue
+                _remove(part, v, heap, hstart, hsize, hpos, srank, p1, p2)
+                resident[v] = False
+                count[part] -= 1
+                counters[EVICTIONS] += 1
+                if spec[v]:
+                    spec[v] = False
+                    srank[v] = 1
+                    counters[WASTED_EVICTED] += 1
+                if lfu_reset:
+                    freq[v] = 0
+            t += 1
+            resident[k] = True
+            count[part] += 1
+            ins[k] = t
+            last[k] = t
+            spec[k] = True
+            if policy != BELADY:
+                srank[k] = 0
+            counters[TRANSFERS] += 1
+            counters[PREFETCHED] += 1
+            if left > 0:
+                left -= 1
+            _prio(policy, k, p1, p2, last, ins, freq, score, nxtk)
+            _push(part, k, heap, hstart, hsize, hpos, srank, p1, p2)

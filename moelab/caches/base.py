@@ -1,0 +1,340 @@
+"""The expert-cache interface: one small base class, one subclass per policy, a registry.
+
+An :class:`ExpertCache` is used the same way online (a running model calls
+:meth:`ExpertCache.access` once per MoE layer per step) and offline
+(:func:`moelab.caches.simulate` replays a trace's access stream through it, or through the
+equivalent compiled kernel). This pure-Python class is also the *reference* every fast path
+is tested against, so it is written for reading, not speed.
+
+Semantics (every policy follows them; see also :mod:`moelab.caches.stream`):
+
+* Each MoE layer has its own slots (``scope="layer"``) or all layers share one pool
+  (``scope="global"``). Capacity counts routed experts only; shared experts are always
+  resident and not counted.
+* :meth:`access` takes the experts one (step, layer) needs, in access order. A cached expert
+  is a *hit*; otherwise a *miss*, followed by insertion if the policy admits it: when the pool
+  is full the policy picks a victim among the cached experts that the current (step, layer)
+  does **not** need (they are never evicted to make room for each other). With no such victim,
+  or when the policy declines (``static`` outside its pinned set, ``belady`` bypass), the
+  miss is served without insertion (computed on the CPU / streamed).
+* Victim order is the policy's rank, smallest first: ``(speculative?, *priority, key)``,
+  i.e. unused prefetched experts go first, then the policy's own priority, then the lowest
+  (layer, expert) key. Every tie is thereby broken deterministically.
+* :meth:`prefetch` inserts experts proposed by a predictor as *speculative* (low priority,
+  evicted first while unused); a later demand access to one is a prefetch hit and turns it
+  into an ordinary entry. Demand needs always win (ProMoE's early preemption).
+* Caches start empty unless ``warm`` gives initial contents.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any, ClassVar, Literal
+
+import numpy as np
+
+from moelab.errors import MoelabError, unknown_name
+
+logger = logging.getLogger(__name__)
+
+Scope = Literal["layer", "global"]
+SCOPES: tuple[str, ...] = ("layer", "global")
+
+
+def resolve_capacity(capacity: float | int, num_experts: Sequence[int], scope: Scope) -> np.ndarray:
+    """Slots per partition: one entry per MoE layer (``layer`` scope) or one (``global``).
+
+    ``capacity`` is a fraction of the experts in a partition when it is a float in (0, 1]
+    (rounded to the nearest count, at least 1), or a count of experts when it is an int ≥ 1.
+    """
+    if scope not in SCOPES:
+        raise unknown_name("cache scope", scope, SCOPES)
+    sizes = np.asarray(num_experts, dtype=np.int64)
+    if scope == "global":
+        sizes = np.array([sizes.sum()], dtype=np.int64)
+    what = "experts per MoE layer" if scope == "layer" else "experts in all MoE layers"
+    if isinstance(capacity, bool) or not isinstance(capacity, (int, float, np.integer, np.floating)):
+        raise MoelabError(f"capacity must be a fraction in (0, 1] or a count ≥ 1, got {capacity!r}.")
+    if isinstance(capacity, (float, np.floating)):
+        if not 0.0 < capacity <= 1.0:
+            raise MoelabError(
+                f"capacity {capacity!r} as a fraction must lie in (0, 1]; pass an int for a count "
+                f"of experts (there are {sizes.min()}..{sizes.max()} {what})."
+            )
+        return np.maximum(1, np.floor(capacity * sizes + 0.5)).astype(np.int64)
+    capacity = int(capacity)
+    if capacity <= 0:
+        raise MoelabError(f"capacity must be ≥ 1 expert (or a fraction in (0, 1]), got {capacity}.")
+    if capacity > sizes.min():
+        raise MoelabError(
+            f"capacity {capacity} is above the number of {what} ({sizes.min()}); "
+            f"use at most {sizes.min()}, or a fraction such as 0.25."
+        )
+    return np.full(len(sizes), capacity, dtype=np.int64)
+
+
+class ExpertCache:
+    """Base class of all expert caches. Subclasses implement :meth:`_priority` (and hooks).
+
+    Args:
+        num_experts: routed experts per MoE layer.
+        capacity: a fraction of the experts (float in (0, 1]) or a count (int), per partition.
+        scope: ``"layer"``: each MoE layer its own slots; ``"global"``: one pool for all.
+        expert_bytes: bytes one expert's weights take; ``bytes_moved = transfers × expert_bytes``.
+        warm: keys to load before the first access (in order; least important first), or None.
+    """
+
+    #: Registry name, set by :func:`register_policy`.
+    name: ClassVar[str] = ""
+    #: True if :meth:`access` needs the router score vectors.
+    uses_scores: ClassVar[bool] = False
+    #: True if the policy reads the future (offline only; built from a stream).
+    needs_future: ClassVar[bool] = False
+
+    def __init__(
+        self,
+        num_experts: Sequence[int],
+        capacity: float | int,
+        scope: Scope = "layer",
+        expert_bytes: int = 1,
+        warm: Sequence[int] | None = None,
+    ) -> None:
+        self.num_experts = [int(e) for e in num_experts]
+        self.capacity = capacity
+        self.scope = scope
+        self.expert_bytes = int(expert_bytes)
+        self.warm = None if warm is None else [int(k) for k in warm]
+        self.reset()
+
+    # ------------------------------------------------------------------ state
+    def reset(self) -> None:
+        """Empty the cache (then load ``warm``) and zero the counters."""
+        self.slots_ = resolve_capacity(self.capacity, self.num_experts, self.scope)
+        self.key_offset_ = np.concatenate([[0], np.cumsum(self.num_experts)]).astype(int).tolist()
+        n_keys = self.key_offset_[-1]
+        self._key_layer = [ly for ly, e in enumerate(self.num_experts) for _ in range(e)]
+        self._resident: list[set[int]] = [set() for _ in self.slots_]
+        self._speculative: set[int] = set()
+        self._last_use = [0] * n_keys
+        self._inserted_at = [0] * n_keys
+        self._clock = 0
+        self._current_key: int | None = None  # the key a demand miss is inserting
+        self.hits = 0
+        self.misses = 0
+        self.evictions = 0
+        self.transfers = 0
+        self.prefetched = 0
+        self.prefetch_hits = 0
+        self._wasted_evicted = 0
+        self.layer_hits = [0] * len(self.num_experts)
+        self.layer_misses = [0] * len(self.num_experts)
+        self._reset_policy()
+        for key in self.warm or []:  # initial contents: not misses, not transfers
+            part = self._partition(key)
+            if len(self._resident[part]) < self.slots_[part]:
+                self._clock += 1
+                self._store(key, speculative=False)
+        self.transfers = 0
+
+    def _reset_policy(self) -> None:
+        """Hook: (re)initialise the policy's own state."""
+
+    @property
+    def accesses(self) -> int:
+        return self.hits + self.misses
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.accesses if self.accesses else float("nan")
+
+    @property
+    def bytes_moved(self) -> int:
+        return self.transfers * self.expert_bytes
+
+    @property
+    def wasted_prefetches(self) -> int:
+        """Prefetched experts evicted before any use, plus those still unused now."""
+        return self._wasted_evicted + len(self._speculative)
+
+    def contents(self, layer: int | None = None) -> list[int] | dict[int, list[int]]:
+        """Cached expert ids of ``layer`` (sorted), or ``{layer: ids}`` for all layers."""
+        if layer is None:
+            return {ly: self.contents(ly) for ly in range(len(self.num_experts))}
+        off = self.key_offset_[layer]
+        return sorted(
+            k - off for part in self._resident for k in part if self._key_layer[k] == layer
+        )
+
+    def resident_keys(self) -> np.ndarray:
+        """(num_keys,) bool: which keys are cached now."""
+        out = np.zeros(self.key_offset_[-1], dtype=bool)
+        for part in self._resident:
+            out[list(part)] = True
+        return out
+
+    def key(self, layer: int, expert: int) -> int:
+        """The global key of ``expert`` in MoE layer ``layer``."""
+        if not 0 <= expert < self.num_experts[layer]:
+            raise MoelabError(f"expert {expert} out of range for MoE layer {layer} (E = {self.num_experts[layer]}).")
+        return self.key_offset_[layer] + int(expert)
+
+    def _partition(self, key: int) -> int:
+        return self._key_layer[key] if self.scope == "layer" else 0
+
+    # ------------------------------------------------------------------ online API
+    def access(self, layer: int, experts: Sequence[int], scores: Any = None) -> list[bool]:
+        """Serve the experts one (step, MoE layer) needs; returns hit/miss per expert.
+
+        ``experts`` are in access order (descending router weight) and distinct; ``scores``
+        is the router score vector (E,) of the step's token, or (tokens, E) for several
+        tokens — needed only by score-aware policies (``mrs``).
+        """
+        keys = [self.key(layer, e) for e in experts]
+        if len(set(keys)) != len(keys):
+            raise MoelabError(f"experts of one step must be distinct, got {list(experts)}.")
+        if self.uses_scores and scores is None:
+            raise MoelabError(f"policy {self.name!r} needs the router scores of each step.")
+        self._begin_group(layer, keys, scores)
+        needed = set(keys)
+        out = []
+        for key in keys:
+            self._clock += 1
+            part = self._partition(key)
+            if key in self._resident[part]:
+                self.hits += 1
+                self.layer_hits[layer] += 1
+                if key in self._speculative:
+                    self._speculative.discard(key)
+                    self.prefetch_hits += 1
+                out.append(True)
+            else:
+                self.misses += 1
+                self.layer_misses[layer] += 1
+                self._current_key = key
+                if self._admit(key) and self._make_room(part, needed, key):
+                    self._store(key, speculative=False)
+                self._current_key = None
+                out.append(False)
+            self._last_use[key] = self._clock
+            self._on_access(key)
+        return out
+
+    def prefetch(self, layer: int, experts: Sequence[int], budget: int | None = None) -> int:
+        """Insert predicted experts of ``layer`` as speculative entries; returns how many moved.
+
+        Experts already cached are skipped; at most ``budget`` transfers (None: no limit).
+        Prefetches never evict an expert of the same batch.
+        """
+        keys = list(dict.fromkeys(self.key(layer, e) for e in experts))
+        batch = set(keys)
+        moved = 0
+        for key in keys:
+            part = self._partition(key)
+            if key in self._resident[part]:
+                continue
+            if budget is not None and moved >= budget:
+                break
+            if not self._admit_prefetch(key) or not self._make_room(part, batch, key):
+                continue
+            self._clock += 1
+            self._store(key, speculative=True)
+            self.prefetched += 1
+            moved += 1
+        return moved
+
+    # ------------------------------------------------------------------ mechanics
+    def _make_room(self, part: int, protected: set[int], key: int) -> bool:
+        """Evict the policy's victim if ``part`` is full; False if ``key`` must bypass."""
+        if len(self._resident[part]) < self.slots_[part]:
+            return True
+        candidates = [k for k in self._resident[part] if k not in protected]
+        if not candidates:
+            return False
+        victim = min(candidates, key=self._rank)
+        if not self._replace(key, victim):
+            return False
+        self._resident[part].discard(victim)
+        self.evictions += 1
+        if victim in self._speculative:
+            self._speculative.discard(victim)
+            self._wasted_evicted += 1
+        self._on_evict(victim)
+        return True
+
+    def _store(self, key: int, speculative: bool) -> None:
+        self._resident[self._partition(key)].add(key)
+        self._inserted_at[key] = self._clock
+        self._last_use[key] = self._clock
+        self.transfers += 1
+        if speculative:
+            self._speculative.add(key)
+
+    def _rank(self, key: int) -> tuple:
+        """Victim order (smallest goes first): unused prefetches, then the policy priority."""
+        return (0 if key in self._speculative else 1, *self._priority(key), key)
+
+    # ------------------------------------------------------------------ policy hooks
+    def _priority(self, key: int) -> tuple:
+        """The policy's eviction priority of a cached key: the smallest is evicted first."""
+        raise NotImplementedError
+
+    def _begin_group(self, layer: int, keys: list[int], scores: Any) -> None:
+        """Hook called before a (step, layer)'s accesses (MRS updates its scores here)."""
+
+    def _on_access(self, key: int) -> None:
+        """Hook called after every demand access (hit or miss)."""
+
+    def _on_evict(self, key: int) -> None:
+        """Hook called when ``key`` leaves the cache."""
+
+    def _admit(self, key: int) -> bool:
+        """Whether a missed ``key`` may be inserted at all (``static``, ``belady``)."""
+        return True
+
+    def _admit_prefetch(self, key: int) -> bool:
+        return self._admit(key)
+
+    def _replace(self, key: int, victim: int) -> bool:
+        """Whether inserting ``key`` is worth evicting ``victim`` (``belady``'s bypass)."""
+        return True
+
+
+# ---------------------------------------------------------------------- registry
+_POLICIES: dict[str, type[ExpertCache]] = {}
+
+
+def register_policy(name: str) -> Callable[[type[ExpertCache]], type[ExpertCache]]:
+    """Class decorator: make a cache policy available by ``name`` (user policies too)."""
+
+    def deco(cls: type[ExpertCache]) -> type[ExpertCache]:
+        if not issubclass(cls, ExpertCache):
+            raise TypeError(f"{cls.__name__} must subclass ExpertCache")
+        if name in _POLICIES and _POLICIES[name] is not cls:
+            logger.warning("cache policy %r re-registered (%s)", name, cls.__name__)
+        cls.name = name
+        _POLICIES[name] = cls
+        return cls
+
+    return deco
+
+
+def available_policies() -> list[str]:
+    """Registered policy names."""
+    _load_builtins()
+    return sorted(_POLICIES)
+
+
+def get_policy(name: str | type[ExpertCache]) -> type[ExpertCache]:
+    """The cache class registered as ``name`` (classes pass through)."""
+    if isinstance(name, type) and issubclass(name, ExpertCache):
+        return name
+    _load_builtins()
+    try:
+        return _POLICIES[name]
+    except KeyError:
+        raise unknown_name("cache policy", name, _POLICIES) from None
+
+
+def _load_builtins() -> None:
+    import moelab.caches.policies  # noqa: F401  (registers the built-in policies)

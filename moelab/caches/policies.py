@@ -1,0 +1,276 @@
+"""The built-in cache policies (pure-Python reference implementations).
+
+==========  ===================================================================  ============
+name        evicts first (among cached experts the current step does not need)  source
+==========  ===================================================================  ============
+``lru``     least recently used                                                  Mixtral-offloading, ProMoE
+``lfu``     fewest accesses so far; ties: least recently used                    llama.cpp, KTransformers
+``fifo``    earliest inserted                                                    baseline
+``static``  never evicts: only the most popular experts of a profile are cached  Fiddler
+``mrs``     lowest Minus-Recent-Score priority; ties: least recently used        HybriMoE §IV-D
+``belady``  the expert used again farthest in the future (offline optimum)       Belady's MIN
+==========  ===================================================================  ============
+
+Every tie left after the stated order is broken by the lowest (layer, expert) key.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from moelab.caches.base import ExpertCache, Scope, register_policy, resolve_capacity
+from moelab.caches.stream import AccessStream, next_use
+from moelab.errors import MoelabError
+
+
+@register_policy("lru")
+class LRUCache(ExpertCache):
+    """Least recently used: a hit or an insertion makes an expert the most recent."""
+
+    def _priority(self, key: int) -> tuple:
+        return (self._last_use[key],)
+
+
+@register_policy("fifo")
+class FIFOCache(ExpertCache):
+    """First in, first out: evicts the expert inserted longest ago; hits change nothing."""
+
+    def _priority(self, key: int) -> tuple:
+        return (self._inserted_at[key],)
+
+
+@register_policy("lfu")
+class LFUCache(ExpertCache):
+    """Least frequently used, counting every demand access of the expert so far.
+
+    The count includes accesses made while the expert was not cached ("perfect LFU"),
+    so a popular expert that was evicted comes back strong; ``reset_on_evict=True`` gives
+    classic in-cache LFU (count restarts at 0 when evicted). Ties: least recently used,
+    then the lowest key. Prefetches do not count as accesses.
+    """
+
+    def __init__(self, *args: Any, reset_on_evict: bool = False, **kwargs: Any) -> None:
+        self.reset_on_evict = reset_on_evict
+        super().__init__(*args, **kwargs)
+
+    def _reset_policy(self) -> None:
+        self._freq = [0] * self.key_offset_[-1]
+
+    def _on_access(self, key: int) -> None:
+        self._freq[key] += 1
+
+    def _on_evict(self, key: int) -> None:
+        if self.reset_on_evict:
+            self._freq[key] = 0
+
+    def _priority(self, key: int) -> tuple:
+        return (self._freq[key], self._last_use[key])
+
+
+@register_policy("mrs")
+class MRSCache(ExpertCache):
+    """HybriMoE's Minus Recent Score: ``S ← α·TopP(s) + (1 − α)·S`` per router score vector.
+
+    Before each (step, layer) is served, every token's score vector ``s`` over the layer's E
+    experts updates that layer's priorities ``S`` (tokens in order); ``TopP`` keeps the ``p``
+    largest scores (ties: lower expert id) and counts the others as 0. The cached expert with
+    the lowest ``S`` is evicted; ties: least recently used, then the lowest key.
+
+    Special case: with ``alpha=1`` and ``p = top-k``, ``S`` is the current token's top-k
+    scores and 0 elsewhere; the current step's experts are protected anyway, so every
+    candidate has ``S = 0`` and MRS evicts exactly like LRU (when the selected experts are
+    the top-k of the recorded scores, as for softmax top-k routers).
+    """
+
+    uses_scores = True
+
+    def __init__(
+        self,
+        *args: Any,
+        alpha: float = 0.5,
+        p: int | Sequence[int] | None = None,
+        top_k: Sequence[int] | None = None,
+        **kwargs: Any,
+    ) -> None:
+        self.alpha = alpha
+        self.p = p
+        self.top_k = top_k
+        super().__init__(*args, **kwargs)
+
+    def _reset_policy(self) -> None:
+        if not 0.0 < self.alpha <= 1.0:
+            raise MoelabError(f"mrs alpha must lie in (0, 1], got {self.alpha!r}.")
+        self.p_ = mrs_p(self.p, self.top_k, self.num_experts)
+        self._score = [0.0] * self.key_offset_[-1]
+
+    def _begin_group(self, layer: int, keys: list[int], scores: Any) -> None:
+        rows = np.atleast_2d(np.asarray(scores, dtype=np.float32))
+        E, off, p = self.num_experts[layer], self.key_offset_[layer], self.p_[layer]
+        a = self.alpha
+        for s in rows:
+            s = [float(x) for x in s[:E]]
+            top = sorted(range(E), key=lambda e: (-s[e], e))[:p]
+            kept = {e: s[e] for e in top}
+            for e in range(E):
+                self._score[off + e] = a * kept.get(e, 0.0) + (1 - a) * self._score[off + e]
+
+    def _priority(self, key: int) -> tuple:
+        return (self._score[key], self._last_use[key])
+
+
+def mrs_p(p: int | Sequence[int] | None, top_k: Sequence[int] | None, num_experts: Sequence[int]) -> list[int]:
+    """MRS's ``p`` per layer: given, or ``2 × top_k`` (capped at E)."""
+    L = len(num_experts)
+    if p is None:
+        if top_k is None:
+            raise MoelabError("mrs needs p or the model's top_k (p defaults to 2 × top_k).")
+        ps = [2 * int(k) for k in top_k]
+    elif isinstance(p, (int, np.integer)):
+        ps = [int(p)] * L
+    else:
+        ps = [int(x) for x in p]
+    if len(ps) != L or any(x < 1 for x in ps):
+        raise MoelabError(f"mrs p must be ≥ 1 for each of the {L} MoE layers, got {p!r}.")
+    return [min(x, int(e)) for x, e in zip(ps, num_experts)]
+
+
+@register_policy("static")
+class StaticCache(ExpertCache):
+    """Fiddler-style static placement: only the ``pinned`` experts are ever cached.
+
+    ``pinned`` are keys, at most the capacity per partition — by default the most popular
+    experts of a profiling stream (``profile``: per-key access counts, see
+    :func:`popular_keys`). Pinned experts are loaded on first use (a compulsory miss)
+    unless the cache is warmed; other experts always miss and are served without insertion.
+    Prefetches are ignored.
+    """
+
+    def __init__(
+        self,
+        *args: Any,
+        pinned: Sequence[int] | None = None,
+        profile: np.ndarray | None = None,
+        **kwargs: Any,
+    ) -> None:
+        self.pinned = pinned
+        self.profile = profile
+        super().__init__(*args, **kwargs)
+
+    def _reset_policy(self) -> None:
+        if self.pinned is not None:
+            keys = [int(k) for k in self.pinned]
+        elif self.profile is not None:
+            keys = popular_keys(self.profile, self.num_experts, self.slots_, self.scope)
+        else:
+            raise MoelabError("static needs pinned keys or a profile (per-key access counts).")
+        self.pinned_ = set(keys)
+
+    def _admit(self, key: int) -> bool:
+        return key in self.pinned_
+
+    def _admit_prefetch(self, key: int) -> bool:
+        return False
+
+    def _priority(self, key: int) -> tuple:
+        return (0,)
+
+
+@register_policy("belady")
+class BeladyCache(ExpertCache):
+    """Belady's MIN: evict the cached expert whose next use is farthest in the future.
+
+    Offline only: it is built from the whole :class:`AccessStream` (``stream``) and must be
+    driven with exactly that stream. With ``bypass=True`` (default) a missed expert is not
+    inserted when it is used again no sooner than every eviction candidate (or never): this
+    is the optimum when a miss may be served without caching (CPU compute), and so an upper
+    bound on the hit rate of every policy here, ``static`` included. ``bypass=False`` is the
+    classic MIN that inserts every miss (the bound for always-insert policies).
+    """
+
+    needs_future = True
+
+    def __init__(self, *args: Any, stream: AccessStream | None = None, bypass: bool = True, **kwargs: Any) -> None:
+        if stream is None:
+            raise MoelabError("belady reads the future: build it with stream=<AccessStream> (offline only).")
+        self.stream = stream
+        self.bypass = bypass
+        super().__init__(*args, **kwargs)
+
+    def _reset_policy(self) -> None:
+        keys = self.stream.keys
+        self._n = len(keys)
+        self._nxt = next_use(self.stream)
+        first = np.full(self.key_offset_[-1], self._n, dtype=np.int64)
+        np.minimum.at(first, keys, np.arange(self._n))
+        self._next = first.tolist()  # per key: position of its next access from now
+        self._pos = 0
+
+    def access(self, layer: int, experts: Sequence[int], scores: Any = None) -> list[bool]:
+        want = [self.key(layer, e) for e in experts]
+        got = self.stream.keys[self._pos : self._pos + len(want)].tolist()
+        if got != want:
+            raise MoelabError(
+                f"belady must replay its own stream: access #{self._pos} is {got}, called with {want}."
+            )
+        return super().access(layer, experts, scores)
+
+    def _admit(self, key: int) -> bool:
+        return not self.bypass or self._nxt[self._pos] < self._n
+
+    def _admit_prefetch(self, key: int) -> bool:
+        return not self.bypass or self._next[key] < self._n
+
+    def _replace(self, key: int, victim: int) -> bool:
+        if not self.bypass:
+            return True
+        mine = self._nxt[self._pos] if key == self._current_key else self._next[key]
+        return mine < self._next[victim]
+
+    def _on_access(self, key: int) -> None:
+        self._next[key] = int(self._nxt[self._pos])
+        self._pos += 1
+
+    def _rank(self, key: int) -> tuple:
+        return (1, -self._next[key], key)
+
+    def _priority(self, key: int) -> tuple:
+        return (-self._next[key],)
+
+
+def popular_keys(
+    counts: np.ndarray, num_experts: Sequence[int], slots: np.ndarray, scope: Scope
+) -> list[int]:
+    """The ``slots`` most-accessed keys of each partition, least popular first.
+
+    ``counts`` is (num_keys,) access counts (e.g. ``np.bincount(stream.keys)``); ties go to
+    the lower key. Used for ``static``'s pinned set and for warming caches.
+    """
+    counts = np.asarray(counts)
+    off = np.concatenate([[0], np.cumsum(num_experts)]).astype(int)
+    parts = [range(off[i], off[i + 1]) for i in range(len(num_experts))] if scope == "layer" else [range(0, off[-1])]
+    out: list[int] = []
+    for part, c in zip(parts, slots):
+        ranked = sorted(part, key=lambda k: (-counts[k], k))[: int(c)]
+        out.extend(reversed(ranked))
+    return out
+
+
+def make_cache(
+    policy: str | type[ExpertCache],
+    num_experts: Sequence[int],
+    capacity: float | int,
+    scope: Scope = "layer",
+    **kwargs: Any,
+) -> ExpertCache:
+    """Build an online cache by policy name, e.g. ``make_cache("lru", [8] * 4, 0.25)``.
+
+    Extra keyword arguments go to the policy (``alpha``, ``p``, ``top_k`` for ``mrs``;
+    ``profile``/``pinned`` for ``static``; ``stream`` for ``belady``; ``warm``, ``expert_bytes``).
+    """
+    from moelab.caches.base import get_policy
+
+    resolve_capacity(capacity, num_experts, scope)
+    return get_policy(policy)(num_experts, capacity, scope, **kwargs)

@@ -1,0 +1,412 @@
+"""Offline cache simulation: replay a routing trace's access stream through a policy.
+
+``simulate(trace, "lru", 0.25)`` replays the stream (see :mod:`moelab.caches.stream` for
+the semantics) through the compiled kernel when the policy is a built-in and numba is
+installed, else through the pure-Python reference class — the same class a running model
+drives online. ``sweep`` runs policies × capacities × scopes (× prefetch settings).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+
+from moelab.caches import _fast
+from moelab.caches.base import ExpertCache, Scope, get_policy, resolve_capacity
+from moelab.caches.policies import BeladyCache, mrs_p, popular_keys
+from moelab.caches.prefetch import get_prefetcher, proposals
+from moelab.caches.results import CacheResult, CacheSweep
+from moelab.caches.stream import AccessStream, build_stream, next_use
+from moelab.errors import MoelabError
+
+logger = logging.getLogger(__name__)
+
+Backend = Literal["auto", "fast", "reference"]
+
+#: How to record router scores, quoted by errors about traces without them.
+RECORD_SCORES_HINT = (
+    "record the trace with router scores: moelab.record(model, out, scores=True) "
+    "(the default) or `moelab trace` without --no-scores"
+)
+
+
+@dataclass
+class PrefetchConfig:
+    """Predictor-driven prefetch into the cache."""
+
+    predictor: Any = "oracle"
+    """A registered name (``oracle``, ``repeat``) or an object with ``predict(context)``."""
+    distance: int = 1
+    """Prediction distance d: after MoE layer l, prefetch for layer l + d."""
+    budget: int | None = None
+    """Prefetch transfers per step (forward pass), in experts; None = unlimited."""
+    budget_bytes: float | None = None
+    """Alternatively, bytes per step (link bandwidth × step time); divided by ``expert_bytes``."""
+
+    def experts_budget(self, expert_bytes: int) -> int | None:
+        if self.budget is not None and self.budget_bytes is not None:
+            raise MoelabError("give the prefetch budget in experts or in bytes, not both.")
+        if self.budget_bytes is not None:
+            return int(self.budget_bytes // max(1, expert_bytes))
+        if self.budget is not None and self.budget < 0:
+            raise MoelabError(f"prefetch budget must be ≥ 0 experts per step, got {self.budget}.")
+        return self.budget
+
+    def describe(self, expert_bytes: int = 1) -> str:
+        name = self.predictor if isinstance(self.predictor, str) else type(self.predictor).__name__
+        b = self.experts_budget(expert_bytes)
+        return f"{name} d={self.distance} budget={'inf' if b is None else b}"
+
+
+# ---------------------------------------------------------------------- streams from traces
+def load_stream(source: Any, include_prefill: bool = False, scores: bool = True) -> AccessStream:
+    """The access stream of a trace (``RoutingTrace``, a trace directory) or a stream as is.
+
+    ``scores=False`` skips loading the router scores (they are only needed by ``mrs``).
+    """
+    if isinstance(source, AccessStream):
+        return source
+    if isinstance(source, (str, Path)):
+        from moelab.trace import open_trace
+
+        source = open_trace(source)
+    if not hasattr(source, "experts_array"):
+        raise MoelabError(f"expected a RoutingTrace, a trace directory or an AccessStream, got {type(source).__name__}.")
+    tr = source
+    return build_stream(
+        seq=tr.column("seq"),
+        step=tr.column("step"),
+        moe_layer=tr.column("moe_layer"),
+        experts=tr.experts_array(),
+        weights=tr.weights_array() if include_prefill else None,
+        num_experts=tr.num_experts_per_layer,
+        top_k=tr.top_k_per_layer,
+        scores=tr.scores_array() if (scores and tr.has_scores) else None,
+        include_prefill=include_prefill,
+        model_name=tr.meta["model"].get("name"),
+    )
+
+
+def expert_bytes_of(model: Any) -> int:
+    """Bytes of one routed expert of ``model``'s first MoE layer (for ``expert_bytes``)."""
+    from moelab.adapters import moe_layers
+
+    layer = moe_layers(model)[0]
+    total = sum(p.numel() * p.element_size() for p in layer.experts.parameters())
+    return int(total // layer.num_experts)
+
+
+# ---------------------------------------------------------------------- simulation
+def simulate(
+    source: Any,
+    policy: str | type[ExpertCache] = "lru",
+    capacity: float | int = 0.25,
+    scope: Scope = "layer",
+    *,
+    include_prefill: bool = False,
+    warm: bool = False,
+    prefetch: PrefetchConfig | None = None,
+    backend: Backend = "auto",
+    expert_bytes: int | None = None,
+    profile: Any = None,
+    keep_hits: bool = False,
+    **policy_kwargs: Any,
+) -> CacheResult:
+    """Replay ``source``'s access stream through one policy at one capacity.
+
+    Args:
+        source: a ``RoutingTrace``, a trace directory, or an :class:`AccessStream`.
+        policy: a registered name (``lru``, ``lfu``, ``fifo``, ``static``, ``mrs``, ``belady``)
+            or an :class:`ExpertCache` subclass.
+        capacity: fraction of the experts (float in (0, 1]) or a count (int), per partition.
+        scope: ``layer`` (per-MoE-layer slots) or ``global`` (one pool for all layers).
+        include_prefill: also replay the prompt (step 0) groups (only when building from a trace).
+        warm: start with the most popular experts of ``profile`` loaded instead of empty.
+        prefetch: predictor-driven prefetching, or None for demand caching.
+        backend: ``fast`` (compiled), ``reference`` (pure Python), ``auto`` (fast when possible).
+        expert_bytes: bytes per expert for ``bytes_moved`` (1 = count experts).
+        profile: what ``static`` and ``warm`` rank popularity on: an AccessStream, a trace, or
+            per-key counts; default the replayed stream itself (an optimistic profile).
+        keep_hits: keep the per-access hit flags on the result (``result.hit``).
+        policy_kwargs: policy parameters (``alpha``, ``p`` for mrs; ``reset_on_evict`` for
+            lfu; ``bypass`` for belady).
+    """
+    cls = get_policy(policy)
+    stream = load_stream(source, include_prefill, scores=cls.uses_scores)
+    return _simulate_stream(
+        stream, cls, capacity, scope, warm, prefetch, backend, expert_bytes, profile, keep_hits, policy_kwargs
+    )
+
+
+def sweep(
+    source: Any,
+    policies: Sequence[str] = ("lru", "lfu", "fifo", "static", "mrs", "belady"),
+    capacities: Sequence[float | int] = (0.125, 0.25, 0.5, 0.75),
+    scopes: Sequence[Scope] = ("layer",),
+    prefetch: Sequence[PrefetchConfig | None] = (None,),
+    *,
+    include_prefill: bool = False,
+    progress: bool = True,
+    **kwargs: Any,
+) -> CacheSweep:
+    """Every combination of ``policies × capacities × scopes × prefetch``; the stream is built once.
+
+    Prefetch settings are not applied to ``belady`` (it stays the demand-caching bound) nor to
+    ``static`` (it ignores prefetches).
+    """
+    from tqdm.auto import tqdm
+
+    need_scores = any(get_policy(p).uses_scores for p in policies)
+    stream = load_stream(source, include_prefill, scores=need_scores)
+    combos = [
+        (p, c, s, pf)
+        for pf in prefetch
+        for s in scopes
+        for p in policies
+        for c in capacities
+        if pf is None or p not in ("belady", "static")
+    ]
+    results = [
+        simulate(stream, p, c, s, prefetch=pf, **kwargs)
+        for p, c, s, pf in tqdm(combos, desc="cache sweep", disable=not progress or len(combos) < 8, leave=False)
+    ]
+    return CacheSweep(results)
+
+
+def _simulate_stream(
+    stream: AccessStream,
+    cls: type[ExpertCache],
+    capacity: float | int,
+    scope: Scope,
+    warm: bool,
+    prefetch: PrefetchConfig | None,
+    backend: Backend,
+    expert_bytes: int | None,
+    profile: Any,
+    keep_hits: bool,
+    policy_kwargs: dict[str, Any],
+) -> CacheResult:
+    slots = resolve_capacity(capacity, stream.num_experts, scope)
+    allowed = _PARAMS.get(cls.name) if get_policy(cls.name) is cls else None
+    if allowed is not None and set(policy_kwargs) - allowed:
+        bad = ", ".join(sorted(set(policy_kwargs) - allowed))
+        raise MoelabError(
+            f"unknown parameter(s) for policy {cls.name!r}: {bad}; it takes: {', '.join(sorted(allowed)) or 'none'}."
+        )
+    if cls.uses_scores and not stream.has_scores:
+        raise MoelabError(f"policy {cls.name!r} needs router scores but the trace has none; {RECORD_SCORES_HINT}.")
+    expert_bytes = int(expert_bytes or 1)
+    counts = None
+    if warm or cls.name == "static":
+        counts = _profile_counts(profile if profile is not None else stream, stream)
+    warm_keys = popular_keys(counts, stream.num_experts, slots, scope) if warm else []
+    if cls.name == "static":
+        policy_kwargs = {"profile": counts, **policy_kwargs}
+
+    pf_ptr = np.zeros(stream.num_groups + 1, dtype=np.int64)
+    pf_keys = np.zeros(0, dtype=np.int64)
+    budget = None
+    if prefetch is not None:
+        if cls.name == "static":
+            logger.info("static placement ignores prefetches")
+        pf_ptr, pf_keys = proposals(get_prefetcher(prefetch.predictor), stream, prefetch.distance)
+        budget = prefetch.experts_budget(expert_bytes)
+
+    fast_ok = _fast.HAVE_NUMBA and cls.name in _fast.POLICY_CODES and get_policy(cls.name) is cls
+    if backend == "fast" and not fast_ok:
+        why = "numba is not installed" if not _fast.HAVE_NUMBA else f"{cls.__name__} has no compiled kernel"
+        raise MoelabError(f"backend 'fast' is unavailable: {why}; use backend='reference'.")
+    if backend not in ("auto", "fast", "reference"):
+        raise MoelabError(f"backend must be 'auto', 'fast' or 'reference', got {backend!r}.")
+    use_fast = fast_ok and backend != "reference"
+    if use_fast:
+        raw = _run_fast(stream, cls.name, slots, scope, warm_keys, counts, pf_ptr, pf_keys, budget, policy_kwargs)
+    else:
+        if backend == "auto" and cls.name in _fast.POLICY_CODES and not _fast.HAVE_NUMBA:
+            logger.warning("numba is not installed: replaying %s in pure Python (slow)", cls.name)
+        raw = _run_reference(stream, cls, capacity, scope, warm_keys, pf_ptr, pf_keys, budget, expert_bytes, policy_kwargs)
+
+    hit, counters, spec_left = raw
+    key_layer = stream.key_layer()
+    acc_layer = key_layer[stream.keys]
+    L = stream.num_layers
+    layer_acc = np.bincount(acc_layer, minlength=L)
+    layer_hits = np.bincount(acc_layer, weights=hit, minlength=L).astype(np.int64)
+    sizes = np.diff(stream.group_ptr)
+    prefill = np.repeat(stream.group_step == 0, sizes)
+    phase_acc = {"decode": int((~prefill).sum())}
+    phase_hits = {"decode": int(hit[~prefill].sum())}
+    if prefill.any():
+        phase_acc["prefill"] = int(prefill.sum())
+        phase_hits["prefill"] = int(hit[prefill].sum())
+    return CacheResult(
+        policy=cls.name or cls.__name__,
+        capacity=capacity,
+        scope=scope,
+        slots=slots.tolist(),
+        capacity_fraction=float(slots.sum() / max(1, stream.num_keys)),
+        accesses=int(len(hit)),
+        hits=int(hit.sum()),
+        evictions=int(counters[_fast.EVICTIONS]),
+        transfers=int(counters[_fast.TRANSFERS]),
+        expert_bytes=expert_bytes,
+        layer_accesses=layer_acc.tolist(),
+        layer_hits=layer_hits.tolist(),
+        phase_accesses=phase_acc,
+        phase_hits=phase_hits,
+        prefetch=prefetch.describe(expert_bytes) if prefetch is not None else None,
+        prefetched=int(counters[_fast.PREFETCHED]),
+        prefetch_hits=int(counters[_fast.PREFETCH_HITS]),
+        wasted_prefetches=int(counters[_fast.WASTED_EVICTED] + spec_left),
+        backend="fast" if use_fast else "reference",
+        model=stream.model_name,
+        hit=hit if keep_hits else None,
+    )
+
+
+#: The parameters each built-in policy takes (besides capacity/scope/warm/prefetch).
+_PARAMS: dict[str, set[str]] = {
+    "lru": set(),
+    "fifo": set(),
+    "lfu": {"reset_on_evict"},
+    "mrs": {"alpha", "p"},
+    "static": {"pinned"},
+    "belady": {"bypass"},
+}
+
+
+def _profile_counts(profile: Any, stream: AccessStream) -> np.ndarray:
+    if isinstance(profile, np.ndarray):
+        counts = profile
+    else:
+        prof = load_stream(profile, scores=False)
+        if prof.num_experts.tolist() != stream.num_experts.tolist():
+            raise MoelabError(
+                f"the profile's experts per layer {prof.num_experts.tolist()} differ from the trace's "
+                f"{stream.num_experts.tolist()}: profile on the same model."
+            )
+        counts = np.bincount(prof.keys, minlength=prof.num_keys)
+    if len(counts) != stream.num_keys:
+        raise MoelabError(f"profile counts must have one entry per key ({stream.num_keys}), got {len(counts)}.")
+    return counts
+
+
+def _run_fast(stream, name, slots, scope, warm_keys, counts, pf_ptr, pf_keys, budget, kw):
+    code = _fast.POLICY_CODES[name]
+    n, NK, G = stream.num_accesses, stream.num_keys, stream.num_groups
+    key_layer = stream.key_layer().astype(np.int64)
+    key_part = key_layer if scope == "layer" else np.zeros(NK, dtype=np.int64)
+    row_ptr = np.zeros(G + 1, dtype=np.int64)
+    top_idx = np.full((0, 1), -1, dtype=np.int32)
+    top_val = np.zeros((0, 1), dtype=np.float64)
+    alpha = float(kw.get("alpha", 0.5))
+    if code == _fast.MRS:
+        if not 0.0 < alpha <= 1.0:
+            raise MoelabError(f"mrs alpha must lie in (0, 1], got {alpha!r}.")
+        ps = mrs_p(kw.get("p"), stream.top_k.tolist(), stream.num_experts.tolist())
+        row_ptr = stream.row_ptr
+        top_idx, top_val = top_p_rows(stream, ps)
+    nxt = next_use(stream) if code == _fast.BELADY else np.zeros(0, dtype=np.int64)
+    pinned = np.zeros(NK, dtype=np.bool_)
+    if code == _fast.STATIC:
+        keys = kw.get("pinned")
+        if keys is None:
+            keys = popular_keys(kw["profile"], stream.num_experts, slots, scope)
+        pinned[np.asarray(list(keys), dtype=np.int64)] = True
+    hit = np.zeros(n, dtype=np.uint8)
+    counters = np.zeros(5, dtype=np.int64)
+    resident = np.zeros(NK, dtype=np.bool_)
+    spec = np.zeros(NK, dtype=np.bool_)
+    _fast.replay(
+        code,
+        stream.keys,
+        stream.group_ptr,
+        stream.group_layer,
+        stream.group_pass,
+        key_part,
+        slots.astype(np.int64),
+        stream.key_offset,
+        np.asarray(warm_keys, dtype=np.int64),
+        bool(kw.get("reset_on_evict", False)) and code == _fast.LFU,
+        alpha,
+        row_ptr,
+        top_idx,
+        top_val,
+        nxt,
+        pinned,
+        bool(kw.get("bypass", True)),
+        pf_ptr,
+        pf_keys.astype(np.int64),
+        np.int64(-1 if budget is None else budget),
+        hit,
+        counters,
+        resident,
+        spec,
+    )
+    return hit, counters, int(spec.sum())
+
+
+def top_p_rows(stream: AccessStream, ps: list[int], chunk: int = 1 << 16) -> tuple[np.ndarray, np.ndarray]:
+    """(R, P) the top-p expert ids (-1 padded) and scores of every token row, in group order.
+
+    Ties go to the lower expert id (stable sort), as in :class:`~moelab.caches.policies.MRSCache`.
+    """
+    rows = stream.score_rows
+    R, P = len(rows), max(ps)
+    row_layer = np.repeat(stream.group_layer, np.diff(stream.row_ptr))
+    E_l = stream.num_experts[row_layer]
+    p_l = np.asarray(ps)[row_layer]
+    idx = np.full((R, P), -1, dtype=np.int32)
+    val = np.zeros((R, P), dtype=np.float64)
+    Emax = int(stream.num_experts.max())
+    cols = np.arange(Emax)
+    for a in range(0, R, chunk):
+        b = min(R, a + chunk)
+        s = stream.scores[rows[a:b], :Emax].astype(np.float64)
+        s[cols[None, :] >= E_l[a:b, None]] = -np.inf
+        top = np.argsort(-s, axis=1, kind="stable")[:, :P]
+        v = np.take_along_axis(s, top, axis=1)
+        keep = np.arange(P)[None, :] < p_l[a:b, None]
+        idx[a:b] = np.where(keep, top, -1)
+        val[a:b] = np.where(keep, v, 0.0)
+    return idx, val
+
+
+def _run_reference(stream, cls, capacity, scope, warm_keys, pf_ptr, pf_keys, budget, expert_bytes, kw):
+    kwargs = dict(kw)
+    if cls.needs_future or issubclass(cls, BeladyCache):
+        kwargs["stream"] = stream
+    if cls.uses_scores and "top_k" not in kwargs:
+        kwargs["top_k"] = stream.top_k.tolist()
+    cache = cls(stream.num_experts.tolist(), capacity, scope, expert_bytes=expert_bytes, warm=list(warm_keys), **kwargs)
+    hit = np.zeros(stream.num_accesses, dtype=np.uint8)
+    cur_pass, left = -1, budget
+    for g in range(stream.num_groups):
+        if stream.group_pass[g] != cur_pass:
+            cur_pass, left = stream.group_pass[g], budget
+        layer = int(stream.group_layer[g])
+        a = stream.group_ptr[g]
+        out = cache.access(layer, stream.group_experts(g).tolist(), stream.group_scores(g))
+        hit[a : a + len(out)] = out
+        pk = pf_keys[pf_ptr[g] : pf_ptr[g + 1]]
+        if len(pk):
+            tgt = int(np.searchsorted(stream.key_offset, pk[0], side="right") - 1)
+            moved = cache.prefetch(tgt, (pk - stream.key_offset[tgt]).tolist(), left)
+            if left is not None:
+                left -= moved
+    counters = np.zeros(5, dtype=np.int64)
+    counters[_fast.EVICTIONS] = cache.evictions
+    counters[_fast.TRANSFERS] = cache.transfers
+    counters[_fast.PREFETCHED] = cache.prefetched
+    counters[_fast.PREFETCH_HITS] = cache.prefetch_hits
+    counters[_fast.WASTED_EVICTED] = cache._wasted_evicted
+    return hit, counters, len(cache._speculative)
+
+
+__all__ = ["PrefetchConfig", "expert_bytes_of", "load_stream", "simulate", "sweep", "top_p_rows"]
+

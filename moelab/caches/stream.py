@@ -1,0 +1,257 @@
+"""The access stream every cache policy replays: which experts each (step, MoE layer) needs.
+
+Simulation semantics (shared by every policy, online and offline):
+
+* The stream visits the trace's tokens **per sequence, per step** (0 = prefill, n = n-th
+  decode step), **per MoE layer in order**. One such (seq, step, moe_layer) is a *group*.
+* The experts a group accesses are the union of the top-k of its tokens, in order of
+  descending router weight (an expert chosen by several tokens ranks by its largest weight;
+  equal weights by lower expert id). A decode step of one sequence has one token, so its
+  group is just that token's top-k in the router's order.
+* Decode groups only by default; ``include_prefill=True`` adds the prompt (step 0) groups.
+* Experts are named by a global *key*: ``key = key_offset[moe_layer] + expert``. Shared
+  experts are not in the stream (always resident, not counted).
+
+Shape legend: N trace rows, K top-k, E experts, L MoE layers, G groups, n accesses.
+The stream holds only integer columns (no per-access Python objects).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from moelab.errors import MoelabError
+
+
+@dataclass(frozen=True)
+class AccessStream:
+    """The expert accesses of a trace, grouped per (seq, step, moe_layer), as CSR arrays."""
+
+    num_experts: np.ndarray
+    """(L,) routed experts per MoE layer."""
+    top_k: np.ndarray
+    """(L,) experts each token selects per MoE layer."""
+    keys: np.ndarray
+    """(n,) int32 accessed keys, group after group."""
+    group_ptr: np.ndarray
+    """(G+1,) int64: accesses of group g are ``keys[group_ptr[g]:group_ptr[g+1]]``."""
+    group_layer: np.ndarray
+    """(G,) int32 MoE-layer ordinal of each group."""
+    group_seq: np.ndarray
+    """(G,) int64 sequence id of each group."""
+    group_step: np.ndarray
+    """(G,) int32 step of each group (0 = prefill)."""
+    group_pass: np.ndarray
+    """(G,) int64 ordinal of the group's (seq, step) forward pass, 0..P-1 in stream order."""
+    score_rows: np.ndarray | None = None
+    """(R,) int64 indices into ``scores`` of the tokens of each group, in group order."""
+    row_ptr: np.ndarray | None = None
+    """(G+1,) int64: the token rows of group g are ``score_rows[row_ptr[g]:row_ptr[g+1]]``."""
+    scores: np.ndarray | None = None
+    """(N, E_max) float32 router score vectors (the trace's column), or None if not recorded."""
+    model_name: str | None = None
+    """Name of the model the trace comes from (checked against predictors)."""
+    key_offset: np.ndarray = field(init=False)
+    """(L+1,) first key of each MoE layer; ``key_offset[-1]`` is the number of keys."""
+
+    def __post_init__(self) -> None:
+        off = np.zeros(len(self.num_experts) + 1, dtype=np.int64)
+        np.cumsum(self.num_experts, out=off[1:])
+        object.__setattr__(self, "key_offset", off)
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.num_experts)
+
+    @property
+    def num_keys(self) -> int:
+        return int(self.key_offset[-1])
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.group_layer)
+
+    @property
+    def num_accesses(self) -> int:
+        return len(self.keys)
+
+    @property
+    def has_scores(self) -> bool:
+        return self.scores is not None
+
+    def key_layer(self) -> np.ndarray:
+        """(num_keys,) MoE layer of every key."""
+        return np.repeat(np.arange(self.num_layers, dtype=np.int32), self.num_experts)
+
+    def group_experts(self, g: int) -> np.ndarray:
+        """Expert ids (within the layer) accessed by group ``g``, in access order."""
+        a, b = self.group_ptr[g], self.group_ptr[g + 1]
+        return self.keys[a:b] - self.key_offset[self.group_layer[g]]
+
+    def group_scores(self, g: int) -> np.ndarray | None:
+        """(tokens, E) router scores of group ``g``'s tokens, or None if not recorded."""
+        if self.scores is None:
+            return None
+        rows = self.score_rows[self.row_ptr[g] : self.row_ptr[g + 1]]
+        return self.scores[rows, : self.num_experts[self.group_layer[g]]]
+
+
+def build_stream(
+    seq: np.ndarray,
+    step: np.ndarray,
+    moe_layer: np.ndarray,
+    experts: np.ndarray,
+    weights: np.ndarray | None,
+    num_experts: Sequence[int],
+    top_k: Sequence[int],
+    scores: np.ndarray | None = None,
+    include_prefill: bool = False,
+    model_name: str | None = None,
+) -> AccessStream:
+    """Build the access stream from a trace's routing columns (one entry per row).
+
+    ``experts`` is (N, K) int, sorted by descending weight per row, ``-1`` padding where a
+    layer selects fewer than K; ``weights`` (N, K) is needed only to order unions of several
+    tokens (prefill); ``scores`` (N, E) is optional (needed by ``mrs``).
+    """
+    seq = np.asarray(seq, dtype=np.int64)
+    step = np.asarray(step, dtype=np.int32)
+    moe_layer = np.asarray(moe_layer, dtype=np.int32)
+    experts = np.asarray(experts)
+    if experts.ndim != 2:
+        raise MoelabError(f"experts must be an (N, K) array, got shape {experts.shape}.")
+    num_experts = np.asarray(num_experts, dtype=np.int64)
+    top_k = np.asarray(top_k, dtype=np.int64)
+    L = len(num_experts)
+    if len(moe_layer) and (moe_layer.min() < 0 or moe_layer.max() >= L):
+        raise MoelabError(f"moe_layer values must lie in 0..{L - 1}, got {moe_layer.min()}..{moe_layer.max()}.")
+    valid = experts >= 0
+    if np.any(experts >= num_experts[moe_layer][:, None]):
+        raise MoelabError("expert ids must be < the layer's number of experts (num_experts).")
+
+    rows = np.arange(len(seq))
+    if not include_prefill:
+        rows = rows[step != 0]
+    # Stable sort of the rows by (seq, step, moe_layer): row order within a group is kept.
+    order = rows[np.lexsort((moe_layer[rows], step[rows], seq[rows]))]
+    s, t, ly = seq[order], step[order], moe_layer[order]
+    new_group = np.ones(len(order), dtype=bool)
+    new_group[1:] = (s[1:] != s[:-1]) | (t[1:] != t[:-1]) | (ly[1:] != ly[:-1])
+    row_group = np.cumsum(new_group) - 1  # group of each ordered row
+    starts = np.flatnonzero(new_group)
+    G = len(starts)
+    row_ptr = np.append(starts, len(order)).astype(np.int64)
+    new_pass = np.ones(G, dtype=bool)
+    gs, gt = s[starts], t[starts]
+    new_pass[1:] = (gs[1:] != gs[:-1]) | (gt[1:] != gt[:-1])
+    group_pass = np.cumsum(new_pass) - 1
+
+    offsets = np.concatenate([[0], np.cumsum(num_experts)])
+    ex = experts[order]
+    ok = valid[order]
+    if len(order) == G:
+        # One token per group (decode with batch rows apart): the union is the row itself.
+        counts = ok.sum(axis=1)
+        keys = (ex + offsets[ly][:, None])[ok]
+    else:
+        if weights is None:
+            raise MoelabError("weights are needed to order the union of several tokens' experts.")
+        w = np.asarray(weights, dtype=np.float64)[order]
+        K = ex.shape[1]
+        pg = np.repeat(row_group, K)[ok.ravel()]
+        pe = ex.ravel()[ok.ravel()].astype(np.int64)
+        pw = w.ravel()[ok.ravel()]
+        srt = np.lexsort((pe, -pw, pg))  # by group, then descending weight, then expert id
+        pg, pe = pg[srt], pe[srt]
+        _, first = np.unique(pg * (int(num_experts.max()) + 1) + pe, return_index=True)
+        first.sort()  # first occurrence of each (group, expert) = its largest weight
+        pg, pe = pg[first], pe[first]
+        counts = np.bincount(pg, minlength=G)
+        keys = pe + offsets[ly[starts]][pg]
+    group_ptr = np.zeros(G + 1, dtype=np.int64)
+    np.cumsum(counts, out=group_ptr[1:])
+
+    if scores is not None:
+        scores = np.asarray(scores, dtype=np.float32)
+        if scores.shape[0] != len(seq) or scores.shape[1] < num_experts.max():
+            raise MoelabError(f"scores must be (N, E_max) = ({len(seq)}, {num_experts.max()}), got {scores.shape}.")
+    return AccessStream(
+        num_experts=num_experts,
+        top_k=top_k,
+        keys=keys.astype(np.int32),
+        group_ptr=group_ptr,
+        group_layer=ly[starts].astype(np.int32),
+        group_seq=gs.astype(np.int64),
+        group_step=gt.astype(np.int32),
+        group_pass=group_pass.astype(np.int64),
+        score_rows=order.astype(np.int64) if scores is not None else None,
+        row_ptr=row_ptr if scores is not None else None,
+        scores=scores,
+        model_name=model_name,
+    )
+
+
+def stream_from_groups(
+    groups: Sequence[tuple[int, Sequence[int]]],
+    num_experts: Sequence[int],
+    top_k: Sequence[int] | None = None,
+    scores: Sequence[np.ndarray] | None = None,
+) -> AccessStream:
+    """A stream written by hand: ``groups`` is ``[(moe_layer, [experts in access order]), ...]``.
+
+    Each group is its own decode step of one sequence unless consecutive groups climb the
+    layers (a new pass starts whenever the layer does not increase). ``scores`` gives one
+    score vector per group (for ``mrs``). Handy for tests and worked examples.
+    """
+    num_experts = np.asarray(num_experts, dtype=np.int64)
+    L = len(num_experts)
+    offsets = np.concatenate([[0], np.cumsum(num_experts)])
+    keys, ptr, layers, passes = [], [0], [], []
+    p = -1
+    prev = L
+    for layer, exps in groups:
+        if len(set(exps)) != len(exps):
+            raise MoelabError(f"a group accesses each expert once, got {list(exps)}.")
+        if layer <= prev:
+            p += 1
+        prev = layer
+        keys.extend(int(offsets[layer]) + int(e) for e in exps)
+        ptr.append(len(keys))
+        layers.append(layer)
+        passes.append(p)
+    G = len(layers)
+    sc = None
+    if scores is not None:
+        sc = np.zeros((G, int(num_experts.max())), dtype=np.float32)
+        for g, v in enumerate(scores):
+            sc[g, : len(v)] = v
+    return AccessStream(
+        num_experts=num_experts,
+        top_k=np.asarray(top_k if top_k is not None else [1] * L, dtype=np.int64),
+        keys=np.asarray(keys, dtype=np.int32),
+        group_ptr=np.asarray(ptr, dtype=np.int64),
+        group_layer=np.asarray(layers, dtype=np.int32),
+        group_seq=np.zeros(G, dtype=np.int64),
+        group_step=np.asarray(passes, dtype=np.int32) + 1,
+        group_pass=np.asarray(passes, dtype=np.int64),
+        score_rows=np.arange(G, dtype=np.int64) if sc is not None else None,
+        row_ptr=np.arange(G + 1, dtype=np.int64) if sc is not None else None,
+        scores=sc,
+    )
+
+
+def next_use(stream: AccessStream) -> np.ndarray:
+    """(n,) int64: for each access, the index of the next access of the same key (n if none).
+
+    O(n log n) (one stable sort). Belady's policy and the oracle prefetcher read it.
+    """
+    keys = stream.keys
+    n = len(keys)
+    order = np.argsort(keys, kind="stable")
+    nxt = np.full(n, n, dtype=np.int64)
+    same = keys[order[1:]] == keys[order[:-1]]
+    nxt[order[:-1][same]] = order[1:][same]
+    return nxt
