@@ -75,21 +75,20 @@ def evaluate(
         from moelab import load
 
         model, tokenizer = load(model)
-    if _is_lm_eval_lm(model):
-        lm = model  # an lm-eval LM object (e.g. a test oracle), used as is
-    else:
+    if not _is_lm_eval_lm(model):
         _check_generative(model, tokenizer)
-        lm = _wrap(model, tokenizer, config)
-    from lm_eval.tasks import TaskManager
-
-    from moelab._resources import resource_dir
-
-    task_manager = TaskManager(
-        include_path=str(resource_dir("evals")), include_defaults=False, metadata=metadata
-    )
     results: dict[str, TaskResult] = {}
     samples: dict[str, list[dict]] = {}
     with sandbox_defaults(SandboxConfig(timeout_s=config.code_timeout_s)), _quiet_lm_eval():
+        from lm_eval.tasks import TaskManager
+
+        from moelab._resources import resource_dir
+
+        # an lm-eval LM object (e.g. a test oracle) is used as is
+        lm = model if _is_lm_eval_lm(model) else _wrap(model, tokenizer, config)
+        task_manager = TaskManager(
+            include_path=str(resource_dir("evals")), include_defaults=False, metadata=metadata
+        )
         for task in eval_tasks:
             results[task.name], samples[task.name] = _run_task(lm, task, task_manager, config)
 
