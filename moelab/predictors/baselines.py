@@ -1,0 +1,84 @@
+"""Baselines: ``frequency`` (static popularity per layer) and ``oracle`` (perfect, for bounds)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from moelab.predictors.base import Predictor, TraceData
+from moelab.predictors.registry import register_predictor
+
+
+def layer_frequencies(data: TraceData, tokens: np.ndarray | None = None) -> np.ndarray:
+    """(L, E) float32 share of tokens that selected each expert, per MoE layer."""
+    tr = data.trace
+    L, E = tr.num_moe_layers, tr.num_experts
+    layer = tr.column("moe_layer").astype(np.int64)
+    experts = data.experts
+    rows = np.arange(len(layer)) if tokens is None else data.index.rows[tokens].reshape(-1)
+    rows = rows[rows >= 0]
+    counts = np.zeros((L, E), dtype=np.float64)
+    ids = experts[rows]
+    lay = np.broadcast_to(layer[rows][:, None], ids.shape)
+    ok = ids >= 0
+    np.add.at(counts, (lay[ok], ids[ok]), 1.0)
+    totals = np.maximum(np.bincount(layer[rows], minlength=L), 1)[:, None]
+    return (counts / totals).astype(np.float32)
+
+
+@register_predictor("frequency")
+class FrequencyPredictor(Predictor):
+    """Predicts each layer's most popular experts, whatever the token (static placement).
+
+    Learned state: ``frequency_`` (L, E), the share of the training sequences' tokens
+    selecting each expert (``val_fraction`` of the sequences held out).
+    """
+
+    timing = "static"
+
+    def __init__(self, distance: int = 1, val_fraction: float = 0.1, seed: int = 0) -> None:
+        self.distance = distance
+        self.val_fraction = val_fraction
+        self.seed = seed
+
+    def _fit(self, data: TraceData, model: Any) -> None:
+        self.frequency_ = layer_frequencies(data, data.index.tokens_of(self.train_sequences_))
+
+    def _scores(self, layer, hidden, token_ids, n):
+        return np.broadcast_to(self.frequency_[layer + self.distance], (n, self.frequency_.shape[1])).copy()
+
+    def _state(self):
+        return {"frequency": self.frequency_}, {}
+
+    def _load_state(self, tensors, extra, model):
+        self.frequency_ = tensors["frequency"]
+
+
+@register_predictor("oracle")
+class OraclePredictor(Predictor):
+    """The recorded future: ranks the experts layer ``l + d`` actually chose first (by
+    weight), then the rest by their recorded router score. Offline only; an upper bound
+    (accuracy 1 at m = top-k, and a fetch rate limited only by timing)."""
+
+    online = False
+
+    def __init__(self, distance: int = 1) -> None:
+        self.distance = distance
+
+    def _fit(self, data: TraceData, model: Any) -> None:
+        pass
+
+    def _scores_offline(self, data: TraceData, layer: int, tokens: np.ndarray) -> np.ndarray:
+        target = layer + self.distance
+        rows = data.index.rows[tokens, target]
+        E = max(self.num_experts_)
+        scores = np.zeros((len(rows), E), dtype=np.float32)
+        if data.scores is not None:
+            scores[:] = data.scores[rows, :E]  # in [0, 1] for softmax and sigmoid routers
+            scores = np.clip(scores, 0.0, 1.0)
+        actual = data.experts[rows]
+        K = actual.shape[1]
+        r, c = np.nonzero(actual >= 0)
+        scores[r, actual[r, c]] = 2.0 + (K - c)  # chosen experts first, in weight order
+        return scores

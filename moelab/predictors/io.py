@@ -1,0 +1,164 @@
+"""Save and load predictors: ``predictor.json`` + ``state.safetensors`` in a directory. No pickle.
+
+``predictor.json`` holds the kind, the hyperparameters, the model identity (name,
+fingerprint, layers, E, top-k), the trace identity, fit information and any metrics;
+``state.safetensors`` holds the learned arrays (names documented per predictor class).
+Writes go to a sibling temporary directory renamed into place, so a failure leaves
+nothing behind.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from moelab.errors import MoelabError
+from moelab.predictors.base import Predictor
+
+FORMAT = "moelab.predictor"
+FORMAT_VERSION = 1
+META_FILE = "predictor.json"
+STATE_FILE = "state.safetensors"
+
+_IDENTITY = ("model_name_", "model_fingerprint_", "model_type_", "num_moe_layers_", "num_experts_",
+             "top_k_", "hidden_size_", "trace_id_")
+
+
+def _jsonable(obj: Any) -> Any:
+    if isinstance(obj, dict):
+        return {str(k): _jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_jsonable(v) for v in obj]
+    if isinstance(obj, np.generic):
+        return obj.item()
+    if isinstance(obj, np.ndarray):
+        return obj.tolist()
+    if isinstance(obj, Path):
+        return str(obj)
+    return obj
+
+
+def save_predictor(predictor: Predictor, path: str | Path, *, metrics: dict | None = None,
+                   overwrite: bool = False) -> Path:
+    """Write ``predictor`` (fitted) to directory ``path``; returns the path."""
+    from safetensors.numpy import save_file
+
+    from moelab import __version__
+
+    predictor._check_fitted()
+    path = Path(path)
+    if path.exists() and not overwrite:
+        raise MoelabError(f"predictor output {str(path)!r} already exists; pass overwrite=True (CLI: --overwrite).")
+    params = predictor.get_params()
+    try:
+        json.dumps(params)
+    except TypeError as exc:
+        raise MoelabError(f"hyperparameters of {predictor!r} are not JSON-serialisable ({exc}).") from None
+    tensors, extra = predictor._state()
+    tensors = {k: np.ascontiguousarray(v) for k, v in tensors.items()}
+    tensors["val_sequences"] = np.asarray(predictor.val_sequences_, dtype=np.int64)
+    tensors["train_sequences"] = np.asarray(predictor.train_sequences_, dtype=np.int64)
+    meta = {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "kind": predictor.kind,
+        "class": f"{type(predictor).__module__}.{type(predictor).__qualname__}",
+        "params": params,
+        "model": {
+            "name": predictor.model_name_,
+            "fingerprint": predictor.model_fingerprint_,
+            "model_type": predictor.model_type_,
+            "num_moe_layers": predictor.num_moe_layers_,
+            "num_experts": predictor.num_experts_,
+            "top_k": predictor.top_k_,
+            "hidden_size": predictor.hidden_size_,
+        },
+        "trace": {"trace_id": predictor.trace_id_},
+        "fit": {"seconds": getattr(predictor, "fit_seconds_", None)},
+        "state": _jsonable(extra),
+        "metrics": _jsonable(metrics or {}),
+        "moelab_version": __version__,
+        "created_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.partial-", dir=path.parent))
+    try:
+        save_file(tensors, str(tmp / STATE_FILE), metadata={"format": FORMAT})
+        (tmp / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
+        if path.exists():
+            trash = path.with_name(f".{path.name}.old-{uuid.uuid4().hex[:8]}")
+            os.replace(path, trash)
+            os.replace(tmp, path)
+            shutil.rmtree(trash, ignore_errors=True)
+        else:
+            os.replace(tmp, path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return path
+
+
+def read_predictor_meta(path: str | Path) -> dict[str, Any]:
+    """The ``predictor.json`` of a saved predictor (checked)."""
+    path = Path(path)
+    meta_path = path / META_FILE
+    if not meta_path.is_file():
+        raise MoelabError(
+            f"{str(path)!r} is not a saved predictor (no {META_FILE}); save one with predictor.save(dir) "
+            "or `moelab predict fit ... --out DIR`."
+        )
+    try:
+        meta = json.loads(meta_path.read_text())
+    except json.JSONDecodeError as exc:
+        raise MoelabError(f"{str(meta_path)!r} is not valid JSON ({exc}).") from None
+    if meta.get("format") != FORMAT:
+        raise MoelabError(f"{str(meta_path)!r} is not a moelab predictor (format {meta.get('format')!r}).")
+    if int(meta.get("format_version", 0)) > FORMAT_VERSION:
+        raise MoelabError(
+            f"predictor {str(path)!r} has format version {meta['format_version']}, newer than this moelab "
+            f"supports ({FORMAT_VERSION}); upgrade moelab."
+        )
+    return meta
+
+
+def load_predictor(path: str | Path, *, model: Any = None) -> Predictor:
+    """Load a predictor saved with :func:`save_predictor`.
+
+    ``model`` is needed by predictors that use the model's routers (skip) when the model
+    cannot be loaded by its recorded name; its fingerprint must match.
+    """
+    from safetensors.numpy import load_file
+
+    from moelab.predictors.registry import get_predictor_class
+
+    path = Path(path)
+    meta = read_predictor_meta(path)
+    cls = get_predictor_class(meta["kind"])
+    predictor = cls(**meta["params"])
+    m = meta["model"]
+    predictor.model_name_ = m["name"]
+    predictor.model_fingerprint_ = m["fingerprint"]
+    predictor.model_type_ = m["model_type"]
+    predictor.num_moe_layers_ = int(m["num_moe_layers"])
+    predictor.num_experts_ = [int(e) for e in m["num_experts"]]
+    predictor.top_k_ = [int(k) for k in m["top_k"]]
+    predictor.hidden_size_ = int(m.get("hidden_size") or 0)
+    predictor.trace_id_ = meta["trace"]["trace_id"]
+    predictor.fit_seconds_ = meta.get("fit", {}).get("seconds")
+    state_file = path / STATE_FILE
+    if not state_file.is_file():
+        raise MoelabError(f"predictor {str(path)!r} is incomplete: {STATE_FILE} is missing.")
+    tensors = load_file(str(state_file))
+    predictor.val_sequences_ = tensors.pop("val_sequences")
+    predictor.train_sequences_ = tensors.pop("train_sequences")
+    predictor._load_state(tensors, meta.get("state", {}), model)
+    predictor.metrics_ = meta.get("metrics", {})
+    return predictor

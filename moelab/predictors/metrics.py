@@ -1,0 +1,270 @@
+"""Honest predictor metrics: accuracy, recall@m, precision@m, GoodPred — per layer, per phase.
+
+Definitions, per (token, target MoE layer) pair, with ``P_m`` the first m predicted
+experts and ``A`` the experts the layer actually chose (``|A|`` = top-k):
+
+* ``accuracy = |P_K ∩ A| / |A|`` with K = top-k (ProMoE's accuracy);
+* ``recall@m = |P_m ∩ A| / |A|``, ``precision@m = |P_m ∩ A| / m``;
+* ``fetch_rate`` = share of the correct predictions ``P_K ∩ A`` whose transfer completes
+  before the layer routes (timing model: :mod:`moelab.predictors.timing`), decode only;
+* ``goodpred = |{e ∈ P_K ∩ A : in time}| / |A|`` (= accuracy × fetch rate).
+
+Every figure is the mean over the (token, layer) pairs of a group: per target layer and
+over all layers, for ``prefill``, ``decode`` and ``all`` tokens. :meth:`PredictionReport.write_dump`
+writes each pair's predicted and actual ids (and in-time flags) to Parquet so anyone can
+recompute them.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from moelab.errors import MoelabError
+from moelab.hardware import HardwareProfile
+from moelab.predictors.base import Predictor, as_trace_data
+from moelab.predictors.timing import (
+    expert_bytes_of,
+    in_time_schedule,
+    measure_latency_us,
+    transfer_model,
+)
+
+log = logging.getLogger(__name__)
+
+PHASES = ("prefill", "decode", "all")
+
+
+@dataclass
+class PredictionReport:
+    """What :func:`evaluate` measured. ``per_layer`` rows and ``overall`` per phase."""
+
+    kind: str
+    distance: int
+    params: dict[str, Any]
+    model_name: str
+    trace_id: str
+    split: str
+    top_k: int
+    m_values: list[int]
+    latency_us: float
+    transfer: dict[str, Any]
+    per_layer: list[dict[str, Any]]
+    overall: dict[str, dict[str, Any]]
+    rows: dict[str, np.ndarray] = field(repr=False, default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = {k: getattr(self, k) for k in ("kind", "distance", "params", "model_name", "trace_id", "split",
+                                            "top_k", "m_values", "latency_us", "transfer", "overall", "per_layer")}
+        return _clean(d)
+
+    def to_frame(self):
+        """``per_layer`` as a pandas DataFrame."""
+        import pandas as pd
+
+        return pd.DataFrame(self.per_layer)
+
+    def accuracy(self, phase: str = "decode") -> float:
+        return self.overall[phase]["accuracy"]
+
+    def dump_table(self):
+        """A ``pyarrow.Table``: one row per (token, target layer) with predicted and actual ids."""
+        import pyarrow as pa
+
+        r = self.rows
+        n = len(r["seq"])
+
+        def lists(mat, typ, valid=None):
+            width = mat.shape[1] if mat.ndim == 2 else 0
+            flat = mat.reshape(-1)
+            if valid is None:
+                offsets = np.arange(0, n * width + 1, width, dtype=np.int32)
+                return pa.ListArray.from_arrays(offsets, pa.array(flat, typ))
+            lens = valid.sum(1)
+            offsets = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+            return pa.ListArray.from_arrays(offsets, pa.array(mat[valid], typ))
+
+        return pa.table({
+            "seq": pa.array(r["seq"], pa.int64()),
+            "step": pa.array(r["step"], pa.int32()),
+            "pos": pa.array(r["pos"], pa.int32()),
+            "phase": pa.array(r["phase"].astype(str), pa.string()),
+            "token_id": pa.array(r["token_id"], pa.int64()),
+            "source_layer": pa.array(r["source"], pa.int32()),
+            "target_layer": pa.array(r["target"], pa.int32()),
+            "distance": pa.array(np.full(n, self.distance), pa.int32()),
+            "predicted": lists(r["predicted"], pa.int32()),
+            "actual": lists(r["actual"], pa.int32(), valid=r["actual"] >= 0),
+            "in_time": lists(r["in_time"], pa.bool_()),
+        })
+
+    def write_dump(self, path: str | Path) -> Path:
+        """Write :meth:`dump_table` as Parquet (atomically). Columns: seq, step, pos, phase,
+        token_id, source_layer, target_layer, distance, predicted (ranked, length max(m)),
+        actual (top-k by weight), in_time (per predicted rank: transfer done before the
+        target layer routes under the report's timing model; decode rows only)."""
+        import os
+
+        import pyarrow.parquet as pq
+
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.partial")
+        try:
+            pq.write_table(self.dump_table(), tmp)
+            os.replace(tmp, path)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        return path
+
+
+def _clean(obj):
+    if isinstance(obj, dict):
+        return {str(k): _clean(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_clean(v) for v in obj]
+    if isinstance(obj, np.generic):
+        obj = obj.item()
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    return obj
+
+
+def _aggregate(match: np.ndarray, n_actual: np.ndarray, in_time: np.ndarray, decode: np.ndarray,
+               K: int, m_values: list[int]) -> dict[str, Any]:
+    n = len(n_actual)
+    out: dict[str, Any] = {"pairs": int(n)}
+    if n == 0:
+        out.update({"accuracy": float("nan"), "fetch_rate": float("nan"), "goodpred": float("nan")})
+        for m in m_values:
+            out[f"recall@{m}"] = out[f"precision@{m}"] = float("nan")
+        return out
+    denom = np.maximum(n_actual, 1)
+    hits_k = match[:, :K].sum(1)
+    out["accuracy"] = float(np.mean(hits_k / denom))
+    for m in m_values:
+        hits = match[:, :m].sum(1)
+        out[f"recall@{m}"] = float(np.mean(hits / denom))
+        out[f"precision@{m}"] = float(np.mean(hits / m))
+    if decode.any():
+        good = (match[:, :K] & in_time[:, :K])[decode].sum(1)
+        correct = hits_k[decode].sum()
+        out["fetch_rate"] = float(good.sum() / correct) if correct else float("nan")
+        out["goodpred"] = float(np.mean(good / denom[decode]))
+    else:
+        out["fetch_rate"] = out["goodpred"] = float("nan")
+    return out
+
+
+def evaluate(
+    predictor: Predictor,
+    trace,
+    *,
+    sequences: np.ndarray | None = None,
+    m_values: list[int] | None = None,
+    hardware: str | HardwareProfile = "pcie4-x16",
+    expert_bytes: int | None = None,
+    layer_time_us: float | None = None,
+    link_bandwidth_gbs: float | None = None,
+    latency_us: float | None = None,
+    model: Any = None,
+) -> PredictionReport:
+    """Score a fitted predictor on a trace (of the same model).
+
+    Tokens: ``sequences`` if given; else, when ``trace`` is the trace the predictor was
+    fitted on and it holds out validation sequences (``val_sequences_``), only those; else
+    every sequence. ``expert_bytes`` defaults to the model's own expert size (loaded by
+    name if ``model`` is not given); ``latency_us`` defaults to the measured batch-1
+    latency (:func:`~moelab.predictors.timing.measure_latency_us`).
+    """
+    data = as_trace_data(trace)
+    tr = data.trace
+    predictor.check_model(tr.model_fingerprint, tr.meta["model"].get("name"))
+    idx = data.index
+    if sequences is not None:
+        split = "given sequences"
+        chosen = np.asarray(sequences, dtype=np.int64)
+    elif tr.trace_id == predictor.trace_id_ and getattr(predictor, "val_sequences_", None) is not None:
+        split = "held-out validation sequences of the fitting trace"
+        chosen = predictor.val_sequences_
+    else:
+        split = "all sequences" + (" (the fitting trace)" if tr.trace_id == predictor.trace_id_ else "")
+        chosen = None
+    tokens = idx.tokens_of(chosen)
+    if len(tokens) == 0:
+        raise MoelabError(f"no tokens to evaluate on in trace {str(tr.path)!r} ({split}).")
+    K = max(predictor.top_k_)
+    E = min(predictor.num_experts_)
+    m_values = sorted({m for m in (m_values or [1, 2, 4, 8, K]) if 1 <= m <= E} | {K})
+    M = max(m_values)
+
+    if latency_us is None:
+        latency_us = measure_latency_us(predictor, data)
+    timing_latency = 0.0 if not math.isfinite(latency_us) else latency_us
+    if expert_bytes is None:
+        from moelab.predictors.skip import resolve_model
+
+        model = resolve_model(tr.meta["model"]["name"], tr.model_fingerprint, model)
+        expert_bytes = expert_bytes_of(model)
+    tm = transfer_model(hardware, expert_bytes, timing_latency, layer_time_us, link_bandwidth_gbs)
+    schedule = in_time_schedule(predictor.timing, predictor.distance, predictor.top_k_, tm)  # (L, K)
+
+    parts: dict[str, list[np.ndarray]] = {k: [] for k in (
+        "tok", "source", "target", "predicted", "actual", "in_time")}
+    for layer in predictor.source_layers():
+        target = layer + predictor.distance
+        tok, pred = predictor.predict_trace(data, layer, tokens=tokens, m=M)
+        actual = data.experts[idx.rows[tok, target]][:, :K]
+        in_time = np.zeros((len(tok), M), dtype=bool)
+        kk = min(K, M)
+        in_time[:, :kk] = schedule[target, :kk]
+        in_time &= (idx.phase[tok] == "decode")[:, None]
+        parts["tok"].append(tok)
+        parts["source"].append(np.full(len(tok), layer, np.int32))
+        parts["target"].append(np.full(len(tok), target, np.int32))
+        parts["predicted"].append(pred)
+        parts["actual"].append(actual)
+        parts["in_time"].append(in_time)
+    cat = {k: np.concatenate(v) for k, v in parts.items()}
+    tok = cat["tok"]
+    rows = {
+        "seq": idx.seq[tok], "step": idx.step[tok], "pos": idx.pos[tok], "phase": idx.phase[tok],
+        "token_id": idx.token_id[tok], "source": cat["source"], "target": cat["target"],
+        "predicted": cat["predicted"], "actual": cat["actual"], "in_time": cat["in_time"],
+    }
+    pred, actual = cat["predicted"], cat["actual"]
+    match = (pred[:, :, None] == actual[:, None, :]).any(2) & (pred >= 0)  # (n, M)
+    n_actual = (actual >= 0).sum(1)
+    phase = rows["phase"]
+    decode = phase == "decode"
+
+    per_layer, overall = [], {}
+    for ph in PHASES:
+        sel = np.ones(len(tok), bool) if ph == "all" else phase == ph
+        overall[ph] = _aggregate(match[sel], n_actual[sel], cat["in_time"][sel], decode[sel], K, m_values)
+        for layer in predictor.source_layers():
+            s = sel & (cat["source"] == layer)
+            row = {"phase": ph, "source_layer": layer, "target_layer": layer + predictor.distance}
+            row.update(_aggregate(match[s], n_actual[s], cat["in_time"][s], decode[s], K, m_values))
+            per_layer.append(row)
+    return PredictionReport(
+        kind=predictor.kind,
+        distance=int(predictor.distance),
+        params=predictor.get_params(),
+        model_name=predictor.model_name_,
+        trace_id=tr.trace_id,
+        split=split,
+        top_k=K,
+        m_values=m_values,
+        latency_us=float(latency_us),
+        transfer={**tm.to_dict(), "timing": predictor.timing, "in_time": schedule.tolist()},
+        per_layer=per_layer,
+        overall=overall,
+        rows=rows,
+    )

@@ -1,0 +1,147 @@
+"""The prefetch timing model behind GoodPred (fetch rate), and batch-1 latency measurement.
+
+**Model** (decode, one token per forward, batch 1). Time 0 is when MoE layer 0 routes;
+MoE layer j routes — and needs its experts on the device — at ``R_j = j × T`` with
+``T = HardwareProfile.decode_layer_time_us``. The forward pass starts at ``-a × T``
+(``a = attention_fraction``: the attention before the first MoE block).
+
+* A **layer-wise** predictor (skip, learned, oracle) predicting MoE layer ``l + d`` from
+  layer l's router input is ready at ``R_l + latency``: its lead time is ``d × T − latency``.
+* An **iteration-wise** predictor (token) predicts from the token id at the start of the
+  forward, one layer after another: the prediction for the i-th target layer is ready at
+  ``−a × T + (i + 1) × latency``.
+* A **static** predictor (frequency) is ready at ``−a × T``.
+* As soon as a prediction is ready, its m = top-k experts are queued for transfer, best
+  first, on **one FIFO host→device link**; each transfer takes
+  ``link_latency_us + expert_bytes / link_bandwidth`` and starts when both the link is free
+  and its prediction is ready.
+* A correctly predicted expert is **fetched in time** if its transfer completes by
+  ``R_target``. FetchRate = in-time correct predictions / correct predictions;
+  GoodPred = Accuracy × FetchRate = in-time correct predictions / actual experts.
+
+**Assumptions** (all favour neither predictor kind): no expert cache — every predicted
+expert is transferred (a cache only helps, and is studied with ``moelab.caches``); the
+link is idle at the start of each forward; wrong predictions occupy the link like right
+ones; on-demand fetches of mispredicted experts are not modelled (they would compete for
+the link); the predictor runs on the CPU concurrently with the GPU and does not slow the
+layer; layer time does not depend on the prediction. Because issue times do not depend
+on the data, whether rank r of target layer j arrives in time is one boolean per
+``(j, r)``: :func:`in_time_schedule`. Prefill (many tokens per forward, shared experts)
+is not modelled: GoodPred is reported for decode tokens only.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from moelab.hardware import HardwareProfile, get_profile
+
+
+@dataclass(frozen=True)
+class TransferModel:
+    """The inputs of the GoodPred timing model."""
+
+    profile: HardwareProfile
+    """Link bandwidth/latency, layer time and attention fraction."""
+    expert_bytes: int
+    """Bytes moved per expert transfer."""
+    latency_us: float
+    """Predictor latency per layer per token (batch 1)."""
+
+    @property
+    def transfer_us(self) -> float:
+        return self.profile.transfer_time_us(self.expert_bytes)
+
+    def to_dict(self) -> dict:
+        return {
+            "profile": self.profile.name,
+            "link_bandwidth_gbs": self.profile.link_bandwidth_gbs,
+            "link_latency_us": self.profile.link_latency_us,
+            "decode_layer_time_us": self.profile.decode_layer_time_us,
+            "attention_fraction": self.profile.attention_fraction,
+            "expert_bytes": int(self.expert_bytes),
+            "transfer_us": self.transfer_us,
+            "predictor_latency_us": self.latency_us,
+        }
+
+
+def in_time_schedule(timing: str, distance: int, top_k: list[int], model: TransferModel) -> np.ndarray:
+    """(L, K) bool: whether rank r of the prediction for MoE layer j completes its transfer in time.
+
+    Rows of layers without a prediction (j < distance for layer-wise predictors) are False.
+    """
+    L, K = len(top_k), max(top_k)
+    T = model.profile.decode_layer_time_us
+    start = -model.profile.attention_fraction * T
+    lat = max(float(model.latency_us), 0.0)
+    xfer = model.transfer_us
+    targets = list(range(distance, L)) if timing == "layer" else list(range(L))
+    out = np.zeros((L, K), dtype=bool)
+    link_free = start
+    for i, j in enumerate(targets):
+        if timing == "layer":
+            ready = (j - distance) * T + lat
+        elif timing == "iteration":
+            ready = start + (i + 1) * lat
+        else:  # static
+            ready = start
+        for r in range(top_k[j]):
+            begin = max(link_free, ready)
+            link_free = begin + xfer
+            out[j, r] = link_free <= j * T + 1e-9
+    return out
+
+
+def expert_bytes_of(model) -> int:
+    """Bytes of one routed expert of ``model`` (MoE layer 0: its fused expert tensors / E)."""
+    from moelab.adapters import moe_layers
+
+    layer = moe_layers(model)[0]
+    total = sum(p.numel() * p.element_size() for p in layer.experts.parameters())
+    return int(total // max(layer.num_experts, 1))
+
+
+def measure_latency_us(predictor, data, *, calls: int = 200, warmup: int = 20) -> float:
+    """Median wall time (µs) of one online ``predict`` call for one token at one layer (batch 1).
+
+    Inputs are real rows of ``data`` (router input of the first source layer as recorded,
+    and the token id); input conversion is included, as it is part of the online path.
+    NaN for offline-only predictors (oracle).
+    """
+    if not predictor.online:
+        return float("nan")
+    layer = predictor.source_layers()[0]
+    tokens = data.index.pairs(layer, layer + predictor.distance)[:64]
+    if len(tokens) == 0:
+        return float("nan")
+    rows = data.index.rows[tokens, layer]
+    hidden = data.hidden[rows] if predictor.needs_hidden else None
+    ids = data.index.token_id[tokens]
+    samples = []
+    for i in range(warmup + calls):
+        j = i % len(tokens)
+        h = hidden[j : j + 1] if hidden is not None else None
+        t0 = time.perf_counter_ns()
+        predictor.predict(layer, hidden=h, token_ids=ids[j : j + 1])
+        if i >= warmup:
+            samples.append(time.perf_counter_ns() - t0)
+    return float(np.median(samples) / 1e3)
+
+
+def transfer_model(hardware: str | HardwareProfile, expert_bytes: int, latency_us: float,
+                   layer_time_us: float | None = None, link_bandwidth_gbs: float | None = None) -> TransferModel:
+    """A :class:`TransferModel` from a profile name and optional overrides."""
+    import dataclasses
+
+    profile = get_profile(hardware)
+    changes = {}
+    if layer_time_us is not None:
+        changes["decode_layer_time_us"] = float(layer_time_us)
+    if link_bandwidth_gbs is not None:
+        changes["link_bandwidth_gbs"] = float(link_bandwidth_gbs)
+    if changes:
+        profile = dataclasses.replace(profile, **changes)
+    return TransferModel(profile=profile, expert_bytes=int(expert_bytes), latency_us=float(latency_us))
