@@ -21,6 +21,7 @@ COMMAND_MODULES: list[str] = [
     "trace",
     "trace_info",
     "eval",
+    "predict",
     "demo",
 ]
 
