@@ -37,6 +37,7 @@ from torch import nn
 
 from moelab.adapters import MoELayer, get_adapter, make_routing, model_info, moe_layers
 from moelab.errors import MoelabError
+from moelab.trace.forward import inspect_forward
 from moelab.trace.schema import (
     HIDDEN_PATTERN,
     META_FILE,
@@ -219,23 +220,16 @@ class TraceRecorder:
         self._depth += 1
         if self._depth > 1:
             return None
-        input_ids = kwargs.get("input_ids", args[0] if args else None)
-        embeds = kwargs.get("inputs_embeds")
-        if input_ids is not None:
-            B, S = input_ids.shape[:2]
-            token_id = input_ids.detach().to("cpu", torch.int64).numpy()
-        elif embeds is not None:
-            B, S = embeds.shape[:2]
-            token_id = np.full((B, S), -1, dtype=np.int64)
-        else:
+        info = inspect_forward(args, kwargs)
+        if info is None:
             self._fwd = None
             return None
-        mask = kwargs.get("attention_mask")
-        if mask is not None and mask.dim() == 2:
-            cur = mask[:, -S:].detach().to("cpu").bool()
+        B, S, past = info.batch, info.seq_len, info.past_len
+        if info.input_ids is not None:
+            token_id = info.input_ids.detach().to("cpu", torch.int64).numpy()
         else:
-            cur = torch.ones(B, S, dtype=torch.bool)
-        past = _past_length(kwargs.get("past_key_values"))
+            token_id = np.full((B, S), -1, dtype=np.int64)
+        cur = info.mask.to("cpu")
         continuing = past > 0 and self._cur_seq is not None and len(self._cur_seq) == B
         if past > 0 and not continuing:
             log.warning("forward continues a KV cache of an unknown sequence; recording it as new sequences")
@@ -398,21 +392,6 @@ class TraceRecorder:
             },
             "metadata": self.metadata,
         }
-
-
-def _past_length(past) -> int:
-    if past is None:
-        return 0
-    get = getattr(past, "get_seq_length", None)
-    if get is not None:
-        try:
-            return int(get())
-        except Exception:  # noqa: BLE001 - caches without layers yet report nothing
-            return 0
-    try:  # legacy tuple of (k, v) per layer
-        return int(past[0][0].shape[-2])
-    except Exception:  # noqa: BLE001
-        return 0
 
 
 def _write_json_atomic(path: Path, obj: Any) -> None:
