@@ -34,6 +34,9 @@ _LAZY: dict[str, str] = {
     "open_trace": "moelab.trace",
     "build_tiny": "moelab.models.tiny",
     "FAMILIES": "moelab.models.tiny",
+    "ExpertDeferral": "moelab.policies",
+    "ExpertSkipping": "moelab.policies",
+    "RoutingPolicy": "moelab.policies",
 }
 
 
