@@ -1,0 +1,149 @@
+"""Metrics: recomputed independently from the CLI's --dump; the GoodPred timing model by hand."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+
+from moelab.cli import main
+from moelab.errors import MoelabError
+from moelab.hardware import (
+    HardwareProfile,
+    available_profiles,
+    get_profile,
+    reference_expert_bytes,
+)
+from moelab.predictors import evaluate, make_predictor
+from moelab.predictors.timing import TransferModel, in_time_schedule
+
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="module")
+def trace(tmp_path_factory):
+    from tests.test_predictors_conformance import record_trace
+
+    return record_trace(tmp_path_factory.mktemp("metrics") / "trace", n_seq=10)
+
+
+def _recompute(dump: pd.DataFrame, K: int, m_values: list[int]) -> dict:
+    """Metrics from the dump alone, with plain Python sets."""
+    out = {}
+    for phase in ("prefill", "decode", "all"):
+        d = dump if phase == "all" else dump[dump.phase == phase]
+        acc, rec, prec, good = [], {m: [] for m in m_values}, {m: [] for m in m_values}, []
+        hits_total = in_time_total = 0
+        for pred, actual, in_time, ph in zip(d.predicted, d.actual, d.in_time, d.phase):
+            a = set(actual.tolist())
+            hits = [e in a for e in pred[:K]]
+            acc.append(sum(hits) / len(a))
+            for m in m_values:
+                h = len(set(pred[:m].tolist()) & a)
+                rec[m].append(h / len(a))
+                prec[m].append(h / m)
+            if ph == "decode":
+                g = sum(h and t for h, t in zip(hits, in_time[:K]))
+                good.append(g / len(a))
+                hits_total += sum(hits)
+                in_time_total += g
+        out[phase] = {
+            "pairs": len(d),
+            "accuracy": float(np.mean(acc)),
+            **{f"recall@{m}": float(np.mean(rec[m])) for m in m_values},
+            **{f"precision@{m}": float(np.mean(prec[m])) for m in m_values},
+            "goodpred": float(np.mean(good)) if good else None,
+            "fetch_rate": in_time_total / hits_total if hits_total else None,
+        }
+    return out
+
+
+@pytest.mark.parametrize("kind", ["token", "learned"])
+def test_cli_metrics_match_an_independent_recomputation_from_the_dump(kind, trace, tmp_path, capsys):
+    dump = tmp_path / "dump.parquet"
+    code = main(["predict", "eval", "--trace", str(trace.path), "--predictor", kind, "--distance", "2",
+                 "--set", "progress=false", "--set", "max_epochs=3", "--json", "--dump", str(dump), "--m", "1,3",
+                 "--expert-bytes", "qwen2-57b-a14b", "--layer-time-us", "3000"] if kind == "learned" else
+                ["predict", "eval", "--trace", str(trace.path), "--predictor", kind, "--distance", "2",
+                 "--json", "--dump", str(dump), "--m", "1,3"])
+    assert code == 0
+    report = json.loads(capsys.readouterr().out)
+    df = pd.read_parquet(dump)
+    assert len(df) == report["overall"]["all"]["pairs"] and set(df.distance) == {2}
+    mine = _recompute(df, report["top_k"], report["m_values"])
+    for phase, vals in mine.items():
+        for key, v in vals.items():
+            assert report["overall"][phase][key] == pytest.approx(v), (phase, key)
+    # per layer too
+    for row in report["per_layer"]:
+        d = df if row["phase"] == "all" else df[df.phase == row["phase"]]
+        d = d[d.target_layer == row["target_layer"]]
+        acc = np.mean([len(set(p[: report["top_k"]]) & set(a)) / len(a) for p, a in zip(d.predicted, d.actual)])
+        assert row["accuracy"] == pytest.approx(acc)
+
+
+def test_eval_scores_only_the_held_out_sequences_of_the_fitting_trace(trace):
+    p = make_predictor("token", distance=1).fit(trace)
+    r = evaluate(p, trace)
+    assert "held-out" in r.split
+    assert set(np.unique(r.rows["seq"])) == set(p.val_sequences_.tolist())
+
+
+def test_oracle_scores_one_and_frequency_matches_its_table(trace):
+    r = evaluate(make_predictor("oracle", distance=1).fit(trace), trace)
+    assert r.overall["all"]["accuracy"] == 1.0
+    assert r.overall["all"][f"recall@{r.top_k}"] == 1.0
+
+
+def _profile(bw_gbs=1.0, layer_us=100.0, lat_us=0.0, a=0.5):
+    return HardwareProfile(name="t", link_bandwidth_gbs=bw_gbs, link_latency_us=lat_us,
+                           decode_layer_time_us=layer_us, attention_fraction=a)
+
+
+def test_in_time_schedule_layer_wise_by_hand():
+    # transfer = 40_000 B / (1 GB/s) = 40 µs; layer time 100 µs; latency 10 µs, d = 1, K = 2
+    tm = TransferModel(_profile(), expert_bytes=40_000, latency_us=10.0)
+    s = in_time_schedule("layer", 1, [2, 2, 2], tm)
+    # target 1: ready at 10, transfers end 50 and 90 ≤ 100 → both in time
+    # target 2: ready at 110, link free at 90 → ends 150, 190 ≤ 200 → in time
+    assert s.tolist() == [[False, False], [True, True], [True, True]]
+    tm = TransferModel(_profile(), expert_bytes=50_000, latency_us=10.0)  # 50 µs transfers
+    s = in_time_schedule("layer", 1, [2, 2, 2], tm)
+    assert s.tolist() == [[False, False], [True, False], [True, False]]  # 60 ok, 110 > 100
+
+
+def test_in_time_schedule_iteration_and_static_by_hand():
+    # forward starts at -50 µs; 30 µs transfers; iteration latency 10 µs per layer
+    tm = TransferModel(_profile(), expert_bytes=30_000, latency_us=10.0)
+    s = in_time_schedule("iteration", 1, [1, 1, 1], tm)
+    # layer 0: ready -40, done -10 ≤ 0; layer 1: done 20 ≤ 100; layer 2: done 50 ≤ 200
+    assert s.tolist() == [[True], [True], [True]]
+    tm = TransferModel(_profile(), expert_bytes=60_000, latency_us=0.0)
+    s = in_time_schedule("static", 1, [2, 2], tm)
+    # -50 + 60 = 10 > 0 (late), 70 > 0 (late), 130 ≤ 100? no, 190 > 100
+    assert s.tolist() == [[False, False], [False, False]]
+
+
+def test_goodpred_falls_as_the_link_gets_slower(trace):
+    p = make_predictor("token", distance=1).fit(trace)
+    goods = [evaluate(p, trace, expert_bytes=reference_expert_bytes("qwen2-57b-a14b"), link_bandwidth_gbs=bw,
+                      latency_us=20.0).overall["decode"]["goodpred"] for bw in (1000.0, 50.0, 5.0, 0.5)]
+    assert goods == sorted(goods, reverse=True) and goods[0] > goods[-1]
+    acc = evaluate(p, trace, expert_bytes=1, latency_us=0.0).overall["decode"]
+    assert acc["goodpred"] == pytest.approx(acc["accuracy"]) and acc["fetch_rate"] == 1.0
+
+
+def test_hardware_profiles_are_a_registry_with_did_you_mean():
+    assert {"pcie3-x16", "pcie4-x16", "pcie5-x16"} <= set(available_profiles())
+    hw = get_profile("pcie4-x16")
+    assert hw.transfer_time_us(25e6) == pytest.approx(hw.link_latency_us + 1000.0)
+    with pytest.raises(MoelabError, match="Did you mean 'pcie4-x16'"):
+        get_profile("pcie4-x61")
+    with pytest.raises(MoelabError, match="link_bandwidth_gbs"):
+        dataclasses.replace(hw, link_bandwidth_gbs=0)
+    with pytest.raises(MoelabError, match="Did you mean"):
+        reference_expert_bytes("mixtral-8x7")
