@@ -90,12 +90,18 @@ def add_model_arguments(p) -> None:
         help="bundled name, tiny-random-<family>, local directory or hub id",
     )
     p.add_argument("--dtype", default=None, help="model dtype (float32, bfloat16, ...)")
+    from moelab.policies.cli_args import add_policy_arguments
+
+    add_policy_arguments(p)
 
 
 @contextlib.contextmanager
 def model_context(args, model: Any) -> Iterator[Any]:
-    """The model as it should be scored: today as loaded; routing policies will wrap it here."""
-    yield model
+    """The model as it should be scored: with the routing policy the flags ask for, if any."""
+    from moelab.policies.cli_args import policy_context
+
+    with policy_context(args, model) as scored:
+        yield scored
 
 
 def run(args) -> int:

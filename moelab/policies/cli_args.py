@@ -1,0 +1,75 @@
+"""The routing-policy options shared by ``moelab eval``, ``moelab generate`` and friends.
+
+A thin layer: the flags map one to one onto :class:`DeferralConfig` / :class:`SkippingConfig`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+from moelab.policies.base import RoutingPolicy
+
+
+def _non_negative(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer ≥ 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer ≥ 0, got {value}")
+    return value
+
+
+def add_policy_arguments(p: argparse.ArgumentParser) -> None:
+    """``--deferred D | --skipped S``, ``--policy-phase``, ``--min-immediate``, ``--renormalize``."""
+    g = p.add_argument_group("routing policy (default: none)")
+    x = g.add_mutually_exclusive_group()
+    x.add_argument("--deferred", type=_non_negative, metavar="D",
+                   help="Expert Deferral: defer the D lowest-weight routed experts of every token "
+                        "to the next MoE layer (the last MoE layer never defers)")
+    x.add_argument("--skipped", type=_non_negative, metavar="S",
+                   help="Expert Skipping: drop the S lowest-weight routed experts of every token")
+    g.add_argument("--policy-phase", choices=("decode", "all"), default="decode",
+                   help="apply the policy in decode steps only (default) or in prefill too")
+    g.add_argument("--min-immediate", type=_non_negative, default=2, metavar="I",
+                   help="deferral guard: refuse settings that leave fewer immediate experts (default 2)")
+    g.add_argument("--renormalize", action="store_true",
+                   help="skipping: rescale the kept experts' weights to the original top-k total")
+
+
+def policy_from_args(model: Any, args: argparse.Namespace) -> RoutingPolicy | None:
+    """The policy the parsed flags ask for (not applied yet), or None."""
+    from moelab.policies.deferral import ExpertDeferral
+    from moelab.policies.skipping import ExpertSkipping
+
+    phase = getattr(args, "policy_phase", "decode")
+    if getattr(args, "deferred", None) is not None:
+        return ExpertDeferral(model, args.deferred, phase=phase, min_immediate=args.min_immediate)
+    if getattr(args, "skipped", None) is not None:
+        return ExpertSkipping(model, args.skipped, phase=phase, renormalize=args.renormalize)
+    return None
+
+
+def describe_policy(args: argparse.Namespace) -> dict[str, Any] | None:
+    """A JSON-ready description of the requested policy (for results), or None."""
+    if getattr(args, "deferred", None) is not None:
+        return {"policy": "deferral", "deferred": args.deferred, "phase": args.policy_phase,
+                "min_immediate": args.min_immediate}
+    if getattr(args, "skipped", None) is not None:
+        return {"policy": "skipping", "skipped": args.skipped, "phase": args.policy_phase,
+                "renormalize": args.renormalize}
+    return None
+
+
+@contextlib.contextmanager
+def policy_context(args: argparse.Namespace, model: Any) -> Iterator[Any]:
+    """``model`` with the requested policy applied for the duration of the block."""
+    policy = policy_from_args(model, args)
+    if policy is None:
+        yield model
+        return
+    with policy:
+        yield model
