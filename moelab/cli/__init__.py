@@ -21,6 +21,8 @@ COMMAND_MODULES: list[str] = [
     "trace",
     "trace_info",
     "eval",
+    "generate",
+    "compare_policies",
     "predict",
     "demo",
 ]

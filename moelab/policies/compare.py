@@ -1,0 +1,203 @@
+"""Deferral versus skipping: accuracy against the number of affected experts (KTransformers Fig. 13).
+
+>>> cmp = compare_policies(model, tok, tasks=["arith"], deferred=[0, 1, 2, 3], skipped=[0, 1, 2, 3], limit=20)
+>>> print(cmp.table())
+>>> cmp.heatmap().show()
+
+The unmodified model (0 affected experts) is scored once and is the baseline of both
+rows. The sweep lifts the guards (``min_immediate=0`` for deferral, ``min_kept=0`` for
+skipping) so it can go as far as the paper's figure, which defers or skips up to all
+routed experts; the last MoE layer never defers, while skipping acts on every MoE layer.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import asdict, dataclass, field
+from typing import Any, Literal
+
+from moelab.errors import MoelabError
+from moelab.policies.base import PolicyPhase
+
+log = logging.getLogger(__name__)
+
+PolicyKind = Literal["deferral", "skipping"]
+
+
+@dataclass
+class PolicyPoint:
+    """One cell of the comparison: a policy, a number of affected experts, a task."""
+
+    policy: PolicyKind
+    """``deferral`` or ``skipping``."""
+    n: int
+    """Experts deferred or skipped per token (0: the unmodified model)."""
+    task: str
+    """moelab task name."""
+    score: float
+    """The task's headline metric (exact match, pass@1) in [0, 1]."""
+    relative_change: float | None
+    """``100 · (score − baseline) / baseline`` in percent; None when the baseline is 0."""
+    n_docs: int
+    """Documents scored."""
+
+
+@dataclass
+class PolicyComparison:
+    """The result of :func:`compare_policies`."""
+
+    model: str
+    """The model's name."""
+    tasks: list[str]
+    """Tasks scored."""
+    phase: PolicyPhase
+    """Where the policies acted (``decode`` or ``all``)."""
+    renormalize: bool
+    """Whether skipping renormalised the kept weights."""
+    limit: int | None
+    """Documents per task (None: all)."""
+    points: list[PolicyPoint] = field(default_factory=list)
+    """Every (policy, n, task) cell; n = 0 is the shared baseline."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def cell(self, policy: str, n: int, task: str) -> PolicyPoint | None:
+        return next((p for p in self.points if p.policy == policy and p.n == n and p.task == task), None)
+
+    def counts(self, policy: str) -> list[int]:
+        return sorted({p.n for p in self.points if p.policy == policy})
+
+    def table(self) -> str:
+        """Plain text: per task and policy, ``score (relative change %)`` for each n."""
+        ns = sorted({p.n for p in self.points})
+        header = ["task", "policy", *[f"n={n}" for n in ns]]
+        rows = [header]
+        for task in self.tasks:
+            for policy in ("deferral", "skipping"):
+                if not self.counts(policy):
+                    continue
+                row = [task, policy]
+                for n in ns:
+                    c = self.cell(policy, n, task)
+                    row.append("" if c is None else f"{c.score:.3f} ({_pct(c.relative_change)})")
+                rows.append(row)
+        widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
+        lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+        lines.append(f"# n = experts deferred/skipped per token; (relative change vs n=0); phase={self.phase}, "
+                     f"limit={self.limit}, skipping renormalize={self.renormalize}")
+        return "\n".join(lines)
+
+    def heatmap(self):
+        """A plotly heatmap: rows policy × task, columns n, colour the relative change (%)."""
+        import plotly.graph_objects as go
+
+        ns = sorted({p.n for p in self.points})
+        ys, z, text = [], [], []
+        for task in self.tasks:
+            for policy in ("deferral", "skipping"):
+                if not self.counts(policy):
+                    continue
+                ys.append(f"{policy} · {task}")
+                cells = [self.cell(policy, n, task) for n in ns]
+                z.append([None if c is None else c.relative_change for c in cells])
+                text.append(["" if c is None else f"{c.score:.3f}<br>{_pct(c.relative_change)}" for c in cells])
+        fig = go.Figure(go.Heatmap(
+            x=[str(n) for n in ns], y=ys, z=z, text=text, texttemplate="%{text}",
+            colorscale="RdBu", zmid=0, colorbar={"title": "Δ accuracy (%)"},
+            hovertemplate="%{y}, n=%{x}: %{text}<extra></extra>",
+        ))
+        fig.update_layout(
+            title=f"{self.model}: relative accuracy change vs experts deferred or skipped "
+                  f"(phase={self.phase}, limit={self.limit})",
+            xaxis_title="experts affected per token", yaxis_title="", yaxis_autorange="reversed",
+        )
+        return fig
+
+    def line_figure(self):
+        """Accuracy versus n, one line per policy and task (the shape of the paper's Figure 13)."""
+        import plotly.graph_objects as go
+
+        fig = go.Figure()
+        for task in self.tasks:
+            for policy, dash in (("deferral", "solid"), ("skipping", "dash")):
+                pts = sorted((p for p in self.points if p.policy == policy and p.task == task), key=lambda p: p.n)
+                if pts:
+                    fig.add_trace(go.Scatter(x=[p.n for p in pts], y=[p.score for p in pts], mode="lines+markers",
+                                             name=f"{policy} · {task}", line={"dash": dash}))
+        fig.update_layout(title=f"{self.model}: accuracy vs experts deferred or skipped",
+                          xaxis_title="experts affected per token", yaxis_title="accuracy")
+        return fig
+
+    def write_html(self, path) -> None:
+        """The heatmap as a self-contained HTML file (plotly embedded, opens offline)."""
+        self.heatmap().write_html(str(path), include_plotlyjs=True)
+
+
+def _pct(x: float | None) -> str:
+    return "n/a" if x is None else f"{x:+.1f}%"
+
+
+def compare_policies(
+    model: Any,
+    tokenizer: Any,
+    tasks: str | list[str] = ("arith",),
+    *,
+    deferred: list[int] = (0, 1, 2),
+    skipped: list[int] = (0, 1, 2),
+    limit: int | None = None,
+    phase: PolicyPhase = "decode",
+    renormalize: bool = False,
+    model_name: str | None = None,
+    **eval_settings: Any,
+) -> PolicyComparison:
+    """Score ``model`` unmodified and under each deferral and skipping count on ``tasks``.
+
+    ``eval_settings`` go to :func:`moelab.evals.evaluate` (``batch_size``, ``max_gen_toks``,
+    ``allow_code_execution``, ``gsm8k_dir``, ...). All settings are checked against the
+    model before anything is scored.
+    """
+    from moelab.evals import evaluate
+    from moelab.policies.deferral import ExpertDeferral
+    from moelab.policies.skipping import ExpertSkipping
+
+    task_list = [t.strip() for t in tasks.split(",")] if isinstance(tasks, str) else list(tasks)
+    runs: list[tuple[str, int, Any]] = []
+    for n in sorted(set(deferred)):
+        if n:
+            runs.append(("deferral", n, ExpertDeferral(model, n, phase=phase, min_immediate=0)))
+    for n in sorted(set(skipped)):
+        if n:
+            runs.append(("skipping", n, ExpertSkipping(model, n, phase=phase, renormalize=renormalize, min_kept=0)))
+    if not runs and not (0 in deferred or 0 in skipped):
+        raise MoelabError("nothing to compare: pass deferred and/or skipped counts, e.g. [0, 1, 2].")
+    for _, _, policy in runs:  # refuse a setting that does not fit the model before scoring anything
+        with policy:
+            pass
+
+    name = model_name or str(getattr(model, "name_or_path", "") or type(model).__name__)
+    cmp = PolicyComparison(model=name, tasks=task_list, phase=phase, renormalize=renormalize, limit=limit)
+
+    def score(policy) -> dict[str, tuple[float, int]]:
+        if policy is None:
+            result = evaluate(model, tokenizer, task_list, limit=limit, model_name=name, **eval_settings)
+        else:
+            with policy:
+                result = evaluate(model, tokenizer, task_list, limit=limit, model_name=name, **eval_settings)
+        return {t: (r.score, r.n_docs) for t, r in result.tasks.items()}
+
+    log.info("scoring the unmodified model on %s", ", ".join(task_list))
+    base = score(None)
+    for kind, counts in (("deferral", deferred), ("skipping", skipped)):
+        if 0 in counts or any(counts):
+            for task, (s, n_docs) in base.items():
+                cmp.points.append(PolicyPoint(kind, 0, task, s, 0.0 if s else None, n_docs))
+    from tqdm.auto import tqdm
+
+    for kind, n, policy in tqdm(runs, desc="policies", disable=not runs):
+        log.info("scoring %s n=%d", kind, n)
+        for task, (s, n_docs) in score(policy).items():
+            b = base[task][0]
+            rel = 100.0 * (s - b) / b if b else None
+            cmp.points.append(PolicyPoint(kind, n, task, s, rel, n_docs))  # type: ignore[arg-type]
+    return cmp
