@@ -1,0 +1,193 @@
+// AVX-512 path (F/BW/VL + VNNI + BF16: Cooper Lake, Sapphire Rapids, Zen 4 and later).
+// bf16 uses vdpbf16ps, int8/int4 use vpdpbusd on unsigned (offset) weights and int8
+// activations; fp32 uses FMA with broadcast activations. Register blocking: MT row
+// tiles (16 rows each) x NT tokens of accumulators; weights stream once per token tile.
+#include <immintrin.h>
+
+#include "moe_kernels.h"
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx512bf16,avx2,fma,f16c")
+#include "moe_generic.h"
+
+namespace moelab {
+namespace {
+
+struct TilePtrs {
+  const void* x[8];
+  const float* sx[8];
+  const int32_t* corr[8];
+};
+
+inline int32_t load_i32(const void* p) { int32_t v; __builtin_memcpy(&v, p, 4); return v; }
+
+template <int MT, int NT>
+void mk_f32(const MatView& m, int tile, const TilePtrs& p, float* out, size_t ldo) {
+  __m512 acc[MT][NT];
+  const float* w[MT];
+  const float* x[NT];
+  for (int i = 0; i < MT; ++i) w[i] = reinterpret_cast<const float*>(m.w + size_t(tile + i) * m.tile_bytes);
+  for (int t = 0; t < NT; ++t) x[t] = static_cast<const float*>(p.x[t]);
+  for (int i = 0; i < MT; ++i)
+    for (int t = 0; t < NT; ++t) acc[i][t] = _mm512_setzero_ps();
+  for (int k = 0; k < m.kd; ++k) {
+    __m512 wv[MT];
+    for (int i = 0; i < MT; ++i) wv[i] = _mm512_load_ps(w[i] + size_t(k) * 16);
+    for (int t = 0; t < NT; ++t) {
+      const __m512 xb = _mm512_set1_ps(x[t][k]);
+      for (int i = 0; i < MT; ++i) acc[i][t] = _mm512_fmadd_ps(wv[i], xb, acc[i][t]);
+    }
+  }
+  for (int t = 0; t < NT; ++t)
+    for (int i = 0; i < MT; ++i) _mm512_storeu_ps(out + size_t(t) * ldo + i * 16, acc[i][t]);
+}
+
+template <int MT, int NT>
+void mk_bf16(const MatView& m, int tile, const TilePtrs& p, float* out, size_t ldo) {
+  __m512 acc[MT][NT];
+  const uint16_t* w[MT];
+  const uint16_t* x[NT];
+  for (int i = 0; i < MT; ++i) w[i] = reinterpret_cast<const uint16_t*>(m.w + size_t(tile + i) * m.tile_bytes);
+  for (int t = 0; t < NT; ++t) x[t] = static_cast<const uint16_t*>(p.x[t]);
+  for (int i = 0; i < MT; ++i)
+    for (int t = 0; t < NT; ++t) acc[i][t] = _mm512_setzero_ps();
+  const int k2n = m.kd / 2;
+  for (int k2 = 0; k2 < k2n; ++k2) {
+    __m512bh wv[MT];
+    for (int i = 0; i < MT; ++i) wv[i] = (__m512bh)_mm512_load_si512(w[i] + size_t(k2) * 32);
+    for (int t = 0; t < NT; ++t) {
+      const __m512bh xb = (__m512bh)_mm512_set1_epi32(load_i32(x[t] + 2 * k2));
+      for (int i = 0; i < MT; ++i) acc[i][t] = _mm512_dpbf16_ps(acc[i][t], wv[i], xb);
+    }
+  }
+  for (int t = 0; t < NT; ++t)
+    for (int i = 0; i < MT; ++i) _mm512_storeu_ps(out + size_t(t) * ldo + i * 16, acc[i][t]);
+}
+
+template <bool I4, int MT, int NT>
+void mk_int(const MatView& m, int tile, const TilePtrs& p, float* out, size_t ldo) {
+  __m512 facc[MT][NT];
+  const uint8_t* w[MT];
+  const float* sc[MT];
+  const int8_t* x[NT];
+  for (int i = 0; i < MT; ++i) {
+    w[i] = m.w + size_t(tile + i) * m.tile_bytes;
+    sc[i] = m.scales + size_t(tile + i) * m.scale_tile;
+  }
+  for (int t = 0; t < NT; ++t) x[t] = static_cast<const int8_t*>(p.x[t]);
+  for (int i = 0; i < MT; ++i)
+    for (int t = 0; t < NT; ++t) facc[i][t] = _mm512_setzero_ps();
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  const int groups = m.kd / m.group;
+  const int step = I4 ? 8 : 4;
+  for (int g = 0; g < groups; ++g) {
+    __m512i iacc[MT][NT];
+    for (int i = 0; i < MT; ++i)
+      for (int t = 0; t < NT; ++t) iacc[i][t] = _mm512_setzero_si512();
+    const int k_end = (g + 1) * m.group;
+    for (int k = g * m.group; k < k_end; k += step) {
+      const size_t off = size_t(k / step) * 64;
+      if constexpr (I4) {
+        __m512i lo[MT], hi[MT];
+        for (int i = 0; i < MT; ++i) {
+          const __m512i v = _mm512_load_si512(w[i] + off);
+          lo[i] = _mm512_and_si512(v, low4);
+          hi[i] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+        }
+        for (int t = 0; t < NT; ++t) {
+          const __m512i x0 = _mm512_set1_epi32(load_i32(x[t] + k));
+          const __m512i x1 = _mm512_set1_epi32(load_i32(x[t] + k + 4));
+          for (int i = 0; i < MT; ++i) {
+            iacc[i][t] = _mm512_dpbusd_epi32(iacc[i][t], lo[i], x0);
+            iacc[i][t] = _mm512_dpbusd_epi32(iacc[i][t], hi[i], x1);
+          }
+        }
+      } else {
+        __m512i wv[MT];
+        for (int i = 0; i < MT; ++i) wv[i] = _mm512_load_si512(w[i] + off);
+        for (int t = 0; t < NT; ++t) {
+          const __m512i xb = _mm512_set1_epi32(load_i32(x[t] + k));
+          for (int i = 0; i < MT; ++i) iacc[i][t] = _mm512_dpbusd_epi32(iacc[i][t], wv[i], xb);
+        }
+      }
+    }
+    for (int t = 0; t < NT; ++t) {
+      const __m512i c = _mm512_set1_epi32(p.corr[t][g]);
+      const __m512 s = _mm512_set1_ps(p.sx[t][g]);
+      for (int i = 0; i < MT; ++i) {
+        const __m512 f = _mm512_cvtepi32_ps(_mm512_sub_epi32(iacc[i][t], c));
+        const __m512 scale = _mm512_mul_ps(_mm512_load_ps(sc[i] + size_t(g) * 16), s);
+        facc[i][t] = _mm512_fmadd_ps(f, scale, facc[i][t]);
+      }
+    }
+  }
+  for (int t = 0; t < NT; ++t)
+    for (int i = 0; i < MT; ++i) _mm512_storeu_ps(out + size_t(t) * ldo + i * 16, facc[i][t]);
+}
+
+template <int MT, int NT>
+void mk_dispatch(const MatView& m, int tile, const TilePtrs& p, float* out, size_t ldo) {
+  // Only register-resident blockings are instantiated (the driver never asks for more).
+  if constexpr (MT * NT <= 16) {
+    switch (m.wtype) {
+      case W_F32: mk_f32<MT, NT>(m, tile, p, out, ldo); break;
+      case W_BF16: mk_bf16<MT, NT>(m, tile, p, out, ldo); break;
+      case W_INT8: if constexpr (MT * NT <= 8) mk_int<false, MT, NT>(m, tile, p, out, ldo); break;
+      default: if constexpr (MT * NT <= 8) mk_int<true, MT, NT>(m, tile, p, out, ldo); break;
+    }
+  }
+}
+
+template <int MT>
+void mk_nt(int nt, const MatView& m, int tile, const TilePtrs& p, float* out, size_t ldo) {
+  switch (nt) {
+    case 1: mk_dispatch<MT, 1>(m, tile, p, out, ldo); break;
+    case 2: mk_dispatch<MT, 2>(m, tile, p, out, ldo); break;
+    case 3: mk_dispatch<MT, 3>(m, tile, p, out, ldo); break;
+    case 4: mk_dispatch<MT, 4>(m, tile, p, out, ldo); break;
+    case 5: mk_dispatch<MT, 5>(m, tile, p, out, ldo); break;
+    case 6: mk_dispatch<MT, 6>(m, tile, p, out, ldo); break;
+    case 7: mk_dispatch<MT, 7>(m, tile, p, out, ldo); break;
+    default: mk_dispatch<MT, 8>(m, tile, p, out, ldo); break;
+  }
+}
+
+void gemm_avx512(const MatView& m, int tile0, int ntiles, const ActView& a, int n, float* out,
+                 size_t ldo) {
+  const bool is_int = m.wtype == W_INT8 || m.wtype == W_INT4;
+  const int nt_max = is_int ? 4 : 8;
+  const size_t esize = m.wtype == W_F32 ? 4 : (m.wtype == W_BF16 ? 2 : 1);
+  // Decode (one token tile): four row tiles in flight for memory-level parallelism.
+  const int mt_max = n <= 2 ? 4 : 2;
+  for (int ti = 0; ti < ntiles; ti += mt_max) {
+    const int mt = ntiles - ti < mt_max ? ntiles - ti : mt_max;
+    for (int t0 = 0; t0 < n; t0 += nt_max) {
+      const int nt = n - t0 < nt_max ? n - t0 : nt_max;
+      TilePtrs p;
+      for (int t = 0; t < nt; ++t) {
+        const size_t row = size_t(a.rows[t0 + t]);
+        p.x[t] = static_cast<const uint8_t*>(a.base) + row * a.ld * esize;
+        if (is_int) {
+          p.sx[t] = a.sx + row * a.ldg;
+          p.corr[t] = a.corr + row * a.ldg;
+        }
+      }
+      float* o = out + size_t(t0) * ldo + size_t(ti) * 16;
+      int done = 0;
+      while (done < mt) {  // mt in {1..4}: run as 4, 2 or 1 tiles
+        const int left = mt - done;
+        const int tile = tile0 + ti + done;
+        if (left >= 4 && n <= 2) { mk_nt<4>(nt, m, tile, p, o + done * 16, ldo); done += 4; }
+        else if (left >= 2) { mk_nt<2>(nt, m, tile, p, o + done * 16, ldo); done += 2; }
+        else { mk_nt<1>(nt, m, tile, p, o + done * 16, ldo); done += 1; }
+      }
+    }
+  }
+}
+
+}  // namespace
+
+IsaOps avx512_ops() { return IsaOps{gemm_avx512, quant_generic, act_generic}; }
+
+}  // namespace moelab
+#pragma GCC pop_options

@@ -1,0 +1,142 @@
+// Scalar building blocks shared by every ISA translation unit: activation epilogue,
+// activation quantisation and the portable GEMM. Everything has internal linkage so
+// that each ISA unit gets its own copy compiled for its target (no ODR merging of
+// AVX-512 code into the portable path). Loops are written to auto-vectorise.
+#pragma once
+#include "moe_kernels.h"
+
+namespace moelab {
+namespace {
+
+inline float bits_to_f32(uint32_t b) { float f; __builtin_memcpy(&f, &b, 4); return f; }
+inline uint32_t f32_to_bits(float f) { uint32_t b; __builtin_memcpy(&b, &f, 4); return b; }
+inline float bf16_to_f32(uint16_t v) { return bits_to_f32(uint32_t(v) << 16); }
+
+// exp(x) with ~1 ulp error on [-87, 88] (Cephes polynomial); branch-free so it vectorises.
+inline float exp_approx(float x) {
+  x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
+  float n = __builtin_floorf(x * 1.44269504088896341f + 0.5f);
+  float r = x - n * 0.693359375f;
+  r = r - n * -2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  return p * bits_to_f32(uint32_t(int32_t(n) + 127) << 23);
+}
+
+void act_generic(const float* gu, size_t ldgu, const float* bias, int n, int rows, int act,
+                 float alpha, float limit, float* h, size_t ldh) {
+  const int tiles = rows / 16;
+  for (int t = 0; t < n; ++t) {
+    const float* src = gu + size_t(t) * ldgu;
+    float* dst = h + size_t(t) * ldh;
+    for (int i = 0; i < tiles; ++i) {
+      const float* g = src + size_t(2 * i) * 16;
+      const float* u = g + 16;
+      const float* bg = bias ? bias + size_t(2 * i) * 16 : nullptr;
+      float* o = dst + size_t(i) * 16;
+      if (act == ACT_SILU) {
+        for (int l = 0; l < 16; ++l) {
+          float gv = g[l] + (bg ? bg[l] : 0.0f);
+          float uv = u[l] + (bg ? bg[16 + l] : 0.0f);
+          o[l] = gv / (1.0f + exp_approx(-gv)) * uv;
+        }
+      } else {  // gpt_oss: clamped SwiGLU, (up + 1) * gate * sigmoid(alpha * gate)
+        for (int l = 0; l < 16; ++l) {
+          float gv = g[l] + (bg ? bg[l] : 0.0f);
+          float uv = u[l] + (bg ? bg[16 + l] : 0.0f);
+          gv = gv > limit ? limit : gv;
+          uv = uv > limit ? limit : (uv < -limit ? -limit : uv);
+          o[l] = (uv + 1.0f) * (gv / (1.0f + exp_approx(-alpha * gv)));
+        }
+      }
+    }
+  }
+}
+
+void quant_generic(const float* src, size_t lds, int n, int kd, int group, int offset, int8_t* q,
+                   size_t ldq, float* sx, int32_t* corr, size_t ldg) {
+  const int groups = kd / group;
+  for (int r = 0; r < n; ++r) {
+    const float* x = src + size_t(r) * lds;
+    int8_t* qr = q + size_t(r) * ldq;
+    for (int g = 0; g < groups; ++g) {
+      const float* xg = x + size_t(g) * group;
+      float amax = 0.0f;
+      for (int j = 0; j < group; ++j) {
+        float a = __builtin_fabsf(xg[j]);
+        amax = a > amax ? a : amax;
+      }
+      const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+      int32_t sum = 0;
+      for (int j = 0; j < group; ++j) {
+        int32_t v = int32_t(__builtin_rintf(xg[j] * inv));
+        qr[size_t(g) * group + j] = int8_t(v);
+        sum += v;
+      }
+      sx[size_t(r) * ldg + g] = amax / 127.0f;
+      corr[size_t(r) * ldg + g] = offset * sum;
+    }
+  }
+}
+
+// Reference-order scalar GEMM over the packed layout (the portable path).
+void gemm_generic(const MatView& m, int tile0, int ntiles, const ActView& a, int n, float* out,
+                  size_t ldo) {
+  const int kd = m.kd;
+  for (int ti = 0; ti < ntiles; ++ti) {
+    const uint8_t* w = m.w + size_t(tile0 + ti) * m.tile_bytes;
+    for (int t = 0; t < n; ++t) {
+      float acc[16] = {0};
+      const size_t row = size_t(a.rows[t]);
+      if (m.wtype == W_F32) {
+        const float* wf = reinterpret_cast<const float*>(w);
+        const float* x = static_cast<const float*>(a.base) + row * a.ld;
+        for (int k = 0; k < kd; ++k)
+          for (int l = 0; l < 16; ++l) acc[l] += wf[size_t(k) * 16 + l] * x[k];
+      } else if (m.wtype == W_BF16) {
+        const uint16_t* wb = reinterpret_cast<const uint16_t*>(w);
+        const uint16_t* x = static_cast<const uint16_t*>(a.base) + row * a.ld;
+        for (int k = 0; k < kd; k += 2) {
+          const float x0 = bf16_to_f32(x[k]), x1 = bf16_to_f32(x[k + 1]);
+          const uint16_t* wk = wb + size_t(k) * 16;
+          for (int l = 0; l < 16; ++l)
+            acc[l] += bf16_to_f32(wk[2 * l]) * x0 + bf16_to_f32(wk[2 * l + 1]) * x1;
+        }
+      } else {
+        const int8_t* x = static_cast<const int8_t*>(a.base) + row * a.ld;
+        const float* sc = m.scales + size_t(tile0 + ti) * m.scale_tile;
+        const int groups = kd / m.group;
+        const bool i4 = m.wtype == W_INT4;
+        for (int g = 0; g < groups; ++g) {
+          int32_t iacc[16] = {0};
+          for (int k = g * m.group; k < (g + 1) * m.group; k += i4 ? 8 : 4) {
+            const uint8_t* blk = w + size_t(i4 ? k / 8 : k / 4) * 64;
+            for (int l = 0; l < 16; ++l)
+              for (int j = 0; j < 4; ++j) {
+                const uint8_t b = blk[l * 4 + j];
+                if (i4) {
+                  iacc[l] += int32_t(b & 15) * x[k + j] + int32_t(b >> 4) * x[k + 4 + j];
+                } else {
+                  iacc[l] += int32_t(b) * x[k + j];
+                }
+              }
+          }
+          const float s = a.sx[row * a.ldg + g];
+          const int32_t c = a.corr[row * a.ldg + g];
+          for (int l = 0; l < 16; ++l)
+            acc[l] += float(iacc[l] - c) * (sc[size_t(g) * 16 + l] * s);
+        }
+      }
+      float* o = out + size_t(t) * ldo + size_t(ti) * 16;
+      for (int l = 0; l < 16; ++l) o[l] = acc[l];
+    }
+  }
+}
+
+}  // namespace
+}  // namespace moelab

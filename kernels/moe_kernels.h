@@ -1,0 +1,72 @@
+// moelab fused MoE expert kernels: shared declarations.
+//
+// Shape legend: T tokens, K top-k, E experts, H hidden, I intermediate,
+// S = T*K (token, expert) pairs, G groups along a reduction dimension.
+//
+// Packed layout (built once by moelab/kernels/packing.py, 64-byte aligned):
+// a matrix W[N rows][Kd reduction] is stored as N/16 row tiles; inside a tile,
+//   f32 : [Kd][16]            (one 64-byte line per k)
+//   bf16: [Kd/2][16][2]       (one line per 2 k; vdpbf16ps pairs)
+//   int8: [Kd/4][16][4] u8    (one line per 4 k; value = q + 128; vpdpbusd quads)
+//   int4: [Kd/8][16][4] u8    (one line per 8 k; low nibble k+j, high nibble k+4+j;
+//                              value = q + 8)
+// int8/int4 scales are fp32 [N/16][G][16]. Gate and up rows are interleaved per tile
+// (gate tile i, then up tile i) so one pass over the weights yields both.
+//
+// This header is included by the ISA translation units, which are compiled with
+// target pragmas: it must not include torch or other template-heavy headers.
+#pragma once
+#include <cstddef>
+#include <cstdint>
+
+namespace moelab {
+
+enum WeightType : int { W_F32 = 0, W_BF16 = 1, W_INT8 = 2, W_INT4 = 3 };
+enum ActKind : int { ACT_SILU = 0, ACT_GPT_OSS = 1 };
+enum Isa : int { ISA_PORTABLE = 0, ISA_AVX2 = 1, ISA_AVX512 = 2 };
+
+// Activations for one GEMM call: row r of the input is base + rows[r] * ld.
+struct ActView {
+  const void* base;       // f32 / bf16(uint16) / int8 elements
+  const int32_t* rows;    // n row indices
+  size_t ld;              // elements per row
+  const float* sx;        // int only: per-(row, group) scale, row stride ldg
+  const int32_t* corr;    // int only: offset * sum(q) per (row, group)
+  size_t ldg;
+};
+
+// One expert's packed matrix.
+struct MatView {
+  const uint8_t* w;       // first tile of this expert
+  size_t tile_bytes;      // bytes per 16-row tile
+  const float* scales;    // int only: first tile's scales
+  size_t scale_tile;      // floats per tile of scales (G*16)
+  int kd;                 // padded reduction length
+  int group;              // int only
+  int wtype;
+};
+
+// out[r * ldo + (tile - tile0) * 16 + lane] = dot(row, W row) for ntiles tiles, n rows.
+using GemmFn = void (*)(const MatView& m, int tile0, int ntiles, const ActView& a, int n,
+                        float* out, size_t ldo);
+
+// Quantise n rows of fp32 (length kd, zero padded) to int8 per group; offset is the
+// unsigned offset of the weights (128 int8, 8 int4) folded into corr.
+using QuantFn = void (*)(const float* src, size_t lds, int n, int kd, int group, int offset,
+                         int8_t* q, size_t ldq, float* sx, int32_t* corr, size_t ldg);
+
+// Stage-1 epilogue: gate/up dot products laid out by tile pairs -> activated h (fp32).
+using ActFn = void (*)(const float* gu, size_t ldgu, const float* bias, int n, int rows,
+                       int act, float alpha, float limit, float* h, size_t ldh);
+
+struct IsaOps {
+  GemmFn gemm;
+  QuantFn quant;
+  ActFn act;
+};
+
+IsaOps portable_ops();
+IsaOps avx2_ops();
+IsaOps avx512_ops();
+
+}  // namespace moelab

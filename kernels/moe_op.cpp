@@ -1,0 +1,287 @@
+// moelab fused MoE experts operator: routing, threading and ISA dispatch.
+//
+// out[t] = sum_k w[t,k] * down_e(act(gate_e x_t, up_e x_t)), e = ids[t,k]
+//
+// Stage 1 tasks are (expert, intermediate slice) pairs, largest experts first, pulled
+// dynamically by OpenMP threads; each computes gate and up for all of that expert's
+// tokens in one pass over the slice's weights and writes the activated h (in the
+// stage-2 input format: fp32, bf16 or int8 + group scales).
+// Stage 2 tasks are output-row slices; each walks the active experts in a fixed order
+// and accumulates router-weighted results straight into its slice of the output, so
+// there are no races and the result does not depend on the thread count.
+#include <omp.h>
+#include <torch/extension.h>
+
+#include <algorithm>
+#include <cstring>
+#include <vector>
+
+#include "moe_kernels.h"
+
+namespace moelab {
+namespace {
+
+constexpr int kSlice2 = 64;  // output rows per stage-2 task
+
+inline uint16_t f32_to_bf16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  u += 0x7FFFu + ((u >> 16) & 1u);  // round to nearest even
+  return uint16_t(u >> 16);
+}
+
+IsaOps ops_for(int isa) {
+  switch (isa) {
+    case ISA_AVX512: return avx512_ops();
+    case ISA_AVX2: return avx2_ops();
+    default: return portable_ops();
+  }
+}
+
+size_t tile_bytes(int wtype, int kd) {
+  switch (wtype) {
+    case W_F32: return size_t(64) * kd;
+    case W_BF16: return size_t(32) * kd;
+    case W_INT8: return size_t(16) * kd;
+    default: return size_t(8) * kd;
+  }
+}
+
+}  // namespace
+
+// meta: E, H, I, Kp1, Ip, Hp, wtype, group, act, isa, nthreads, slice1
+at::Tensor moe_forward(const at::Tensor& x, const at::Tensor& ids, const at::Tensor& wts,
+                       const at::Tensor& w1, const at::Tensor& s1, const at::Tensor& b1,
+                       const at::Tensor& w2, const at::Tensor& s2, const at::Tensor& b2,
+                       std::vector<int64_t> meta, double alpha, double limit) {
+  TORCH_CHECK(meta.size() == 12, "moelab: meta must have 12 entries");
+  const int E = int(meta[0]), H = int(meta[1]), Kp1 = int(meta[3]), Ip = int(meta[4]),
+            Hp = int(meta[5]), wtype = int(meta[6]), group = int(meta[7]), act = int(meta[8]),
+            isa = int(meta[9]), nthreads = std::max(1, int(meta[10])), S1 = int(meta[11]);
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == H, "moelab: hidden states must be (T, ", H, ")");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
+              "moelab: hidden states must be float32 or bfloat16");
+  TORCH_CHECK(ids.dim() == 2 && ids.size(0) == x.size(0), "moelab: top_k_index must be (T, K)");
+  TORCH_CHECK(wts.sizes() == ids.sizes(), "moelab: top_k_weights must match top_k_index");
+  TORCH_CHECK(S1 % 16 == 0 && Ip % S1 == 0 && Hp % 16 == 0, "moelab: bad packed geometry");
+  const bool is_int = wtype == W_INT8 || wtype == W_INT4;
+  const int offset = wtype == W_INT8 ? 128 : 8;
+  const int64_t T = x.size(0), K = ids.size(1), S = T * K;
+  at::Tensor out = at::empty({T, H}, x.options());
+  if (T == 0) return out;
+
+  const size_t tb1 = tile_bytes(wtype, Kp1), tb2 = tile_bytes(wtype, Ip);
+  const size_t e_bytes1 = tb1 * size_t(2 * Ip / 16), e_bytes2 = tb2 * size_t(Hp / 16);
+  TORCH_CHECK(w1.numel() == int64_t(e_bytes1) * E && w2.numel() == int64_t(e_bytes2) * E,
+              "moelab: packed weight size does not match the layer geometry; repack the layer");
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(w1.data_ptr()) % 64 == 0 &&
+                  reinterpret_cast<uintptr_t>(w2.data_ptr()) % 64 == 0,
+              "moelab: packed weights must be 64-byte aligned");
+  const int G1 = is_int ? Kp1 / group : 0, G2 = is_int ? Ip / group : 0;
+  const float* sc1 = is_int ? s1.data_ptr<float>() : nullptr;
+  const float* sc2 = is_int ? s2.data_ptr<float>() : nullptr;
+  const float* bias1 = b1.defined() && b1.numel() ? b1.data_ptr<float>() : nullptr;
+  const float* bias2 = b2.defined() && b2.numel() ? b2.data_ptr<float>() : nullptr;
+  const IsaOps ops = ops_for(isa);
+
+  // ---- routing: counting sort of the S (token, slot) pairs by expert ----
+  at::Tensor ids64 = ids.to(at::kLong).contiguous();
+  at::Tensor w32 = wts.to(at::kFloat).contiguous();
+  const int64_t* idp = ids64.data_ptr<int64_t>();
+  const float* wp = w32.data_ptr<float>();
+  std::vector<int32_t> cnt(E, 0), off(E + 1, 0), pair_tok(S), iota(S);
+  std::vector<float> pair_w(S);
+  for (int64_t s = 0; s < S; ++s) {
+    TORCH_CHECK(idp[s] >= 0 && idp[s] < E, "moelab: expert id ", idp[s], " out of range [0, ", E, ")");
+    cnt[idp[s]]++;
+  }
+  for (int e = 0; e < E; ++e) off[e + 1] = off[e] + cnt[e];
+  {
+    std::vector<int32_t> fill(off.begin(), off.end() - 1);
+    for (int64_t s = 0; s < S; ++s) {
+      const int32_t p = fill[idp[s]]++;
+      pair_tok[p] = int32_t(s / K);
+      pair_w[p] = wp[s];
+    }
+  }
+  for (int64_t s = 0; s < S; ++s) iota[s] = int32_t(s);
+
+  // ---- stage-1 input in the kernel's format ----
+  at::Tensor xc = x.contiguous();
+  std::vector<float> xf;
+  std::vector<uint16_t> xb;
+  std::vector<int8_t> xq;
+  std::vector<float> xsx;
+  std::vector<int32_t> xcorr;
+  ActView a1{};
+  if (wtype == W_F32) {
+    if (x.scalar_type() == at::kFloat) {
+      a1.base = xc.data_ptr<float>();
+    } else {
+      xf.resize(size_t(T) * H);
+      const uint16_t* src = reinterpret_cast<const uint16_t*>(xc.data_ptr());
+      for (size_t i = 0; i < xf.size(); ++i) {
+        uint32_t u = uint32_t(src[i]) << 16;
+        std::memcpy(&xf[i], &u, 4);
+      }
+      a1.base = xf.data();
+    }
+    a1.ld = size_t(H);
+  } else if (wtype == W_BF16) {
+    if (x.scalar_type() == at::kBFloat16 && Kp1 == H) {
+      a1.base = xc.data_ptr();
+    } else {
+      xb.assign(size_t(T) * Kp1, 0);
+      for (int64_t t = 0; t < T; ++t)
+        for (int h = 0; h < H; ++h) {
+          const size_t i = size_t(t) * H + h;
+          xb[size_t(t) * Kp1 + h] = x.scalar_type() == at::kFloat
+                                        ? f32_to_bf16(xc.data_ptr<float>()[i])
+                                        : reinterpret_cast<const uint16_t*>(xc.data_ptr())[i];
+        }
+      a1.base = xb.data();
+    }
+    a1.ld = size_t(Kp1);
+  } else {
+    xf.assign(size_t(T) * Kp1, 0.0f);
+    at::Tensor x32 = xc.to(at::kFloat);
+    const float* src = x32.data_ptr<float>();
+    for (int64_t t = 0; t < T; ++t) std::memcpy(&xf[size_t(t) * Kp1], src + size_t(t) * H, sizeof(float) * H);
+    xq.resize(size_t(T) * Kp1);
+    xsx.resize(size_t(T) * G1);
+    xcorr.resize(size_t(T) * G1);
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t t = 0; t < T; ++t)
+      ops.quant(&xf[size_t(t) * Kp1], Kp1, 1, Kp1, group, offset, &xq[size_t(t) * Kp1], Kp1,
+                &xsx[size_t(t) * G1], &xcorr[size_t(t) * G1], G1);
+    a1.base = xq.data();
+    a1.ld = size_t(Kp1);
+    a1.sx = xsx.data();
+    a1.corr = xcorr.data();
+    a1.ldg = size_t(G1);
+  }
+
+  // ---- stage-1 output (h) buffers, one row per pair ----
+  std::vector<float> hf;
+  std::vector<uint16_t> hb;
+  std::vector<int8_t> hq;
+  std::vector<float> hsx;
+  std::vector<int32_t> hcorr;
+  if (wtype == W_F32) hf.resize(size_t(S) * Ip);
+  else if (wtype == W_BF16) hb.resize(size_t(S) * Ip);
+  else { hq.resize(size_t(S) * Ip); hsx.resize(size_t(S) * G2); hcorr.resize(size_t(S) * G2); }
+
+  // ---- stage 1: (expert, slice) tasks, heaviest experts first ----
+  std::vector<int> order;
+  for (int e = 0; e < E; ++e) if (cnt[e] > 0) order.push_back(e);
+  std::stable_sort(order.begin(), order.end(), [&](int a, int b) { return cnt[a] > cnt[b]; });
+  const int nsl1 = Ip / S1;
+  const int64_t ntask1 = int64_t(order.size()) * nsl1;
+  const int tiles1 = 2 * S1 / 16;
+#pragma omp parallel num_threads(nthreads)
+  {
+    std::vector<float> gu, hloc;
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t task = 0; task < ntask1; ++task) {
+      const int e = order[task / nsl1], s = int(task % nsl1), n = cnt[e];
+      gu.resize(size_t(n) * 2 * S1);
+      hloc.resize(size_t(n) * S1);
+      MatView m{static_cast<const uint8_t*>(w1.data_ptr()) + size_t(e) * e_bytes1, tb1,
+                is_int ? sc1 + size_t(e) * (2 * Ip / 16) * G1 * 16 : nullptr, size_t(G1) * 16,
+                Kp1, group, wtype};
+      ActView a = a1;
+      a.rows = pair_tok.data() + off[e];
+      ops.gemm(m, s * tiles1, tiles1, a, n, gu.data(), size_t(2 * S1));
+      const float* bb = bias1 ? bias1 + size_t(e) * 2 * Ip + size_t(s) * 2 * S1 : nullptr;
+      ops.act(gu.data(), size_t(2 * S1), bb, n, S1, act, float(alpha), float(limit), hloc.data(), S1);
+      for (int j = 0; j < n; ++j) {
+        const size_t p = size_t(off[e] + j);
+        const float* src = hloc.data() + size_t(j) * S1;
+        if (wtype == W_F32) {
+          std::memcpy(&hf[p * Ip + size_t(s) * S1], src, sizeof(float) * S1);
+        } else if (wtype == W_BF16) {
+          uint16_t* dst = &hb[p * Ip + size_t(s) * S1];
+          for (int i = 0; i < S1; ++i) dst[i] = f32_to_bf16(src[i]);
+        } else {
+          const size_t g0 = size_t(s) * (S1 / group);
+          ops.quant(src, S1, 1, S1, group, offset, &hq[p * Ip + size_t(s) * S1], S1,
+                    &hsx[p * G2 + g0], &hcorr[p * G2 + g0], G2);
+        }
+      }
+    }
+  }
+
+  // ---- stage 2: output-row slices, experts in fixed order, fused weighted sum ----
+  ActView a2{};
+  a2.ld = size_t(Ip);
+  if (wtype == W_F32) a2.base = hf.data();
+  else if (wtype == W_BF16) a2.base = hb.data();
+  else { a2.base = hq.data(); a2.sx = hsx.data(); a2.corr = hcorr.data(); a2.ldg = size_t(G2); }
+  const bool out_f32 = x.scalar_type() == at::kFloat;
+  float* outf = out_f32 ? out.data_ptr<float>() : nullptr;
+  uint16_t* outb = out_f32 ? nullptr : reinterpret_cast<uint16_t*>(out.data_ptr());
+  const int tiles_h = Hp / 16;
+  const int nsl2 = (tiles_h * 16 + kSlice2 - 1) / kSlice2;
+#pragma omp parallel num_threads(nthreads)
+  {
+    std::vector<float> y, acc;
+#pragma omp for schedule(dynamic, 1)
+    for (int s = 0; s < nsl2; ++s) {
+      const int tile0 = s * (kSlice2 / 16);
+      const int nt = std::min(kSlice2 / 16, tiles_h - tile0);
+      const int r0 = tile0 * 16, rows = nt * 16;
+      acc.assign(size_t(T) * rows, 0.0f);
+      for (int e = 0; e < E; ++e) {
+        const int n = cnt[e];
+        if (n == 0) continue;
+        y.resize(size_t(n) * rows);
+        MatView m{static_cast<const uint8_t*>(w2.data_ptr()) + size_t(e) * e_bytes2, tb2,
+                  is_int ? sc2 + size_t(e) * (Hp / 16) * G2 * 16 : nullptr, size_t(G2) * 16, Ip,
+                  group, wtype};
+        ActView a = a2;
+        a.rows = iota.data() + off[e];
+        ops.gemm(m, tile0, nt, a, n, y.data(), size_t(rows));
+        const float* bb = bias2 ? bias2 + size_t(e) * Hp + r0 : nullptr;
+        for (int j = 0; j < n; ++j) {
+          const int p = off[e] + j;
+          const float wgt = pair_w[p];
+          float* dst = acc.data() + size_t(pair_tok[p]) * rows;
+          const float* src = y.data() + size_t(j) * rows;
+          if (bb) for (int r = 0; r < rows; ++r) dst[r] += wgt * (src[r] + bb[r]);
+          else for (int r = 0; r < rows; ++r) dst[r] += wgt * src[r];
+        }
+      }
+      const int r1 = std::min(r0 + rows, H);
+      for (int64_t t = 0; t < T; ++t) {
+        const float* src = acc.data() + size_t(t) * rows;
+        if (out_f32) std::memcpy(outf + size_t(t) * H + r0, src, sizeof(float) * (r1 - r0));
+        else for (int r = r0; r < r1; ++r) outb[size_t(t) * H + r] = f32_to_bf16(src[r - r0]);
+      }
+    }
+  }
+  return out;
+}
+
+std::vector<std::string> cpu_features() {
+  std::vector<std::string> f;
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx2")) f.push_back("avx2");
+  if (__builtin_cpu_supports("fma")) f.push_back("fma");
+  if (__builtin_cpu_supports("avx512f")) f.push_back("avx512f");
+  if (__builtin_cpu_supports("avx512bw")) f.push_back("avx512bw");
+  if (__builtin_cpu_supports("avx512vl")) f.push_back("avx512vl");
+  if (__builtin_cpu_supports("avx512dq")) f.push_back("avx512dq");
+  if (__builtin_cpu_supports("avx512vnni")) f.push_back("avx512vnni");
+  if (__builtin_cpu_supports("avx512bf16")) f.push_back("avx512bf16");
+  return f;
+}
+
+}  // namespace moelab
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "moelab fused MoE expert kernels (CPU)";
+  m.def("moe_forward", &moelab::moe_forward, "fused MoE experts forward",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("cpu_features", &moelab::cpu_features, "x86 features detected at run time");
+  m.attr("ABI_VERSION") = 1;
+}

@@ -1,0 +1,164 @@
+"""Build (JIT, cached) and load the native CPU kernels; detect the instruction set.
+
+The extension is compiled with torch's C++ extension machinery the first time it is
+needed (~1 minute on 2 cores), never at install time. The cache lives in
+``$TORCH_EXTENSIONS_DIR/moelab_kernels`` if that variable is set, else in
+``~/.cache/moelab/kernels/<python>-torch<version>``. torch's build lock makes
+concurrent first builds (e.g. pytest-xdist workers) safe: one builds, the others wait.
+
+Instruction set: ``avx512`` (AVX-512 F/BW/VL/DQ + VNNI + BF16), ``avx2`` (AVX2 + FMA)
+or ``portable`` (plain C++), chosen from CPU detection. Force one with the environment
+variable ``MOELAB_KERNELS_ISA`` or with :func:`force_isa` (tests use this to exercise
+the fallback).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import shutil
+import sys
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType
+from typing import Literal
+
+from moelab.errors import MoelabError
+
+logger = logging.getLogger(__name__)
+
+Isa = Literal["avx512", "avx2", "portable"]
+ISAS: tuple[Isa, ...] = ("avx512", "avx2", "portable")
+ISA_CODES: dict[str, int] = {"portable": 0, "avx2": 1, "avx512": 2}
+ISA_ENV = "MOELAB_KERNELS_ISA"
+_REQUIRED: dict[str, tuple[str, ...]] = {
+    "avx512": ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512vnni", "avx512bf16"),
+    "avx2": ("avx2", "fma"),
+    "portable": (),
+}
+_EXT_NAME = "moelab_moe_kernels"
+_CFLAGS = ["-O3", "-fopenmp", "-fno-math-errno", "-std=c++17"]
+
+_lock = threading.Lock()
+_module: ModuleType | None = None
+_forced: list[str] = []
+
+
+def cache_dir() -> Path:
+    """Where the compiled extension is cached."""
+    env = os.environ.get("TORCH_EXTENSIONS_DIR")
+    if env:
+        return Path(env) / "moelab_kernels"
+    import torch
+
+    tag = f"py{sys.version_info.major}{sys.version_info.minor}-torch{torch.__version__}"
+    return Path.home() / ".cache" / "moelab" / "kernels" / tag
+
+
+def _check_toolchain() -> None:
+    from torch.utils.cpp_extension import is_ninja_available
+
+    cxx = os.environ.get("CXX", "c++")
+    if shutil.which(cxx) is None:
+        raise MoelabError(
+            f"moelab's native kernels need a C++ compiler, but {cxx!r} was not found on PATH. "
+            "Install one (Debian/Ubuntu: `sudo apt-get install g++`; or set CXX to a compiler)."
+        )
+    if not is_ninja_available():
+        raise MoelabError(
+            "moelab's native kernels are built with ninja, which was not found. Install it with "
+            "`pip install ninja` (or `sudo apt-get install ninja-build`)."
+        )
+
+
+def load_extension() -> ModuleType:
+    """The compiled extension, building it on first use (logged at WARNING level)."""
+    global _module
+    if _module is not None:
+        return _module
+    with _lock:
+        if _module is not None:
+            return _module
+        from moelab._resources import resource_dir
+
+        src_dir = resource_dir("kernels")
+        sources = sorted(str(p) for p in src_dir.glob("*.cpp"))
+        if not sources:
+            raise MoelabError(
+                f"no C++ sources in {src_dir}; reinstall moelab from a full checkout (`pip install .`)."
+            )
+        _check_toolchain()
+        build_dir = cache_dir()
+        build_dir.mkdir(parents=True, exist_ok=True)
+        if not any(build_dir.glob(f"{_EXT_NAME}*.so")):
+            logger.warning(
+                "Compiling moelab's native CPU kernels (first use only, about a minute); cache: %s",
+                build_dir,
+            )
+        from torch.utils import cpp_extension
+
+        try:
+            _module = cpp_extension.load(
+                name=_EXT_NAME,
+                sources=sources,
+                extra_cflags=_CFLAGS,
+                extra_ldflags=["-fopenmp"],
+                extra_include_paths=[str(src_dir)],
+                build_directory=str(build_dir),
+                verbose=False,
+            )
+        except (RuntimeError, OSError, ImportError) as exc:
+            raise MoelabError(
+                f"building moelab's native kernels in {build_dir} failed: {exc}. "
+                "Check that g++ (C++17 with OpenMP) and ninja work, then delete that directory to "
+                "force a clean rebuild."
+            ) from exc
+        logger.info("moelab native kernels loaded from %s", build_dir)
+        return _module
+
+
+def cpu_features() -> frozenset[str]:
+    """x86 features the running CPU supports (as detected by the compiled extension)."""
+    return frozenset(load_extension().cpu_features())
+
+
+def supported_isas() -> tuple[Isa, ...]:
+    """Instruction-set paths this CPU can run, fastest first."""
+    feats = cpu_features()
+    return tuple(i for i in ISAS if all(f in feats for f in _REQUIRED[i]))
+
+
+def _validate(isa: str, source: str) -> Isa:
+    if isa not in ISAS:
+        from moelab.errors import unknown_name
+
+        raise unknown_name(f"instruction set (from {source})", isa, ISAS)
+    if isa not in supported_isas():
+        missing = sorted(set(_REQUIRED[isa]) - cpu_features())
+        raise MoelabError(
+            f"instruction set {isa!r} (from {source}) is not supported by this CPU (missing "
+            f"{', '.join(missing)}); use one of {supported_isas()} or unset {ISA_ENV}."
+        )
+    return isa  # type: ignore[return-value]
+
+
+def active_isa() -> Isa:
+    """The path calls will use: forced by :func:`force_isa`, else ``$MOELAB_KERNELS_ISA``, else the best."""
+    if _forced:
+        return _validate(_forced[-1], "force_isa()")
+    env = os.environ.get(ISA_ENV, "").strip().lower()
+    if env and env != "auto":
+        return _validate(env, ISA_ENV)
+    return supported_isas()[0]
+
+
+@contextlib.contextmanager
+def force_isa(isa: Isa) -> Iterator[Isa]:
+    """Run the kernels on one instruction-set path inside the ``with`` block."""
+    _forced.append(_validate(isa, "force_isa()"))
+    try:
+        yield isa
+    finally:
+        _forced.pop()

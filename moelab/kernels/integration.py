@@ -1,0 +1,174 @@
+"""transformers integration: the ``moelab`` experts implementations.
+
+``import moelab.kernels`` registers these names with
+``transformers.integrations.moe.ExpertsInterface``:
+
+=====================  ==============================================================
+``moelab``             weights in their own precision (fp32 → fp32, bf16 → bf16;
+                       fp16 weights are packed as fp32)
+``moelab_bf16``        bf16 weights, fp32 accumulation, whatever the model dtype
+``moelab_int8``        int8 group-wise weights, group 64 (``moelab_int8_g32``/``_g128``)
+``moelab_int4``        int4 group-wise weights, group 64 (``moelab_int4_g32``/``_g128``)
+=====================  ==============================================================
+
+Select one with ``model.set_experts_implementation("moelab_int4")``. Each experts
+module is packed the first time it runs under a name and the packed weights are cached
+on the module (``module._moelab_packed``), keyed by the spec; the cache is invalidated
+when a weight tensor is replaced, modified in place (its version counter changes) or
+changes dtype. The module keeps its own parameters, so other implementations keep
+working: a cached bf16 pack costs as much memory as the weights, int8 about half, int4
+about a quarter. :func:`clear_packed` frees the caches.
+
+Supported experts modules: gated (``has_gate``), with or without biases, plain or
+transposed, concatenated or interleaved gate/up, SiLU activation or gpt_oss's clamped
+SwiGLU. Anything else (no gate, post-expert norm, expert parallelism, another
+activation) is refused with a :class:`~moelab.errors.MoelabError` naming the reason.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from moelab.errors import MoelabError
+from moelab.kernels.op import moe_experts
+from moelab.kernels.packing import Activation, KernelSpec, PackedExperts, pack_experts
+
+logger = logging.getLogger(__name__)
+
+CACHE_ATTR = "_moelab_packed"
+
+#: implementation name → spec (``None`` dtype: follow the weights' dtype).
+IMPLEMENTATIONS: dict[str, KernelSpec | None] = {
+    "moelab": None,
+    "moelab_bf16": KernelSpec("bf16"),
+    "moelab_int8": KernelSpec("int8", 64),
+    "moelab_int8_g32": KernelSpec("int8", 32),
+    "moelab_int8_g128": KernelSpec("int8", 128),
+    "moelab_int4": KernelSpec("int4", 64),
+    "moelab_int4_g32": KernelSpec("int4", 32),
+    "moelab_int4_g128": KernelSpec("int4", 128),
+}
+
+
+def _name(module: torch.nn.Module) -> str:
+    return type(module).__name__
+
+
+def canonical_experts(module: torch.nn.Module) -> dict[str, Any]:
+    """The module's weights as gate/up ``(E, I, H)``, down ``(E, H, I)``, biases, activation.
+
+    Raises :class:`MoelabError` for layouts the kernels do not support.
+    """
+    from transformers.integrations.moe import _default_apply_gate
+
+    name = _name(module)
+    if not getattr(module, "has_gate", True) or not hasattr(module, "gate_up_proj"):
+        raise MoelabError(
+            f"{name} has no fused gate_up_proj (has_gate=False); moelab kernels support gated "
+            "experts only. Use the 'eager' or 'grouped_mm' experts implementation for this model."
+        )
+    if getattr(module, "has_post_expert_norm", False):
+        raise MoelabError(f"{name} applies a post-expert norm, which moelab kernels do not fuse; use 'eager'.")
+    if getattr(module, "_is_expert_parallel", False):
+        raise MoelabError(f"{name} is expert-parallel; moelab kernels need all experts local. Use 'grouped_mm'.")
+    apply_gate = getattr(type(module), "_apply_gate", _default_apply_gate)
+    act: Activation
+    if apply_gate is _default_apply_gate:
+        act_fn = getattr(module, "act_fn", None)
+        if not isinstance(act_fn, torch.nn.SiLU) and type(act_fn).__name__ != "SiLUActivation":
+            raise MoelabError(
+                f"{name} uses activation {type(act_fn).__name__}; moelab kernels implement SiLU-gated "
+                "experts and gpt_oss's clamped SwiGLU. Use 'eager' for this model."
+            )
+        act, interleaved = "silu", False
+    elif apply_gate.__qualname__ == "GptOssExperts._apply_gate":
+        act, interleaved = "gpt_oss", True
+    else:
+        raise MoelabError(
+            f"{name} has a custom gate function {apply_gate.__qualname__}; moelab kernels implement "
+            "SiLU-gated experts and gpt_oss's clamped SwiGLU. Use 'eager' for this model."
+        )
+    gu, dn = module.gate_up_proj.detach(), module.down_proj.detach()
+    if getattr(module, "is_transposed", False):
+        gu, dn = gu.transpose(1, 2), dn.transpose(1, 2)  # (E, 2I, H), (E, H, I)
+    gate, up = (gu[:, 0::2], gu[:, 1::2]) if interleaved else gu.chunk(2, dim=1)
+    out: dict[str, Any] = dict(gate=gate, up=up, down=dn, act=act)
+    if getattr(module, "has_bias", False):
+        b = module.gate_up_proj_bias.detach()
+        out["gate_bias"], out["up_bias"] = (b[:, 0::2], b[:, 1::2]) if interleaved else b.chunk(2, dim=1)
+        out["down_bias"] = module.down_proj_bias.detach()
+    if act == "gpt_oss":
+        out["alpha"], out["limit"] = float(module.alpha), float(module.limit)
+    return out
+
+
+def _cache_key(module: torch.nn.Module) -> tuple:
+    return tuple(
+        (n, p.data_ptr(), p._version, p.dtype, tuple(p.shape)) for n, p in module.named_parameters(recurse=False)
+    )
+
+
+def resolve_spec(module: torch.nn.Module, spec: KernelSpec | None) -> KernelSpec:
+    if spec is not None:
+        return spec
+    dtype = module.gate_up_proj.dtype
+    return KernelSpec("bf16" if dtype == torch.bfloat16 else "fp32")
+
+
+def packed_for(module: torch.nn.Module, spec: KernelSpec | None = None) -> PackedExperts:
+    """The module's packed weights for ``spec``, packing (and caching) on first use."""
+    spec = resolve_spec(module, spec)
+    cache: dict[KernelSpec, tuple[tuple, PackedExperts]] = module.__dict__.setdefault(CACHE_ATTR, {})
+    key = _cache_key(module)
+    hit = cache.get(spec)
+    if hit is not None and hit[0] == key:
+        return hit[1]
+    logger.info("packing %s for moelab kernels (%s)", _name(module), spec)
+    packed = pack_experts(spec=spec, **canonical_experts(module))
+    cache[spec] = (key, packed)
+    return packed
+
+
+def clear_packed(model: torch.nn.Module) -> int:
+    """Drop every cached pack under ``model``; returns how many modules had one."""
+    n = 0
+    for m in model.modules():
+        if m.__dict__.pop(CACHE_ATTR, None) is not None:
+            n += 1
+    return n
+
+
+_warned_grad = False
+
+
+def make_experts_forward(spec: KernelSpec | None) -> Callable[..., torch.Tensor]:
+    """An ``ExpertsInterface`` function running the module's experts through the kernels."""
+
+    def forward(
+        self: torch.nn.Module,
+        hidden_states: torch.Tensor,
+        top_k_index: torch.Tensor,
+        top_k_weights: torch.Tensor,
+    ) -> torch.Tensor:
+        global _warned_grad
+        if torch.is_grad_enabled() and not _warned_grad and self.gate_up_proj.requires_grad:
+            logger.warning("moelab experts kernels are forward-only: no gradients flow through the experts.")
+            _warned_grad = True
+        packed = packed_for(self, spec)
+        return moe_experts(hidden_states.detach(), top_k_index, top_k_weights.detach(), packed)
+
+    forward.__name__ = "moelab_experts_forward"
+    return forward
+
+
+def register() -> tuple[str, ...]:
+    """Register the ``moelab*`` experts implementations with transformers (idempotent)."""
+    from transformers.integrations.moe import ExpertsInterface
+
+    for name, spec in IMPLEMENTATIONS.items():
+        ExpertsInterface.register(name, make_experts_forward(spec))
+    return tuple(IMPLEMENTATIONS)
