@@ -274,7 +274,7 @@ class TraceRecorder:
 
     # ------------------------------------------------------------------ rows
     def _add_forward(self, fwd: _Forward) -> None:
-        valid = fwd.mask.reshape(-1)
+        valid = fwd.mask.reshape(-1).to("cpu")
         n = int(valid.sum())
         if n == 0:
             return
@@ -283,27 +283,41 @@ class TraceRecorder:
         seq = np.repeat(fwd.seq, S)[valid_np]
         pos = fwd.pos.reshape(-1)[valid_np].astype(np.int32)
         tok = fwd.token_id.reshape(-1)[valid_np]
-        for layer, hidden, logits, weights, experts in fwd.calls:
-            r = make_routing(logits, weights, experts, layer.spec.scoring)
-            idx = valid.to(r.experts.device)
-            k = r.experts.shape[1]
-            self._buf["seq"].append(seq)
-            self._buf["step"].append(np.full(n, fwd.step, dtype=np.int32))
-            self._buf["pos"].append(pos)
-            self._buf["phase"].append(np.full(n, fwd.phase, dtype=object))
-            self._buf["token_id"].append(tok)
-            self._buf["layer"].append(np.full(n, layer.layer_idx, dtype=np.int32))
-            self._buf["moe_layer"].append(np.full(n, layer.index, dtype=np.int32))
-            self._buf_lists["experts"].append(r.experts[idx].to("cpu", torch.int32).numpy().reshape(-1))
-            self._buf_lists["weights"].append(r.weights[idx].to("cpu", torch.float32).numpy().reshape(-1))
-            self._buf_lists["k"].append(np.full(n, k, dtype=np.int32))
+        # Layers of equal shape are converted together: one routing pass, one host copy.
+        groups: dict[tuple, list] = {}
+        for call in fwd.calls:
+            layer, hidden, logits, weights, experts = call
+            key = (logits.shape[-1], experts.shape[-1], layer.spec.scoring, weights.dtype, logits.device)
+            groups.setdefault(key, []).append(call)
+        for (E, K, scoring, _, device), calls in groups.items():
+            L = len(calls)
+            r = make_routing(
+                torch.stack([c[2].reshape(-1, E) for c in calls]).reshape(-1, E),
+                torch.stack([c[3].reshape(-1, K) for c in calls]).reshape(-1, K),
+                torch.stack([c[4].reshape(-1, K) for c in calls]).reshape(-1, K),
+                scoring,
+            )
+            idx = valid.to(device)
+            pick = lambda t, w: t.reshape(L, -1, w)[:, idx].reshape(L * n, w)  # noqa: E731
+            self._buf_lists["experts"].append(pick(r.experts, K).to("cpu", torch.int32).numpy().reshape(-1))
+            self._buf_lists["weights"].append(pick(r.weights, K).to("cpu", torch.float32).numpy().reshape(-1))
+            self._buf_lists["k"].append(np.full(L * n, K, dtype=np.int32))
             if self.config.scores:
-                self._buf_lists["scores"].append(r.scores[idx].to("cpu", torch.float32).numpy())
-            if hidden is not None:
-                h = hidden.reshape(-1, hidden.shape[-1])[idx.to(hidden.device)]
-                self._buf_hidden.append(h.to("cpu", _HIDDEN_DTYPES[self.config.hidden_dtype]))
-            self._buf_rows += n
-            self._phase_rows[fwd.phase] += n
+                self._buf_lists["scores"].append(pick(r.scores, E).to("cpu", torch.float32).numpy())
+            self._buf["seq"].append(np.tile(seq, L))
+            self._buf["step"].append(np.full(L * n, fwd.step, dtype=np.int32))
+            self._buf["pos"].append(np.tile(pos, L))
+            self._buf["phase"].append(np.full(L * n, fwd.phase, dtype=object))
+            self._buf["token_id"].append(np.tile(tok, L))
+            self._buf["layer"].append(np.repeat(np.array([c[0].layer_idx for c in calls], np.int32), n))
+            self._buf["moe_layer"].append(np.repeat(np.array([c[0].index for c in calls], np.int32), n))
+            if self.config.hidden_states:
+                hdt = _HIDDEN_DTYPES[self.config.hidden_dtype]
+                for c in calls:
+                    h = c[1].reshape(-1, c[1].shape[-1])
+                    self._buf_hidden.append(h[idx.to(h.device)].to("cpu", hdt))
+            self._buf_rows += L * n
+            self._phase_rows[fwd.phase] += L * n
 
     def _flush(self) -> None:
         if self._buf_rows == 0:
