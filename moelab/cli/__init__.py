@@ -25,6 +25,7 @@ COMMAND_MODULES: list[str] = [
     "compare_policies",
     "predict",
     "demo",
+    "bench",
 ]
 
 
