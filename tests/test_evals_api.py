@@ -185,3 +185,12 @@ def test_lm_eval_command_line_can_select_moelab_models(tmp_path):
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "arith" in proc.stdout and "exact_match" in proc.stdout
+
+
+def test_report_section_shows_metrics_and_answers_without_running_code():
+    from moelab.evals import report_section
+
+    page = report_section(EchoLM(" #### 41"), None, limit=2)
+    assert "<table>" in page and "exact_match,strict-match" in page
+    assert "arith #0" in page and "#### 41" in page
+    assert "--allow-code-execution" in page  # pycode is left out without the opt-in

@@ -1,8 +1,8 @@
 """``moelab eval``: score a model's accuracy with lm-eval (local tasks, offline GSM8K/HumanEval).
 
 The model is loaded, then scored inside :func:`model_context`, the one place where
-routing policies (``--deferred``, ``--skipped``, ``--policy-phase``) will wrap it:
-add their arguments in :func:`add_model_arguments` and enter them in ``model_context``.
+routing policies (``--deferred``, ``--skipped``, ``--policy-phase``) wrap it; their
+arguments are added in :func:`add_model_arguments`.
 """
 
 from __future__ import annotations
