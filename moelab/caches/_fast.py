@@ -34,118 +34,6 @@ POLICY_CODES: dict[str, int] = {"lru": LRU, "fifo": FIFO, "lfu": LFU, "mrs": MRS
 EVICTIONS, TRANSFERS, PREFETCHED, PREFETCH_HITS, WASTED_EVICTED = 0, 1, 2, 3, 4
 
 
-@njit(cache=True, nogil=True, inline="always")
-def _lt(a, b, srank, p1, p2):
-    """True if key a is evicted before key b."""
-    if srank[a] != srank[b]:
-        return srank[a] < srank[b]
-    if p1[a] != p1[b]:
-        return p1[a] < p1[b]
-    if p2[a] != p2[b]:
-        return p2[a] < p2[b]
-    return a < b
-
-
-@njit(cache=True, nogil=True)
-def _sift_up(heap, base, i, hpos, srank, p1, p2):
-    k = heap[base + i]
-    while i > 0:
-        parent = (i - 1) >> 1
-        pk = heap[base + parent]
-        if _lt(k, pk, srank, p1, p2):
-            heap[base + i] = pk
-            hpos[pk] = i
-            i = parent
-        else:
-            break
-    heap[base + i] = k
-    hpos[k] = i
-
-
-@njit(cache=True, nogil=True)
-def _sift_down(heap, base, size, i, hpos, srank, p1, p2):
-    k = heap[base + i]
-    while True:
-        c = 2 * i + 1
-        if c >= size:
-            break
-        if c + 1 < size and _lt(heap[base + c + 1], heap[base + c], srank, p1, p2):
-            c += 1
-        ck = heap[base + c]
-        if _lt(ck, k, srank, p1, p2):
-            heap[base + i] = ck
-            hpos[ck] = i
-            i = c
-        else:
-            break
-    heap[base + i] = k
-    hpos[k] = i
-
-
-@njit(cache=True, nogil=True)
-def _push(part, k, heap, hstart, hsize, hpos, srank, p1, p2):
-    i = hsize[part]
-    heap[hstart[part] + i] = k
-    hsize[part] = i + 1
-    _sift_up(heap, hstart[part], i, hpos, srank, p1, p2)
-
-
-@njit(cache=True, nogil=True)
-def _remove(part, k, heap, hstart, hsize, hpos, srank, p1, p2):
-    base = hstart[part]
-    i = hpos[k]
-    last = hsize[part] - 1
-    hsize[part] = last
-    hpos[k] = -1
-    if i != last:
-        lk = heap[base + last]
-        heap[base + i] = lk
-        hpos[lk] = i
-        _sift_up(heap, base, i, hpos, srank, p1, p2)
-        _sift_down(heap, base, last, hpos[lk], hpos, srank, p1, p2)
-
-
-@njit(cache=True, nogil=True)
-def _fix(part, k, heap, hstart, hsize, hpos, srank, p1, p2):
-    _sift_up(heap, hstart[part], hpos[k], hpos, srank, p1, p2)
-    _sift_down(heap, hstart[part], hsize[part], hpos[k], hpos, srank, p1, p2)
-
-
-@njit(cache=True, nogil=True)
-def _victim(part, stamp, prot, tmp, heap, hstart, hsize, hpos, srank, p1, p2):
-    """Smallest-ranked cached key of ``part`` not protected by ``stamp``; -1 if none."""
-    nt = 0
-    v = -1
-    while hsize[part] > 0:
-        top = heap[hstart[part]]
-        if prot[top] == stamp:
-            tmp[nt] = top
-            nt += 1
-            _remove(part, top, heap, hstart, hsize, hpos, srank, p1, p2)
-        else:
-            v = top
-            break
-    for j in range(nt):
-        _push(part, tmp[j], heap, hstart, hsize, hpos, srank, p1, p2)
-    return v
-
-
-@njit(cache=True, nogil=True)
-def _prio(policy, k, p1, p2, last, ins, freq, score, nxtk):
-    if policy == LRU:
-        p1[k] = last[k]
-    elif policy == FIFO:
-        p1[k] = ins[k]
-    elif policy == LFU:
-        p1[k] = freq[k]
-        p2[k] = last[k]
-    elif policy == MRS:
-        p1[k] = score[k]
-        p2[k] = last[k]
-    elif policy == BELADY:
-        p1[k] = -nxtk[k]
-
-
 @njit(cache=True, nogil=True)
 def replay(
     policy,  # int: POLICY_CODES
@@ -160,8 +48,9 @@ def replay(
     lfu_reset,  # bool
     alpha,  # float64 (mrs)
     row_ptr,  # (G+1,) int64 token rows per group (mrs)
-    top_idx,  # (R, P) int32 top-p expert ids per row, -1 padded (mrs)
-    top_val,  # (R, P) float64 their scores (mrs)
+    score_rows,  # (R,) int64 rows of `scores` per token, in group order (mrs)
+    scores,  # (N, E_max) float32 router score vectors (mrs)
+    p_layer,  # (L,) int64 top-p width per MoE layer (mrs)
     nxt_access,  # (n,) int64 next use of each access (belady)
     pinned,  # (NK,) bool (static)
     bypass,  # bool (belady)
@@ -194,7 +83,105 @@ def replay(
     freq = np.zeros(NK, dtype=np.int64)
     score = np.zeros(NK, dtype=np.float64)
     dense = np.zeros(NK, dtype=np.float64)
+    buf_v = np.zeros(NK, dtype=np.float64)
+    buf_e = np.zeros(NK, dtype=np.int64)
     nxtk = np.full(NK, n, dtype=np.int64)
+
+    # Heap helpers as closures: numba inlines them, so no per-call array refcounting.
+    def lt(a, b):  # True if key a is evicted before key b
+        if srank[a] != srank[b]:
+            return srank[a] < srank[b]
+        if p1[a] != p1[b]:
+            return p1[a] < p1[b]
+        if p2[a] != p2[b]:
+            return p2[a] < p2[b]
+        return a < b
+
+    def sift_up(base, i):
+        k = heap[base + i]
+        while i > 0:
+            parent = (i - 1) >> 1
+            pk = heap[base + parent]
+            if lt(k, pk):
+                heap[base + i] = pk
+                hpos[pk] = i
+                i = parent
+            else:
+                break
+        heap[base + i] = k
+        hpos[k] = i
+
+    def sift_down(base, size, i):
+        k = heap[base + i]
+        while True:
+            c = 2 * i + 1
+            if c >= size:
+                break
+            if c + 1 < size and lt(heap[base + c + 1], heap[base + c]):
+                c += 1
+            ck = heap[base + c]
+            if lt(ck, k):
+                heap[base + i] = ck
+                hpos[ck] = i
+                i = c
+            else:
+                break
+        heap[base + i] = k
+        hpos[k] = i
+
+    def push(part, k):
+        i = hsize[part]
+        heap[hstart[part] + i] = k
+        hsize[part] = i + 1
+        sift_up(hstart[part], i)
+
+    def remove(part, k):
+        base = hstart[part]
+        i = hpos[k]
+        last_i = hsize[part] - 1
+        hsize[part] = last_i
+        hpos[k] = -1
+        if i != last_i:
+            lk = heap[base + last_i]
+            heap[base + i] = lk
+            hpos[lk] = i
+            sift_up(base, i)
+            sift_down(base, last_i, hpos[lk])
+
+    def fix(part, k):
+        sift_up(hstart[part], hpos[k])
+        sift_down(hstart[part], hsize[part], hpos[k])
+
+    def victim(part, stamp):  # smallest-ranked cached key not protected by stamp; -1 if none
+        nt = 0
+        v = -1
+        while hsize[part] > 0:
+            top = heap[hstart[part]]
+            if prot[top] == stamp:
+                tmp[nt] = top
+                nt += 1
+                remove(part, top)
+            else:
+                v = top
+                break
+        for j in range(nt):
+            push(part, tmp[j])
+        return v
+
+    def prio(k):
+        if policy == LRU:
+            p1[k] = last[k]
+        elif policy == FIFO:
+            p1[k] = ins[k]
+        elif policy == LFU:
+            p1[k] = freq[k]
+            p2[k] = last[k]
+        elif policy == MRS:
+            p1[k] = score[k]
+            p2[k] = last[k]
+        elif policy == BELADY:
+            p1[k] = -nxtk[k]
+
     if policy == BELADY:
         for i in range(n - 1, -1, -1):
             nxtk[keys[i]] = i
@@ -208,8 +195,8 @@ def replay(
             count[part] += 1
             ins[k] = t
             last[k] = t
-            _prio(policy, k, p1, p2, last, ins, freq, score, nxtk)
-            _push(part, k, heap, hstart, hsize, hpos, srank, p1, p2)
+            prio(k)
+            push(part, k)
 
     cur_pass = -1
     left = budget
@@ -224,27 +211,43 @@ def replay(
         for i in range(a, b):
             prot[keys[i]] = stamp
         if policy == MRS:
+            # S <- alpha * TopP(s) + (1 - alpha) * S for every token row, then re-heapify the
+            # partition (every cached key of this layer changed priority).
             lo = key_offset[layer]
             hi = key_offset[layer + 1]
-            nr = 0
-            for k in range(lo, hi):
-                if hpos[k] >= 0:
-                    tmp[nr] = k
-                    nr += 1
-                    _remove(key_part[k], k, heap, hstart, hsize, hpos, srank, p1, p2)
+            E = hi - lo
+            p = p_layer[layer]
             for r in range(row_ptr[g], row_ptr[g + 1]):
-                for j in range(top_idx.shape[1]):
-                    e = top_idx[r, j]
-                    if e < 0:
-                        break
-                    dense[lo + e] = top_val[r, j]
+                row = score_rows[r]
+                # top-p of the row by (score desc, expert id asc): insertion into a sorted buffer
+                cnt = 0
+                for e in range(E):
+                    v = np.float64(scores[row, e])
+                    if cnt < p:
+                        j = cnt
+                        cnt += 1
+                    elif v > buf_v[p - 1]:
+                        j = p - 1
+                    else:
+                        continue
+                    while j > 0 and buf_v[j - 1] < v:
+                        buf_v[j] = buf_v[j - 1]
+                        buf_e[j] = buf_e[j - 1]
+                        j -= 1
+                    buf_v[j] = v
+                    buf_e[j] = e
+                for j in range(cnt):
+                    dense[lo + buf_e[j]] = buf_v[j]
                 for k in range(lo, hi):
                     score[k] = alpha * dense[k] + (1.0 - alpha) * score[k]
                     dense[k] = 0.0
-            for j in range(nr):
-                k = tmp[j]
-                _prio(policy, k, p1, p2, last, ins, freq, score, nxtk)
-                _push(key_part[k], k, heap, hstart, hsize, hpos, srank, p1, p2)
+            for k in range(lo, hi):
+                if hpos[k] >= 0:
+                    p1[k] = score[k]
+            part = key_part[lo]
+            size = hsize[part]
+            for j in range(size // 2 - 1, -1, -1):
+                sift_down(hstart[part], size, j)
 
         for i in range(a, b):
             k = keys[i]
@@ -263,11 +266,11 @@ def replay(
                 elif policy == BELADY and bypass:
                     admit = nxt_access[i] < n
                 if admit and count[part] >= part_cap[part]:
-                    v = _victim(part, stamp, prot, tmp, heap, hstart, hsize, hpos, srank, p1, p2)
+                    v = victim(part, stamp)
                     if v < 0 or policy == BELADY and bypass and nxt_access[i] >= nxtk[v]:
                         admit = False
                     else:
-                        _remove(part, v, heap, hstart, hsize, hpos, srank, p1, p2)
+                        remove(part, v)
                         resident[v] = False
                         count[part] -= 1
                         counters[EVICTIONS] += 1
@@ -286,11 +289,11 @@ def replay(
             freq[k] += 1
             nxtk[k] = nxt_access[i] if policy == BELADY else n
             if resident[k]:
-                _prio(policy, k, p1, p2, last, ins, freq, score, nxtk)
+                prio(k)
                 if hpos[k] >= 0:
-                    _fix(part, k, heap, hstart, hsize, hpos, srank, p1, p2)
+                    fix(part, k)
                 else:
-                    _push(part, k, heap, hstart, hsize, hpos, srank, p1, p2)
+                    push(part, k)
 
         if policy == STATIC or pf_ptr[g + 1] == pf_ptr[g]:
             continue
@@ -307,12 +310,12 @@ def replay(
             if policy == BELADY and bypass and nxtk[k] >= n:
                 continue
             if count[part] >= part_cap[part]:
-                v = _victim(part, stamp2, prot, tmp, heap, hstart, hsize, hpos, srank, p1, p2)
+                v = victim(part, stamp2)
                 if v < 0:
                     continue
                 if policy == BELADY and bypass and nxtk[k] >= nxtk[v]:
                     continue
-                _remove(part, v, heap, hstart, hsize, hpos, srank, p1, p2)
+                remove(part, v)
                 resident[v] = False
                 count[part] -= 1
                 counters[EVICTIONS] += 1
@@ -334,5 +337,5 @@ def replay(
             counters[PREFETCHED] += 1
             if left > 0:
                 left -= 1
-            _prio(policy, k, p1, p2, last, ins, freq, score, nxtk)
-            _push(part, k, heap, hstart, hsize, hpos, srank, p1, p2)
+            prio(k)
+            push(part, k)

@@ -2,7 +2,7 @@
 
 An :class:`ExpertCache` is used the same way online (a running model calls
 :meth:`ExpertCache.access` once per MoE layer per step) and offline
-(:func:`moelab.caches.simulate` replays a trace's access stream through it, or through the
+(:func:`moelab.caches.simulation` replays a trace's access stream through it, or through the
 equivalent compiled kernel). This pure-Python class is also the *reference* every fast path
 is tested against, so it is written for reading, not speed.
 

@@ -302,15 +302,16 @@ def _run_fast(stream, name, slots, scope, warm_keys, counts, pf_ptr, pf_keys, bu
     key_layer = stream.key_layer().astype(np.int64)
     key_part = key_layer if scope == "layer" else np.zeros(NK, dtype=np.int64)
     row_ptr = np.zeros(G + 1, dtype=np.int64)
-    top_idx = np.full((0, 1), -1, dtype=np.int32)
-    top_val = np.zeros((0, 1), dtype=np.float64)
+    score_rows = np.zeros(0, dtype=np.int64)
+    scores = np.zeros((0, 1), dtype=np.float32)
+    p_layer = np.zeros(stream.num_layers, dtype=np.int64)
     alpha = float(kw.get("alpha", 0.5))
     if code == _fast.MRS:
         if not 0.0 < alpha <= 1.0:
             raise MoelabError(f"mrs alpha must lie in (0, 1], got {alpha!r}.")
         ps = mrs_p(kw.get("p"), stream.top_k.tolist(), stream.num_experts.tolist())
-        row_ptr = stream.row_ptr
-        top_idx, top_val = top_p_rows(stream, ps)
+        row_ptr, score_rows, scores = stream.row_ptr, stream.score_rows, stream.scores
+        p_layer = np.asarray(ps, dtype=np.int64)
     nxt = next_use(stream) if code == _fast.BELADY else np.zeros(0, dtype=np.int64)
     pinned = np.zeros(NK, dtype=np.bool_)
     if code == _fast.STATIC:
@@ -335,8 +336,9 @@ def _run_fast(stream, name, slots, scope, warm_keys, counts, pf_ptr, pf_keys, bu
         bool(kw.get("reset_on_evict", False)) and code == _fast.LFU,
         alpha,
         row_ptr,
-        top_idx,
-        top_val,
+        score_rows,
+        scores,
+        p_layer,
         nxt,
         pinned,
         bool(kw.get("bypass", True)),
@@ -349,32 +351,6 @@ def _run_fast(stream, name, slots, scope, warm_keys, counts, pf_ptr, pf_keys, bu
         spec,
     )
     return hit, counters, int(spec.sum())
-
-
-def top_p_rows(stream: AccessStream, ps: list[int], chunk: int = 1 << 16) -> tuple[np.ndarray, np.ndarray]:
-    """(R, P) the top-p expert ids (-1 padded) and scores of every token row, in group order.
-
-    Ties go to the lower expert id (stable sort), as in :class:`~moelab.caches.policies.MRSCache`.
-    """
-    rows = stream.score_rows
-    R, P = len(rows), max(ps)
-    row_layer = np.repeat(stream.group_layer, np.diff(stream.row_ptr))
-    E_l = stream.num_experts[row_layer]
-    p_l = np.asarray(ps)[row_layer]
-    idx = np.full((R, P), -1, dtype=np.int32)
-    val = np.zeros((R, P), dtype=np.float64)
-    Emax = int(stream.num_experts.max())
-    cols = np.arange(Emax)
-    for a in range(0, R, chunk):
-        b = min(R, a + chunk)
-        s = stream.scores[rows[a:b], :Emax].astype(np.float64)
-        s[cols[None, :] >= E_l[a:b, None]] = -np.inf
-        top = np.argsort(-s, axis=1, kind="stable")[:, :P]
-        v = np.take_along_axis(s, top, axis=1)
-        keep = np.arange(P)[None, :] < p_l[a:b, None]
-        idx[a:b] = np.where(keep, top, -1)
-        val[a:b] = np.where(keep, v, 0.0)
-    return idx, val
 
 
 def _run_reference(stream, cls, capacity, scope, warm_keys, pf_ptr, pf_keys, budget, expert_bytes, kw):
@@ -408,5 +384,5 @@ def _run_reference(stream, cls, capacity, scope, warm_keys, pf_ptr, pf_keys, bud
     return hit, counters, len(cache._speculative)
 
 
-__all__ = ["PrefetchConfig", "expert_bytes_of", "load_stream", "simulate", "sweep", "top_p_rows"]
+__all__ = ["PrefetchConfig", "expert_bytes_of", "load_stream", "simulate", "sweep"]
 
