@@ -206,9 +206,8 @@ def test_skipping_all_routed_experts_needs_min_kept_zero(qwen):
 
 def test_same_policy_object_cannot_be_applied_twice_but_can_be_reentered(qwen):
     policy = ExpertDeferral(qwen, 1)
-    with policy:
-        with pytest.raises(MoelabError, match="already applied"):
-            policy.apply()
+    with policy, pytest.raises(MoelabError, match="already applied"):
+        policy.apply()
     with policy:
         assert active_policies(qwen) == [policy]
     assert active_policies(qwen) == []
