@@ -1,0 +1,52 @@
+"""``moelab bench``: benchmarks. ``moelab bench kernels`` times the native experts kernels."""
+
+from __future__ import annotations
+
+import sys
+
+from moelab.cli._util import emit_json, positive_int
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("bench", help="benchmarks (kernels)", description="Benchmarks on this machine.")
+    sub = p.add_subparsers(dest="bench_command", metavar="BENCHMARK")
+    k = sub.add_parser(
+        "kernels",
+        help="native CPU experts kernels vs transformers' experts",
+        description="Measure this machine's read bandwidth, then time moelab's fused experts kernels "
+        "(per dtype) against transformers' eager and grouped_mm experts for realistic shapes.",
+    )
+    from moelab.kernels.bench import BASELINES, DEFAULT_DTYPES, DEFAULT_SHAPES, DEFAULT_TOKENS
+
+    k.add_argument("--shapes", nargs="+", default=list(DEFAULT_SHAPES), metavar="HxIxExK",
+                   help=f"expert shapes (default: {' '.join(DEFAULT_SHAPES)})")
+    k.add_argument("--tokens", nargs="+", type=positive_int, default=list(DEFAULT_TOKENS), metavar="T",
+                   help="tokens per call (default: 1 4 16 64 256)")
+    k.add_argument("--dtypes", nargs="+", default=list(DEFAULT_DTYPES), choices=["fp32", "bf16", "int8", "int4"],
+                   help="moelab weight formats (default: bf16 int8 int4)")
+    k.add_argument("--baselines", nargs="*", default=list(BASELINES), choices=list(BASELINES),
+                   help="transformers implementations to compare with (default: both; none to skip)")
+    k.add_argument("--group-size", type=int, default=64, choices=[32, 64, 128], help="int8/int4 group size")
+    k.add_argument("--repeat", type=positive_int, default=5, help="timed repetitions per point (median)")
+    k.add_argument("--quick", action="store_true", help="T=1 and 256 only, first shape, 3 repetitions")
+    k.add_argument("--json", action="store_true", help="print the results as JSON instead of a table")
+    k.set_defaults(func=run_kernels)
+    p.set_defaults(func=lambda args: (p.print_help(), 2)[1])
+
+
+def run_kernels(args) -> int:
+    from moelab.kernels.bench import BenchConfig, format_table, run_bench
+
+    cfg = BenchConfig(
+        shapes=args.shapes[:1] if args.quick else args.shapes,
+        tokens=[1, 256] if args.quick else args.tokens,
+        dtypes=args.dtypes, baselines=args.baselines, group_size=args.group_size,
+        repeat=3 if args.quick else args.repeat,
+    )
+    progress = None if args.json else (lambda s: print(s, file=sys.stderr, flush=True))
+    result = run_bench(cfg, progress)
+    if args.json:
+        emit_json(result)
+    else:
+        print(format_table(result))
+    return 0

@@ -1,0 +1,269 @@
+"""Benchmark of the native experts kernels against transformers' built-in experts.
+
+Measures, on the machine it runs on: the read (and copy) bandwidth of main memory
+(STREAM-like, all threads), then for each expert shape, dtype and token count T the
+time of one MoE layer's experts, the achieved weight bandwidth (bytes of the distinct
+experts touched / time) as a share of the read bandwidth, and the speedup over
+transformers' ``eager`` and ``grouped_mm`` experts (bf16, same weights). Routing is
+uniform random top-k, redrawn every repetition so decode reads cold weights.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from moelab.errors import MoelabError
+from moelab.kernels.packing import PackedExperts
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_SHAPES: tuple[str, ...] = ("2048x1408x64x6", "4096x14336x8x2")
+DEFAULT_TOKENS: tuple[int, ...] = (1, 4, 16, 64, 256)
+DEFAULT_DTYPES: tuple[str, ...] = ("bf16", "int8", "int4")
+BASELINES: tuple[str, ...] = ("eager", "grouped_mm")
+
+
+@dataclass(frozen=True)
+class Shape:
+    """One MoE layer's expert geometry."""
+
+    hidden: int
+    intermediate: int
+    experts: int
+    top_k: int
+
+    @classmethod
+    def parse(cls, text: str) -> Shape:
+        try:
+            h, i, e, k = (int(v) for v in text.lower().split("x"))
+        except ValueError:
+            raise MoelabError(f"shape {text!r} is not HxIxExK (e.g. 2048x1408x64x6).") from None
+        if min(h, i, e, k) < 1 or k > e:
+            raise MoelabError(f"shape {text!r} needs positive sizes and top-k ≤ experts.")
+        return cls(h, i, e, k)
+
+    def __str__(self) -> str:
+        return f"{self.hidden}x{self.intermediate}x{self.experts}x{self.top_k}"
+
+    def bf16_bytes_per_expert(self) -> int:
+        return 3 * self.hidden * self.intermediate * 2
+
+
+@dataclass
+class BenchConfig:
+    """What ``moelab bench kernels`` measures."""
+
+    shapes: Sequence[str] = DEFAULT_SHAPES
+    """Expert shapes HxIxExK."""
+    tokens: Sequence[int] = DEFAULT_TOKENS
+    """Token counts T per layer call."""
+    dtypes: Sequence[str] = DEFAULT_DTYPES
+    """moelab weight formats (fp32, bf16, int8, int4)."""
+    baselines: Sequence[str] = BASELINES
+    """transformers experts implementations to compare against (bf16)."""
+    group_size: int = 64
+    """Quantisation group size for int8/int4."""
+    repeat: int = 5
+    """Timed repetitions per point (median reported; fewer for large T)."""
+    memory_fraction: float = 0.6
+    """Share of available memory the weights may use; E is scaled down beyond it."""
+    bandwidth_mib: int = 1024
+    """Size of the bandwidth-test buffer."""
+
+
+@dataclass
+class Row:
+    shape: str
+    experts_used: int
+    dtype: str
+    tokens: int
+    ms: float
+    gbps: float
+    pct_read_bw: float
+    baseline_ms: dict[str, float] = field(default_factory=dict)
+    speedup_vs_best: float | None = None
+    rel_err_vs_bf16: float | None = None
+
+
+def _median_time(fn: Callable[[], object], repeat: int, setup: Callable[[], None] | None = None) -> float:
+    times = []
+    for _ in range(repeat + 1):
+        if setup:
+            setup()
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    times = sorted(times[1:])  # first run is warm-up
+    return times[len(times) // 2]
+
+
+def memory_bandwidth(mib: int = 1024, repeat: int = 5) -> dict[str, float]:
+    """STREAM-like read (``sum``) and copy bandwidth in GB/s, best of ``repeat``, all threads."""
+    n = mib * 2**20 // 4
+    a = torch.ones(n)
+    b = torch.empty(n)
+    read = min(_timed(lambda: a.sum()) for _ in range(repeat))
+    copy = min(_timed(lambda: b.copy_(a)) for _ in range(repeat))
+    return {"read_gbps": 4 * n / read / 1e9, "copy_gbps": 8 * n / copy / 1e9}
+
+
+def _timed(fn: Callable[[], object]) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def _available_bytes() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 16 * 2**30
+
+
+def _fit_experts(shape: Shape, dtypes: Sequence[str], fraction: float) -> int:
+    """Largest E ≤ shape.experts whose weights (bf16 original + packs) fit the budget."""
+    factor = {"fp32": 2.0, "bf16": 1.0, "int8": 0.53, "int4": 0.28}
+    per_expert = shape.bf16_bytes_per_expert() * (1.0 + sum(factor[d] for d in dtypes) + 1.0)  # + temporaries
+    budget = _available_bytes() * fraction
+    e = int(min(shape.experts, budget // per_expert))
+    if e < shape.top_k:
+        raise MoelabError(
+            f"shape {shape} needs {per_expert * shape.top_k / 2**30:.1f} GiB for even {shape.top_k} experts; "
+            "not enough memory. Pass a smaller --shapes."
+        )
+    return e
+
+
+def _experts_module(shape: Shape, experts: int) -> torch.nn.Module:
+    from transformers import Qwen2MoeConfig
+    from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeExperts
+
+    cfg = Qwen2MoeConfig(
+        hidden_size=shape.hidden, moe_intermediate_size=shape.intermediate, num_experts=experts,
+        num_experts_per_tok=shape.top_k,
+    )
+    with torch.device("meta"):
+        mod = Qwen2MoeExperts(cfg)
+    gen = torch.Generator().manual_seed(0)
+    mod.gate_up_proj = torch.nn.Parameter(torch.empty(mod.gate_up_proj.shape, dtype=torch.bfloat16), requires_grad=False)
+    mod.down_proj = torch.nn.Parameter(torch.empty(mod.down_proj.shape, dtype=torch.bfloat16), requires_grad=False)
+    for p in (mod.gate_up_proj, mod.down_proj):
+        for e in range(experts):  # fill expert by expert to bound the fp32 temporaries
+            p.data[e] = (torch.randn(p.shape[1:], generator=gen) * 0.02).to(torch.bfloat16)
+    return mod
+
+
+class _Routing:
+    """Uniform random top-k routing for T tokens, redrawn by :meth:`redraw`."""
+
+    def __init__(self, tokens: int, experts: int, top_k: int) -> None:
+        self.t, self.e, self.k = tokens, experts, top_k
+        self.redraw()
+
+    def redraw(self) -> None:
+        self.ids = torch.stack([torch.randperm(self.e)[: self.k] for _ in range(self.t)])
+        self.w = torch.rand(self.t, self.k).softmax(-1)
+
+
+def _bench_shape(shape: Shape, config: BenchConfig, specs: dict, read_gbps: float, say) -> list[Row]:
+    from moelab.kernels.integration import packed_for
+    from moelab.kernels.op import moe_experts
+    from moelab.kernels.quant import quant_error
+
+    e = _fit_experts(shape, config.dtypes, config.memory_fraction)
+    if e < shape.experts:
+        logger.warning("shape %s: using E=%d experts (memory); per-token work is unchanged", shape, e)
+    say(f"shape {shape}: building E={e} bf16 experts and packing {', '.join(specs)}")
+    mod = _experts_module(shape, e)
+    packs = {d: packed_for(mod, spec) for d, spec in specs.items()}
+    rows: list[Row] = []
+    for t in config.tokens:
+        repeat = config.repeat if t <= 16 else max(2, config.repeat // 2)
+        r = _Routing(t, e, shape.top_k)
+        x = (torch.randn(t, shape.hidden) * 0.5).to(torch.bfloat16)
+        base: dict[str, float] = {}
+        for b in config.baselines:
+            mod.config._experts_implementation = b
+            say(f"  T={t} transformers {b}")
+            with torch.no_grad():
+                base[b] = _median_time(lambda x=x, r=r: mod(x, r.ids, r.w), repeat, r.redraw)
+        best = min(base.values()) if base else None
+        for d, packed in packs.items():
+            say(f"  T={t} moelab {d}")
+            used: list[int] = []
+
+            def fn(
+                p: PackedExperts = packed, used: list[int] = used, r: _Routing = r, x: torch.Tensor = x
+            ) -> None:
+                used.append(int(torch.unique(r.ids).numel()))
+                moe_experts(x, r.ids, r.w, p)
+
+            sec = _median_time(fn, repeat, r.redraw)
+            gbps = sorted(used)[len(used) // 2] * packed.expert_nbytes() / sec / 1e9
+            err = None
+            if "bf16" in packs and d != "bf16":
+                ref = moe_experts(x, r.ids, r.w, packs["bf16"])
+                err = quant_error(moe_experts(x, r.ids, r.w, packed), ref).rel_fro
+            rows.append(Row(
+                shape=str(shape), experts_used=e, dtype=d, tokens=t, ms=sec * 1e3, gbps=gbps,
+                pct_read_bw=100 * gbps / read_gbps, baseline_ms={k: v * 1e3 for k, v in base.items()},
+                speedup_vs_best=(best / sec) if best else None, rel_err_vs_bf16=err,
+            ))
+    return rows
+
+
+def run_bench(config: BenchConfig, progress: Callable[[str], None] | None = None) -> dict:
+    """Run the benchmark; returns ``{"machine": {...}, "rows": [...]}``."""
+    from moelab.kernels.build import active_isa
+    from moelab.kernels.packing import KernelSpec
+
+    say = progress or (lambda s: logger.info("%s", s))
+    for b in config.baselines:
+        if b not in BASELINES:
+            from moelab.errors import unknown_name
+
+            raise unknown_name("baseline", b, BASELINES)
+    shapes = [Shape.parse(s) for s in config.shapes]
+    specs = {d: KernelSpec(d, config.group_size) for d in config.dtypes}  # validates names
+    torch.manual_seed(0)
+    say("measuring memory bandwidth")
+    bw = memory_bandwidth(config.bandwidth_mib)
+    machine = {
+        **bw, "threads": torch.get_num_threads(), "isa": active_isa(),
+        "torch": torch.__version__, "group_size": config.group_size,
+    }
+    rows: list[Row] = []
+    for shape in shapes:
+        rows += _bench_shape(shape, config, specs, bw["read_gbps"], say)
+    return {"machine": machine, "rows": [asdict(r) for r in rows]}
+
+
+def format_table(result: dict) -> str:
+    """The human-readable table of :func:`run_bench`'s result."""
+    m = result["machine"]
+    lines = [
+        f"read bandwidth {m['read_gbps']:.1f} GB/s, copy {m['copy_gbps']:.1f} GB/s; "
+        f"{m['threads']} threads; ISA {m['isa']}; torch {m['torch']}; int group {m['group_size']}",
+    ]
+    base_names = sorted({k for r in result["rows"] for k in r["baseline_ms"]})
+    head = f"{'shape HxIxExK':<17}{'E':>4} {'dtype':<6}{'T':>5}{'ms':>10}{'GB/s':>8}{'%read':>7}"
+    head += "".join(f"{b + ' ms':>15}" for b in base_names) + f"{'speedup':>9}{'err vs bf16':>13}"
+    lines += [head, "-" * len(head)]
+    for r in result["rows"]:
+        s = f"{r['shape']:<17}{r['experts_used']:>4} {r['dtype']:<6}{r['tokens']:>5}{r['ms']:>10.3f}"
+        s += f"{r['gbps']:>8.1f}{r['pct_read_bw']:>6.0f}%"
+        s += "".join(f"{r['baseline_ms'].get(b, float('nan')):>15.3f}" for b in base_names)
+        s += f"{r['speedup_vs_best']:>8.2f}x" if r["speedup_vs_best"] else f"{'':>9}"
+        s += f"{r['rel_err_vs_bf16']:>13.2e}" if r["rel_err_vs_bf16"] is not None else f"{'':>13}"
+        lines.append(s)
+    lines.append("speedup = fastest transformers built-in (bf16) / moelab; err = relative Frobenius error of the layer output vs moelab bf16.")
+    return "\n".join(lines)

@@ -1,0 +1,99 @@
+"""transformers integration: set_experts_implementation("moelab…") on every family."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import moelab.kernels  # noqa: F401  (registers the implementations)
+from moelab.errors import MoelabError
+from moelab.kernels import force_isa, supported_isas
+from moelab.kernels.integration import CACHE_ATTR, IMPLEMENTATIONS, canonical_experts, clear_packed
+from moelab.models.tiny import FAMILIES, build_tiny
+
+
+def _logits(model, ids, impl):
+    model.set_experts_implementation(impl)
+    with torch.no_grad():
+        return model(ids).logits.float()
+
+
+def _ids(model, seed=0):
+    return torch.randint(3, model.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(seed))
+
+
+def _experts(model):
+    return [m for m in model.modules() if hasattr(m, "gate_up_proj")]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_moelab_logits_match_eager_for_every_family(family):
+    model = build_tiny(family, seed=0, dtype=torch.float32).eval()
+    ids = _ids(model)
+    eager = _logits(model, ids, "eager")
+    torch.testing.assert_close(_logits(model, ids, "moelab"), eager, atol=1e-4, rtol=1e-4)
+    for impl in ("moelab_int8", "moelab_int4"):
+        q = _logits(model, ids, impl)
+        assert torch.isfinite(q).all()
+        rel = (q - eager).norm() / eager.norm()
+        assert rel < (0.02 if impl == "moelab_int8" else 0.2), f"{impl}: relative error {rel:.3f}"
+
+
+@pytest.mark.parametrize("family", ["mixtral", "gpt_oss"])
+def test_moelab_bf16_model_matches_eager_within_bf16_tolerance(family):
+    model = build_tiny(family, seed=0, dtype=torch.bfloat16).eval()
+    ids = _ids(model)
+    out = _logits(model, ids, "moelab")
+    assert out.dtype == torch.float32  # .float() above; the model ran in bf16
+    torch.testing.assert_close(out, _logits(model, ids, "eager"), atol=3e-2, rtol=3e-2)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+def test_fallback_paths_match_eager_end_to_end(family):
+    model = build_tiny(family, seed=1, dtype=torch.float32).eval()
+    ids = _ids(model, 1)
+    eager = _logits(model, ids, "eager")
+    for isa in ("avx2", "portable"):
+        if isa not in supported_isas():
+            pytest.skip(f"this CPU cannot run the {isa} path")
+        with force_isa(isa):
+            torch.testing.assert_close(_logits(model, ids, "moelab"), eager, atol=1e-4, rtol=1e-4)
+
+
+def test_pack_is_cached_and_invalidated_when_weights_or_dtype_change():
+    model = build_tiny("mixtral", seed=0).eval()
+    ids = _ids(model)
+    _logits(model, ids, "moelab")
+    exp = _experts(model)[0]
+    first = exp.__dict__[CACHE_ATTR]
+    packed = next(iter(first.values()))[1]
+    _logits(model, ids, "moelab")
+    assert next(iter(exp.__dict__[CACHE_ATTR].values()))[1] is packed  # reused
+    with torch.no_grad():
+        exp.down_proj.mul_(2.0)  # in-place change bumps the version counter
+    doubled = _logits(model, ids, "moelab")
+    assert next(iter(exp.__dict__[CACHE_ATTR].values()))[1] is not packed
+    torch.testing.assert_close(doubled, _logits(model, ids, "eager"), atol=1e-4, rtol=1e-4)
+    model.to(torch.bfloat16)
+    _logits(model, ids, "moelab")
+    specs = {s.dtype for s in exp.__dict__[CACHE_ATTR]}
+    assert "bf16" in specs
+    assert clear_packed(model) == len(_experts(model))
+
+
+def test_all_quantised_names_are_registered():
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+    for name in IMPLEMENTATIONS:
+        assert name in ALL_EXPERTS_FUNCTIONS
+
+
+def test_unsupported_activation_is_refused_with_the_reason():
+    model = build_tiny("mixtral", seed=0)
+    exp = _experts(model)[0]
+    exp.act_fn = torch.nn.GELU()
+    with pytest.raises(MoelabError, match="GELU"):
+        canonical_experts(exp)
+    exp.has_gate = False
+    with pytest.raises(MoelabError, match="has_gate=False"):
+        canonical_experts(exp)
