@@ -26,6 +26,7 @@ COMMAND_MODULES: list[str] = [
     "predict",
     "demo",
     "bench",
+    "train_tiny",
 ]
 
 

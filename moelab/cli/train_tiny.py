@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
-from moelab.cli._util import positive_int
+from moelab.cli._util import emit_json, positive_int
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -45,8 +44,12 @@ def run(args: argparse.Namespace) -> int:
     if args.seed is not None:
         cfg.seed = args.seed
     ckpt = Path(args.checkpoint_dir or Path("runs") / "train-tiny" / args.model)
-    trainer = Trainer(cfg, ckpt, minutes=args.minutes, resume=args.resume, progress=not args.no_progress)
+    trainer = Trainer(
+        cfg, ckpt, minutes=args.minutes, resume=args.resume, progress=not args.no_progress
+    )
     trainer.run()
     summary = trainer.export(args.out)
-    print(json.dumps({k: summary[k] for k in ("name", "parameters", "steps", "train_wall_s", "validation")}, indent=1))
+    emit_json(
+        {k: summary[k] for k in ("name", "parameters", "steps", "train_wall_s", "validation")}
+    )
     return 0

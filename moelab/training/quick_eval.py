@@ -1,0 +1,142 @@
+"""A quick greedy-decoding checker for the bundled models (no lm-eval needed).
+
+``arith``: strict exact match of the number after ``####`` (GSM8K's strict regex).
+``pycode``: pass@1 with the problem's own ``check``; generated code runs in a separate
+Python process per problem with a timeout — never in this process.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import subprocess
+import sys
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+from moelab.tasks import generate, prompt_and_target
+from moelab.tasks.arith import final_answer
+from moelab.tasks.pycode import program
+
+logger = logging.getLogger(__name__)
+
+#: Stop sequences, as in lm-eval's gsm8k / humaneval tasks.
+ARITH_STOP = ("Question:", "\n\n")
+PYCODE_STOP = ("\nclass", "\ndef", "\n#", "\nif", "\nprint")
+STRICT = re.compile(r"#### (\-?[0-9\.\,]+)")
+
+
+def _cut(text: str, stops: tuple[str, ...]) -> str:
+    for s in stops:
+        i = text.find(s)
+        if i >= 0:
+            text = text[:i]
+    return text
+
+
+@torch.no_grad()
+def greedy_complete(
+    model, tokenizer, contexts: list[str], max_new_tokens: int, batch_size: int = 32
+) -> list[str]:
+    """Greedy continuations of ``contexts`` (left-padded batches, similar lengths together)."""
+    was_training = model.training
+    model.eval()
+    enc = [tokenizer(c, add_special_tokens=False).input_ids for c in contexts]
+    order = sorted(range(len(enc)), key=lambda i: len(enc[i]))
+    out: list[str] = [""] * len(enc)
+    pad = tokenizer.pad_token_id
+    for b in range(0, len(order), batch_size):
+        idx = order[b : b + batch_size]
+        t = max(len(enc[i]) for i in idx)
+        ids = torch.full((len(idx), t), pad, dtype=torch.long)
+        mask = torch.zeros((len(idx), t), dtype=torch.long)
+        for r, i in enumerate(idx):
+            ids[r, t - len(enc[i]) :] = torch.tensor(enc[i])
+            mask[r, t - len(enc[i]) :] = 1
+        gen = model.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            pad_token_id=pad,
+            eos_token_id=tokenizer.eos_token_id,
+        )
+        for r, i in enumerate(idx):
+            out[i] = tokenizer.decode(gen[r, t:], skip_special_tokens=True)
+    model.train(was_training)
+    return out
+
+
+def eval_arith(model, tokenizer, examples: list[dict[str, Any]], max_new_tokens: int = 200) -> dict:
+    """Strict exact match on the final ``#### N`` of GSM8K-style answers."""
+    ctx = [prompt_and_target("arith", ex)[0] for ex in examples]
+    comps = [_cut(c, ARITH_STOP) for c in greedy_complete(model, tokenizer, ctx, max_new_tokens)]
+    correct = 0
+    for ex, comp in zip(examples, comps):
+        m = STRICT.search(comp)
+        got = m.group(1).strip().replace(",", "").rstrip(".") if m else None
+        correct += got == final_answer(ex["answer"])
+    return {
+        "exact_match": correct / max(1, len(examples)),
+        "n": len(examples),
+        "samples": comps[:3],
+    }
+
+
+def run_check(source: str, timeout: float = 5.0) -> bool:
+    """True if ``source`` exits with status 0 in a fresh, isolated Python within ``timeout``."""
+    with tempfile.TemporaryDirectory() as tmp:
+        try:
+            proc = subprocess.run(
+                [sys.executable, "-I", "-"],
+                input=source,
+                capture_output=True,
+                text=True,
+                timeout=timeout,
+                cwd=tmp,
+            )
+        except subprocess.TimeoutExpired:
+            return False
+    return proc.returncode == 0
+
+
+def eval_pycode(
+    model,
+    tokenizer,
+    examples: list[dict[str, Any]],
+    max_new_tokens: int = 128,
+    timeout: float = 5.0,
+) -> dict:
+    """pass@1 (greedy): prompt + completion must pass the problem's ``check``."""
+    ctx = [ex["prompt"] for ex in examples]
+    comps = [_cut(c, PYCODE_STOP) for c in greedy_complete(model, tokenizer, ctx, max_new_tokens)]
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        passed = list(
+            pool.map(lambda a: run_check(program(a[0], a[1]), timeout), zip(examples, comps))
+        )
+    return {"pass@1": sum(passed) / max(1, len(examples)), "n": len(examples), "samples": comps[:3]}
+
+
+def quick_eval(
+    model, tokenizer, split: str = "validation", n: dict[str, int] | None = None, seed: int = 0
+) -> dict[str, dict]:
+    """Greedy accuracy on ``arith`` and ``pycode`` (``n`` per task; None = the split's default)."""
+    n = n or {}
+    res = {
+        "arith": eval_arith(
+            model, tokenizer, generate("arith", split, n=n.get("arith"), seed=seed)
+        ),
+        "pycode": eval_pycode(
+            model, tokenizer, generate("pycode", split, n=n.get("pycode"), seed=seed)
+        ),
+    }
+    logger.info(
+        "quick eval (%s): arith exact match %.3f, pycode pass@1 %.3f",
+        split,
+        res["arith"]["exact_match"],
+        res["pycode"]["pass@1"],
+    )
+    return res
