@@ -186,12 +186,15 @@ def test_attach_calls_back_during_generate_with_the_offline_predictions(kind, tr
     model, _ = moelab.load("tiny-random-mixtral")
     seen: list[tuple[int, int, np.ndarray]] = []
     ids = torch.tensor([[5, 17, 33, 9]])
-    with moelab.record(model, tmp_path / "t", hidden_states=True, hidden_dtype="float32",
-                       model_name="tiny-random-mixtral") as rec:
-        with attach(model, p, lambda s, t, e: seen.append((s, t, e.copy()))):
-            model.generate(ids, max_new_tokens=3, do_sample=False, pad_token_id=0)
+    with (
+        moelab.record(model, tmp_path / "t", hidden_states=True, hidden_dtype="float32",
+                      model_name="tiny-random-mixtral") as rec,
+        attach(model, p, lambda s, t, e: seen.append((s, t, e.copy()))),
+    ):
+        model.generate(ids, max_new_tokens=3, do_sample=False, pad_token_id=0)
     online = {}
     for s, t, e in seen:
+        assert t == s + 1
         online.setdefault(s, []).append(e)
     for s in p.source_layers():
         got = np.concatenate(online[s])

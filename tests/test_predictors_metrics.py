@@ -147,3 +147,15 @@ def test_hardware_profiles_are_a_registry_with_did_you_mean():
         dataclasses.replace(hw, link_bandwidth_gbs=0)
     with pytest.raises(MoelabError, match="Did you mean"):
         reference_expert_bytes("mixtral-8x7")
+
+
+def test_goodpred_rescoring_matches_a_full_evaluation(trace):
+    from moelab.predictors.metrics import goodpred
+
+    p = make_predictor("token", distance=1).fit(trace)
+    eb = reference_expert_bytes("deepseek-v2-lite")
+    base = evaluate(p, trace, expert_bytes=eb, latency_us=15.0)
+    for bw in (5.0, 50.0):
+        full = evaluate(p, trace, expert_bytes=eb, latency_us=15.0, link_bandwidth_gbs=bw).overall["decode"]
+        quick = goodpred(base, p, expert_bytes=eb, link_bandwidth_gbs=bw)
+        assert quick["goodpred"] == pytest.approx(full["goodpred"]) and quick["accuracy"] == pytest.approx(full["accuracy"])

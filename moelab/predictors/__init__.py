@@ -13,6 +13,7 @@ Kinds (``available_predictors()``): ``frequency``, ``oracle``, ``token``, ``skip
 from moelab.predictors import baselines, learned, skip, token  # noqa: F401  (register the built-in kinds)
 from moelab.predictors.base import Predictor, TraceData, clone
 from moelab.predictors.baselines import FrequencyPredictor, OraclePredictor
+from moelab.predictors.compare import compare, frame
 from moelab.predictors.io import load_predictor, read_predictor_meta, save_predictor
 from moelab.predictors.learned import LearnedPredictor
 from moelab.predictors.metrics import PredictionReport, evaluate
@@ -41,7 +42,9 @@ __all__ = [
     "attach",
     "available_predictors",
     "clone",
+    "compare",
     "evaluate",
+    "frame",
     "get_predictor_class",
     "load_predictor",
     "make_predictor",

@@ -162,6 +162,29 @@ def _aggregate(match: np.ndarray, n_actual: np.ndarray, in_time: np.ndarray, dec
     return out
 
 
+def goodpred(report: PredictionReport, predictor: Predictor, *, hardware: str | HardwareProfile = "pcie4-x16",
+             expert_bytes: int, layer_time_us: float | None = None, link_bandwidth_gbs: float | None = None,
+             latency_us: float | None = None) -> dict[str, float]:
+    """Decode fetch rate and GoodPred of ``report``'s predictions under another transfer model,
+    without predicting again (only the timing changes)."""
+    lat = report.latency_us if latency_us is None else latency_us
+    lat = 0.0 if not math.isfinite(lat) else lat
+    tm = transfer_model(hardware, expert_bytes, lat, layer_time_us, link_bandwidth_gbs)
+    schedule = in_time_schedule(predictor.timing, predictor.distance, predictor.top_k_, tm)
+    r = report.rows
+    K = report.top_k
+    decode = r["phase"] == "decode"
+    pred, actual = r["predicted"][decode, :K], r["actual"][decode]
+    hits = (pred[:, :, None] == actual[:, None, :]).any(2)
+    in_time = schedule[r["target"][decode]][:, :K]
+    good = (hits & in_time).sum(1)
+    n_actual = np.maximum((actual >= 0).sum(1), 1)
+    correct = hits.sum()
+    return {"goodpred": float(np.mean(good / n_actual)) if len(good) else float("nan"),
+            "fetch_rate": float(good.sum() / correct) if correct else float("nan"),
+            "accuracy": float(np.mean(hits.sum(1) / n_actual)) if len(good) else float("nan")}
+
+
 def evaluate(
     predictor: Predictor,
     trace,
