@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml setup.py
 install: $(STAMP)
 
 demo: $(STAMP)
-	$(VENV)/bin/moelab demo --out report.html --overwrite
+	$(VENV)/bin/moelab demo --out report.html --overwrite --allow-code-execution
 
 test: $(STAMP)
 	$(PY) -m pytest -q -n 2 --durations=15

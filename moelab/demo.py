@@ -17,11 +17,11 @@ def run_demo(
     max_new_tokens: int = 24,
     quick: bool = False,
     sections: list[str] | None = None,
+    allow_code_execution: bool = False,
 ) -> Path:
     """Load ``model`` (default: the bundled DeepSeek/Qwen2-style model), trace it, write the report."""
     from moelab.loading import load
     from moelab.models.bundled import default_model_name
-    from moelab.prompts import task_prompts
     from moelab.report import ReportContext, build_report
     from moelab.trace.run import trace_prompts
 
@@ -32,7 +32,15 @@ def run_demo(
     workdir = Path(tempfile.mkdtemp(prefix="moelab-demo-"))
     log.info("tracing %s on %d prompts", name, len(prompts))
     trace = trace_prompts(mdl, tok, prompts, workdir / "trace", max_new_tokens=max_new_tokens, model_name=name)
-    ctx = ReportContext(model=mdl, tokenizer=tok, model_name=name, trace=trace, workdir=workdir, quick=quick)
+    ctx = ReportContext(
+        model=mdl,
+        tokenizer=tok,
+        model_name=name,
+        trace=trace,
+        workdir=workdir,
+        quick=quick,
+        extras={"allow_code_execution": allow_code_execution},
+    )
     return build_report(ctx, out, sections=sections)
 
 

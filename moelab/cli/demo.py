@@ -18,6 +18,11 @@ def register(subparsers) -> None:
     p.add_argument("--max-new-tokens", type=positive_int, default=24)
     p.add_argument("--quick", action="store_true", help="smaller workloads in every section (seconds)")
     p.add_argument("--sections", help="comma-separated section names to include (default: all)")
+    p.add_argument(
+        "--allow-code-execution",
+        action="store_true",
+        help="let the accuracy section run model-generated code (pycode) in the sandbox",
+    )
     p.set_defaults(func=run)
 
 
@@ -26,6 +31,13 @@ def run(args) -> int:
 
     out = check_output_path(args.out, args.overwrite)
     sections = [s.strip() for s in args.sections.split(",")] if args.sections else None
-    path = run_demo(out, model=args.model, max_new_tokens=args.max_new_tokens, quick=args.quick, sections=sections)
+    path = run_demo(
+        out,
+        model=args.model,
+        max_new_tokens=args.max_new_tokens,
+        quick=args.quick,
+        sections=sections,
+        allow_code_execution=args.allow_code_execution,
+    )
     print(f"wrote {path}")
     return 0

@@ -70,7 +70,7 @@ def _load_builtin_sections() -> None:
 
 
 #: Modules that register sections when imported.
-BUILTIN_SECTION_MODULES: list[str] = ["moelab.report.routing"]
+BUILTIN_SECTION_MODULES: list[str] = ["moelab.report.routing", "moelab.evals.report"]
 
 
 def build_report(ctx: ReportContext, out: str | Path, *, sections: list[str] | None = None) -> Path:
