@@ -51,7 +51,9 @@ def replay(
     score_rows,  # (R,) int64 rows of `scores` per token, in group order (mrs)
     scores,  # (N, E_max) float32 router score vectors (mrs)
     p_layer,  # (L,) int64 top-p width per MoE layer (mrs)
-    nxt_access,  # (n,) int64 next use of each access (belady)
+    nxt_access,  # (n,) int64 future of each access (belady; stream.belady_future)
+    first_future,  # (NK,) int64 future of each key before the stream (belady)
+    never,  # int64 futures >= never are "never used again" (belady)
     pinned,  # (NK,) bool (static)
     bypass,  # bool (belady)
     pf_ptr,  # (G+1,) int64 prefetch proposals per group (empty: no prefetch)
@@ -183,8 +185,7 @@ def replay(
             p1[k] = -nxtk[k]
 
     if policy == BELADY:
-        for i in range(n - 1, -1, -1):
-            nxtk[keys[i]] = i
+        nxtk[:] = first_future
     t = 0
     for j in range(warm_keys.shape[0]):
         k = warm_keys[j]
@@ -249,7 +250,43 @@ def replay(
             for j in range(size // 2 - 1, -1, -1):
                 sift_down(hstart[part], size, j)
 
-        for i in range(a, b):
+        if policy == BELADY:
+            # Sequential MIN; nothing is protected (see BeladyCache).
+            for i in range(a, b):
+                k = keys[i]
+                part = key_part[k]
+                t += 1
+                last[k] = t
+                nxtk[k] = nxt_access[i]
+                if resident[k]:
+                    hit[i] = 1
+                    if spec[k]:
+                        spec[k] = False
+                        counters[PREFETCH_HITS] += 1
+                    prio(k)
+                    fix(part, k)
+                    continue
+                if bypass and nxtk[k] >= never:
+                    continue
+                if count[part] >= part_cap[part]:
+                    v = victim(part, -1)
+                    if v < 0 or (bypass and nxtk[k] >= nxtk[v]):
+                        continue
+                    remove(part, v)
+                    resident[v] = False
+                    count[part] -= 1
+                    counters[EVICTIONS] += 1
+                    if spec[v]:
+                        spec[v] = False
+                        counters[WASTED_EVICTED] += 1
+                resident[k] = True
+                count[part] += 1
+                ins[k] = t
+                counters[TRANSFERS] += 1
+                prio(k)
+                push(part, k)
+
+        for i in range(a, a if policy == BELADY else b):  # every other policy: in access order
             k = keys[i]
             part = key_part[k]
             t += 1
@@ -263,11 +300,9 @@ def replay(
                 admit = True
                 if policy == STATIC:
                     admit = pinned[k]
-                elif policy == BELADY and bypass:
-                    admit = nxt_access[i] < n
                 if admit and count[part] >= part_cap[part]:
                     v = victim(part, stamp)
-                    if v < 0 or policy == BELADY and bypass and nxt_access[i] >= nxtk[v]:
+                    if v < 0:
                         admit = False
                     else:
                         remove(part, v)
@@ -287,7 +322,6 @@ def replay(
                     counters[TRANSFERS] += 1
             last[k] = t
             freq[k] += 1
-            nxtk[k] = nxt_access[i] if policy == BELADY else n
             if resident[k]:
                 prio(k)
                 if hpos[k] >= 0:
@@ -307,7 +341,7 @@ def replay(
             if left == 0:
                 break
             part = key_part[k]
-            if policy == BELADY and bypass and nxtk[k] >= n:
+            if policy == BELADY and bypass and nxtk[k] >= never:
                 continue
             if count[part] >= part_cap[part]:
                 v = victim(part, stamp2)

@@ -119,7 +119,6 @@ class ExpertCache:
         self._last_use = [0] * n_keys
         self._inserted_at = [0] * n_keys
         self._clock = 0
-        self._current_key: int | None = None  # the key a demand miss is inserting
         self.hits = 0
         self.misses = 0
         self.evictions = 0
@@ -201,21 +200,10 @@ class ExpertCache:
         for key in keys:
             self._clock += 1
             part = self._partition(key)
-            if key in self._resident[part]:
-                self.hits += 1
-                self.layer_hits[layer] += 1
-                if key in self._speculative:
-                    self._speculative.discard(key)
-                    self.prefetch_hits += 1
-                out.append(True)
-            else:
-                self.misses += 1
-                self.layer_misses[layer] += 1
-                self._current_key = key
-                if self._admit(key) and self._make_room(part, needed, key):
-                    self._store(key, speculative=False)
-                self._current_key = None
-                out.append(False)
+            hit = self._count(layer, key)
+            if not hit and self._admit(key) and self._make_room(part, needed, key):
+                self._store(key, speculative=False)
+            out.append(hit)
             self._last_use[key] = self._clock
             self._on_access(key)
         return out
@@ -244,6 +232,19 @@ class ExpertCache:
         return moved
 
     # ------------------------------------------------------------------ mechanics
+    def _count(self, layer: int, key: int) -> bool:
+        """Count a demand access of ``key`` as a hit or a miss; True on a hit."""
+        if key in self._resident[self._partition(key)]:
+            self.hits += 1
+            self.layer_hits[layer] += 1
+            if key in self._speculative:
+                self._speculative.discard(key)
+                self.prefetch_hits += 1
+            return True
+        self.misses += 1
+        self.layer_misses[layer] += 1
+        return False
+
     def _make_room(self, part: int, protected: set[int], key: int) -> bool:
         """Evict the policy's victim if ``part`` is full; False if ``key`` must bypass."""
         if len(self._resident[part]) < self.slots_[part]:

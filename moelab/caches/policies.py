@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from moelab.caches.base import ExpertCache, Scope, register_policy, resolve_capacity
-from moelab.caches.stream import AccessStream, next_use
+from moelab.caches.stream import AccessStream, belady_future
 from moelab.errors import MoelabError
 
 
@@ -79,10 +79,12 @@ class MRSCache(ExpertCache):
     largest scores (ties: lower expert id) and counts the others as 0. The cached expert with
     the lowest ``S`` is evicted; ties: least recently used, then the lowest key.
 
-    Special case: with ``alpha=1`` and ``p = top-k``, ``S`` is the current token's top-k
-    scores and 0 elsewhere; the current step's experts are protected anyway, so every
-    candidate has ``S = 0`` and MRS evicts exactly like LRU (when the selected experts are
-    the top-k of the recorded scores, as for softmax top-k routers).
+    Special case: with ``alpha=1`` and ``p = top-k``, a layer's ``S`` is its latest token's
+    top-k scores and 0 elsewhere. With per-layer slots the current step's experts are
+    protected anyway, so every candidate has ``S = 0`` and MRS evicts exactly like LRU
+    (when the selected experts are the top-k of the recorded scores, as for softmax top-k
+    routers). In a global pool the other layers' latest experts keep ``S > 0``, so it is
+    LRU that first spares each layer's most recent step.
     """
 
     uses_scores = True
@@ -184,10 +186,15 @@ class BeladyCache(ExpertCache):
 
     Offline only: it is built from the whole :class:`AccessStream` (``stream``) and must be
     driven with exactly that stream. With ``bypass=True`` (default) a missed expert is not
-    inserted when it is used again no sooner than every eviction candidate (or never): this
-    is the optimum when a miss may be served without caching (CPU compute), and so an upper
-    bound on the hit rate of every policy here, ``static`` included. ``bypass=False`` is the
-    classic MIN that inserts every miss (the bound for always-insert policies).
+    inserted when it is used again no sooner than every cached expert (or never): the
+    optimum when a miss may be served without caching (CPU compute).
+
+    Belady is the *bound*, so it is the exact optimum of a slightly larger set of schedules:
+    it sees accesses one at a time and may evict an expert the current step has already used
+    (the other policies never evict the current step's experts). Classic MIN optimality then
+    holds, and with it ``hits(belady) ≥ hits(any policy here)``, ``static`` included. (Under
+    the step-protection rule itself, farthest-next-use is not always optimal when a step
+    needs several experts.) ``bypass=False`` is MIN that inserts every miss.
     """
 
     needs_future = True
@@ -200,38 +207,35 @@ class BeladyCache(ExpertCache):
         super().__init__(*args, **kwargs)
 
     def _reset_policy(self) -> None:
-        keys = self.stream.keys
-        self._n = len(keys)
-        self._nxt = next_use(self.stream)
-        first = np.full(self.key_offset_[-1], self._n, dtype=np.int64)
-        np.minimum.at(first, keys, np.arange(self._n))
-        self._next = first.tolist()  # per key: position of its next access from now
+        self._nxt, first, self._never = belady_future(self.stream)
+        self._next = first.tolist()  # per key: when it is needed next, from now
         self._pos = 0
 
     def access(self, layer: int, experts: Sequence[int], scores: Any = None) -> list[bool]:
-        want = [self.key(layer, e) for e in experts]
-        got = self.stream.keys[self._pos : self._pos + len(want)].tolist()
-        if got != want:
+        keys = [self.key(layer, e) for e in experts]
+        got = self.stream.keys[self._pos : self._pos + len(keys)].tolist()
+        if got != keys:
             raise MoelabError(
-                f"belady must replay its own stream: access #{self._pos} is {got}, called with {want}."
+                f"belady must replay its own stream: access #{self._pos} is {got}, called with {keys}."
             )
-        return super().access(layer, experts, scores)
-
-    def _admit(self, key: int) -> bool:
-        return not self.bypass or self._nxt[self._pos] < self._n
+        out = []
+        for key in keys:
+            self._clock += 1
+            hit = self._count(layer, key)
+            self._next[key] = int(self._nxt[self._pos])  # next use after this access
+            self._pos += 1
+            admit = not self.bypass or self._next[key] < self._never
+            if not hit and admit and self._make_room(self._partition(key), set(), key):
+                self._store(key, speculative=False)
+            self._last_use[key] = self._clock
+            out.append(hit)
+        return out
 
     def _admit_prefetch(self, key: int) -> bool:
-        return not self.bypass or self._next[key] < self._n
+        return not self.bypass or self._next[key] < self._never
 
     def _replace(self, key: int, victim: int) -> bool:
-        if not self.bypass:
-            return True
-        mine = self._nxt[self._pos] if key == self._current_key else self._next[key]
-        return mine < self._next[victim]
-
-    def _on_access(self, key: int) -> None:
-        self._next[key] = int(self._nxt[self._pos])
-        self._pos += 1
+        return not self.bypass or self._next[key] < self._next[victim]
 
     def _rank(self, key: int) -> tuple:
         return (1, -self._next[key], key)

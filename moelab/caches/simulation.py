@@ -21,7 +21,7 @@ from moelab.caches.base import ExpertCache, Scope, get_policy, resolve_capacity
 from moelab.caches.policies import BeladyCache, mrs_p, popular_keys
 from moelab.caches.prefetch import get_prefetcher, proposals
 from moelab.caches.results import CacheResult, CacheSweep
-from moelab.caches.stream import AccessStream, build_stream, next_use
+from moelab.caches.stream import AccessStream, belady_future, build_stream
 from moelab.errors import MoelabError
 
 logger = logging.getLogger(__name__)
@@ -312,7 +312,9 @@ def _run_fast(stream, name, slots, scope, warm_keys, counts, pf_ptr, pf_keys, bu
         ps = mrs_p(kw.get("p"), stream.top_k.tolist(), stream.num_experts.tolist())
         row_ptr, score_rows, scores = stream.row_ptr, stream.score_rows, stream.scores
         p_layer = np.asarray(ps, dtype=np.int64)
-    nxt = next_use(stream) if code == _fast.BELADY else np.zeros(0, dtype=np.int64)
+    nxt, first, never = np.zeros(0, dtype=np.int64), np.zeros(NK, dtype=np.int64), 0
+    if code == _fast.BELADY:
+        nxt, first, never = belady_future(stream)
     pinned = np.zeros(NK, dtype=np.bool_)
     if code == _fast.STATIC:
         keys = kw.get("pinned")
@@ -340,6 +342,8 @@ def _run_fast(stream, name, slots, scope, warm_keys, counts, pf_ptr, pf_keys, bu
         scores,
         p_layer,
         nxt,
+        first,
+        np.int64(never),
         pinned,
         bool(kw.get("bypass", True)),
         pf_ptr,

@@ -255,3 +255,14 @@ def next_use(stream: AccessStream) -> np.ndarray:
     same = keys[order[1:]] == keys[order[:-1]]
     nxt[order[:-1][same]] = order[1:][same]
     return nxt
+
+
+def belady_future(stream: AccessStream) -> tuple[np.ndarray, np.ndarray, int]:
+    """Belady's view of the future: ``(next use of each access (n,), first use of each key, never)``.
+
+    Positions in the access stream; ``never = n`` marks "not used again". O(n log n).
+    """
+    n = stream.num_accesses
+    first = np.full(stream.num_keys, n, dtype=np.int64)
+    np.minimum.at(first, stream.keys, np.arange(n))
+    return next_use(stream), first, n

@@ -1,0 +1,91 @@
+"""``moelab cache``: expert-cache simulation over routing traces (``simulate``, ``bench``)."""
+
+from __future__ import annotations
+
+from moelab.cli._util import emit_json
+from moelab.errors import MoelabError
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("cache", help="simulate expert caches (LRU, LFU, MRS, Belady, ...) over a trace")
+    sub = p.add_subparsers(dest="cache_command", metavar="SUBCOMMAND")
+    s = sub.add_parser("simulate", help="hit rates of cache policies at given capacities")
+    s.add_argument("--trace", required=True, metavar="DIR", help="routing trace directory")
+    s.add_argument("--policy", default="lru,lfu,fifo,static,mrs,belady", help="comma-separated policies")
+    s.add_argument("--capacity", default="0.125,0.25,0.5,0.75",
+                   help="comma-separated capacities: fractions (0.25, 25%%) or expert counts (2)")
+    s.add_argument("--scope", default="layer", help="layer, global, or both (layer,global)")
+    s.add_argument("--prefetch", metavar="PREDICTOR", help="prefetch with a predictor (oracle, repeat)")
+    s.add_argument("--distance", type=int, default=1, help="prefetch for MoE layer l + d (default 1)")
+    s.add_argument("--budget", type=int, default=None, help="prefetch transfers per step, in experts")
+    s.add_argument("--expert-bytes", type=int, default=None, help="bytes per expert (default: count experts)")
+    s.add_argument("--include-prefill", action="store_true", help="also replay the prompt tokens")
+    s.add_argument("--warm", action="store_true", help="start with the most popular experts cached")
+    s.add_argument("--json", action="store_true", help="machine-readable output")
+    s.set_defaults(func=run_simulate)
+    b = sub.add_parser("bench", help="accesses/s of the compiled simulators on a synthetic stream")
+    b.add_argument("--accesses", type=int, default=10_000_000)
+    b.add_argument("--json", action="store_true")
+    b.set_defaults(func=run_bench)
+    p.set_defaults(func=lambda args: (p.print_help(), 2)[1])
+
+
+def parse_capacity(text: str) -> float | int:
+    """``0.25`` / ``25%`` -> fraction 0.25; ``2`` -> a count of 2 experts."""
+    t = text.strip()
+    try:
+        if t.endswith("%"):
+            return float(t[:-1]) / 100.0
+        return float(t) if any(c in t for c in ".eE") else int(t)
+    except ValueError:
+        raise MoelabError(f"capacity {text!r} is neither a fraction (0.25, 25%) nor a count of experts (2).") from None
+
+
+def run_simulate(args) -> int:
+    from moelab.caches.base import SCOPES, get_policy
+    from moelab.caches.simulation import PrefetchConfig, load_stream, simulate
+    from moelab.errors import unknown_name
+
+    policies = [x.strip() for x in args.policy.split(",") if x.strip()]
+    for name in policies:
+        get_policy(name)  # unknown names fail here, with suggestions
+    capacities = [parse_capacity(c) for c in args.capacity.split(",") if c.strip()]
+    scopes = [x.strip() for x in args.scope.split(",") if x.strip()]
+    for sc in scopes:
+        if sc not in SCOPES:
+            raise unknown_name("cache scope", sc, SCOPES)
+    prefetch = None
+    if args.prefetch:
+        prefetch = PrefetchConfig(args.prefetch, args.distance, args.budget)
+    stream = load_stream(args.trace, args.include_prefill, scores=any(get_policy(p).uses_scores for p in policies))
+    results = []
+    for sc in scopes:
+        for p in policies:
+            for c in capacities:
+                pf = prefetch if p not in ("belady", "static") else None
+                results.append(simulate(stream, p, c, sc, prefetch=pf, warm=args.warm, expert_bytes=args.expert_bytes))
+    if args.json:
+        emit_json({"trace": args.trace, "accesses": stream.num_accesses, "results": [r.to_dict() for r in results]})
+        return 0
+    print(f"trace {args.trace}: {stream.num_accesses} expert accesses, {stream.num_layers} MoE layers, "
+          f"E={stream.num_experts.tolist()}, {'with' if args.include_prefill else 'decode only, no'} prefill"
+          + (f"; prefetch {prefetch.describe()} (not for belady/static)" if prefetch else ""))
+    unit = "bytes" if args.expert_bytes else "experts"
+    print(f"{'policy':<8} {'scope':<7} {'capacity':>8} {'hit rate':>9} {'misses':>8} {'moved (' + unit + ')':>16}"
+          f"  per-layer hit rate")
+    for r in results:
+        cap = f"{r.capacity:.1%}" if isinstance(r.capacity, float) else str(r.capacity)
+        layers = " ".join(f"{x:.2f}" for x in r.layer_hit_rate)
+        extra = f"  [prefetched {r.prefetched}, hits {r.prefetch_hits}, wasted {r.wasted_prefetches}]" if r.prefetch else ""
+        print(f"{r.policy:<8} {r.scope:<7} {cap:>8} {r.hit_rate:>9.2%} {r.misses:>8} {r.bytes_moved:>16}  {layers}{extra}")
+    return 0
+
+
+def run_bench(args) -> int:
+    from moelab.caches import bench
+
+    argv = ["--accesses", str(args.accesses)] + (["--json"] if args.json else [])
+    return bench.main(argv)
+
+
+__all__ = ["parse_capacity", "register"]

@@ -1,0 +1,162 @@
+"""Invariants every policy must satisfy, and parity of the compiled kernel with the reference."""
+
+import functools
+
+import numpy as np
+import pytest
+
+from moelab.caches import PrefetchConfig, make_cache, simulate, stream_from_groups
+from moelab.caches._fast import HAVE_NUMBA
+from moelab.caches.synthetic import synthetic_stream
+
+POLICIES = ["lru", "lfu", "fifo", "static", "mrs", "belady"]
+needs_numba = pytest.mark.skipif(not HAVE_NUMBA, reason="numba not installed: no compiled kernel to compare")
+
+
+@pytest.fixture(scope="module")
+def recorded_trace(tmp_path_factory):
+    """A routing trace of a tiny random Qwen2-MoE (8 experts, top-4, 3 MoE layers), with scores."""
+    import torch
+
+    import moelab
+    from moelab.models.tiny import build_tiny
+    from moelab.models.tokenizer import byte_tokenizer
+
+    model = build_tiny("qwen2_moe", seed=0)
+    tok = byte_tokenizer()
+    out = tmp_path_factory.mktemp("trace") / "t"
+    enc = tok(["expert caches", "route me"], return_tensors="pt", padding=True)
+    with torch.no_grad(), moelab.record(model, out):
+        model.generate(**enc, max_new_tokens=24, do_sample=False, pad_token_id=tok.pad_token_id)
+    return moelab.open_trace(out)
+
+
+def _streams():
+    yield "random-skewed", synthetic_stream(num_layers=3, num_experts=8, top_k=2, num_seqs=2, steps=60, seed=1)
+    yield "random-flat", synthetic_stream(num_layers=2, num_experts=16, top_k=4, num_seqs=3, steps=40,
+                                          skew=0.0, locality=0.3, seed=2)
+    yield "with-prefill", synthetic_stream(num_layers=2, num_experts=8, top_k=2, num_seqs=2, steps=20,
+                                           prefill_tokens=6, include_prefill=True, seed=4)
+
+
+@pytest.mark.parametrize("scope", ["layer", "global"])
+def test_belady_bounds_every_policy_on_random_traces(scope):
+    for name, s in _streams():
+        for cap in [0.125, 0.25, 0.5, 0.75]:
+            bel = simulate(s, "belady", cap, scope).hit_rate
+            for p in POLICIES[:-1]:
+                assert bel >= simulate(s, p, cap, scope).hit_rate, (name, p, cap)
+
+
+def test_belady_bounds_every_policy_on_a_recorded_trace(recorded_trace):
+    for scope in ["layer", "global"]:
+        for cap in [0.125, 0.25, 0.5, 0.75]:
+            for prefill in [False, True]:
+                bel = simulate(recorded_trace, "belady", cap, scope, include_prefill=prefill).hit_rate
+                for p in POLICIES[:-1]:
+                    r = simulate(recorded_trace, p, cap, scope, include_prefill=prefill)
+                    assert bel >= r.hit_rate, (p, cap, scope, prefill)
+
+
+def _optimum(groups, cap, protect=True):
+    """Most hits any demand schedule can get (exhaustive search over insert/evict/bypass).
+
+    ``protect``: a step's experts may not evict each other (the rule every policy follows);
+    without it, any cached expert may be evicted (the relaxation Belady optimises).
+    """
+
+    @functools.cache
+    def best(g, i, cache):
+        if g == len(groups):
+            return 0
+        exps = groups[g]
+        if i == len(exps):
+            return best(g + 1, 0, cache)
+        e = exps[i]
+        if e in cache:
+            return 1 + best(g, i + 1, cache)
+        options = [best(g, i + 1, cache)]  # bypass
+        if len(cache) < cap:
+            options.append(best(g, i + 1, cache | {e}))
+        else:
+            for v in cache - set(exps) if protect else cache:
+                options.append(best(g, i + 1, (cache - {v}) | {e}))
+        return max(options)
+
+    return best(0, 0, frozenset())
+
+
+def test_belady_is_the_exhaustive_optimum_and_bounds_the_step_protected_optimum():
+    rng = np.random.default_rng(0)
+    for _ in range(60):
+        E, cap = int(rng.integers(3, 6)), int(rng.integers(1, 4))
+        groups = [tuple(rng.choice(E, size=int(rng.integers(1, 4)), replace=False).tolist()) for _ in range(9)]
+        s = stream_from_groups([(0, list(x)) for x in groups], [E])
+        hits = simulate(s, "belady", cap).hits
+        assert hits == _optimum(groups, cap, protect=False), (groups, cap)
+        assert hits >= _optimum(groups, cap, protect=True), (groups, cap)
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_full_capacity_gives_only_compulsory_misses(policy):
+    for _, s in _streams():
+        for scope in ["layer", "global"]:
+            r = simulate(s, policy, 1.0, scope)
+            assert r.misses == len(np.unique(s.keys)) and r.evictions == 0
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_online_and_offline_use_give_identical_hits(policy):
+    s = synthetic_stream(num_layers=3, num_experts=8, top_k=2, num_seqs=2, steps=30, prefill_tokens=3,
+                         include_prefill=True, seed=5)
+    for scope, cap in [("layer", 0.25), ("global", 0.5)]:
+        off = simulate(s, policy, cap, scope, keep_hits=True)
+        extra = {}
+        if policy == "mrs":
+            extra["top_k"] = s.top_k.tolist()
+        if policy == "belady":
+            extra["stream"] = s
+        if policy == "static":
+            extra["profile"] = np.bincount(s.keys, minlength=s.num_keys)
+        cache = make_cache(policy, s.num_experts.tolist(), cap, scope, **extra)
+        hits = []
+        for g in range(s.num_groups):  # what a running model does: once per MoE layer per step
+            hits += cache.access(int(s.group_layer[g]), s.group_experts(g).tolist(), s.group_scores(g))
+        assert np.array_equal(np.asarray(hits, dtype=np.uint8), off.hit)
+        assert (cache.hits, cache.evictions, cache.transfers) == (off.hits, off.evictions, off.transfers)
+        assert cache.layer_hits == off.layer_hits
+
+
+PARITY_SETTINGS = [
+    dict(capacity=1, scope="layer"),
+    dict(capacity=0.5, scope="layer", warm=True),
+    dict(capacity=0.25, scope="global"),
+    dict(capacity=0.25, scope="layer", prefetch=PrefetchConfig("oracle", 1, budget=2)),
+    dict(capacity=0.5, scope="global", prefetch=PrefetchConfig("repeat", 2)),
+]
+
+
+@needs_numba
+@pytest.mark.parametrize("policy", POLICIES)
+def test_fast_kernel_matches_reference(policy):
+    s = synthetic_stream(num_layers=3, num_experts=[8, 6, 8], top_k=2, num_seqs=2, steps=25, prefill_tokens=3,
+                         include_prefill=True, seed=7)
+    for kw in PARITY_SETTINGS:
+        extra = {"reset_on_evict": True} if policy == "lfu" and kw["scope"] == "global" else {}
+        if policy == "mrs" and kw.get("warm"):
+            extra = {"alpha": 0.3, "p": 3}
+        a = simulate(s, policy, backend="fast", keep_hits=True, **kw, **extra)
+        b = simulate(s, policy, backend="reference", keep_hits=True, **kw, **extra)
+        assert np.array_equal(a.hit, b.hit), kw
+        da, db = a.to_dict(), b.to_dict()
+        da.pop("backend"), db.pop("backend")
+        assert da == db, kw
+
+
+def test_simulate_reads_a_trace_directory(recorded_trace):
+    r = simulate(recorded_trace.path, "mrs", 0.5)
+    assert r.accesses == int((recorded_trace.column("step") > 0).sum()) * 4
+    assert r.model == recorded_trace.meta["model"]["name"]
+    assert set(r.phase_accesses) == {"decode"}
+    rp = simulate(recorded_trace, "lru", 0.5, include_prefill=True)
+    assert rp.phase_accesses["prefill"] > 0 and rp.accesses > r.accesses
