@@ -24,6 +24,7 @@ COMMAND_MODULES: list[str] = [
     "generate",
     "compare_policies",
     "predict",
+    "cache",
     "demo",
     "bench",
     "train_tiny",
