@@ -99,6 +99,8 @@ class ModelInfo:
     hidden_size: int
     shared_experts: bool
     router: list[dict]
+    expert_bytes: list[int]
+    """Bytes of one routed expert's weights (biases included) per MoE layer, in the model's dtype."""
 
     def to_dict(self) -> dict:
         from dataclasses import asdict
@@ -122,7 +124,14 @@ def model_info(model: Any) -> ModelInfo:
         hidden_size=int(config.hidden_size),
         shared_experts=any(layer.shared_experts is not None for layer in layers),
         router=[asdict(layer.spec) for layer in layers[:1]],
+        expert_bytes=[expert_bytes(layer) for layer in layers],
     )
+
+
+def expert_bytes(layer: MoELayer) -> int:
+    """Bytes of one routed expert of ``layer`` (all expert parameters / E)."""
+    total = sum(p.numel() * p.element_size() for p in layer.experts.parameters())
+    return int(total // max(layer.num_experts, 1))
 
 
 def model_fingerprint(model: Any) -> str:
@@ -153,6 +162,7 @@ __all__ = [
     "ModelInfo",
     "RouterSpec",
     "Routing",
+    "expert_bytes",
     "get_adapter",
     "make_routing",
     "model_fingerprint",

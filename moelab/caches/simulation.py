@@ -78,7 +78,7 @@ def load_stream(source: Any, include_prefill: bool = False, scores: bool = True)
     if not hasattr(source, "experts_array"):
         raise MoelabError(f"expected a RoutingTrace, a trace directory or an AccessStream, got {type(source).__name__}.")
     tr = source
-    return build_stream(
+    stream = build_stream(
         seq=tr.column("seq"),
         step=tr.column("step"),
         moe_layer=tr.column("moe_layer"),
@@ -90,15 +90,17 @@ def load_stream(source: Any, include_prefill: bool = False, scores: bool = True)
         include_prefill=include_prefill,
         model_name=tr.meta["model"].get("name"),
     )
+    sizes = tr.meta["model"].get("expert_bytes")  # traces recorded before it was added lack it
+    if sizes:
+        object.__setattr__(stream, "expert_bytes", int(max(sizes)))
+    return stream
 
 
 def expert_bytes_of(model: Any) -> int:
     """Bytes of one routed expert of ``model``'s first MoE layer (for ``expert_bytes``)."""
-    from moelab.adapters import moe_layers
+    from moelab.adapters import expert_bytes, moe_layers
 
-    layer = moe_layers(model)[0]
-    total = sum(p.numel() * p.element_size() for p in layer.experts.parameters())
-    return int(total // layer.num_experts)
+    return expert_bytes(moe_layers(model)[0])
 
 
 # ---------------------------------------------------------------------- simulation
@@ -129,7 +131,8 @@ def simulate(
         warm: start with the most popular experts of ``profile`` loaded instead of empty.
         prefetch: predictor-driven prefetching, or None for demand caching.
         backend: ``fast`` (compiled), ``reference`` (pure Python), ``auto`` (fast when possible).
-        expert_bytes: bytes per expert for ``bytes_moved`` (1 = count experts).
+        expert_bytes: bytes per expert for ``bytes_moved``; default: the trace's recorded
+            expert size (meta.json ``model.expert_bytes``), else 1 (count experts).
         profile: what ``static`` and ``warm`` rank popularity on: an AccessStream, a trace, or
             per-key counts; default the replayed stream itself (an optimistic profile).
         keep_hits: keep the per-access hit flags on the result (``result.hit``).
@@ -200,7 +203,7 @@ def _simulate_stream(
         )
     if cls.uses_scores and not stream.has_scores:
         raise MoelabError(f"policy {cls.name!r} needs router scores but the trace has none; {RECORD_SCORES_HINT}.")
-    expert_bytes = int(expert_bytes or 1)
+    expert_bytes = int(expert_bytes or stream.expert_bytes or 1)
     counts = None
     if warm or cls.name == "static":
         counts = _profile_counts(profile if profile is not None else stream, stream)

@@ -54,6 +54,8 @@ class AccessStream:
     """(N, E_max) float32 router score vectors (the trace's column), or None if not recorded."""
     model_name: str | None = None
     """Name of the model the trace comes from (checked against predictors)."""
+    expert_bytes: int | None = None
+    """Bytes of one routed expert (from the trace's meta.json), the default unit of ``bytes_moved``."""
     key_offset: np.ndarray = field(init=False)
     """(L+1,) first key of each MoE layer; ``key_offset[-1]`` is the number of keys."""
 
