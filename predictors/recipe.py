@@ -73,7 +73,7 @@ def main(argv=None) -> int:
     ap.add_argument("--test-prompts", type=int, default=364, help="test prompts (≤ 200 arith + 164 pycode)")
     ap.add_argument("--new-tokens", type=int, default=24, help="greedy tokens generated per prompt")
     ap.add_argument("--batch", type=int, default=32)
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--quick", action="store_true", help="tiny sizes, for a smoke test")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")

@@ -214,3 +214,17 @@ def test_learned_accepts_promoe_settings(trace):
     assert len(p.weights_[0]) == 2 and p.weights_[0][0][0].shape == (64, trace.meta["model"]["hidden_size"])
     p = LearnedPredictor(depth=1, loss="ce", max_epochs=2, progress=False).fit(trace)
     assert len(p.weights_[0]) == 1
+
+
+def test_predictor_drives_cache_prefetch_through_the_adapter(trace):
+    from moelab.caches import PrefetchConfig, simulate
+    from moelab.caches.prefetch import ExpertPredictor
+    from moelab.predictors import as_prefetcher
+
+    oracle = as_prefetcher(make("oracle", distance=1).fit(trace), trace)
+    assert isinstance(oracle, ExpertPredictor)
+    ours = simulate(trace.path, "lru", 0.25, prefetch=PrefetchConfig(predictor=oracle, distance=1))
+    theirs = simulate(trace.path, "lru", 0.25, prefetch=PrefetchConfig(predictor="oracle", distance=1))
+    assert ours.hit_rate == pytest.approx(theirs.hit_rate)
+    with pytest.raises(MoelabError, match="distance 1"):
+        simulate(trace.path, "lru", 0.25, prefetch=PrefetchConfig(predictor=oracle, distance=2))

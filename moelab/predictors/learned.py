@@ -53,6 +53,9 @@ class LearnedPredictor(Predictor):
     val_fraction: share of *sequences* held out for validation (default 9:1).
     max_train_tokens: subsample the training tokens per layer (None = all).
     seed: seeds the split, initialisation and batch order (deterministic for a thread count).
+    num_threads: torch threads while training (restored afterwards). Small MLPs gain nothing
+        from more, and several threads on shared or oversubscribed cores slow each step
+        down by up to 100×; None leaves torch's setting.
     progress: show a tqdm progress bar.
 
     Learned state: ``weights_`` {source layer: [(W, b), ...]} float32, ``history_``
@@ -76,6 +79,7 @@ class LearnedPredictor(Predictor):
         val_fraction: float = 0.1,
         max_train_tokens: int | None = None,
         seed: int = 0,
+        num_threads: int | None = 1,
         progress: bool = True,
     ) -> None:
         self.distance = distance
@@ -91,6 +95,7 @@ class LearnedPredictor(Predictor):
         self.val_fraction = val_fraction
         self.max_train_tokens = max_train_tokens
         self.seed = seed
+        self.num_threads = num_threads
         self.progress = progress
 
     def _validate_params(self) -> None:
@@ -125,6 +130,9 @@ class LearnedPredictor(Predictor):
         self.history_: dict[int, dict[str, Any]] = {}
         bar = tqdm(total=len(sources) * self.max_epochs, disable=not self.progress,
                    desc=f"learned d={self.distance}", unit="epoch", leave=False)
+        threads = torch.get_num_threads()
+        if self.num_threads is not None:
+            torch.set_num_threads(int(self.num_threads))
         try:
             with torch.random.fork_rng(devices=[]):
                 for layer in sources:
@@ -146,6 +154,7 @@ class LearnedPredictor(Predictor):
                         layer, xs[0], ys[0], xs[1], ys[1], self.top_k_[target], bar
                     )
         finally:
+            torch.set_num_threads(threads)
             bar.close()
 
     def _train_one(self, layer, x, y, xv, yv, k, bar):

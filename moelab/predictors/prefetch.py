@@ -5,7 +5,7 @@ after MoE layer ``l`` of a step, or ``propose_stream(stream, distance)`` for all
 once. Its access stream holds no hidden states or token ids, so the adapter precomputes the
 predictor's predictions over the trace the stream comes from::
 
-    from moelab.caches.simulate import PrefetchConfig, simulate
+    from moelab.caches import PrefetchConfig, simulate
     pf = as_prefetcher(load_predictor("predictors/moelab-tiny-mixtral/learned-d2"), trace)
     simulate(trace, "lru", 0.5, prefetch=PrefetchConfig(predictor=pf, distance=2))
 

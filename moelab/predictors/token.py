@@ -58,6 +58,8 @@ class TokenPredictor(Predictor):
         self.frequency_ = layer_frequencies(data, tokens)
 
     def _scores(self, layer, hidden, token_ids, n):
+        if token_ids is None:
+            raise MoelabError("the 'token' predictor needs token_ids= (the input token ids).")
         target = layer + self.distance
         base = self.smoothing * self.frequency_[target]
         scores = np.broadcast_to(base, (n, base.shape[0])).copy()
