@@ -69,7 +69,7 @@ def main(argv=None) -> int:
     ap.add_argument("--model", default=None, help="model name (default: every bundled model)")
     ap.add_argument("--out", default=None, help="output root (default: the predictors/ resource folder)")
     ap.add_argument("--work", default=None, help="where to record the traces (default: a temporary directory)")
-    ap.add_argument("--train-prompts", type=int, default=2400, help="train prompts (half arith, half pycode)")
+    ap.add_argument("--train-prompts", type=int, default=1400, help="train prompts (half arith, half pycode)")
     ap.add_argument("--test-prompts", type=int, default=364, help="test prompts (≤ 200 arith + 164 pycode)")
     ap.add_argument("--new-tokens", type=int, default=24, help="greedy tokens generated per prompt")
     ap.add_argument("--batch", type=int, default=32)
@@ -106,7 +106,10 @@ def run_model(name: str, out: Path, work: Path, args) -> None:
     log.info("recorded %s and %s in %.0f s", train, test, time.perf_counter() - t0)
     train_data, test_data = TraceData(train), TraceData(test)
     L = train.num_moe_layers
-    results = {"model": name, "fingerprint": train.model_fingerprint, "train": train.summary(),
+    command = (f"python predictors/recipe.py --model {name} --train-prompts {args.train_prompts} "
+               f"--test-prompts {args.test_prompts} --new-tokens {args.new_tokens} --batch {args.batch} "
+               f"--threads {args.threads}")
+    results = {"command": command, "model": name, "fingerprint": train.model_fingerprint, "train": train.summary(),
                "test": test.summary(), "threads": args.threads, "predictors": []}
     for key in ("train", "test"):
         results[key].pop("expert_load", None)
@@ -130,7 +133,7 @@ def run_model(name: str, out: Path, work: Path, args) -> None:
             if kind == "learned":
                 p.save(out / f"learned-d{d}", overwrite=True,
                        metrics={"test": rep.to_dict(), "test_trace": results["test"],
-                                "recipe": "python predictors/recipe.py --model " + name})
+                                "recipe": command})
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(_clean(results), indent=1) + "\n")
     (out / "RESULTS.md").write_text(markdown(results))
@@ -157,7 +160,7 @@ def markdown(results: dict) -> str:
     lines = [
         f"# Predictors of `{results['model']}` (fingerprint `{results['fingerprint']}`)",
         "",
-        f"Re-create: `python predictors/recipe.py --model {results['model']}`. All numbers on the **test** trace "
+        f"Re-create: `{results['command']}`. All numbers on the **test** trace "
         f"({te['sequences']} held-out prompts, {te['decode_tokens']} decode / {te['prefill_tokens']} prefill tokens); "
         f"fitted on the train trace ({results['train']['sequences']} prompts, {results['train']['tokens']} tokens). "
         f"Accuracy = |pred ∩ actual| / |actual| at m = top-k. GoodPred on `pcie4-x16` with the model's own expert "

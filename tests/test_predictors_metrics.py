@@ -159,3 +159,18 @@ def test_goodpred_rescoring_matches_a_full_evaluation(trace):
         full = evaluate(p, trace, expert_bytes=eb, latency_us=15.0, link_bandwidth_gbs=bw).overall["decode"]
         quick = goodpred(base, p, expert_bytes=eb, link_bandwidth_gbs=bw)
         assert quick["goodpred"] == pytest.approx(full["goodpred"]) and quick["accuracy"] == pytest.approx(full["accuracy"])
+
+
+def test_cli_fit_saves_with_held_out_metrics_and_eval_loads_it(trace, tmp_path, capsys):
+    out = tmp_path / "learned-d1"
+    assert main(["predict", "fit", "--trace", str(trace.path), "--kind", "learned", "--out", str(out),
+                 "--set", "max_epochs=2", "--set", "progress=false", "--json"]) == 0
+    fitted = json.loads(capsys.readouterr().out)
+    meta = json.loads((out / "predictor.json").read_text())
+    assert meta["params"]["max_epochs"] == 2 and meta["model"]["fingerprint"] == trace.model_fingerprint
+    assert meta["metrics"]["heldout"]["overall"]["all"]["accuracy"] == fitted["overall"]["all"]["accuracy"]
+    assert main(["predict", "eval", "--trace", str(trace.path), "--predictor", str(out), "--json"]) == 0
+    again = json.loads(capsys.readouterr().out)
+    assert again["overall"]["all"]["accuracy"] == fitted["overall"]["all"]["accuracy"]
+    assert main(["predict", "eval", "--trace", str(trace.path), "--predictor", str(out), "--distance", "2"]) == 2
+    assert "fitted for distance 1" in capsys.readouterr().err

@@ -93,6 +93,11 @@ def save_predictor(predictor: Predictor, path: str | Path, *, metrics: dict | No
     try:
         save_file(tensors, str(tmp / STATE_FILE), metadata={"format": FORMAT})
         (tmp / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes 0700; give the usual permissions
+        for f in (STATE_FILE, META_FILE):
+            os.chmod(tmp / f, 0o666 & ~umask)
         if path.exists():
             trash = path.with_name(f".{path.name}.old-{uuid.uuid4().hex[:8]}")
             os.replace(path, trash)
