@@ -233,7 +233,10 @@ def evaluate(
     if expert_bytes is None:
         from moelab.predictors.skip import resolve_model
 
-        model = resolve_model(tr.meta["model"]["name"], tr.model_fingerprint, model)
+        try:
+            model = resolve_model(tr.meta["model"]["name"], tr.model_fingerprint, model)
+        except MoelabError as exc:
+            raise MoelabError(f"{exc} Or give the transfer size directly: expert_bytes= (CLI: --expert-bytes).") from None
         expert_bytes = expert_bytes_of(model)
     tm = transfer_model(hardware, expert_bytes, timing_latency, layer_time_us, link_bandwidth_gbs)
     schedule = in_time_schedule(predictor.timing, predictor.distance, predictor.top_k_, tm)  # (L, K)
