@@ -54,14 +54,33 @@ def write_model_card(out_dir: Path, s: dict[str, Any]) -> Path:
         f"load-balancing loss coefficient {shape['router_aux_loss_coef']}",
         f"- {s['steps']:,} steps, {s['tokens']:,} tokens, {s['train_wall_s'] / 60:.1f} min wall "
         f"on {cfg['threads']} CPU thread(s); final LM loss {s['final_lm_loss']:.3f}",
-        f"- reproduce: `moelab train-tiny --model {shape['arch']} --out DIR --max-steps {s['steps']}`",
+        f"- reproduce: `moelab train-tiny --model {shape['arch']} --out DIR --max-steps {s['steps']}`"
+        + (
+            f" (deterministic for a given seed; this model was trained with a wall-time budget,"
+            f" `--minutes {s['time_budget_min']:g}`, on a shared CPU: the measured speed chose the"
+            " step count and stretched the cosine schedule while training, so a rerun matches"
+            " its length and data, not its weights bit for bit)"
+            if s.get("time_budget_min")
+            else " (deterministic for a given seed)"
+        ),
+        *(f"- note: {n}" for n in s.get("notes", [])),
         "",
-        "## Accuracy (greedy, moelab.training.quick_eval, validation split)",
+        "## Accuracy (greedy decoding, `moelab.training.quick_eval`)",
         "",
-        f"- arith exact match (strict `#### N`): {val['arith_exact_match']:.1%} "
-        f"(n={val['arith_n']})",
-        f"- pycode pass@1: {val['pycode_pass@1']:.1%} (n={val['pycode_n']})",
-        "- lm-eval numbers on the test split: to be added by the evaluation suite.",
+        "| split | arith exact match (strict `#### N`) | pycode pass@1 |",
+        "|---|---|---|",
+        f"| validation | {val['arith_exact_match']:.1%} (n={val['arith_n']}) "
+        f"| {val['pycode_pass@1']:.1%} (n={val['pycode_n']}) |",
+    ]
+    if s.get("test"):
+        t = s["test"]
+        lines.append(
+            f"| test | {t['arith_exact_match']:.1%} (n={t['arith_n']}) "
+            f"| {t['pycode_pass@1']:.1%} (n={t['pycode_n']}) |"
+        )
+    lines += [
+        "",
+        "lm-eval numbers on the test split: to be added by the evaluation suite.",
         "",
         "## Routing statistics",
         "",
