@@ -119,7 +119,8 @@ def run_model(name: str, out: Path, work: Path, args) -> None:
             t1 = time.perf_counter()
             p.fit(train_data, model=model)
             fit_s = time.perf_counter() - t1
-            rep = evaluate(p, test_data, model=model)
+            K = max(train.top_k_per_layer)
+            rep = evaluate(p, test_data, model=model, m_values=[1, 2, 4, 8, K, 2 * K])
             proj = evaluate(p, test_data, model=model, expert_bytes=reference_expert_bytes(PROJECTION),
                             latency_us=rep.latency_us)
             entry = {"kind": kind, "distance": d, "fit_seconds": fit_s, "latency_us": rep.latency_us,
