@@ -85,6 +85,10 @@ def test_training_resumes_where_the_checkpoint_left_off(tmp_path, arch):
     assert resumed.state["step"] == 6
     assert [h[1] for h in resumed.state["history"]] == pytest.approx(losses, rel=1e-4, abs=1e-4)
 
+    extended = Trainer(cfg, tmp_path / "a", resume=True, progress=False, max_steps=8)
+    extended.run()
+    assert extended.state["step"] == 8 and len(extended.state["history"]) == 8
+
 
 def test_refuses_to_overwrite_a_checkpoint_without_resume(tmp_path):
     from moelab.errors import MoelabError

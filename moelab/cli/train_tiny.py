@@ -20,7 +20,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--model", required=True, choices=["mixtral", "qwen2moe"], help="preset")
     p.add_argument("--out", required=True, help="directory for the trained model")
     p.add_argument("--minutes", type=float, default=None, help="wall-time budget for training")
-    p.add_argument("--max-steps", type=positive_int, default=None, help="optimizer steps")
+    p.add_argument(
+        "--max-steps",
+        type=positive_int,
+        default=None,
+        help="total optimizer steps (exactly reproducible; on --resume, extends a finished run)",
+    )
     p.add_argument("--resume", action="store_true", help="continue from the checkpoint")
     p.add_argument(
         "--checkpoint-dir",
@@ -37,15 +42,18 @@ def run(args: argparse.Namespace) -> int:
     from moelab.training import Trainer, preset
 
     cfg = preset(args.model)
-    if args.max_steps is not None:
-        cfg.max_steps = args.max_steps
     if args.threads is not None:
         cfg.threads = args.threads
     if args.seed is not None:
         cfg.seed = args.seed
     ckpt = Path(args.checkpoint_dir or Path("runs") / "train-tiny" / args.model)
     trainer = Trainer(
-        cfg, ckpt, minutes=args.minutes, resume=args.resume, progress=not args.no_progress
+        cfg,
+        ckpt,
+        minutes=args.minutes,
+        resume=args.resume,
+        progress=not args.no_progress,
+        max_steps=args.max_steps,
     )
     trainer.run()
     summary = trainer.export(args.out)

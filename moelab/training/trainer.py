@@ -32,6 +32,12 @@ _CALIBRATION_STEPS = 20
 _BUDGET_OVERHEAD = 0.12
 
 
+def _model_data_fields(d: dict[str, Any]) -> dict[str, Any]:
+    """The settings a resumed run must share with its checkpoint (model, data, optimiser)."""
+    volatile = {"threads", "max_steps", "checkpoint_every_s", "eval_every_s", "eval_n"}
+    return {k: v for k, v in d.items() if k not in volatile}
+
+
 def _lr(cfg: TrainConfig, step: int, max_steps: int) -> float:
     if step < cfg.warmup_steps:
         return cfg.lr * (step + 1) / cfg.warmup_steps
@@ -61,6 +67,9 @@ class Trainer:
             chosen value is stored in the checkpoint and the summary).
         resume: continue from ``ckpt_dir/checkpoint.pt`` if it exists.
         progress: show a tqdm bar.
+        max_steps: total optimizer steps, overriding ``cfg.max_steps`` and ``minutes``; on
+            resume, a larger value extends a finished run (the cosine schedule is
+            stretched to the new length: a warm restart).
     """
 
     def __init__(
@@ -70,12 +79,17 @@ class Trainer:
         minutes: float | None = None,
         resume: bool = False,
         progress: bool = True,
+        max_steps: int | None = None,
     ) -> None:
         self.cfg = cfg
         self.ckpt_dir = Path(ckpt_dir)
         self.minutes = minutes
         self.resume = resume
         self.progress = progress
+        self.total_steps = max_steps
+        if max_steps is not None:
+            cfg.max_steps = max_steps
+            self.minutes = None
 
     def setup(self) -> None:
         """Tokenizer, data, model, optimiser; restores the checkpoint when resuming."""
@@ -90,9 +104,13 @@ class Trainer:
                 f"checkpoint directory {str(self.ckpt_dir)!r} already holds a checkpoint; "
                 "pass --resume to continue it or choose another directory."
             )
-        if ckpt is not None and ckpt["config"] != cfg.to_dict():
-            logger.warning("resuming with the checkpoint's configuration, not the one given")
-            self.cfg = cfg = TrainConfig.from_dict(ckpt["config"])
+        if ckpt is not None and _model_data_fields(ckpt["config"]) != _model_data_fields(
+            cfg.to_dict()
+        ):
+            logger.warning("resuming with the checkpoint's model and data settings")
+            saved = TrainConfig.from_dict(ckpt["config"])
+            saved.threads, saved.max_steps = cfg.threads, cfg.max_steps
+            self.cfg = cfg = saved
             torch.set_num_threads(cfg.threads)
         self.tokenizer = _tokenizer(cfg, self.ckpt_dir, resume=ckpt is not None)
         self.train_data = encode(
@@ -122,6 +140,9 @@ class Trainer:
             self.state = ckpt["state"]
             self.state["_last_calib"] = 0.0
             torch.set_rng_state(ckpt["torch_rng"])
+            if self.total_steps is not None:
+                self.state["max_steps"] = self.total_steps
+                self.state["calibrated"] = True
             logger.info("resumed at step %d of %d", self.state["step"], self.state["max_steps"])
 
     def checkpoint(self) -> None:
@@ -253,6 +274,7 @@ class Trainer:
             "steps": self.state["step"],
             "tokens": self.state["tokens"],
             "train_wall_s": round(self.state["elapsed_s"], 1),
+            "time_budget_min": self.minutes,
             "final_lm_loss": float(np.mean([h[1] for h in self.state["history"][-50:]])),
             "validation": val,
             "evals": self.state["evals"],
