@@ -15,8 +15,14 @@ def register(subparsers) -> None:
     s.add_argument("--capacity", default="0.125,0.25,0.5,0.75",
                    help="comma-separated capacities: fractions (0.25, 25%%) or expert counts (2)")
     s.add_argument("--scope", default="layer", help="layer, global, or both (layer,global)")
-    s.add_argument("--prefetch", metavar="PREDICTOR", help="prefetch with a predictor (oracle, repeat)")
-    s.add_argument("--distance", type=int, default=1, help="prefetch for MoE layer l + d (default 1)")
+    s.add_argument(
+        "--prefetch",
+        metavar="PREDICTOR",
+        help="prefetch with a predictor: oracle, repeat, or a saved predictor directory "
+        "(moelab predict fit --out; e.g. predictors/<model>/learned-d1)",
+    )
+    s.add_argument("--distance", type=int, default=None,
+                   help="prefetch for MoE layer l + d (default: the saved predictor's distance, else 1)")
     s.add_argument("--budget", type=int, default=None, help="prefetch transfers per step, in experts")
     s.add_argument("--expert-bytes", type=int, default=None, help="bytes per expert (default: count experts)")
     s.add_argument("--include-prefill", action="store_true", help="also replay the prompt tokens")
@@ -56,7 +62,7 @@ def run_simulate(args) -> int:
             raise unknown_name("cache scope", sc, SCOPES)
     prefetch = None
     if args.prefetch:
-        prefetch = PrefetchConfig(args.prefetch, args.distance, args.budget)
+        prefetch = PrefetchConfig(*_prefetcher(args.prefetch, args.distance, args.trace), args.budget)
     stream = load_stream(args.trace, args.include_prefill, scores=any(get_policy(p).uses_scores for p in policies))
     results = []
     for sc in scopes:
@@ -79,6 +85,24 @@ def run_simulate(args) -> int:
         extra = f"  [prefetched {r.prefetched}, hits {r.prefetch_hits}, wasted {r.wasted_prefetches}]" if r.prefetch else ""
         print(f"{r.policy:<8} {r.scope:<7} {cap:>8} {r.hit_rate:>9.2%} {r.misses:>8} {r.bytes_moved:>16}  {layers}{extra}")
     return 0
+
+
+def _prefetcher(spec: str, distance: int | None, trace_dir: str) -> tuple[object, int]:
+    """(predictor, distance) for ``--prefetch``: a registered name, or a saved predictor directory."""
+    from pathlib import Path
+
+    if not Path(spec).exists():
+        return spec, distance or 1
+    from moelab.predictors.io import load_predictor
+    from moelab.predictors.prefetch import as_prefetcher
+
+    predictor = load_predictor(spec)
+    if distance is not None and distance != predictor.distance:
+        raise MoelabError(
+            f"--distance {distance} does not match the saved predictor {spec!r}, which predicts at distance "
+            f"{predictor.distance}; drop --distance or use a predictor fitted for that distance."
+        )
+    return as_prefetcher(predictor, trace_dir), int(predictor.distance)
 
 
 def run_bench(args) -> int:
