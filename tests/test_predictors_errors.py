@@ -117,7 +117,12 @@ def _shipped():
     return sorted(p.parent for p in root.glob("*/*/predictor.json"))
 
 
-@pytest.mark.skipif(not _shipped(), reason="no trained predictors shipped under predictors/ yet")
+def test_learned_predictors_ship_for_both_bundled_models():
+    shipped = {(p.parent.name, p.name) for p in _shipped()}
+    for model in ("moelab-tiny-mixtral", "moelab-tiny-qwen2moe"):
+        assert {(model, f"learned-d{d}") for d in (1, 2, 3)} <= shipped
+
+
 @pytest.mark.parametrize("path", _shipped(), ids=lambda p: f"{p.parent.name}/{p.name}")
 def test_shipped_predictors_load_and_match_their_bundled_model(path):
     from moelab.adapters import model_fingerprint
@@ -125,8 +130,7 @@ def test_shipped_predictors_load_and_match_their_bundled_model(path):
 
     p = load_predictor(path)
     name = p.model_name_
-    if name not in bundled_models() and not name.startswith(TINY_RANDOM_PREFIX):
-        pytest.skip(f"bundled model {name!r} is not present in moelab/bundled")
+    assert name in bundled_models() or name.startswith(TINY_RANDOM_PREFIX), f"{name!r} is not a shipped model"
     model, _ = moelab.load(name)
     assert model_fingerprint(model) == p.model_fingerprint_
     assert p.metrics_["test"]["overall"]["decode"]["accuracy"] > 0, "shipped predictors carry their test metrics"

@@ -116,8 +116,7 @@ def test_run_check_runs_code_in_a_subprocess_with_timeout():
 @pytest.mark.parametrize("name", BUNDLED)
 def test_bundled_model_loads_with_plain_transformers_and_uses_every_expert(name):
     path = bundled_models().get(name)
-    if path is None:
-        pytest.skip(f"bundled model {name} is not in this checkout (train it: moelab train-tiny)")
+    assert path is not None, f"bundled model {name} must ship in moelab/bundled (train it: moelab train-tiny)"
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model = AutoModelForCausalLM.from_pretrained(path)
