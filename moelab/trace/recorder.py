@@ -20,6 +20,7 @@ exception (or an interrupted process) leaves no directory that looks like a trac
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -48,6 +49,9 @@ from moelab.trace.schema import (
 
 log = logging.getLogger(__name__)
 
+#: Forwards whose router outputs are held before they are converted to rows together.
+_PENDING_FORWARDS = 128
+
 _HIDDEN_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
@@ -75,15 +79,19 @@ class RecordConfig:
 
 @dataclass
 class _Forward:
-    """What the model pre-hook learned about the forward in flight."""
+    """What the model pre-hook learned about the forward in flight (real tokens only)."""
 
-    mask: torch.Tensor  # (B, S) bool, real tokens
-    seq: np.ndarray  # (B,)
-    pos: np.ndarray  # (B, S)
-    token_id: np.ndarray  # (B, S)
+    valid: torch.Tensor  # (B*S,) bool on the CPU, real tokens in row-major order
+    seq: np.ndarray  # (n,) of the n real tokens
+    pos: np.ndarray  # (n,)
+    token_id: np.ndarray  # (n,)
     step: int
     phase: str
-    calls: list = field(default_factory=list)  # (moe index, hidden, logits, weights, experts)
+    calls: list = field(default_factory=list)  # (layer, hidden, logits, weights, experts)
+
+    @property
+    def n(self) -> int:
+        return len(self.seq)
 
 
 class TraceRecorder:
@@ -130,6 +138,8 @@ class TraceRecorder:
         self._buf_lists: dict[str, list] = {"experts": [], "weights": [], "scores": [], "k": []}
         self._buf_hidden: list[torch.Tensor] = []
         self._buf_rows = 0
+        self._pending: list[_Forward] = []
+        self._pending_rows = 0
         self._rows = 0
         self._phase_rows = {"prefill": 0, "decode": 0}
         self._writer = None
@@ -172,6 +182,7 @@ class TraceRecorder:
 
         self._remove_hooks()
         try:
+            self._convert_pending()
             self._flush()
             if self._writer is not None:
                 self._writer.close()
@@ -201,11 +212,10 @@ class TraceRecorder:
     def abort(self) -> None:
         """Stop without producing a trace; removes everything written so far."""
         self._remove_hooks()
+        self._pending, self._pending_rows = [], 0
         if self._writer is not None:
-            try:
+            with contextlib.suppress(Exception):  # best effort on the failure path
                 self._writer.close()
-            except Exception:  # noqa: BLE001 - best effort on the failure path
-                pass
             self._writer = None
         if self._tmp is not None:
             shutil.rmtree(self._tmp, ignore_errors=True)
@@ -244,7 +254,15 @@ class TraceRecorder:
         pos = self._row_len[:, None] + np.cumsum(cur_np, axis=1) - 1
         self._row_len = self._row_len + cur_np.sum(axis=1)
         phase = "decode" if continuing and S == 1 else "prefill"
-        self._fwd = _Forward(mask=cur, seq=self._cur_seq, pos=pos, token_id=token_id, step=self._step, phase=phase)
+        valid = cur_np.reshape(-1)
+        self._fwd = _Forward(
+            valid=cur.reshape(-1),
+            seq=np.repeat(self._cur_seq, S)[valid],
+            pos=pos.reshape(-1)[valid].astype(np.int32),
+            token_id=token_id.reshape(-1)[valid],
+            step=self._step,
+            phase=phase,
+        )
         return None
 
     def _router_hook(self, layer: MoELayer):
@@ -265,59 +283,66 @@ class TraceRecorder:
         if self._depth > 0:
             return None
         fwd, self._fwd = self._fwd, None
-        if fwd is None or not fwd.calls:
+        if fwd is None or not fwd.calls or fwd.n == 0:
             return None
-        self._add_forward(fwd)
-        if self._buf_rows >= self.config.flush_rows:
-            self._flush()
+        # Keep the raw router outputs; convert many forwards at once (see _convert_pending).
+        self._pending.append(fwd)
+        self._pending_rows += fwd.n * len(fwd.calls)
+        if self._pending_rows >= self.config.flush_rows or len(self._pending) >= _PENDING_FORWARDS:
+            self._convert_pending()
+            if self._buf_rows >= self.config.flush_rows:
+                self._flush()
         return None
 
     # ------------------------------------------------------------------ rows
-    def _add_forward(self, fwd: _Forward) -> None:
-        valid = fwd.mask.reshape(-1).to("cpu")
-        n = int(valid.sum())
-        if n == 0:
+    def _convert_pending(self) -> None:
+        """Turn the pending forwards' router outputs into buffered rows.
+
+        Small per-layer tensor operations dominate the cost of recording a decode step, so
+        the calls of up to ``_PENDING_FORWARDS`` forwards go through one routing pass and
+        one host copy. Rows keep their order: per forward, layer-major.
+        """
+        pending, self._pending, self._pending_rows = self._pending, [], 0
+        calls = [(fwd, call) for fwd in pending for call in fwd.calls]
+        if not calls:
             return
-        valid_np = valid.numpy()
-        B, S = fwd.mask.shape
-        seq = np.repeat(fwd.seq, S)[valid_np]
-        pos = fwd.pos.reshape(-1)[valid_np].astype(np.int32)
-        tok = fwd.token_id.reshape(-1)[valid_np]
-        # Layers of equal shape are converted together: one routing pass, one host copy.
-        groups: dict[tuple, list] = {}
-        for call in fwd.calls:
-            layer, hidden, logits, weights, experts = call
-            key = (logits.shape[-1], experts.shape[-1], layer.spec.scoring, weights.dtype, logits.device)
-            groups.setdefault(key, []).append(call)
-        for (E, K, scoring, _, device), calls in groups.items():
-            L = len(calls)
-            r = make_routing(
-                torch.stack([c[2].reshape(-1, E) for c in calls]).reshape(-1, E),
-                torch.stack([c[3].reshape(-1, K) for c in calls]).reshape(-1, K),
-                torch.stack([c[4].reshape(-1, K) for c in calls]).reshape(-1, K),
-                scoring,
-            )
-            idx = valid.to(device)
-            pick = lambda t, w: t.reshape(L, -1, w)[:, idx].reshape(L * n, w)  # noqa: E731
-            self._buf_lists["experts"].append(pick(r.experts, K).to("cpu", torch.int32).numpy().reshape(-1))
-            self._buf_lists["weights"].append(pick(r.weights, K).to("cpu", torch.float32).numpy().reshape(-1))
-            self._buf_lists["k"].append(np.full(L * n, K, dtype=np.int32))
-            if self.config.scores:
-                self._buf_lists["scores"].append(pick(r.scores, E).to("cpu", torch.float32).numpy())
-            self._buf["seq"].append(np.tile(seq, L))
-            self._buf["step"].append(np.full(L * n, fwd.step, dtype=np.int32))
-            self._buf["pos"].append(np.tile(pos, L))
-            self._buf["phase"].append(np.full(L * n, fwd.phase, dtype=object))
-            self._buf["token_id"].append(np.tile(tok, L))
-            self._buf["layer"].append(np.repeat(np.array([c[0].layer_idx for c in calls], np.int32), n))
-            self._buf["moe_layer"].append(np.repeat(np.array([c[0].index for c in calls], np.int32), n))
-            if self.config.hidden_states:
-                hdt = _HIDDEN_DTYPES[self.config.hidden_dtype]
-                for c in calls:
-                    h = c[1].reshape(-1, c[1].shape[-1])
-                    self._buf_hidden.append(h[idx.to(h.device)].to("cpu", hdt))
-            self._buf_rows += L * n
-            self._phase_rows[fwd.phase] += L * n
+        keys = {_call_key(call) for _, call in calls}
+        if len(keys) == 1:
+            self._add_calls(calls)
+        else:  # layers of different shapes: one call at a time keeps the row order
+            for item in calls:
+                self._add_calls([item])
+
+    def _add_calls(self, calls: list) -> None:
+        E, K, scoring, _, device = _call_key(calls[0][1])
+        r = make_routing(
+            torch.cat([c[2].reshape(-1, E) for _, c in calls]),
+            torch.cat([c[3].reshape(-1, K) for _, c in calls]),
+            torch.cat([c[4].reshape(-1, K) for _, c in calls]),
+            scoring,
+        )
+        valid = torch.cat([fwd.valid for fwd, _ in calls])
+        idx = valid.to(device)
+        rows = int(valid.sum())
+        counts = np.array([fwd.n for fwd, _ in calls])
+        self._buf_lists["experts"].append(r.experts[idx].to("cpu", torch.int32).numpy().reshape(-1))
+        self._buf_lists["weights"].append(r.weights[idx].to("cpu", torch.float32).numpy().reshape(-1))
+        self._buf_lists["k"].append(np.full(rows, K, dtype=np.int32))
+        if self.config.scores:
+            self._buf_lists["scores"].append(r.scores[idx].to("cpu", torch.float32).numpy())
+        self._buf["seq"].append(np.concatenate([fwd.seq for fwd, _ in calls]))
+        self._buf["pos"].append(np.concatenate([fwd.pos for fwd, _ in calls]))
+        self._buf["token_id"].append(np.concatenate([fwd.token_id for fwd, _ in calls]))
+        self._buf["step"].append(np.repeat(np.array([fwd.step for fwd, _ in calls], np.int32), counts))
+        self._buf["phase"].append(np.repeat(np.array([fwd.phase for fwd, _ in calls], dtype=object), counts))
+        self._buf["layer"].append(np.repeat(np.array([c[0].layer_idx for _, c in calls], np.int32), counts))
+        self._buf["moe_layer"].append(np.repeat(np.array([c[0].index for _, c in calls], np.int32), counts))
+        if self.config.hidden_states:
+            hidden = torch.cat([c[1].reshape(-1, c[1].shape[-1]) for _, c in calls])
+            self._buf_hidden.append(hidden[idx.to(hidden.device)].to("cpu", _HIDDEN_DTYPES[self.config.hidden_dtype]))
+        self._buf_rows += rows
+        for fwd, _ in calls:
+            self._phase_rows[fwd.phase] += fwd.n
 
     def _flush(self) -> None:
         if self._buf_rows == 0:
@@ -406,6 +431,12 @@ class TraceRecorder:
             },
             "metadata": self.metadata,
         }
+
+
+def _call_key(call: tuple) -> tuple:
+    """Router calls with equal keys can be converted in one batch."""
+    layer, _, logits, weights, experts = call
+    return (logits.shape[-1], experts.shape[-1], layer.spec.scoring, weights.dtype, logits.device)
 
 
 def _write_json_atomic(path: Path, obj: Any) -> None:
