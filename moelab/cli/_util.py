@@ -31,12 +31,21 @@ def _default(o: Any) -> Any:
 
 def positive_int(text: str) -> int:
     """argparse type: an integer ≥ 1, with a message that says so."""
+    return _int_at_least(text, 1, "a positive integer (≥ 1)")
+
+
+def non_negative_int(text: str) -> int:
+    """argparse type: an integer ≥ 0, with a message that says so."""
+    return _int_at_least(text, 0, "an integer ≥ 0")
+
+
+def _int_at_least(text: str, low: int, expected: str) -> int:
     try:
         value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer (≥ 1), got {value}")
+        raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}") from None
+    if value < low:
+        raise argparse.ArgumentTypeError(f"expected {expected}, got {value}")
     return value
 
 

@@ -11,7 +11,7 @@ import contextlib
 from collections.abc import Iterator
 from typing import Any
 
-from moelab.cli._util import emit_json, positive_int
+from moelab.cli._util import emit_json, non_negative_int, positive_int
 
 
 def register(subparsers) -> None:
@@ -36,7 +36,7 @@ def register(subparsers) -> None:
     )
     p.add_argument(
         "--num-fewshot",
-        type=_non_negative_int,
+        type=non_negative_int,
         metavar="K",
         help="few-shot examples (default: the task's; gsm8k 8)",
     )
@@ -144,14 +144,3 @@ def run(args) -> int:
             print(f"wrote {result.samples_dir}")
     return 0
 
-
-def _non_negative_int(text: str) -> int:
-    import argparse
-
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer ≥ 0, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer ≥ 0, got {value}")
-    return value

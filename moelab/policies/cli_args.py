@@ -10,31 +10,22 @@ import contextlib
 from collections.abc import Iterator
 from typing import Any
 
+from moelab.cli._util import non_negative_int
 from moelab.policies.base import RoutingPolicy
-
-
-def _non_negative(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer ≥ 0, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer ≥ 0, got {value}")
-    return value
 
 
 def add_policy_arguments(p: argparse.ArgumentParser) -> None:
     """``--deferred D | --skipped S``, ``--policy-phase``, ``--min-immediate``, ``--renormalize``."""
     g = p.add_argument_group("routing policy (default: none)")
     x = g.add_mutually_exclusive_group()
-    x.add_argument("--deferred", type=_non_negative, metavar="D",
+    x.add_argument("--deferred", type=non_negative_int, metavar="D",
                    help="Expert Deferral: defer the D lowest-weight routed experts of every token "
                         "to the next MoE layer (the last MoE layer never defers)")
-    x.add_argument("--skipped", type=_non_negative, metavar="S",
+    x.add_argument("--skipped", type=non_negative_int, metavar="S",
                    help="Expert Skipping: drop the S lowest-weight routed experts of every token")
     g.add_argument("--policy-phase", choices=("decode", "all"), default="decode",
                    help="apply the policy in decode steps only (default) or in prefill too")
-    g.add_argument("--min-immediate", type=_non_negative, default=2, metavar="I",
+    g.add_argument("--min-immediate", type=non_negative_int, default=2, metavar="I",
                    help="deferral guard: refuse settings that leave fewer immediate experts (default 2)")
     g.add_argument("--renormalize", action="store_true",
                    help="skipping: rescale the kept experts' weights to the original top-k total")
