@@ -121,3 +121,11 @@ def test_model_instance_is_accepted_as_is():
 def test_fingerprint_identifies_weights_not_object():
     a, b, c = build_tiny("mixtral", seed=0), build_tiny("mixtral", seed=0), build_tiny("mixtral", seed=1)
     assert model_fingerprint(a) == model_fingerprint(b) != model_fingerprint(c)
+
+
+def test_tiny_models_do_not_depend_on_what_was_built_before():
+    """A config class that edits nested values in place must not change later tiny models."""
+    before = model_fingerprint(build_tiny("mixtral"))
+    for family in FAMILIES:
+        build_tiny(family)
+    assert model_fingerprint(build_tiny("mixtral")) == before

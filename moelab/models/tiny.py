@@ -8,6 +8,7 @@ Shape legend: H hidden, I expert intermediate, E routed experts, K top-k, L laye
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import torch
@@ -134,7 +135,9 @@ def tiny_config(family: str, **overrides: Any):
         from moelab.errors import unknown_name
 
         raise unknown_name("model family", family, FAMILIES)
-    kwargs = {**_COMMON, **_FAMILY_KWARGS[family], **overrides}
+    # Deep copy: config classes may edit nested values in place (qwen3_next adds
+    # partial_rotary_factor to rope_parameters), which must not leak into later models.
+    kwargs = copy.deepcopy({**_COMMON, **_FAMILY_KWARGS[family], **overrides})
     return AutoConfig.for_model(family, **kwargs)
 
 
