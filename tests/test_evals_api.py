@@ -194,3 +194,17 @@ def test_report_section_shows_metrics_and_answers_without_running_code():
     assert "<table>" in page and "exact_match,strict-match" in page
     assert "arith #0" in page and "#### 41" in page
     assert "--allow-code-execution" in page  # pycode is left out without the opt-in
+
+
+def test_result_records_the_routing_policy_the_model_was_scored_under():
+    import moelab
+    from moelab.evals import evaluate
+
+    model, tok = moelab.load("tiny-random-qwen2_moe")
+    plain = evaluate(model, tok, tasks=["arith"], limit=1, max_gen_toks=8)
+    assert plain.policies == []
+    with moelab.ExpertDeferral(model, deferred=1):
+        deferred = evaluate(model, tok, tasks=["arith"], limit=1, max_gen_toks=8)
+    (policy,) = deferred.policies
+    assert policy["policy"] == "ExpertDeferral" and policy["deferred"] == 1 and policy["phase"] == "decode"
+    assert deferred.to_dict()["policies"] == deferred.policies

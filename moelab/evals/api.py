@@ -35,6 +35,23 @@ logger = logging.getLogger(__name__)
 OPT_IN_HINT = "pass allow_code_execution=True (CLI: --allow-code-execution)"
 
 
+def _active_policies(model: Any) -> list[dict[str, Any]]:
+    """The routing policies active on ``model`` (class name and settings), for the result."""
+    import dataclasses
+
+    import torch
+
+    from moelab.policies.runtime import active_policies
+
+    target = getattr(model, "model", model) if _is_lm_eval_lm(model) else model
+    out = []
+    for p in active_policies(target) if isinstance(target, torch.nn.Module) else []:
+        cfg = getattr(p, "config", None)
+        settings = dataclasses.asdict(cfg) if dataclasses.is_dataclass(cfg) else {}
+        out.append({"policy": type(p).__name__, **settings})
+    return out
+
+
 def evaluate(
     model: Any,
     tokenizer: Any = None,
@@ -77,6 +94,7 @@ def evaluate(
         model, tokenizer = load(model)
     if not _is_lm_eval_lm(model):
         _check_generative(model, tokenizer)
+    policies = _active_policies(model)
     results: dict[str, TaskResult] = {}
     samples: dict[str, list[dict]] = {}
     with sandbox_defaults(SandboxConfig(timeout_s=config.code_timeout_s)), _quiet_lm_eval():
@@ -98,6 +116,7 @@ def evaluate(
         config=config,
         versions=versions(),
         samples_dir=str(out_dir) if out_dir is not None else None,
+        policies=policies,
     )
     if out_dir is not None:
         _write_atomically(out_dir, result, samples, overwrite)

@@ -93,6 +93,9 @@ class EvalResult:
     """Versions of moelab, torch, transformers, lm_eval and python."""
     samples_dir: str | None = None
     """Where per-sample logs were written, if asked for."""
+    policies: list[dict[str, Any]] = field(default_factory=list)
+    """Routing policies active on the model while it was scored (class and settings), in
+    the order applied; empty for the unmodified model."""
 
     def score(self, task: str) -> float:
         """The headline number of ``task``."""
