@@ -22,7 +22,7 @@ demo: $(STAMP)
 	$(VENV)/bin/moelab demo --out report.html --overwrite --allow-code-execution
 
 test: $(STAMP)
-	$(PY) -m pytest -q -n 2 --durations=15
+	$(PY) -m pytest -q -n 2 --dist loadgroup --durations=15
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check moelab tests

@@ -21,11 +21,18 @@ def test_committed_without_outputs(path):
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("notebooks")  # one kernel at a time (with `--dist loadgroup`)
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
 def test_notebook_executes(path, tmp_path, monkeypatch):
     import nbformat
+    from jupyter_client import KernelManager
     from nbclient import NotebookClient
 
     monkeypatch.chdir(tmp_path)  # notebooks write their traces/artifacts into the working dir
     nb = nbformat.read(path, as_version=4)
-    NotebookClient(nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}).execute()
+    # IPC sockets named after this test's own connection file: kernels started in parallel
+    # cannot collide on TCP ports (a collision loses messages and hangs the client).
+    km = KernelManager(kernel_name="python3", transport="ipc", connection_file=str(tmp_path / "kernel.json"))
+    client = NotebookClient(nb, km=km, timeout=600, startup_timeout=120,
+                            resources={"metadata": {"path": str(tmp_path)}})
+    client.execute()
