@@ -61,10 +61,14 @@ def load(
     * a local directory saved with ``save_pretrained``;
     * a hub id (needs network access; real checkpoints load as with transformers).
 
+    Loading also registers moelab's native experts implementations, so
+    ``model.set_experts_implementation("moelab")`` (or ``moelab_int8``/``moelab_int4``) works.
+
     ``dtype`` and ``device_map`` (accelerate; e.g. ``"auto"`` to spread a model larger
     than memory over devices and disk) and any other keyword are passed to
     ``from_pretrained``. ``trust_remote_code`` stays off unless asked for.
     """
+    import moelab.kernels  # noqa: F401 - registers the "moelab*" experts implementations (builds nothing)
     from moelab.adapters import get_adapter
 
     if isinstance(name_or_path, nn.Module):

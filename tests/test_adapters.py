@@ -129,3 +129,18 @@ def test_tiny_models_do_not_depend_on_what_was_built_before():
     for family in FAMILIES:
         build_tiny(family)
     assert model_fingerprint(build_tiny("mixtral")) == before
+
+
+def test_loaded_models_can_select_the_moelab_experts_implementation():
+    import subprocess
+    import sys
+
+    code = (
+        "import moelab\n"
+        "m, _ = moelab.load('tiny-random-mixtral')\n"
+        "m.set_experts_implementation('moelab_int8')\n"
+        "print(m.config._experts_implementation)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().endswith("moelab_int8")
