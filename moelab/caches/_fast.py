@@ -242,13 +242,21 @@ def replay(
                 for k in range(lo, hi):
                     score[k] = alpha * dense[k] + (1.0 - alpha) * score[k]
                     dense[k] = 0.0
-            for k in range(lo, hi):
-                if hpos[k] >= 0:
-                    p1[k] = score[k]
             part = key_part[lo]
             size = hsize[part]
-            for j in range(size // 2 - 1, -1, -1):
-                sift_down(hstart[part], size, j)
+            if part_cap[part] <= E:
+                # A pool no larger than one layer (per-layer scope): rebuild the heap, O(C).
+                for k in range(lo, hi):
+                    if hpos[k] >= 0:
+                        p1[k] = score[k]
+                for j in range(size // 2 - 1, -1, -1):
+                    sift_down(hstart[part], size, j)
+            else:
+                # A larger (global) pool: only this layer's keys changed; fix each, O(m log C).
+                for k in range(lo, hi):
+                    if hpos[k] >= 0:
+                        p1[k] = score[k]
+                        fix(part, k)
 
         if policy == BELADY:
             # Sequential MIN; nothing is protected (see BeladyCache).
