@@ -11,9 +11,9 @@ Public API (imported lazily so that ``import moelab`` stays fast)::
 
 from __future__ import annotations
 
-import importlib
 import logging
-from typing import Any
+
+from moelab._lazy import lazy_attributes
 
 __version__ = "0.1.0"
 
@@ -40,14 +40,4 @@ _LAZY: dict[str, str] = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'moelab' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted([*globals(), *_LAZY])
+__getattr__, __dir__ = lazy_attributes(__name__, _LAZY, globals())

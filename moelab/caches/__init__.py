@@ -16,8 +16,7 @@ Semantics: :mod:`moelab.caches.stream` and :mod:`moelab.caches.base`.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from moelab._lazy import lazy_attributes
 
 _LAZY: dict[str, str] = {
     "ExpertCache": "moelab.caches.base",
@@ -52,14 +51,4 @@ _LAZY: dict[str, str] = {
 __all__ = sorted(_LAZY)
 
 
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'moelab.caches' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted([*globals(), *_LAZY])
+__getattr__, __dir__ = lazy_attributes(__name__, _LAZY, globals())

@@ -18,8 +18,7 @@ lm-eval is imported lazily, when something is scored.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from moelab._lazy import lazy_attributes
 
 _LAZY: dict[str, str] = {
     "evaluate": "moelab.evals.api",
@@ -41,14 +40,4 @@ _LAZY: dict[str, str] = {
 __all__ = sorted(_LAZY)
 
 
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'moelab.evals' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted([*globals(), *_LAZY])
+__getattr__, __dir__ = lazy_attributes(__name__, _LAZY, globals())

@@ -1,0 +1,27 @@
+"""Lazy package attributes (PEP 562), so that importing a package stays cheap."""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from typing import Any
+
+
+def lazy_attributes(package: str, table: dict[str, str], namespace: dict[str, Any]) -> tuple[Callable, Callable]:
+    """``(__getattr__, __dir__)`` for ``package``: ``table`` maps a name to the module defining it.
+
+    A name is imported on first access and cached in the package's ``namespace``.
+    """
+
+    def __getattr__(name: str) -> Any:
+        module = table.get(name)
+        if module is None:
+            raise AttributeError(f"module {package!r} has no attribute {name!r}")
+        value = getattr(importlib.import_module(module), name)
+        namespace[name] = value
+        return value
+
+    def __dir__() -> list[str]:
+        return sorted([*namespace, *table])
+
+    return __getattr__, __dir__
