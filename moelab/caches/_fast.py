@@ -6,6 +6,9 @@ One kernel serves every built-in policy. It follows the reference classes in
 per partition ordered by ``(speculative?, p1, p2, key)``, so every eviction is O(log C) and
 Belady is O(n log n). Memory: O(num_keys) state plus one byte per access for the hit flags.
 
+MRS's top-p selection of every token row is done first, in one pass over the router scores in
+memory order (:func:`top_p_rows`), so the replay reads a compact (R, P) table in stream order.
+
 Shape legend: n accesses, G groups, R token rows, P top-p width, NK keys, NP partitions.
 """
 
@@ -35,6 +38,89 @@ EVICTIONS, TRANSFERS, PREFETCHED, PREFETCH_HITS, WASTED_EVICTED = 0, 1, 2, 3, 4
 
 
 @njit(cache=True, nogil=True)
+def top_p_rows(group_layer, row_ptr, score_rows, scores, p_layer, key_offset, top_v, top_e):
+    """Fill ``top_v[r, :p]``/``top_e[r, :p]`` with the top-p scores and experts of token row r.
+
+    Top-p of a row's E scores by (score desc, expert id asc), in no particular order; p is the
+    row's layer's ``p_layer`` (capped at E). Returns -1, or the first ``scores`` row holding a
+    NaN (its top-p is undefined).
+
+    Branch-light selection (a sorted insertion mispredicts on nearly every element): split the
+    E scores round-robin into G = ceil(p/2) groups of at least two; each group holds two scores
+    >= its second largest, so the smallest of those G second-largest values is a lower bound
+    on the p-th largest score. The few scores above it are ranked against each other
+    (rank = #greater + #equal with a lower id) and those with rank < p are kept. Rows are
+    visited in memory order, so the scores are read sequentially.
+    """
+    N = scores.shape[0]
+    W = scores.shape[1] + 1
+    inv = np.full(N, -1, dtype=np.int64)
+    row_layer = np.zeros(N, dtype=np.int64)
+    for g in range(group_layer.shape[0]):
+        for r in range(row_ptr[g], row_ptr[g + 1]):
+            inv[score_rows[r]] = r
+            row_layer[score_rows[r]] = group_layer[g]
+    m1 = np.zeros(W, dtype=np.float32)
+    m2 = np.zeros(W, dtype=np.float32)
+    cand_v = np.zeros(W, dtype=np.float32)
+    cand_e = np.zeros(W, dtype=np.int64)
+    sel_v = np.zeros(W, dtype=np.float32)
+    sel_e = np.zeros(W, dtype=np.int64)
+    for row in range(N):
+        r = inv[row]
+        if r < 0:
+            continue
+        layer = row_layer[row]
+        E = key_offset[layer + 1] - key_offset[layer]
+        p = p_layer[layer]
+        nan = False
+        for e in range(E):
+            nan |= scores[row, e] != scores[row, e]
+        if nan:
+            return row
+        if p >= E:
+            for e in range(E):
+                top_v[r, e] = scores[row, e]
+                top_e[r, e] = e
+            continue
+        G = (p + 1) // 2  # 2G <= p + 1 <= E: every group has two members
+        for j in range(G):
+            a = scores[row, j]
+            b = scores[row, G + j]
+            m1[j] = max(a, b)
+            m2[j] = min(a, b)
+        for c0 in range(2 * G, E, G):
+            for j in range(min(G, E - c0)):
+                x = scores[row, c0 + j]
+                m2[j] = max(m2[j], min(m1[j], x))
+                m1[j] = max(m1[j], x)
+        lb = m2[0]
+        for j in range(1, G):
+            lb = min(lb, m2[j])
+        cnt = 0
+        for e in range(E):
+            v = scores[row, e]
+            cand_v[cnt] = v
+            cand_e[cnt] = e
+            cnt += v >= lb
+        o = 0
+        for q in range(cnt):  # branch-free compaction of the candidates with rank < p
+            v = cand_v[q]
+            rank = 0
+            for z in range(cnt):
+                rank += cand_v[z] > v
+            for z in range(q):
+                rank += cand_v[z] == v
+            sel_v[o] = v
+            sel_e[o] = cand_e[q]
+            o += rank < p
+        for j in range(p):
+            top_v[r, j] = sel_v[j]
+            top_e[r, j] = sel_e[j]
+    return -1
+
+
+@njit(cache=True, nogil=True)
 def replay(
     policy,  # int: POLICY_CODES
     keys,  # (n,) int32
@@ -48,8 +134,8 @@ def replay(
     lfu_reset,  # bool
     alpha,  # float64 (mrs)
     row_ptr,  # (G+1,) int64 token rows per group (mrs)
-    score_rows,  # (R,) int64 rows of `scores` per token, in group order (mrs)
-    scores,  # (N, E_max) float32 router score vectors (mrs)
+    top_v,  # (R, P) float32 each token row's top-p scores, rows in group order (mrs; top_p_rows)
+    top_e,  # (R, P) int32 their experts (mrs)
     p_layer,  # (L,) int64 top-p width per MoE layer (mrs)
     nxt_access,  # (n,) int64 future of each access (belady; stream.belady_future)
     first_future,  # (NK,) int64 future of each key before the stream (belady)
@@ -85,8 +171,6 @@ def replay(
     freq = np.zeros(NK, dtype=np.int64)
     score = np.zeros(NK, dtype=np.float64)
     dense = np.zeros(NK, dtype=np.float64)
-    buf_v = np.zeros(NK, dtype=np.float64)
-    buf_e = np.zeros(NK, dtype=np.int64)
     nxtk = np.full(NK, n, dtype=np.int64)
 
     # Heap helpers as closures: numba inlines them, so no per-call array refcounting.
@@ -219,26 +303,8 @@ def replay(
             E = hi - lo
             p = p_layer[layer]
             for r in range(row_ptr[g], row_ptr[g + 1]):
-                row = score_rows[r]
-                # top-p of the row by (score desc, expert id asc): insertion into a sorted buffer
-                cnt = 0
-                for e in range(E):
-                    v = np.float64(scores[row, e])
-                    if cnt < p:
-                        j = cnt
-                        cnt += 1
-                    elif v > buf_v[p - 1]:
-                        j = p - 1
-                    else:
-                        continue
-                    while j > 0 and buf_v[j - 1] < v:
-                        buf_v[j] = buf_v[j - 1]
-                        buf_e[j] = buf_e[j - 1]
-                        j -= 1
-                    buf_v[j] = v
-                    buf_e[j] = e
-                for j in range(cnt):
-                    dense[lo + buf_e[j]] = buf_v[j]
+                for j in range(p):
+                    dense[lo + top_e[r, j]] = np.float64(top_v[r, j])
                 for k in range(lo, hi):
                     score[k] = alpha * dense[k] + (1.0 - alpha) * score[k]
                     dense[k] = 0.0

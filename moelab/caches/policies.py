@@ -112,6 +112,8 @@ class MRSCache(ExpertCache):
         rows = np.atleast_2d(np.asarray(scores, dtype=np.float32))
         E, off, p = self.num_experts[layer], self.key_offset_[layer], self.p_[layer]
         a = self.alpha
+        if np.isnan(rows[:, :E]).any():
+            raise MoelabError(nan_scores_message(None, layer))
         for s in rows:
             s = [float(x) for x in s[:E]]
             top = sorted(range(E), key=lambda e: (-s[e], e))[:p]
@@ -121,6 +123,15 @@ class MRSCache(ExpertCache):
 
     def _priority(self, key: int) -> tuple:
         return (self._score[key], self._last_use[key])
+
+
+def nan_scores_message(row: int | None = None, layer: int | None = None) -> str:
+    """The error for router scores with NaN, which leave MRS's top-p undefined."""
+    where = f"row {row} of the trace's router scores" if row is not None else f"the router scores of MoE layer {layer}"
+    return (
+        f"{where} contains NaN, so MRS's top-p is undefined; the model produced NaN router scores. "
+        "Re-record the trace from a healthy model, or use a policy that does not read scores (lru, lfu, fifo, belady)."
+    )
 
 
 def mrs_p(p: int | Sequence[int] | None, top_k: Sequence[int] | None, num_experts: Sequence[int]) -> list[int]:

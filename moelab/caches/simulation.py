@@ -18,7 +18,7 @@ import numpy as np
 
 from moelab.caches import _fast
 from moelab.caches.base import ExpertCache, Scope, get_policy, resolve_capacity
-from moelab.caches.policies import BeladyCache, mrs_p, popular_keys
+from moelab.caches.policies import BeladyCache, mrs_p, nan_scores_message, popular_keys
 from moelab.caches.prefetch import get_prefetcher, proposals
 from moelab.caches.results import CacheResult, CacheSweep
 from moelab.caches.stream import AccessStream, belady_future, build_stream
@@ -305,16 +305,24 @@ def _run_fast(stream, name, slots, scope, warm_keys, counts, pf_ptr, pf_keys, bu
     key_layer = stream.key_layer().astype(np.int64)
     key_part = key_layer if scope == "layer" else np.zeros(NK, dtype=np.int64)
     row_ptr = np.zeros(G + 1, dtype=np.int64)
-    score_rows = np.zeros(0, dtype=np.int64)
-    scores = np.zeros((0, 1), dtype=np.float32)
+    top_v = np.zeros((0, 1), dtype=np.float32)
+    top_e = np.zeros((0, 1), dtype=np.int32)
     p_layer = np.zeros(stream.num_layers, dtype=np.int64)
     alpha = float(kw.get("alpha", 0.5))
     if code == _fast.MRS:
         if not 0.0 < alpha <= 1.0:
             raise MoelabError(f"mrs alpha must lie in (0, 1], got {alpha!r}.")
         ps = mrs_p(kw.get("p"), stream.top_k.tolist(), stream.num_experts.tolist())
-        row_ptr, score_rows, scores = stream.row_ptr, stream.score_rows, stream.scores
         p_layer = np.asarray(ps, dtype=np.int64)
+        row_ptr = stream.row_ptr
+        R = len(stream.score_rows)
+        top_v = np.zeros((R, max(ps)), dtype=np.float32)
+        top_e = np.zeros((R, max(ps)), dtype=np.int32)
+        bad = _fast.top_p_rows(
+            stream.group_layer, row_ptr, stream.score_rows, stream.scores, p_layer, stream.key_offset, top_v, top_e
+        )
+        if bad >= 0:
+            raise MoelabError(nan_scores_message(int(bad)))
     nxt, first, never = np.zeros(0, dtype=np.int64), np.zeros(NK, dtype=np.int64), 0
     if code == _fast.BELADY:
         nxt, first, never = belady_future(stream)
@@ -341,8 +349,8 @@ def _run_fast(stream, name, slots, scope, warm_keys, counts, pf_ptr, pf_keys, bu
         bool(kw.get("reset_on_evict", False)) and code == _fast.LFU,
         alpha,
         row_ptr,
-        score_rows,
-        scores,
+        top_v,
+        top_e,
         p_layer,
         nxt,
         first,
