@@ -2,9 +2,9 @@
 
 One kernel serves every built-in policy. It follows the reference classes in
 :mod:`moelab.caches.policies` step for step and is tested against them for exact parity
-(hit per access, counters, final contents). Victims come from one indexed binary min-heap
-per partition ordered by ``(speculative?, p1, p2, key)``, so every eviction is O(log C) and
-Belady is O(n log n). Memory: O(num_keys) state plus one byte per access for the hit flags.
+(hit per access, counters, final contents). Victims come from indexed binary min-heaps
+ordered by ``(speculative?, p1, p2, key)`` (one per partition; for MRS one per layer), so
+every eviction is O(log C) and Belady is O(n log n). Memory: O(num_keys) state plus one byte per access for the hit flags.
 
 MRS's top-p selection of every token row is done first, in one pass over the router scores in
 memory order (:func:`top_p_rows`), so the replay reads a compact (R, P) table in stream order.
@@ -154,11 +154,40 @@ def replay(
     G = group_layer.shape[0]
     NK = key_part.shape[0]
     NP = part_cap.shape[0]
-    hstart = np.zeros(NP, dtype=np.int64)
-    for p in range(1, NP):
-        hstart[p] = hstart[p - 1] + part_cap[p - 1]
-    heap = np.zeros(max(1, hstart[NP - 1] + part_cap[NP - 1]), dtype=np.int64)
-    hsize = np.zeros(NP, dtype=np.int64)
+    L = key_offset.shape[0] - 1
+    # Heaps: one per partition, except for MRS, which keeps one per layer even in a global
+    # pool (a step rescales all of one layer's priorities: re-heapifying that layer's heap is
+    # O(its cached keys), where fixing them in a pool-wide heap costs O(m log C)). A
+    # partition's victim is the least of its heaps' least unprotected keys.
+    NH = L if policy == MRS else NP
+    key_heap = np.zeros(NK, dtype=np.int64)
+    heap_cap = np.zeros(NH, dtype=np.int64)
+    heap_part = np.zeros(NH, dtype=np.int64)
+    if policy == MRS:
+        for layer in range(L):
+            lo = key_offset[layer]
+            key_heap[lo : key_offset[layer + 1]] = layer
+            heap_part[layer] = key_part[lo]
+            heap_cap[layer] = min(key_offset[layer + 1] - lo, part_cap[key_part[lo]])
+    else:
+        key_heap[:] = key_part
+        heap_cap[:] = part_cap
+        heap_part[:] = np.arange(NP)
+    part_hptr = np.zeros(NP + 1, dtype=np.int64)  # heaps of each partition, CSR
+    for h in range(NH):
+        part_hptr[heap_part[h] + 1] += 1
+    for p in range(NP):
+        part_hptr[p + 1] += part_hptr[p]
+    part_heaps = np.zeros(NH, dtype=np.int64)
+    fill = part_hptr[:NP].copy()
+    for h in range(NH):
+        part_heaps[fill[heap_part[h]]] = h
+        fill[heap_part[h]] += 1
+    hstart = np.zeros(NH, dtype=np.int64)
+    for h in range(1, NH):
+        hstart[h] = hstart[h - 1] + heap_cap[h - 1]
+    heap = np.zeros(max(1, hstart[NH - 1] + heap_cap[NH - 1]), dtype=np.int64)
+    hsize = np.zeros(NH, dtype=np.int64)
     count = np.zeros(NP, dtype=np.int64)
     hpos = np.full(NK, -1, dtype=np.int64)
     prot = np.full(NK, -1, dtype=np.int64)
@@ -215,17 +244,19 @@ def replay(
         heap[base + i] = k
         hpos[k] = i
 
-    def push(part, k):
-        i = hsize[part]
-        heap[hstart[part] + i] = k
-        hsize[part] = i + 1
-        sift_up(hstart[part], i)
+    def push(k):
+        h = key_heap[k]
+        i = hsize[h]
+        heap[hstart[h] + i] = k
+        hsize[h] = i + 1
+        sift_up(hstart[h], i)
 
-    def remove(part, k):
-        base = hstart[part]
+    def remove(k):
+        h = key_heap[k]
+        base = hstart[h]
         i = hpos[k]
-        last_i = hsize[part] - 1
-        hsize[part] = last_i
+        last_i = hsize[h] - 1
+        hsize[h] = last_i
         hpos[k] = -1
         if i != last_i:
             lk = heap[base + last_i]
@@ -234,24 +265,28 @@ def replay(
             sift_up(base, i)
             sift_down(base, last_i, hpos[lk])
 
-    def fix(part, k):
-        sift_up(hstart[part], hpos[k])
-        sift_down(hstart[part], hsize[part], hpos[k])
+    def fix(k):
+        h = key_heap[k]
+        sift_up(hstart[h], hpos[k])
+        sift_down(hstart[h], hsize[h], hpos[k])
 
     def victim(part, stamp):  # smallest-ranked cached key not protected by stamp; -1 if none
         nt = 0
         v = -1
-        while hsize[part] > 0:
-            top = heap[hstart[part]]
-            if prot[top] == stamp:
-                tmp[nt] = top
-                nt += 1
-                remove(part, top)
-            else:
-                v = top
-                break
+        for j in range(part_hptr[part], part_hptr[part + 1]):
+            h = part_heaps[j]
+            while hsize[h] > 0:
+                top = heap[hstart[h]]
+                if prot[top] == stamp:
+                    tmp[nt] = top
+                    nt += 1
+                    remove(top)
+                else:
+                    if v < 0 or lt(top, v):
+                        v = top
+                    break
         for j in range(nt):
-            push(part, tmp[j])
+            push(tmp[j])
         return v
 
     def prio(k):
@@ -281,7 +316,7 @@ def replay(
             ins[k] = t
             last[k] = t
             prio(k)
-            push(part, k)
+            push(k)
 
     cur_pass = -1
     left = budget
@@ -300,7 +335,6 @@ def replay(
             # partition (every cached key of this layer changed priority).
             lo = key_offset[layer]
             hi = key_offset[layer + 1]
-            E = hi - lo
             p = p_layer[layer]
             for r in range(row_ptr[g], row_ptr[g + 1]):
                 for j in range(p):
@@ -308,21 +342,13 @@ def replay(
                 for k in range(lo, hi):
                     score[k] = alpha * dense[k] + (1.0 - alpha) * score[k]
                     dense[k] = 0.0
-            part = key_part[lo]
-            size = hsize[part]
-            if part_cap[part] <= E:
-                # A pool no larger than one layer (per-layer scope): rebuild the heap, O(C).
-                for k in range(lo, hi):
-                    if hpos[k] >= 0:
-                        p1[k] = score[k]
-                for j in range(size // 2 - 1, -1, -1):
-                    sift_down(hstart[part], size, j)
-            else:
-                # A larger (global) pool: only this layer's keys changed; fix each, O(m log C).
-                for k in range(lo, hi):
-                    if hpos[k] >= 0:
-                        p1[k] = score[k]
-                        fix(part, k)
+            # Every cached key of this layer changed priority: rebuild the layer's heap, O(m).
+            for k in range(lo, hi):
+                if hpos[k] >= 0:
+                    p1[k] = score[k]
+            size = hsize[layer]
+            for j in range(size // 2 - 1, -1, -1):
+                sift_down(hstart[layer], size, j)
 
         if policy == BELADY:
             # Sequential MIN; nothing is protected (see BeladyCache).
@@ -338,7 +364,7 @@ def replay(
                         spec[k] = False
                         counters[PREFETCH_HITS] += 1
                     prio(k)
-                    fix(part, k)
+                    fix(k)
                     continue
                 if bypass and nxtk[k] >= never:
                     continue
@@ -346,7 +372,7 @@ def replay(
                     v = victim(part, -1)
                     if v < 0 or (bypass and nxtk[k] >= nxtk[v]):
                         continue
-                    remove(part, v)
+                    remove(v)
                     resident[v] = False
                     count[part] -= 1
                     counters[EVICTIONS] += 1
@@ -358,7 +384,7 @@ def replay(
                 ins[k] = t
                 counters[TRANSFERS] += 1
                 prio(k)
-                push(part, k)
+                push(k)
 
         for i in range(a, a if policy == BELADY else b):  # every other policy: in access order
             k = keys[i]
@@ -379,7 +405,7 @@ def replay(
                     if v < 0:
                         admit = False
                     else:
-                        remove(part, v)
+                        remove(v)
                         resident[v] = False
                         count[part] -= 1
                         counters[EVICTIONS] += 1
@@ -399,9 +425,9 @@ def replay(
             if resident[k]:
                 prio(k)
                 if hpos[k] >= 0:
-                    fix(part, k)
+                    fix(k)
                 else:
-                    push(part, k)
+                    push(k)
 
         if policy == STATIC or pf_ptr[g + 1] == pf_ptr[g]:
             continue
@@ -423,7 +449,7 @@ def replay(
                     continue
                 if policy == BELADY and bypass and nxtk[k] >= nxtk[v]:
                     continue
-                remove(part, v)
+                remove(v)
                 resident[v] = False
                 count[part] -= 1
                 counters[EVICTIONS] += 1
@@ -446,4 +472,4 @@ def replay(
             if left > 0:
                 left -= 1
             prio(k)
-            push(part, k)
+            push(k)
