@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 
 from moelab.caches import simulate, stream_from_groups
-from moelab.caches.stream import build_stream
 from moelab.caches._fast import HAVE_NUMBA, top_p_rows
+from moelab.caches.stream import build_stream
 from moelab.errors import MoelabError
 
 pytestmark = pytest.mark.skipif(not HAVE_NUMBA, reason="numba not installed: no compiled top-p to compare")
