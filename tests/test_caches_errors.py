@@ -78,6 +78,13 @@ def test_cli_simulate_prints_hit_rates_and_json(tmp_path, capsys):
     assert len(out["results"]) == 8
     bel = {(r["scope"], r["capacity"]): r["hit_rate"] for r in out["results"] if r["policy"] == "belady"}
     assert all(r["prefetch"] is None for r in out["results"] if r["policy"] == "belady") and len(bel) == 4
+    eb = max(json.loads((trace / "meta.json").read_text())["model"]["expert_bytes"])
+    budgets = {}
+    for flags in (["--budget", "2"], ["--budget-bytes", str(2.5 * eb)], ["--link-gbps", str(2.5 * eb / 1e6), "--step-ms", "1"]):
+        assert main(["cache", "simulate", "--trace", str(trace), "--policy", "lru", "--capacity", "0.25",
+                     "--prefetch", "oracle", *flags, "--json"]) == 0
+        budgets[flags[0]] = json.loads(capsys.readouterr().out)["results"][0]["prefetch"]
+    assert set(budgets.values()) == {"oracle d=1 budget=2"}, budgets
     assert main(["cache", "simulate", "--trace", str(trace), "--policy", "mrs", "--capacity", "2"]) == 0
     assert "per-layer hit rate" in capsys.readouterr().out
     assert main(["cache", "simulate", "--trace", str(trace), "--policy", "lruu"]) == 2
@@ -106,3 +113,36 @@ def test_capacity_as_count_and_fraction_resolve_per_partition():
     assert resolve_capacity(0.125, [8, 8], "global").tolist() == [2]
     assert resolve_capacity(3, [8, 8], "global").tolist() == [3]
     assert np.all(resolve_capacity(0.01, [8], "layer") == 1)  # at least one slot
+
+
+def test_prefetch_budget_in_bytes_and_from_a_link():
+    s = synthetic_stream(num_layers=3, num_experts=8, top_k=2, num_seqs=2, steps=30, seed=1)
+    eb = 1000
+    by_count = simulate(s, "lru", 0.25, prefetch=PrefetchConfig("oracle", 1, budget=2), expert_bytes=eb)
+    by_bytes = simulate(s, "lru", 0.25, prefetch=PrefetchConfig("oracle", 1, budget_bytes=2.9 * eb), expert_bytes=eb)
+    link = PrefetchConfig.from_link("oracle", 1, gb_per_s=2.5e-3, step_ms=1.0)  # 2.5 MB/s × 1 ms = 2500 bytes
+    by_link = simulate(s, "lru", 0.25, prefetch=link, expert_bytes=eb)
+    unlimited = simulate(s, "lru", 0.25, prefetch=PrefetchConfig("oracle", 1), expert_bytes=eb)
+    assert by_count.prefetched == by_bytes.prefetched == by_link.prefetched < unlimited.prefetched
+    assert by_count.hits == by_bytes.hits == by_link.hits
+    with pytest.raises(MoelabError, match="size of an expert"):  # a synthetic stream has no expert size
+        simulate(s, "lru", 0.25, prefetch=PrefetchConfig("oracle", 1, budget_bytes=4096))
+    with pytest.raises(MoelabError, match="budget_bytes must be ≥ 0"):
+        simulate(s, "lru", 0.25, prefetch=PrefetchConfig("oracle", 1, budget_bytes=-1), expert_bytes=eb)
+    with pytest.raises(MoelabError, match="step_ms must be > 0"):
+        PrefetchConfig.from_link(gb_per_s=10, step_ms=0)
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--prefetch", "oracle", "--link-gbps", "10"], "go together"),
+        (["--prefetch", "oracle", "--budget", "2", "--budget-bytes", "1e6"], "give one prefetch budget"),
+        (["--budget", "2"], "add --prefetch"),
+    ],
+)
+def test_cli_prefetch_budget_errors(tmp_path, capsys, extra, message):
+    from moelab.cli import main
+
+    assert main(["cache", "simulate", "--trace", str(tmp_path), "--policy", "lru", *extra]) == 2
+    assert message in capsys.readouterr().err

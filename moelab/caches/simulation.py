@@ -46,12 +46,25 @@ class PrefetchConfig:
     budget: int | None = None
     """Prefetch transfers per step (forward pass), in experts; None = unlimited."""
     budget_bytes: float | None = None
-    """Alternatively, bytes per step (link bandwidth × step time); divided by ``expert_bytes``."""
+    """Alternatively, bytes per step (link bandwidth × step time, see :meth:`from_link`);
+    whole experts of ``expert_bytes`` each fit in it."""
+
+    @classmethod
+    def from_link(
+        cls, predictor: Any = "oracle", distance: int = 1, *, gb_per_s: float, step_ms: float
+    ) -> PrefetchConfig:
+        """A byte budget per step from a host-to-GPU link: ``gb_per_s`` GB/s for ``step_ms`` ms."""
+        for name, v in (("gb_per_s", gb_per_s), ("step_ms", step_ms)):
+            if not v > 0:
+                raise MoelabError(f"{name} must be > 0, got {v!r}.")
+        return cls(predictor, distance, budget_bytes=gb_per_s * 1e9 * step_ms * 1e-3)
 
     def experts_budget(self, expert_bytes: int) -> int | None:
         if self.budget is not None and self.budget_bytes is not None:
             raise MoelabError("give the prefetch budget in experts or in bytes, not both.")
         if self.budget_bytes is not None:
+            if not self.budget_bytes >= 0:
+                raise MoelabError(f"prefetch budget_bytes must be ≥ 0 bytes per step, got {self.budget_bytes!r}.")
             return int(self.budget_bytes // max(1, expert_bytes))
         if self.budget is not None and self.budget < 0:
             raise MoelabError(f"prefetch budget must be ≥ 0 experts per step, got {self.budget}.")
@@ -203,6 +216,7 @@ def _simulate_stream(
         )
     if cls.uses_scores and not stream.has_scores:
         raise MoelabError(f"policy {cls.name!r} needs router scores but the trace has none; {RECORD_SCORES_HINT}.")
+    size_known = bool(expert_bytes or stream.expert_bytes)
     expert_bytes = int(expert_bytes or stream.expert_bytes or 1)
     counts = None
     if warm or cls.name == "static":
@@ -217,6 +231,11 @@ def _simulate_stream(
     if prefetch is not None:
         if cls.name == "static":
             logger.info("static placement ignores prefetches")
+        if prefetch.budget_bytes is not None and not size_known:
+            raise MoelabError(
+                "a prefetch budget in bytes needs the size of an expert, and the trace does not record it: "
+                "pass expert_bytes (CLI: --expert-bytes), or give the budget in experts."
+            )
         pf_ptr, pf_keys = proposals(get_prefetcher(prefetch.predictor), stream, prefetch.distance)
         budget = prefetch.experts_budget(expert_bytes)
 

@@ -24,6 +24,11 @@ def register(subparsers) -> None:
     s.add_argument("--distance", type=int, default=None,
                    help="prefetch for MoE layer l + d (default: the saved predictor's distance, else 1)")
     s.add_argument("--budget", type=int, default=None, help="prefetch transfers per step, in experts")
+    s.add_argument("--budget-bytes", type=float, default=None,
+                   help="prefetch budget per step in bytes (whole experts that fit), instead of --budget")
+    s.add_argument("--link-gbps", type=float, default=None,
+                   help="prefetch budget from a link: GB/s, with --step-ms (budget = GB/s × step time)")
+    s.add_argument("--step-ms", type=float, default=None, help="step time in ms for --link-gbps")
     s.add_argument("--expert-bytes", type=int, default=None, help="bytes per expert (default: count experts)")
     s.add_argument("--include-prefill", action="store_true", help="also replay the prompt tokens")
     s.add_argument("--warm", action="store_true", help="start with the most popular experts cached")
@@ -31,6 +36,12 @@ def register(subparsers) -> None:
     s.set_defaults(func=run_simulate)
     b = sub.add_parser("bench", help="accesses/s of the compiled simulators on a synthetic stream")
     b.add_argument("--accesses", type=int, default=10_000_000)
+    b.add_argument("--layers", type=int, default=16, help="MoE layers of the synthetic stream")
+    b.add_argument("--experts", type=int, default=64, help="experts per MoE layer")
+    b.add_argument("--top-k", type=int, default=8)
+    b.add_argument("--capacity", default="0.25", help="comma-separated fractions")
+    b.add_argument("--scope", default="layer,global")
+    b.add_argument("--policy", default="lru,lfu,fifo,static,mrs,belady")
     b.add_argument("--json", action="store_true")
     b.set_defaults(func=run_bench)
     p.set_defaults(func=lambda args: (p.print_help(), 2)[1])
@@ -61,8 +72,20 @@ def run_simulate(args) -> int:
         if sc not in SCOPES:
             raise unknown_name("cache scope", sc, SCOPES)
     prefetch = None
+    if (args.link_gbps is None) != (args.step_ms is None):
+        raise MoelabError("--link-gbps and --step-ms go together: the budget is bandwidth × step time.")
+    given = [n for n, v in (("--budget", args.budget), ("--budget-bytes", args.budget_bytes),
+                            ("--link-gbps", args.link_gbps)) if v is not None]
+    if len(given) > 1:
+        raise MoelabError(f"give one prefetch budget, not {' and '.join(given)}.")
+    if given and not args.prefetch:
+        raise MoelabError(f"{given[0]} is a prefetch budget: add --prefetch PREDICTOR (oracle, repeat or a directory).")
     if args.prefetch:
-        prefetch = PrefetchConfig(*_prefetcher(args.prefetch, args.distance, args.trace), args.budget)
+        predictor, distance = _prefetcher(args.prefetch, args.distance, args.trace)
+        if args.link_gbps is not None:
+            prefetch = PrefetchConfig.from_link(predictor, distance, gb_per_s=args.link_gbps, step_ms=args.step_ms)
+        else:
+            prefetch = PrefetchConfig(predictor, distance, args.budget, args.budget_bytes)
     stream = load_stream(args.trace, args.include_prefill, scores=any(get_policy(p).uses_scores for p in policies))
     results = []
     for sc in scopes:
@@ -75,7 +98,8 @@ def run_simulate(args) -> int:
         return 0
     print(f"trace {args.trace}: {stream.num_accesses} expert accesses, {stream.num_layers} MoE layers, "
           f"E={stream.num_experts.tolist()}, {'with' if args.include_prefill else 'decode only, no'} prefill"
-          + (f"; prefetch {prefetch.describe()} (not for belady/static)" if prefetch else ""))
+          + (f"; prefetch {prefetch.describe(int(args.expert_bytes or stream.expert_bytes or 1))} "
+             "(not for belady/static)" if prefetch else ""))
     unit = "bytes" if args.expert_bytes else "experts"
     print(f"{'policy':<8} {'scope':<7} {'capacity':>8} {'hit rate':>9} {'misses':>8} {'moved (' + unit + ')':>16}"
           f"  per-layer hit rate")
@@ -108,7 +132,9 @@ def _prefetcher(spec: str, distance: int | None, trace_dir: str) -> tuple[object
 def run_bench(args) -> int:
     from moelab.caches import bench
 
-    argv = ["--accesses", str(args.accesses)] + (["--json"] if args.json else [])
+    argv = ["--accesses", str(args.accesses), "--layers", str(args.layers), "--experts", str(args.experts),
+            "--top-k", str(args.top_k), "--capacity", args.capacity, "--scope", args.scope, "--policy", args.policy]
+    argv += ["--json"] if args.json else []
     return bench.main(argv)
 
 
