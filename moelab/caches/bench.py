@@ -13,6 +13,8 @@ import json
 import sys
 import time
 
+import numpy as np
+
 
 def run(
     accesses: int = 10_000_000,
@@ -41,9 +43,11 @@ def run(
     for p in policies:  # compile (or load the cached compiled kernel)
         simulate(small, p, 0.5)
     compile_s = time.perf_counter() - t0
+    column_bytes = sum(v.nbytes for v in vars(stream).values() if isinstance(v, np.ndarray))
     out = {
         "numba": _fast.HAVE_NUMBA,
         "accesses": stream.num_accesses,
+        "stream_mb": round(column_bytes / 2**20, 1),
         "shape": {"layers": layers, "experts": experts, "top_k": top_k},
         "stream_build_s": round(build_s, 2),
         "compile_s": round(compile_s, 2),
@@ -60,6 +64,7 @@ def run(
                          accesses_per_s=round(stream.num_accesses / dt),
                          accesses_per_cpu_s=round(stream.num_accesses / max(dc, 1e-9)), hit_rate=round(r.hit_rate, 4))
                 )
+    out["peak_rss_mb"] = _peak_rss_mb()
     if reference:
         sub = synthetic_stream(num_layers=layers, num_experts=experts, top_k=top_k, num_seqs=4, steps=50, seed=seed)
         for p in policies:
@@ -69,6 +74,16 @@ def run(
             out["runs"].append(dict(policy=p, scope=scopes[0], capacity=capacities[0], backend="reference",
                                     seconds=round(dt, 3), accesses_per_s=round(sub.num_accesses / dt)))
     return out
+
+
+def _peak_rss_mb() -> float | None:
+    """This process's peak resident memory in MiB (None where ``resource`` is unavailable)."""
+    try:
+        import resource
+    except ImportError:  # pragma: no cover - Windows
+        return None
+    kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return round(kb / (2**20 if sys.platform == "darwin" else 2**10), 1)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -102,7 +117,8 @@ def main(argv: list[str] | None = None) -> int:
         total += r["seconds"] if "backend" not in r else 0.0
         print(f"{r['policy']:<8} {r.get('backend', 'fast'):<9} {r['scope']:<7} {r['capacity']:>5} "
               f"{r['seconds']:>8.3f} {r['accesses_per_s']:>13,} {r.get('accesses_per_cpu_s', 0):>13,} {hr:>9}")
-    print(f"total (fast runs): {total:.1f} s")
+    print(f"total (fast runs): {total:.1f} s; stream columns {res['stream_mb']} MiB, "
+          f"process peak RSS {res['peak_rss_mb']} MiB (includes building the stream)")
     return 0
 
 
