@@ -141,6 +141,15 @@ def test_warm_cache_starts_with_popular_experts():
     assert r.transfers == r.misses  # warm loading is not a transfer
 
 
+@pytest.mark.parametrize("backend", ["fast", "reference"])
+def test_belady_evicts_warm_experts_not_yet_used(backend):
+    # Accesses 1 0 with one slot warmed with 0 (the most popular on ties: lowest id), no bypass:
+    # 1 misses and evicts 0 (next use at 2 is the only one, but it must make room); 0 then
+    # misses and evicts 1 (never used again). Two misses, two evictions.
+    r = _run("belady", seq=[1, 0], capacity=1, warm=True, bypass=False, backend=backend)
+    assert r.hit.tolist() == [0, 0] and r.evictions == 2
+
+
 def test_user_policy_plugs_in_by_subclassing():
     from moelab.caches import ExpertCache, register_policy
 

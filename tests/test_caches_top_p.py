@@ -1,5 +1,7 @@
 """MRS's compiled top-p selection against a plain sort, over shapes, tie-heavy scores and NaN."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -30,7 +32,7 @@ def _run(num_experts, p_layer, scores, rows_per_group, group_layer, score_rows):
     return bad, top_v, top_e
 
 
-@pytest.mark.parametrize("kind", ["uniform", "ties", "softmax", "with_inf"])
+@pytest.mark.parametrize("kind", ["uniform", "ties", "softmax", "extremes"])
 @pytest.mark.parametrize("E", [1, 2, 3, 5, 8, 16, 33, 64, 160])
 def test_top_p_matches_the_definition(E, kind):
     rng = np.random.default_rng(E)
@@ -42,12 +44,14 @@ def test_top_p_matches_the_definition(E, kind):
     elif kind == "softmax":
         z = np.exp(rng.normal(size=(n, E + 3)) * 3)
         scores = z / z.sum(1, keepdims=True)
-    else:
-        scores = rng.normal(size=(n, E + 3))
-        scores[rng.random(scores.shape) < 0.1] = np.inf
-        scores[rng.random(scores.shape) < 0.1] = -np.inf
+    else:  # signed, zeros of both signs, subnormals and the largest float32s
+        pool = np.array([-3.4e38, -1.0, -1e-42, -0.0, 0.0, 1e-42, 1e-30, 0.5, 1.0, 3.4e38])
+        scores = rng.choice(pool, size=(n, E + 3))
     scores = scores.astype(np.float32)
-    scores[:, E:] = 99.0  # padding beyond the layer's experts is never read
+    if E % 2:
+        scores[:, E:] = 99.0  # padding beyond the layer's experts is never read
+    else:
+        scores = np.ascontiguousarray(scores[:, :E])  # rows exactly E wide
     for p in sorted({min(q, E) for q in (1, 2, 3, E // 2 or 1, E - 1 or 1, E)}):  # p <= E (mrs_p caps it)
         # groups of 1 to 3 rows, rows visited out of memory order, two rows left out
         sizes = [1, 3, 2] * 6
@@ -73,20 +77,45 @@ def test_top_p_uses_each_layers_width_and_p():
         assert got == _plain_top_p(scores[r, :E], p)
 
 
-def test_top_p_reports_the_first_row_with_nan():
+@pytest.mark.parametrize("value", [np.nan, np.inf, -np.inf])
+def test_top_p_reports_the_first_row_that_is_not_finite(value):
     scores = np.random.default_rng(1).random((6, 8)).astype(np.float32)
-    scores[4, 3] = np.nan
-    scores[2, 7] = np.nan
+    scores[4, 3] = value
+    scores[2, 7] = value
     bad, _, _ = _run([8], [4], scores, [1] * 6, [0] * 6, np.arange(6))
     assert bad == 2
 
 
-def test_mrs_on_nan_scores_is_a_clear_error_on_both_backends():
-    scores = [np.array([0.5, np.nan, 0.2, 0.3], dtype=np.float32), np.array([0.1, 0.2, 0.3, 0.4], dtype=np.float32)]
+def test_a_scores_row_may_serve_several_token_rows():
+    scores = np.random.default_rng(2).random((4, 6)).astype(np.float32)
+    rows = np.array([3, 1, 3, 0, 1, 3])
+    bad, top_v, top_e = _run([6], [3], scores, [1] * 6, [0] * 6, rows)
+    assert bad == -1
+    for r, row in enumerate(rows):
+        assert {int(e): float(v) for e, v in zip(top_e[r], top_v[r])} == _plain_top_p(scores[row], 3)
+
+
+@pytest.mark.parametrize("value", [np.nan, np.inf, -np.inf])
+def test_mrs_on_non_finite_scores_is_a_clear_error_on_both_backends(value):
+    scores = [np.array([0.5, value, 0.2, 0.3], dtype=np.float32), np.array([0.1, 0.2, 0.3, 0.4], dtype=np.float32)]
     s = stream_from_groups([(0, [0, 2]), (0, [3, 2])], num_experts=[4], top_k=[2], scores=scores)
     for backend in ["fast", "reference"]:
-        with pytest.raises(MoelabError, match="NaN"):
+        with pytest.raises(MoelabError, match="NaN or an infinity"):
             simulate(s, "mrs", 2, backend=backend)
+
+
+def test_mrs_fast_matches_reference_on_hand_built_streams():
+    """Shared score rows and float64 scores: what a hand-built AccessStream may hold."""
+    rng = np.random.default_rng(1)
+    base = rng.random((4, 6))
+    rows = rng.integers(0, 4, size=60)
+    groups = [(0, [int(e) for e in np.argsort(-base[r])[:2]]) for r in rows]
+    s = stream_from_groups(groups, num_experts=[6], top_k=[2])
+    s = dataclasses.replace(s, score_rows=rows.astype(np.int64), row_ptr=np.arange(61, dtype=np.int64), scores=base)
+    for cap, kw in [(3, {"p": 3}), (2, {"p": 2, "alpha": 0.3})]:
+        a = simulate(s, "mrs", cap, backend="fast", keep_hits=True, **kw)
+        b = simulate(s, "mrs", cap, backend="reference", keep_hits=True, **kw)
+        assert np.array_equal(a.hit, b.hit) and a.evictions == b.evictions, (cap, kw)
 
 
 def test_mrs_fast_matches_reference_on_tie_heavy_scores():

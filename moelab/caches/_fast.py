@@ -43,7 +43,8 @@ def top_p_rows(group_layer, row_ptr, score_rows, scores, p_layer, key_offset, to
 
     Top-p of a row's E scores by (score desc, expert id asc), in no particular order; p is the
     row's layer's ``p_layer`` (capped at E). Returns -1, or the first ``scores`` row holding a
-    NaN (its top-p is undefined).
+    NaN or an infinity (MRS's priorities would turn NaN: 0 · inf, inf − inf). ``scores`` must
+    be float32 (the reference's precision). A scores row may serve several token rows.
 
     Branch-light selection (a sorted insertion mispredicts on nearly every element): split the
     E scores round-robin into G = ceil(p/2) groups of at least two; each group holds two scores
@@ -58,7 +59,7 @@ def top_p_rows(group_layer, row_ptr, score_rows, scores, p_layer, key_offset, to
     row_layer = np.zeros(N, dtype=np.int64)
     for g in range(group_layer.shape[0]):
         for r in range(row_ptr[g], row_ptr[g + 1]):
-            inv[score_rows[r]] = r
+            inv[score_rows[r]] = r  # the last token row of each scores row; the rest copy it below
             row_layer[score_rows[r]] = group_layer[g]
     m1 = np.zeros(W, dtype=np.float32)
     m2 = np.zeros(W, dtype=np.float32)
@@ -73,10 +74,11 @@ def top_p_rows(group_layer, row_ptr, score_rows, scores, p_layer, key_offset, to
         layer = row_layer[row]
         E = key_offset[layer + 1] - key_offset[layer]
         p = p_layer[layer]
-        nan = False
+        bad = False
         for e in range(E):
-            nan |= scores[row, e] != scores[row, e]
-        if nan:
+            x = scores[row, e]
+            bad |= x - x != 0  # NaN or ±inf
+        if bad:
             return row
         if p >= E:
             for e in range(E):
@@ -117,6 +119,11 @@ def top_p_rows(group_layer, row_ptr, score_rows, scores, p_layer, key_offset, to
         for j in range(p):
             top_v[r, j] = sel_v[j]
             top_e[r, j] = sel_e[j]
+    for r in range(score_rows.shape[0]):  # token rows sharing a scores row
+        r0 = inv[score_rows[r]]
+        if r0 != r:
+            top_v[r] = top_v[r0]
+            top_e[r] = top_e[r0]
     return -1
 
 
@@ -369,7 +376,7 @@ def replay(
                 if bypass and nxtk[k] >= never:
                     continue
                 if count[part] >= part_cap[part]:
-                    v = victim(part, -1)
+                    v = victim(part, -2)  # -2: no key carries it (never-stamped keys hold -1)
                     if v < 0 or (bypass and nxtk[k] >= nxtk[v]):
                         continue
                     remove(v)

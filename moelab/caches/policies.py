@@ -112,7 +112,7 @@ class MRSCache(ExpertCache):
         rows = np.atleast_2d(np.asarray(scores, dtype=np.float32))
         E, off, p = self.num_experts[layer], self.key_offset_[layer], self.p_[layer]
         a = self.alpha
-        if np.isnan(rows[:, :E]).any():
+        if not np.isfinite(rows[:, :E]).all():
             raise MoelabError(nan_scores_message(None, layer))
         for s in rows:
             s = [float(x) for x in s[:E]]
@@ -126,10 +126,11 @@ class MRSCache(ExpertCache):
 
 
 def nan_scores_message(row: int | None = None, layer: int | None = None) -> str:
-    """The error for router scores with NaN, which leave MRS's top-p undefined."""
+    """The error for router scores with NaN or ±inf, which turn MRS's priorities into NaN."""
     where = f"row {row} of the trace's router scores" if row is not None else f"the router scores of MoE layer {layer}"
     return (
-        f"{where} contains NaN, so MRS's top-p is undefined; the model produced NaN router scores. "
+        f"{where} contains NaN or an infinity, on which MRS's priorities are undefined; the model produced "
+        "non-finite router scores. "
         "Re-record the trace from a healthy model, or use a policy that does not read scores (lru, lfu, fifo, belady)."
     )
 

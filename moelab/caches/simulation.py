@@ -337,8 +337,9 @@ def _run_fast(stream, name, slots, scope, warm_keys, counts, pf_ptr, pf_keys, bu
         R = len(stream.score_rows)
         top_v = np.zeros((R, max(ps)), dtype=np.float32)
         top_e = np.zeros((R, max(ps)), dtype=np.int32)
+        scores = np.ascontiguousarray(stream.scores, dtype=np.float32)  # the reference's precision
         bad = _fast.top_p_rows(
-            stream.group_layer, row_ptr, stream.score_rows, stream.scores, p_layer, stream.key_offset, top_v, top_e
+            stream.group_layer, row_ptr, stream.score_rows, scores, p_layer, stream.key_offset, top_v, top_e
         )
         if bad >= 0:
             raise MoelabError(nan_scores_message(int(bad)))
