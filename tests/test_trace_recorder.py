@@ -108,6 +108,30 @@ def test_batched_left_padding_is_excluded_and_positions_count_real_tokens(model,
             assert set(pos[(seq == s) & (step == k)]) == {n + k - 1}
 
 
+def test_a_loop_without_attention_mask_records_every_token(model, tmp_path):
+    """The unmasked fast path (no attention mask: every token real) keeps seq, pos and ids."""
+    from transformers import DynamicCache
+
+    ids = torch.tensor([[5, 6, 7], [8, 9, 10]])
+    fed = [ids]
+    with torch.no_grad(), moelab.record(model, tmp_path / "t") as rec:
+        out = model(input_ids=ids, past_key_values=DynamicCache(config=model.config), use_cache=True)
+        for _ in range(3):
+            nxt = out.logits[:, -1:].argmax(-1)
+            fed.append(nxt)
+            out = model(input_ids=nxt, past_key_values=out.past_key_values, use_cache=True)
+    t = rec.trace
+    L = t.num_moe_layers
+    seq, pos, step, tid = t.column("seq"), t.column("pos"), t.column("step"), t.column("token_id")
+    assert len(seq) == (2 * 3 + 2 * 3) * L
+    for s in (0, 1):
+        for k, x in enumerate(fed):
+            rows = (seq == s) & (step == k)
+            want_pos = [0, 1, 2] if k == 0 else [2 + k]
+            assert sorted(set(pos[rows])) == want_pos and rows.sum() == len(want_pos) * L
+            assert sorted(set(tid[rows])) == sorted(set(x[s].tolist()))
+
+
 def test_token_ids_recorded(model, tok, tmp_path):
     with moelab.record(model, tmp_path / "t") as rec:
         _gen(model, tok, ["hi!"], n=1)

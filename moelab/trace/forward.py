@@ -30,6 +30,8 @@ class ForwardInputs:
     """(B, S) bool, on the inputs' device: True for real tokens, False for padding."""
     input_ids: torch.Tensor | None
     """(B, S) token ids, or None when the forward was called with ``inputs_embeds``."""
+    all_real: bool = False
+    """True when no attention mask was passed, so every token is real (``mask`` is all True)."""
 
     @property
     def phase(self) -> Phase:
@@ -51,7 +53,8 @@ def inspect_forward(args: tuple, kwargs: dict[str, Any]) -> ForwardInputs | None
     else:
         return None
     mask = kwargs.get("attention_mask")
-    if isinstance(mask, torch.Tensor) and mask.dim() == 2:
+    given = isinstance(mask, torch.Tensor) and mask.dim() == 2
+    if given:
         cur = mask[:, -S:].detach().bool()
     else:
         cur = torch.ones(B, S, dtype=torch.bool, device=device)
@@ -61,6 +64,7 @@ def inspect_forward(args: tuple, kwargs: dict[str, Any]) -> ForwardInputs | None
         past_len=past_length(kwargs.get("past_key_values")),
         mask=cur,
         input_ids=input_ids,
+        all_real=not given,
     )
 
 

@@ -81,7 +81,7 @@ class RecordConfig:
 class _Forward:
     """What the model pre-hook learned about the forward in flight (real tokens only)."""
 
-    valid: torch.Tensor  # (B*S,) bool on the CPU, real tokens in row-major order
+    valid: torch.Tensor | None  # (B*S,) bool on the CPU, real tokens in row-major order; None: all real
     seq: np.ndarray  # (n,) of the n real tokens
     pos: np.ndarray  # (n,)
     token_id: np.ndarray  # (n,)
@@ -239,7 +239,6 @@ class TraceRecorder:
             token_id = info.input_ids.detach().to("cpu", torch.int64).numpy()
         else:
             token_id = np.full((B, S), -1, dtype=np.int64)
-        cur = info.mask.to("cpu")
         continuing = past > 0 and self._cur_seq is not None and len(self._cur_seq) == B
         if past > 0 and not continuing:
             log.warning("forward continues a KV cache of an unknown sequence; recording it as new sequences")
@@ -250,10 +249,23 @@ class TraceRecorder:
             self._step = 0
         else:
             self._step += 1
+        phase = "decode" if continuing and S == 1 else "prefill"
+        cur = None if info.all_real else info.mask.to("cpu")
+        if cur is None or bool(cur.all()):  # every token real (the usual decode step): no masking
+            pos = self._row_len[:, None] + np.arange(S)
+            self._row_len = self._row_len + S
+            self._fwd = _Forward(
+                valid=None,
+                seq=np.repeat(self._cur_seq, S),
+                pos=pos.reshape(-1).astype(np.int32),
+                token_id=token_id.reshape(-1),
+                step=self._step,
+                phase=phase,
+            )
+            return None
         cur_np = cur.numpy()
         pos = self._row_len[:, None] + np.cumsum(cur_np, axis=1) - 1
         self._row_len = self._row_len + cur_np.sum(axis=1)
-        phase = "decode" if continuing and S == 1 else "prefill"
         valid = cur_np.reshape(-1)
         self._fwd = _Forward(
             valid=cur.reshape(-1),
@@ -321,10 +333,14 @@ class TraceRecorder:
             torch.cat([c[4].reshape(-1, K) for _, c in calls]),
             scoring,
         )
-        valid = torch.cat([fwd.valid for fwd, _ in calls])
-        idx = valid.to(device)
-        rows = int(valid.sum())
         counts = np.array([fwd.n for fwd, _ in calls])
+        rows = int(counts.sum())
+        if all(fwd.valid is None for fwd, _ in calls):  # no padding anywhere: keep every row
+            idx = slice(None)
+        else:
+            idx = torch.cat(
+                [fwd.valid if fwd.valid is not None else torch.ones(fwd.n, dtype=torch.bool) for fwd, _ in calls]
+            ).to(device)
         self._buf_lists["experts"].append(r.experts[idx].to("cpu", torch.int32).numpy().reshape(-1))
         self._buf_lists["weights"].append(r.weights[idx].to("cpu", torch.float32).numpy().reshape(-1))
         self._buf_lists["k"].append(np.full(rows, K, dtype=np.int32))
@@ -339,7 +355,8 @@ class TraceRecorder:
         self._buf["moe_layer"].append(np.repeat(np.array([c[0].index for _, c in calls], np.int32), counts))
         if self.config.hidden_states:
             hidden = torch.cat([c[1].reshape(-1, c[1].shape[-1]) for _, c in calls])
-            self._buf_hidden.append(hidden[idx.to(hidden.device)].to("cpu", _HIDDEN_DTYPES[self.config.hidden_dtype]))
+            hidx = idx if isinstance(idx, slice) else idx.to(hidden.device)
+            self._buf_hidden.append(hidden[hidx].to("cpu", _HIDDEN_DTYPES[self.config.hidden_dtype]))
         self._buf_rows += rows
         for fwd, _ in calls:
             self._phase_rows[fwd.phase] += fwd.n
