@@ -296,6 +296,18 @@ def replay(
             push(tmp[j])
         return v
 
+    def evict(v):  # drop cached key v; an unused prefetch counts as wasted
+        remove(v)
+        resident[v] = False
+        count[key_part[v]] -= 1
+        counters[EVICTIONS] += 1
+        if spec[v]:
+            spec[v] = False
+            srank[v] = 1
+            counters[WASTED_EVICTED] += 1
+        if lfu_reset:
+            freq[v] = 0
+
     def prio(k):
         if policy == LRU:
             p1[k] = last[k]
@@ -379,13 +391,7 @@ def replay(
                     v = victim(part, -2)  # -2: no key carries it (never-stamped keys hold -1)
                     if v < 0 or (bypass and nxtk[k] >= nxtk[v]):
                         continue
-                    remove(v)
-                    resident[v] = False
-                    count[part] -= 1
-                    counters[EVICTIONS] += 1
-                    if spec[v]:
-                        spec[v] = False
-                        counters[WASTED_EVICTED] += 1
+                    evict(v)
                 resident[k] = True
                 count[part] += 1
                 ins[k] = t
@@ -412,16 +418,7 @@ def replay(
                     if v < 0:
                         admit = False
                     else:
-                        remove(v)
-                        resident[v] = False
-                        count[part] -= 1
-                        counters[EVICTIONS] += 1
-                        if spec[v]:
-                            spec[v] = False
-                            srank[v] = 1
-                            counters[WASTED_EVICTED] += 1
-                        if lfu_reset:
-                            freq[v] = 0
+                        evict(v)
                 if admit:
                     resident[k] = True
                     count[part] += 1
@@ -456,16 +453,7 @@ def replay(
                     continue
                 if policy == BELADY and bypass and nxtk[k] >= nxtk[v]:
                     continue
-                remove(v)
-                resident[v] = False
-                count[part] -= 1
-                counters[EVICTIONS] += 1
-                if spec[v]:
-                    spec[v] = False
-                    srank[v] = 1
-                    counters[WASTED_EVICTED] += 1
-                if lfu_reset:
-                    freq[v] = 0
+                evict(v)
             t += 1
             resident[k] = True
             count[part] += 1
