@@ -3,11 +3,11 @@
 One kernel serves every built-in policy. It follows the reference classes in
 :mod:`moelab.caches.policies` step for step and is tested against them for exact parity
 (hit per access, counters, final contents). Victims come from indexed binary min-heaps
-ordered by ``(speculative?, p1, p2, key)`` (one per partition; for MRS one per layer), so
-every eviction is O(log C) and Belady is O(n log n). Memory: O(num_keys) state plus one byte per access for the hit flags.
-
-MRS's top-p selection of every token row is done first, in one pass over the router scores in
+ordered by ``(speculative?, p1, p2, key)``, one per partition, so every eviction is O(log C)
+and Belady is O(n log n). MRS keeps one heap per layer instead (O(L + log C) per eviction in a
+global pool) and selects every token row's top-p first, in one pass over the router scores in
 memory order (:func:`top_p_rows`), so the replay reads a compact (R, P) table in stream order.
+Memory: O(num_keys) state, one byte per access for the hit flags, and MRS's (R, P) table.
 
 Shape legend: n accesses, G groups, R token rows, P top-p width, NK keys, NP partitions.
 """
@@ -350,8 +350,7 @@ def replay(
         for i in range(a, b):
             prot[keys[i]] = stamp
         if policy == MRS:
-            # S <- alpha * TopP(s) + (1 - alpha) * S for every token row, then re-heapify the
-            # partition (every cached key of this layer changed priority).
+            # S <- alpha * TopP(s) + (1 - alpha) * S for every token row (top-p from top_p_rows).
             lo = key_offset[layer]
             hi = key_offset[layer + 1]
             p = p_layer[layer]
