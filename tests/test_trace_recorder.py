@@ -109,17 +109,19 @@ def test_batched_left_padding_is_excluded_and_positions_count_real_tokens(model,
 
 
 def test_a_loop_without_attention_mask_records_every_token(model, tmp_path):
-    """The unmasked fast path (no attention mask: every token real) keeps seq, pos and ids."""
+    """The unmasked fast path (no attention mask: every token real) keeps seq, pos and ids,
+    also when the decode loop reuses one input buffer in place (as static-cache loops do)."""
     from transformers import DynamicCache
 
     ids = torch.tensor([[5, 6, 7], [8, 9, 10]])
     fed = [ids]
+    buf = torch.zeros(2, 1, dtype=torch.long)
     with torch.no_grad(), moelab.record(model, tmp_path / "t") as rec:
         out = model(input_ids=ids, past_key_values=DynamicCache(config=model.config), use_cache=True)
         for _ in range(3):
-            nxt = out.logits[:, -1:].argmax(-1)
-            fed.append(nxt)
-            out = model(input_ids=nxt, past_key_values=out.past_key_values, use_cache=True)
+            buf.copy_(out.logits[:, -1:].argmax(-1))
+            fed.append(buf.clone())
+            out = model(input_ids=buf, past_key_values=out.past_key_values, use_cache=True)
     t = rec.trace
     L = t.num_moe_layers
     seq, pos, step, tid = t.column("seq"), t.column("pos"), t.column("step"), t.column("token_id")

@@ -258,7 +258,7 @@ class TraceRecorder:
                 valid=None,
                 seq=np.repeat(self._cur_seq, S),
                 pos=pos.reshape(-1).astype(np.int32),
-                token_id=token_id.reshape(-1),
+                token_id=token_id.reshape(-1).copy(),  # input_ids may be a reused buffer
                 step=self._step,
                 phase=phase,
             )
