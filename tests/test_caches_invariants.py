@@ -160,3 +160,51 @@ def test_simulate_reads_a_trace_directory(recorded_trace):
     assert set(r.phase_accesses) == {"decode"}
     rp = simulate(recorded_trace, "lru", 0.5, include_prefill=True)
     assert rp.phase_accesses["prefill"] > 0 and rp.accesses > r.accesses
+
+
+@needs_numba
+@pytest.mark.parametrize("seed", range(12))
+def test_fast_kernel_matches_reference_on_random_streams(seed):
+    """Differential check over random shapes and settings: uneven E, prefill, tie-heavy or
+    negative scores, counts and fractions, warm starts, prefetch budgets, policy parameters."""
+    from moelab.caches.stream import build_stream
+    from moelab.caches.synthetic import synthetic_columns
+
+    rng = np.random.default_rng(1000 + seed)
+    L = int(rng.integers(1, 5))
+    E_l = rng.integers(2, 11, size=L)
+    k = int(rng.integers(1, E_l.min() + 1))
+    pre = int(rng.integers(0, 4))
+    c = synthetic_columns(num_layers=L, num_experts=E_l, top_k=k, num_seqs=int(rng.integers(1, 4)),
+                          steps=int(rng.integers(3, 25)), prefill_tokens=pre, seed=seed)
+    sc = c["scores"]
+    if seed % 3 == 1:
+        sc = (rng.integers(0, 3, size=sc.shape) / 4).astype(np.float32)  # ties everywhere
+    elif seed % 3 == 2:
+        sc = -sc
+    s = build_stream(c["seq"], c["step"], c["moe_layer"], c["experts"], c["weights"], c["num_experts"],
+                     c["top_k"], scores=sc, include_prefill=bool(pre and seed % 2))
+    for policy in POLICIES:
+        for scope in ["layer", "global"]:
+            most = int(E_l.min() if scope == "layer" else E_l.sum())  # a count may not exceed the experts
+            cap = int(rng.integers(1, most + 1)) if rng.random() < 0.5 else float(rng.choice([0.1, 0.3, 0.5, 0.9]))
+            kw = {}
+            r = rng.random()
+            if r < 0.3:
+                kw["prefetch"] = PrefetchConfig("oracle", 1, budget=int(rng.integers(0, 3)))
+            elif r < 0.5:
+                kw["prefetch"] = PrefetchConfig("repeat", 2)
+            if rng.random() < 0.4:
+                kw["warm"] = True
+            if policy == "mrs":
+                kw["p"] = int(rng.integers(1, E_l.max() + 3))
+                kw["alpha"] = float(rng.choice([1.0, 0.5, 0.3]))
+            if policy == "lfu":
+                kw["reset_on_evict"] = bool(rng.integers(0, 2))
+            if policy == "belady":
+                kw["bypass"] = bool(rng.integers(0, 2))
+            a = simulate(s, policy, cap, scope, backend="fast", keep_hits=True, **kw)
+            b = simulate(s, policy, cap, scope, backend="reference", keep_hits=True, **kw)
+            da, db = a.to_dict(), b.to_dict()
+            da.pop("backend"), db.pop("backend")
+            assert np.array_equal(a.hit, b.hit) and da == db, (policy, scope, cap, kw)
