@@ -1,31 +1,56 @@
-"""Run untrusted, model-generated Python in a separate, limited process.
+"""Run untrusted, model-generated Python confined by the operating system.
 
-Executing generated code is a security boundary. Each program runs in a fresh
-``python -I -B`` child process, never in the calling (notebook/kernel) process:
+Executing generated code is a security boundary: the code may be written to escape.
+Nothing here relies on the interpreter policing itself — an audit hook inside the
+candidate's process can always be undone from that process.
 
-* an empty temporary working directory that is also its ``HOME`` and ``TMPDIR``,
-  with a minimal environment (no proxies, tokens or ``PYTHON*`` variables);
-* its own session / process group, killed as a whole on the wall-clock timeout;
-* ``resource.setrlimit`` in the child: CPU seconds, address space (memory),
-  size of files written, no core dumps and (for a non-root user) no new processes;
-* when the evaluator runs as root (and ``nobody`` can read the Python installation):
-  the child drops to the ``nobody`` user, so the kernel refuses writes to files it
-  does not own;
-* an audit hook (``sys.addaudithook``) installed before the program runs that
-  refuses file writes, deletions, renames, ``chmod``/``chown``, links outside the
-  sandbox directory, and refuses processes (``subprocess``, ``os.system``,
-  ``fork``, ``exec``), signals (``os.kill``), sockets, ``ctypes`` and raising limits;
-* success is a random nonce printed by the runner only after the program returned
-  normally, so ``sys.exit(0)`` or ``os._exit(0)`` in a candidate is a failure.
+**Isolation levels** (weakest to strongest; :func:`available_isolation` detects the best):
 
-This is defence in depth, not an operating-system jail: the program can still
-read files the user can read, use CPU and memory up to the limits, and
-deliberately hostile code could find ways around an in-process audit hook (for
-example through introspection). Run evaluations of untrusted models inside a
-container or VM without network access if that matters to you.
+``rlimits``
+    a separate ``python -I -B`` process in its own session with resource limits, an
+    empty working directory, a minimal environment, the ``nobody`` user when the
+    evaluator is root and ``nobody`` can read Python, and an audit hook. Stops
+    accidents, **not** deliberate escapes; used only when asked for explicitly.
+``namespaces``
+    the kernel confines each process (:mod:`moelab.evals.sandbox_launcher`, via
+    ``ctypes``; no extra software): new user, PID, mount, network, IPC, UTS and cgroup
+    namespaces; a root that holds only the system directories and the Python
+    installation, read-only, nosuid, nodev; a fresh ``/proc`` that shows only the
+    sandbox's processes; no network interface but a down loopback; a size-limited
+    tmpfs ``/tmp`` as the only writable place (also ``HOME`` and the working
+    directory); a non-root id inside with no capabilities; ``PR_SET_NO_NEW_PRIVS``;
+    a trusted PID 1 that dies with the evaluator (``PR_SET_PDEATHSIG``) and whose
+    exit makes the kernel kill every process left in the sandbox; hard rlimits on CPU
+    seconds, address space, file size, open files and process count (``RLIMIT_NPROC``
+    counts per user namespace, so it holds also when the evaluator is root).
+    The default requirement (``SandboxConfig.min_isolation``).
 
-Shape of the API: :func:`run_program` for one program, :func:`run_programs` for
-several (a small thread pool of child processes).
+Below the level asked for, :func:`run_program` / :func:`run_tests` raise
+:class:`SandboxUnavailable` instead of running anything.
+
+**A verdict the candidate cannot forge** (:func:`run_tests`). The candidate (prompt +
+completion) and the tests run in two separate sandboxes — separate PID, user and
+mount namespaces, so neither can see, signal or trace the other — joined only by two
+pipes. The candidate's sandbox executes its source and then only answers calls: a
+request names one of its top-level functions and carries arguments as plain data
+(tagged JSON of None, bool, numbers, str, bytes, lists, tuples, dicts, sets and
+references to its own functions); the reply is such data or the name of an exception.
+The check process runs the trusted test code with each name it takes from the
+candidate's module bound to a proxy that makes such a call (never a built-in name or a
+dunder; modules the candidate imported are imported again by the check process, from
+the standard library only). Values the candidate returns are rebuilt as built-in types,
+so no code of the candidate ever runs in the check process: a custom ``__eq__``, a
+patched built-in, a monkeypatched ``check``, an early ``os._exit(0)``, a printed
+nonce or a killed parent cannot change what the tests decide. The verdict is the check
+process's exit status 0, reached only after the test code ran to its end; at the
+``namespaces`` level the candidate cannot reach that process. Semantics differ from
+running both in one process in one way: candidates must return plain data (true of
+HumanEval's and moelab's pycode canonical solutions; the tests show it).
+
+:func:`run_program` runs one whole program (no separate tests): its ``passed`` only
+means that the program reached its end, which a hostile program can claim falsely — the
+scoring paths (:func:`moelab.evals.metrics.pass_at_k`,
+:func:`moelab.training.quick_eval.run_check`) use :func:`run_tests`.
 """
 
 from __future__ import annotations
@@ -37,6 +62,7 @@ import logging
 import math
 import os
 import secrets
+import select
 import shutil
 import signal
 import stat
@@ -45,15 +71,49 @@ import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Literal
+
+from moelab.errors import MoelabError
 
 logger = logging.getLogger(__name__)
 
-#: uid/gid the child switches to when the evaluator runs as root.
+#: uid/gid the ``rlimits`` child switches to when the evaluator runs as root.
 NOBODY = 65534
+#: Isolation levels, weakest first.
+LEVELS = ("rlimits", "namespaces")
+#: The level asked for unless configured otherwise (env ``MOELAB_SANDBOX_MIN_ISOLATION``).
+DEFAULT_MIN_ISOLATION = "namespaces"
+MIN_ISOLATION_ENV = "MOELAB_SANDBOX_MIN_ISOLATION"
+#: The uid/gid of the candidate inside its user namespace.
+INNER_ID = 1000
+#: System paths visible (read-only) inside the ``namespaces`` sandbox; symlinks are copied.
+SYSTEM_PATHS = (
+    "/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32",
+    "/etc/ld.so.cache", "/etc/ld.so.conf", "/etc/ld.so.conf.d", "/etc/localtime",
+)  # fmt: skip
+SETUP_FAILED = 125
 
 Status = Literal["passed", "failed", "timeout"]
+
+_HERE = Path(__file__).resolve().parent
+
+
+class SandboxUnavailable(MoelabError):
+    """The isolation asked for cannot be had on this machine, or the sandbox failed to start."""
+
+
+def _default_min_isolation() -> str:
+    return os.environ.get(MIN_ISOLATION_ENV) or DEFAULT_MIN_ISOLATION
+
+
+def check_level(level: str, what: str = "isolation level") -> str:
+    if level not in LEVELS:
+        raise MoelabError(
+            f"{what} {level!r} is unknown; expected one of {', '.join(LEVELS)} (weakest first)."
+        )
+    return level
 
 
 @dataclass(frozen=True)
@@ -61,15 +121,26 @@ class SandboxConfig:
     """Limits for one sandboxed program."""
 
     timeout_s: float = 10.0
-    """Wall-clock seconds before the whole process group is killed."""
+    """Wall-clock seconds before everything the run started is killed."""
     memory_mb: int = 1024
-    """Address-space limit of the child (``RLIMIT_AS``), in MiB."""
+    """Address-space limit of each process (``RLIMIT_AS``), in MiB."""
     file_size_mb: int = 16
-    """Largest file the child may write (``RLIMIT_FSIZE``, includes its stdout/stderr), in MiB."""
+    """Largest file a process may write (``RLIMIT_FSIZE``, includes its stdout/stderr), in MiB."""
+    max_processes: int = 16
+    """Processes and threads the code may start (``RLIMIT_NPROC``; ``namespaces`` level)."""
+    work_mb: int = 64
+    """Size of the writable tmpfs ``/tmp`` (``namespaces`` level), in MiB."""
+    min_isolation: str = field(default_factory=_default_min_isolation)
+    """Refuse to run below this level (``LEVELS``); default ``namespaces``, or the env
+    ``MOELAB_SANDBOX_MIN_ISOLATION``."""
+    isolation: str | None = None
+    """Use exactly this level (None: the best available)."""
     drop_privileges: bool = True
-    """When the evaluator runs as root, run the child as ``nobody`` (uid/gid 65534)."""
+    """``rlimits`` level, evaluator running as root: run the child as ``nobody`` (uid 65534)."""
+    read_only_paths: tuple[str, ...] = ()
+    """More host paths to show, read-only, inside the ``namespaces`` sandbox."""
     output_chars: int = 2000
-    """How many trailing characters of the child's stdout/stderr to keep in the result."""
+    """How many trailing characters of stdout/stderr to keep in the result."""
 
     def __post_init__(self) -> None:
         if not self.timeout_s > 0:
@@ -78,6 +149,11 @@ class SandboxConfig:
             raise ValueError(f"memory_mb must be ≥ 64 (Python needs some), got {self.memory_mb!r}")
         if self.file_size_mb < 1:
             raise ValueError(f"file_size_mb must be ≥ 1, got {self.file_size_mb!r}")
+        if self.max_processes < 1 or self.work_mb < 1:
+            raise ValueError("max_processes and work_mb must be ≥ 1")
+        check_level(self.min_isolation, "min_isolation")
+        if self.isolation is not None:
+            check_level(self.isolation, "isolation")
 
 
 @dataclass(frozen=True)
@@ -85,15 +161,17 @@ class ExecResult:
     """What happened to one program."""
 
     status: Status
-    """``passed`` (ran to the end), ``failed`` (raised, exited early, was killed by a limit) or ``timeout``."""
+    """``passed``, ``failed`` (raised, exited early, was killed by a limit) or ``timeout``."""
     returncode: int | None
-    """Exit status of the child (negative: killed by that signal); None if it never started."""
+    """Exit status of the deciding process (negative: killed by that signal)."""
     stdout: str
-    """Tail of the child's stdout (the success marker removed)."""
+    """Tail of the candidate's stdout (the success marker removed)."""
     stderr: str
-    """Tail of the child's stderr (the traceback of a failure is here)."""
+    """Tail of stderr (for :func:`run_tests`: the tests' traceback, then the candidate's)."""
     duration_s: float
-    """Wall-clock seconds the child ran."""
+    """Wall-clock seconds the run took."""
+    isolation: str = "namespaces"
+    """The isolation level it ran at."""
 
     @property
     def passed(self) -> bool:
@@ -103,85 +181,56 @@ class ExecResult:
         return asdict(self)
 
 
-# The child's program, run as ``python -I -B -c _RUNNER``. It reads its job (JSON) from
-# stdin, limits itself, installs the audit hook, runs the program and prints the nonce
-# only when the program returned normally. Kept free of f-strings with braces from
-# the parent so it can be read as it runs.
-_RUNNER = r"""
-import json, os, resource, sys, traceback
-job = json.loads(sys.stdin.read())
-sys.stdin.close()
-def _limit(which, value):
-    try:
-        resource.setrlimit(which, (value, value))
-    except (ValueError, OSError) as exc:
-        sys.stderr.write("moelab sandbox: could not set limit %r: %s\n" % (which, exc))
-_limit(resource.RLIMIT_CORE, 0)
-_limit(resource.RLIMIT_CPU, job["cpu_s"])
-_limit(resource.RLIMIT_AS, job["memory_bytes"])
-_limit(resource.RLIMIT_FSIZE, job["file_size_bytes"])
-if os.getuid() != 0:
-    _limit(resource.RLIMIT_NPROC, 0)
-if job["drop_to"] is not None and os.getuid() == 0:
-    os.setgroups([])
-    os.setgid(job["drop_to"])
-    os.setuid(job["drop_to"])
-ROOT = os.path.realpath(job["root"])
-_WRITE = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
-_PATH_EVENTS = {
-    "os.remove": (0,), "os.rmdir": (0,), "os.rename": (0, 1), "os.mkdir": (0,),
-    "os.chmod": (0,), "os.chown": (0,), "os.link": (0, 1), "os.symlink": (0, 1),
-    "os.truncate": (0,), "os.utime": (0,), "shutil.rmtree": (0,), "shutil.copyfile": (1,),
-    "shutil.copymode": (1,), "shutil.copystat": (1,), "shutil.move": (0, 1),
-    "os.chflags": (0,), "os.lchflags": (0,), "os.mkfifo": (0,), "os.mknod": (0,),
-    "os.removexattr": (0,), "os.setxattr": (0,),
-}
-_BLOCKED = (
-    "os.system", "os.exec", "os.posix_spawn", "os.spawn", "os.fork", "os.forkpty",
-    "subprocess.Popen", "pty.spawn", "os.kill", "os.killpg", "signal.pthread_kill",
-    "socket.connect", "socket.bind", "socket.sendto", "socket.sendmsg", "socket.getaddrinfo",
-    "ctypes.dlopen", "ctypes.dlsym", "ctypes.cdata", "resource.setrlimit", "resource.prlimit",
-    "sys.addaudithook", "os.setuid", "os.setgid", "os.chroot", "os.startfile", "webbrowser.open",
-)
-def _inside(path):
-    if isinstance(path, int):
-        return True
-    try:
-        real = os.path.realpath(os.fsdecode(path))
-    except Exception:
-        return False
-    return real == ROOT or real.startswith(ROOT + os.sep)
-def _hook(event, args):
-    if event == "open":
-        path, mode, flags = (tuple(args) + (None, None, 0))[:3]
-        writes = (isinstance(mode, str) and any(c in mode for c in "wax+")) or bool((flags or 0) & _WRITE)
-        if writes and not _inside(path):
-            raise PermissionError("moelab sandbox: writing outside the sandbox is not allowed: %r" % (path,))
-    elif event in _PATH_EVENTS:
-        for i in _PATH_EVENTS[event]:
-            if i < len(args) and args[i] is not None and not _inside(args[i]):
-                raise PermissionError("moelab sandbox: %s outside the sandbox is not allowed: %r" % (event, args[i]))
-    elif event.startswith(_BLOCKED):
-        raise PermissionError("moelab sandbox: %s is not allowed" % event)
-sys.addaudithook(_hook)
-nonce = job.pop("nonce").encode()
-program = job.pop("program")
-try:
-    exec(compile(program, "<candidate>", "exec"), {"__name__": "__candidate__", "__builtins__": __builtins__})
-except BaseException:
-    traceback.print_exc()
-    sys.stdout.flush(); sys.stderr.flush()
-    os._exit(1)
-sys.stdout.flush(); sys.stderr.flush()
-os.write(1, b"\n" + nonce + b"\n")
-os._exit(0)
-"""
+# --- isolation levels ------------------------------------------------------------------
 
 
-def _child_env(box: str) -> dict[str, str]:
+@functools.cache
+def _source(name: str) -> str:
+    return (_HERE / name).read_text(encoding="utf-8")
+
+
+@functools.cache
+def available_isolation() -> str:
+    """The strongest isolation level that works here (probed once per process)."""
+    try:
+        r = _run_one(
+            f"import os\nassert os.getuid() == {INNER_ID}\nopen('/tmp/x', 'w').write('x')\n",
+            SandboxConfig(timeout_s=20.0, isolation="namespaces", min_isolation="rlimits"),
+            role="program",
+        )
+        if r.passed:
+            return "namespaces"
+        logger.warning("namespaces sandbox probe failed: %s", r.stderr.strip()[-300:])
+    except SandboxUnavailable as exc:
+        logger.warning("no namespaces sandbox: %s", exc)
+    return "rlimits"
+
+
+def isolation_level(config: SandboxConfig | None = None) -> str:
+    """The level runs with ``config`` use; raise :class:`SandboxUnavailable` below its minimum."""
+    config = config or SandboxConfig()
+    level = config.isolation or available_isolation()
+    if LEVELS.index(level) < LEVELS.index(config.min_isolation):
+        raise SandboxUnavailable(
+            f"the code sandbox needs isolation level {config.min_isolation!r} but only {level!r} "
+            f"is available here ({_why_weak()}); run where unprivileged user namespaces work, or "
+            f"accept the weaker level explicitly (CLI: --sandbox-isolation {level}; Python: "
+            f"sandbox_isolation={level!r}; env {MIN_ISOLATION_ENV}={level})."
+        )
+    return level
+
+
+def _why_weak() -> str:
+    return "Linux user namespaces are unavailable or disallowed"
+
+
+# --- running ---------------------------------------------------------------------------
+
+
+def _child_env(home: str) -> dict[str, str]:
     return {
-        "HOME": box,
-        "TMPDIR": box,
+        "HOME": home,
+        "TMPDIR": home,
         "PATH": os.defpath,
         "LANG": "C.UTF-8",
         "LC_ALL": "C.UTF-8",
@@ -199,83 +248,226 @@ def _tail(path: str, chars: int) -> str:
         return f.read().decode("utf-8", "replace")[-chars:]
 
 
-def run_program(program: str, config: SandboxConfig | None = None) -> ExecResult:
-    """Run ``program`` (Python source) in a sandboxed child process; see the module docstring.
+def _python_paths() -> list[tuple[str, str]]:
+    """(host path, path inside) of the Python installation, as the interpreter names them."""
+    out: list[tuple[str, str]] = []
+    for p in {sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix}:
+        for inside in {os.path.abspath(p), os.path.realpath(p)}:
+            out.append((os.path.realpath(p), inside))
+    exe = os.path.realpath(sys.executable)
+    out.append((os.path.dirname(exe), os.path.dirname(exe)))
+    # shortest first, so a directory inside another one is not bound twice
+    return sorted(set(out), key=lambda pair: len(pair[1]))
 
-    The program passes if it runs to the end without raising; the usual form is the
-    candidate function, then the unit tests, then ``check(entry_point)``.
-    """
-    config = config or SandboxConfig()
-    nonce = secrets.token_hex(16)
-    drop_to = NOBODY if (config.drop_privileges and _can_drop_privileges()) else None
-    work = tempfile.mkdtemp(prefix="moelab-sandbox-")
-    try:
-        os.chmod(work, 0o711)  # traversable by the child, not listable
-        box = os.path.join(work, "box")
-        os.mkdir(box, 0o700)
-        if drop_to is not None:
-            os.chown(box, drop_to, drop_to)
+
+class _Child:
+    """One sandboxed process (a launcher at the ``namespaces`` level)."""
+
+    def __init__(self, work: str, name: str, job: dict, level: str, config: SandboxConfig,
+                 pass_fds: tuple[int, ...] = ()) -> None:  # fmt: skip
+        self.out_path = os.path.join(work, f"{name}.stdout")
+        self.err_path = os.path.join(work, f"{name}.stderr")
+        job_path = os.path.join(work, f"{name}.job")
+        runner = [sys.executable, "-I", "-B", "-c", _source("sandbox_runner.py")]
         job = {
-            "program": program,
-            "nonce": nonce,
-            "root": box,
+            **job,
             "cpu_s": int(math.ceil(config.timeout_s)) + 1,
             "memory_bytes": config.memory_mb * 1024 * 1024,
             "file_size_bytes": config.file_size_mb * 1024 * 1024,
-            "drop_to": drop_to,
         }
-        out_path, err_path = os.path.join(work, "stdout"), os.path.join(work, "stderr")
-        start = time.monotonic()
-        with open(out_path, "wb") as out, open(err_path, "wb") as err:
-            proc = subprocess.Popen(
-                [sys.executable, "-I", "-B", "-c", _RUNNER],
-                stdin=subprocess.PIPE,
+        status_r = None
+        if level == "namespaces":
+            home = "/tmp"
+            # init, the waiting launcher and the runner count too
+            job.update(nproc=config.max_processes + 3, drop_to=None, audit_root=None)
+            status_r, status_w = os.pipe()
+            root = os.path.join(work, f"{name}.root")
+            os.mkdir(root)
+            settings = {
+                "root": root,
+                "system": [p for p in SYSTEM_PATHS if os.path.lexists(p)],
+                "python": _python_paths()
+                + [(os.path.realpath(p), os.path.abspath(p)) for p in config.read_only_paths],
+                "work": home,
+                "work_kib": config.work_mb * 1024,
+                "inner_id": INNER_ID,
+                "status_fd": status_w,
+                "ppid": os.getpid(),
+                "argv": runner,
+                "env": _child_env(home),
+            }
+            argv = [sys.executable, "-I", "-S", "-B", "-c", _source("sandbox_launcher.py")]
+            argv.append(json.dumps(settings))
+            pass_fds = (*pass_fds, status_w)
+            env = {"PATH": os.defpath, "LANG": "C.UTF-8"}
+            cwd = work
+        else:
+            home = os.path.join(work, f"{name}.home")
+            os.mkdir(home, 0o700)
+            drop_to = NOBODY if (config.drop_privileges and _can_drop_privileges()) else None
+            if drop_to is not None:
+                os.chown(home, drop_to, drop_to)
+            nproc = None if os.geteuid() == 0 and drop_to is None else config.max_processes
+            job.update(nproc=nproc, drop_to=drop_to, audit_root=home, pdeathsig=True)
+            argv, env, cwd = runner, _child_env(home), home
+        with open(job_path, "w", encoding="utf-8") as f:
+            json.dump(job, f)
+        with (
+            open(job_path, "rb") as stdin,
+            open(self.out_path, "wb") as out,
+            open(self.err_path, "wb") as err,
+        ):
+            self.proc = subprocess.Popen(
+                argv,
+                stdin=stdin,
                 stdout=out,
                 stderr=err,
-                cwd=box,
-                env=_child_env(box),
+                cwd=cwd,
+                env=env,
                 start_new_session=True,
                 close_fds=True,
+                pass_fds=pass_fds,
             )
-            timed_out = False
-            try:
-                try:
-                    proc.stdin.write(json.dumps(job).encode())
-                    proc.stdin.close()
-                except BrokenPipeError:
-                    pass
-                proc.wait(timeout=config.timeout_s)
-            except subprocess.TimeoutExpired:
-                timed_out = True
-            finally:
-                _kill_group(proc.pid)
-                proc.wait()
+        os.unlink(job_path)  # the runner has it open; nothing else needs it
+        self.status_r = status_r
+        if status_r is not None:
+            os.close(status_w)
+
+    def wait_setup(self, deadline: float) -> None:
+        """At the ``namespaces`` level: wait until the launcher said its sandbox stands."""
+        if self.status_r is None:
+            return
+        data = b""
+        try:
+            while True:
+                ready, _, _ = select.select(
+                    [self.status_r], [], [], max(0.0, deadline - time.monotonic())
+                )
+                if not ready:
+                    return  # the run's timeout handles it
+                chunk = os.read(self.status_r, 64)
+                if not chunk:
+                    break
+                data += chunk
+        finally:
+            os.close(self.status_r)
+            self.status_r = None
+        if not data.startswith(b"ok"):
+            self.kill()
+            raise SandboxUnavailable(
+                "the namespaces sandbox failed to start: "
+                + (_tail(self.err_path, 500).strip() or f"exit status {self.proc.returncode}")
+            )
+
+    def kill(self) -> None:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
+
+    def returncode(self) -> int | None:
+        code = self.proc.returncode
+        if code is not None and code > 128 and code - 128 < 65:
+            return -(code - 128)  # the launcher passes on "killed by signal N" as 128 + N
+        return code
+
+
+def _run_one(program: str, config: SandboxConfig, role: str) -> ExecResult:
+    level = isolation_level(config)
+    nonce = secrets.token_hex(16)
+    work = tempfile.mkdtemp(prefix="moelab-sandbox-")
+    try:
+        os.chmod(work, 0o711)
+        start = time.monotonic()
+        deadline = start + config.timeout_s
+        child = _Child(work, "candidate", {"role": role, "program": program, "nonce": nonce},
+                       level, config)  # fmt: skip
+        timed_out = False
+        try:
+            child.wait_setup(deadline)
+            child.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            timed_out = True
+        finally:
+            child.kill()
         duration = time.monotonic() - start
-        stdout = _tail(out_path, config.output_chars + 64)
-        stderr = _tail(err_path, config.output_chars)
+        stdout = _tail(child.out_path, config.output_chars + 64)
+        stderr = _tail(child.err_path, config.output_chars)
     finally:
         shutil.rmtree(work, ignore_errors=True)
+    code = child.returncode()
     marker = "\n" + nonce + "\n"
-    passed = not timed_out and proc.returncode == 0 and stdout.endswith(marker)
+    passed = not timed_out and code == 0 and stdout.endswith(marker)
     if passed:
         stdout = stdout[: -len(marker)]
     status: Status = "timeout" if timed_out else ("passed" if passed else "failed")
-    return ExecResult(
-        status=status,
-        returncode=proc.returncode,
-        stdout=stdout[-config.output_chars :],
-        stderr=stderr,
-        duration_s=duration,
-    )
+    return ExecResult(status, code, stdout[-config.output_chars :], stderr, duration, level)
+
+
+def run_program(program: str, config: SandboxConfig | None = None) -> ExecResult:
+    """Run ``program`` (Python source) in the sandbox; see the module docstring.
+
+    It passes if it runs to its end without raising. A hostile program can fake that
+    (it sees the run's marker): score untrusted code with :func:`run_tests`.
+    """
+    return _run_one(program, config or SandboxConfig(), role="program")
+
+
+def run_tests(candidate: str, tests: str, config: SandboxConfig | None = None) -> ExecResult:
+    """Run ``tests`` (trusted Python) against ``candidate`` (untrusted Python, e.g. prompt +
+    completion), each in its own sandbox; see the module docstring for why the verdict
+    cannot be forged. ``tests`` usually ends in ``check(entry_point)``.
+    """
+    config = config or SandboxConfig()
+    level = isolation_level(config)
+    work = tempfile.mkdtemp(prefix="moelab-sandbox-")
+    to_cand_r, to_cand_w = os.pipe()
+    to_check_r, to_check_w = os.pipe()
+    children: list[_Child] = []
+    try:
+        os.chmod(work, 0o711)
+        start = time.monotonic()
+        deadline = start + config.timeout_s
+        cand_job = {"role": "candidate", "program": candidate, "fd_in": to_cand_r,
+                    "fd_out": to_check_w}  # fmt: skip
+        check_job = {"role": "check", "program": tests, "fd_in": to_check_r,
+                     "fd_out": to_cand_w}  # fmt: skip
+        cand = _Child(work, "candidate", cand_job, level, config, (to_cand_r, to_check_w))
+        children.append(cand)
+        check = _Child(work, "check", check_job, level, config, (to_check_r, to_cand_w))
+        children.append(check)
+        for fd in (to_cand_r, to_cand_w, to_check_r, to_check_w):
+            os.close(fd)
+        to_cand_r = to_cand_w = to_check_r = to_check_w = -1
+        timed_out = False
+        try:
+            cand.wait_setup(deadline)
+            check.wait_setup(deadline)
+            check.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            timed_out = True
+        finally:
+            for child in children:
+                child.kill()
+        duration = time.monotonic() - start
+        stdout = _tail(cand.out_path, config.output_chars)
+        check_err = _tail(check.err_path, config.output_chars).strip()
+        cand_err = _tail(cand.err_path, config.output_chars).strip()
+    finally:
+        for child in children:
+            child.kill()
+        for fd in (to_cand_r, to_cand_w, to_check_r, to_check_w):
+            if fd >= 0:
+                os.close(fd)
+        shutil.rmtree(work, ignore_errors=True)
+    code = check.returncode()
+    stderr = check_err + (f"\n--- candidate's stderr ---\n{cand_err}" if cand_err else "")
+    status: Status = "timeout" if timed_out else ("passed" if code == 0 else "failed")
+    return ExecResult(status, code, stdout, stderr[-config.output_chars :], duration, level)
 
 
 @functools.cache
 def _can_drop_privileges() -> bool:
-    """True when running as root and ``nobody`` could still import the standard library.
-
-    (A Python installed under ``/root`` is unreadable for ``nobody``; then the child keeps
-    the evaluator's user and the audit hook alone guards writes.)
-    """
+    """True when running as root and ``nobody`` could still import the standard library."""
     if os.geteuid() != 0:
         return False
     path = os.path.realpath(os.path.dirname(os.__file__))
@@ -293,20 +485,25 @@ def _can_drop_privileges() -> bool:
         path = parent
 
 
-def _kill_group(pgid: int) -> None:
-    """SIGKILL the child's whole process group (it leads its own session)."""
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(pgid, signal.SIGKILL)
+def _pool_map(fn, items: list, workers: int | None):
+    if not items:
+        return []
+    workers = workers or max(1, min(4, os.cpu_count() or 1, len(items)))
+    if workers == 1:
+        return [fn(x) for x in items]
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        return list(pool.map(fn, items))
 
 
 def run_programs(
     programs: list[str], config: SandboxConfig | None = None, workers: int | None = None
 ) -> list[ExecResult]:
-    """Run several programs, each in its own sandboxed process, a few at a time; results in order."""
-    if not programs:
-        return []
-    workers = workers or max(1, min(4, os.cpu_count() or 1, len(programs)))
-    if workers == 1:
-        return [run_program(p, config) for p in programs]
-    with ThreadPoolExecutor(max_workers=workers) as pool:
-        return list(pool.map(lambda p: run_program(p, config), programs))
+    """Several whole programs, each in its own sandbox, a few at a time; results in order."""
+    return _pool_map(lambda p: run_program(p, config), programs, workers)
+
+
+def run_tests_many(
+    pairs: list[tuple[str, str]], config: SandboxConfig | None = None, workers: int | None = None
+) -> list[ExecResult]:
+    """:func:`run_tests` for several ``(candidate, tests)`` pairs, a few at a time; in order."""
+    return _pool_map(lambda p: run_tests(p[0], p[1], config), pairs, workers)

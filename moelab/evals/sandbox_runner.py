@@ -1,0 +1,397 @@
+"""The program that runs inside the sandbox (see :mod:`moelab.evals.sandbox`).
+
+It is executed as ``python -I -B -c <this file's source>`` and imports nothing from
+moelab. It reads its job (JSON) from stdin, sets its resource limits (hard limits: the
+code it runs cannot raise them again) and plays one of three roles:
+
+``program``
+    run one whole program; print the run's nonce after it returned (``run_program``).
+``candidate``
+    run the candidate's source (prompt + completion), then answer calls of its
+    top-level functions that arrive over a pipe (``run_tests``). Values cross the pipe
+    as tagged JSON of plain data only: None, bool, int, float, complex, str, bytes,
+    list, tuple, dict, set, frozenset, and references to the candidate's own functions.
+``check``
+    run the trusted test code in a process of its own, where each name the tests take
+    from the candidate's module is a proxy that calls into the candidate process.
+    Its exit status 0 (after the tests ran to their end) is the verdict.
+"""
+
+import builtins
+import contextlib
+import json
+import numbers
+import os
+import resource
+import sys
+import traceback
+
+MAX_DEPTH = 100
+MAX_LINE = 64 * 1024 * 1024
+
+
+def _limit(which, value):
+    try:
+        resource.setrlimit(which, (value, value))
+    except (ValueError, OSError) as exc:
+        sys.stderr.write(f"moelab sandbox: could not set limit {which!r}: {exc}\n")
+
+
+def set_limits(job):
+    _limit(resource.RLIMIT_CORE, 0)
+    _limit(resource.RLIMIT_CPU, job["cpu_s"])
+    _limit(resource.RLIMIT_AS, job["memory_bytes"])
+    _limit(resource.RLIMIT_FSIZE, job["file_size_bytes"])
+    _limit(resource.RLIMIT_NOFILE, 256)
+    if job["nproc"] is not None:
+        _limit(resource.RLIMIT_NPROC, job["nproc"])
+
+
+def drop_privileges(job):
+    if job.get("drop_to") is not None and os.getuid() == 0:
+        os.setgroups([])
+        os.setgid(job["drop_to"])
+        os.setuid(job["drop_to"])
+
+
+def install_audit_hook(root):
+    """The interpreter-level guard of the ``rlimits`` level (no kernel confinement there).
+
+    Hostile code can switch it off from inside its process; it stops mistakes, not attacks.
+    """
+    root = os.path.realpath(root)
+    write_flags = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
+    path_events = {
+        "os.remove": (0,), "os.rmdir": (0,), "os.rename": (0, 1), "os.mkdir": (0,),
+        "os.chmod": (0,), "os.chown": (0,), "os.link": (0, 1), "os.symlink": (0, 1),
+        "os.truncate": (0,), "os.utime": (0,), "shutil.rmtree": (0,), "shutil.copyfile": (1,),
+        "shutil.move": (0, 1), "os.mkfifo": (0,), "os.mknod": (0,), "os.setxattr": (0,),
+    }  # fmt: skip
+    blocked = (
+        "os.system", "os.exec", "os.posix_spawn", "os.spawn", "os.fork", "os.forkpty",
+        "subprocess.Popen", "pty.spawn", "os.kill", "os.killpg", "signal.pthread_kill",
+        "socket.", "ctypes.", "resource.setrlimit", "resource.prlimit", "sys.addaudithook",
+        "os.setuid", "os.setgid", "os.chroot", "sqlite3.connect", "_posixsubprocess",
+    )  # fmt: skip
+
+    def inside(path):
+        if isinstance(path, int):
+            return False  # dir_fd / fd-relative operations: refuse
+        try:
+            real = os.path.realpath(os.fsdecode(path))
+        except Exception:
+            return False
+        return real == root or real.startswith(root + os.sep)
+
+    def hook(event, args):
+        if event == "open":
+            path, mode, flags = (tuple(args) + (None, None, 0))[:3]
+            writes = (isinstance(mode, str) and any(c in mode for c in "wax+")) or bool(
+                (flags or 0) & write_flags
+            )
+            if writes and not inside(path):
+                raise PermissionError(f"moelab sandbox: writing {path!r} is not allowed")
+        elif event in path_events:
+            for i in path_events[event]:
+                if i < len(args) and args[i] is not None and not inside(args[i]):
+                    raise PermissionError(f"moelab sandbox: {event} of {args[i]!r} is not allowed")
+        elif event.startswith(blocked):
+            raise PermissionError(f"moelab sandbox: {event} is not allowed")
+
+    sys.addaudithook(hook)
+
+
+# --- plain-data codec ------------------------------------------------------------------
+
+
+class Uncheckable(TypeError):
+    """A value that cannot cross between the candidate and the check process."""
+
+
+def encode(value, fn_names, depth=0):
+    """``value`` as JSON-ready data; ``fn_names`` maps id() of shareable functions to names."""
+    if depth > MAX_DEPTH:
+        raise Uncheckable(f"value nested more than {MAX_DEPTH} levels deep")
+    if value is None or type(value) in (bool, str):
+        return value
+    if isinstance(value, str):
+        return str(value)
+    if isinstance(value, int):
+        return int(value)
+    if isinstance(value, float):
+        return float(value)
+    if isinstance(value, complex):
+        return {"t": "complex", "v": [value.real, value.imag]}
+    if isinstance(value, (bytes, bytearray)):
+        return {"t": "bytes", "v": bytes(value).decode("latin-1")}
+    d = depth + 1
+    if isinstance(value, list):
+        return [encode(x, fn_names, d) for x in value]
+    if isinstance(value, tuple):
+        return {"t": "tuple", "v": [encode(x, fn_names, d) for x in value]}
+    if isinstance(value, dict):
+        return {
+            "t": "dict",
+            "v": [[encode(k, fn_names, d), encode(x, fn_names, d)] for k, x in value.items()],
+        }
+    if isinstance(value, (set, frozenset)):
+        tag = "frozenset" if isinstance(value, frozenset) else "set"
+        return {"t": tag, "v": [encode(x, fn_names, d) for x in value]}
+    if id(value) in fn_names:
+        return {"t": "fn", "v": fn_names[id(value)]}
+    if isinstance(value, numbers.Integral):
+        return int(value)
+    if isinstance(value, numbers.Real):
+        return float(value)
+    raise Uncheckable(
+        f"a value of type {type(value).__name__} cannot be checked outside the candidate's process"
+    )
+
+
+def decode(data, make_fn, depth=0):
+    """The inverse of :func:`encode` (accepts nothing but plain data); functions via ``make_fn``."""
+    if depth > MAX_DEPTH:
+        raise Uncheckable(f"value nested more than {MAX_DEPTH} levels deep")
+    if data is None or type(data) in (bool, int, float, str):
+        return data
+    d = depth + 1
+    if type(data) is list:
+        return [decode(x, make_fn, d) for x in data]
+    if type(data) is not dict or type(data.get("t")) is not str:
+        raise Uncheckable("malformed value")
+    tag, v = data["t"], data.get("v")
+    if (
+        tag == "complex"
+        and type(v) is list
+        and len(v) == 2
+        and all(type(x) in (int, float) for x in v)
+    ):
+        return complex(v[0], v[1])
+    if tag == "bytes" and type(v) is str:
+        return v.encode("latin-1")
+    if type(v) is not list:
+        raise Uncheckable("malformed value")
+    if tag == "tuple":
+        return tuple(decode(x, make_fn, d) for x in v)
+    if tag == "set":
+        return {decode(x, make_fn, d) for x in v}
+    if tag == "frozenset":
+        return frozenset(decode(x, make_fn, d) for x in v)
+    if tag == "dict":
+        out = {}
+        for pair in v:
+            if type(pair) is not list or len(pair) != 2:
+                raise Uncheckable("malformed value")
+            out[decode(pair[0], make_fn, d)] = decode(pair[1], make_fn, d)
+        return out
+    raise Uncheckable("malformed value")
+
+
+def _fn_ref(data):
+    if type(data) is dict and data.get("t") == "fn" and type(data.get("v")) is str:
+        return data["v"]
+    return None
+
+
+class Channel:
+    """Newline-delimited JSON messages over a pair of pipe fds."""
+
+    def __init__(self, fd_in, fd_out):
+        self.rfile = os.fdopen(fd_in, "rb")
+        self.fd_out = fd_out
+
+    def send(self, message):
+        data = json.dumps(message, ensure_ascii=True).encode() + b"\n"
+        view = memoryview(data)
+        while view:
+            view = view[os.write(self.fd_out, view) :]
+
+    def recv(self):
+        line = self.rfile.readline(MAX_LINE)
+        if not line.endswith(b"\n"):
+            raise EOFError("the candidate process stopped answering")
+        return json.loads(line)
+
+
+# --- roles -----------------------------------------------------------------------------
+
+
+def run_whole_program(job):
+    nonce = job.pop("nonce").encode()
+    program = job.pop("program")
+    try:
+        exec(
+            compile(program, "<candidate>", "exec"),
+            {"__name__": "__candidate__", "__builtins__": builtins},
+        )
+    except BaseException:
+        traceback.print_exc()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.write(1, b"\n" + nonce + b"\n")
+    os._exit(0)
+
+
+def serve_candidate(job):
+    chan = Channel(job["fd_in"], job["fd_out"])
+    g = {"__name__": "__candidate__", "__builtins__": builtins}
+    try:
+        exec(compile(job.pop("program"), "<candidate>", "exec"), g)
+    except BaseException as exc:
+        traceback.print_exc()
+        chan.send({"ok": False, "error": f"{type(exc).__name__}: {str(exc)[:500]}"})
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
+    sys.stdout.flush()
+    fn_names = {id(v): k for k, v in g.items() if callable(v) and not isinstance(v, type(sys))}
+    names = {}
+    for name, value in g.items():
+        if name.startswith("__"):
+            continue
+        if isinstance(value, type(sys)):
+            names[name] = {"kind": "module", "module": value.__name__}
+        elif callable(value):
+            names[name] = {"kind": "function"}
+        else:
+            with contextlib.suppress(Uncheckable):
+                names[name] = {"kind": "value", "value": encode(value, fn_names)}
+    chan.send({"ok": True, "names": names})
+
+    def resolve(name):
+        if name not in fn_names.values():
+            raise Uncheckable(f"no function {name!r} in the candidate")
+        return g[name]
+
+    while True:
+        try:
+            request = chan.recv()
+        except EOFError:
+            os._exit(0)
+        try:
+            fn = resolve(request["name"])
+            args = [resolve(_fn_ref(a)) if _fn_ref(a) else decode(a, None) for a in request["args"]]
+            kwargs = {
+                k: resolve(_fn_ref(a)) if _fn_ref(a) else decode(a, None)
+                for k, a in request["kwargs"].items()
+            }
+            reply = {"value": encode(fn(*args, **kwargs), fn_names)}
+        except BaseException as exc:  # the candidate's own exception, or SystemExit
+            reply = {"raise": type(exc).__name__, "message": str(exc)[:500]}
+        sys.stdout.flush()
+        chan.send(reply)
+
+
+class CandidateError(Exception):
+    """An exception raised in the candidate process (its type is not a built-in one)."""
+
+
+def run_check(job):
+    chan = Channel(job["fd_in"], job["fd_out"])
+    hello = chan.recv()
+    if (
+        type(hello) is not dict
+        or hello.get("ok") is not True
+        or type(hello.get("names")) is not dict
+    ):
+        error = hello.get("error") if type(hello) is dict else None
+        sys.stderr.write(f"the candidate's code did not run: {str(error)[:500]}\n")
+        os._exit(1)
+
+    def make_proxy(name):
+        def proxy(*args, **kwargs):
+            chan.send(
+                {
+                    "name": name,
+                    "args": [encode(a, proxies) for a in args],
+                    "kwargs": {str(k): encode(v, proxies) for k, v in kwargs.items()},
+                }
+            )
+            reply = chan.recv()
+            if type(reply) is not dict:
+                raise Uncheckable("malformed reply")
+            if "raise" in reply:
+                kind = getattr(builtins, str(reply["raise"]), None)
+                if not (isinstance(kind, type) and issubclass(kind, Exception)):
+                    kind = CandidateError
+                raise kind("in the candidate: {}".format(str(reply.get("message"))[:500]))
+            return decode(reply.get("value"), fn_from_name)
+
+        proxy.__name__ = proxy.__qualname__ = name
+        return proxy
+
+    fns = {}
+    proxies = {}  # id(proxy) -> name, so proxies passed back as arguments are references
+
+    def fn_from_name(name):
+        if name not in fns:
+            raise Uncheckable(f"no function {name!r} in the candidate")
+        return fns[name]
+
+    g = {"__name__": "__main__", "__builtins__": builtins}
+    for name, desc in hello["names"].items():
+        # The candidate never supplies dunders or shadows a built-in the tests rely on.
+        if type(name) is not str or not name.isidentifier() or name.startswith("__"):
+            continue
+        if hasattr(builtins, name) or type(desc) is not dict:
+            continue
+        kind = desc.get("kind")
+        if kind == "function":
+            fns[name] = make_proxy(name)
+            proxies[id(fns[name])] = name
+            g[name] = fns[name]
+    for name, desc in hello["names"].items():
+        if name in g or type(name) is not str or not name.isidentifier() or name.startswith("__"):
+            continue
+        if hasattr(builtins, name) or type(desc) is not dict:
+            continue
+        if desc.get("kind") == "module":
+            module = desc.get("module")
+            # modules are the check process's own imports, and only the standard library's
+            if type(module) is str and module.split(".")[0] in sys.stdlib_module_names:
+                with contextlib.suppress(ImportError):
+                    g[name] = __import__(module, fromlist=["_"])
+        elif desc.get("kind") == "value":
+            with contextlib.suppress(Uncheckable, RecursionError):
+                g[name] = decode(desc.get("value"), fn_from_name)
+    try:
+        exec(compile(job.pop("program"), "<tests>", "exec"), g)
+    except BaseException:
+        traceback.print_exc()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def main():
+    job = json.loads(sys.stdin.read())
+    sys.stdin.close()
+    if job.get("pdeathsig"):
+        try:
+            import ctypes
+
+            ctypes.CDLL(None).prctl(1, 9, 0, 0, 0)  # PR_SET_PDEATHSIG, SIGKILL
+        except Exception:
+            pass
+    set_limits(job)
+    drop_privileges(job)
+    if job.get("audit_root"):
+        install_audit_hook(job["audit_root"])
+    role = job["role"]
+    if role == "program":
+        run_whole_program(job)
+    elif role == "candidate":
+        serve_candidate(job)
+    elif role == "check":
+        run_check(job)
+    raise SystemExit(f"unknown role {role!r}")
+
+
+if __name__ == "__main__":
+    main()
