@@ -48,6 +48,14 @@ def register(subparsers) -> None:
         help="run model-generated code (pycode, humaneval) in moelab's sandbox",
     )
     p.add_argument(
+        "--sandbox-isolation",
+        choices=("rlimits", "namespaces"),
+        default=None,
+        metavar="LEVEL",
+        help="least sandbox isolation to accept for generated code: namespaces (default; "
+        "kernel-confined) or rlimits (accept the weaker level explicitly)",
+    )
+    p.add_argument(
         "--gsm8k-dir",
         metavar="DIR",
         help=f"local GSM8K copy with test.jsonl, train.jsonl (default ${GSM8K_ENV})",
@@ -120,6 +128,7 @@ def run(args) -> int:
         gsm8k_dir=args.gsm8k_dir,
         humaneval_path=args.humaneval_dir,
         code_timeout_s=args.code_timeout,
+        sandbox_isolation=args.sandbox_isolation,
     )
     preflight(config, args.out, args.overwrite)  # bad tasks, data, output: fail before loading
     model, tokenizer = load(args.model, dtype=args.dtype)
@@ -140,6 +149,8 @@ def run(args) -> int:
         for task in result.tasks.values():
             for note in task.notes:
                 print(f"note: {task.task}: {note}")
+        if result.code_isolation:
+            print(f"generated code ran in the sandbox at isolation level {result.code_isolation}")
         if result.samples_dir:
             print(f"wrote {result.samples_dir}")
     return 0

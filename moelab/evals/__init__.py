@@ -34,6 +34,9 @@ _LAZY: dict[str, str] = {
     "SandboxConfig": "moelab.evals.sandbox",
     "ExecResult": "moelab.evals.sandbox",
     "run_program": "moelab.evals.sandbox",
+    "run_tests": "moelab.evals.sandbox",
+    "available_isolation": "moelab.evals.sandbox",
+    "SandboxUnavailable": "moelab.evals.sandbox",
     "report_section": "moelab.evals.report",
 }
 

@@ -27,7 +27,7 @@ from moelab.errors import MoelabError
 from moelab.evals.metrics import sandbox_defaults
 from moelab.evals.registry import EvalTask, parse_tasks
 from moelab.evals.results import EvalConfig, EvalResult, TaskResult
-from moelab.evals.sandbox import SandboxConfig
+from moelab.evals.sandbox import SandboxConfig, isolation_level
 
 logger = logging.getLogger(__name__)
 
@@ -97,7 +97,11 @@ def evaluate(
     policies = _active_policies(model)
     results: dict[str, TaskResult] = {}
     samples: dict[str, list[dict]] = {}
-    with sandbox_defaults(SandboxConfig(timeout_s=config.code_timeout_s)), _quiet_lm_eval():
+    sandbox = _sandbox_config(config)
+    code_isolation = (
+        isolation_level(sandbox) if any(t.executes_code for t in eval_tasks) else None
+    )
+    with sandbox_defaults(sandbox), _quiet_lm_eval():
         from lm_eval.tasks import TaskManager
 
         from moelab._resources import resource_dir
@@ -117,10 +121,17 @@ def evaluate(
         versions=versions(),
         samples_dir=str(out_dir) if out_dir is not None else None,
         policies=policies,
+        code_isolation=code_isolation,
     )
     if out_dir is not None:
         _write_atomically(out_dir, result, samples, overwrite)
     return result
+
+
+def _sandbox_config(config: EvalConfig) -> SandboxConfig:
+    if config.sandbox_isolation is None:
+        return SandboxConfig(timeout_s=config.code_timeout_s)
+    return SandboxConfig(timeout_s=config.code_timeout_s, min_isolation=config.sandbox_isolation)
 
 
 def _model_name(model: Any) -> str:
@@ -169,9 +180,11 @@ def _check_tasks(tasks: list[EvalTask], config: EvalConfig) -> dict[str, Any]:
         if task.executes_code and not config.allow_code_execution:
             raise MoelabError(
                 f"task {task.name!r} runs model-generated code to score it; {OPT_IN_HINT} to run "
-                "that code in moelab's sandbox (a separate process with time/memory limits and an "
-                "empty working directory; defence in depth, not a jail — see README, 'Accuracy with lm-eval')."
+                "that code in moelab's sandbox (kernel namespaces: read-only files, no network, "
+                "time/memory/process limits — see README, 'Accuracy with lm-eval')."
             )
+        if task.executes_code:
+            isolation_level(_sandbox_config(config))  # refuses a sandbox weaker than asked for
         if config.num_fewshot and not task.fewshot:
             raise MoelabError(
                 f"task {task.name!r} is 0-shot only; got num_fewshot={config.num_fewshot}. "

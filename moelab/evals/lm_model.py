@@ -21,7 +21,9 @@ class MoelabLM(HFLM):
     """HFLM over ``moelab.load(pretrained, dtype=..., trust_remote_code=...)``.
 
     ``pretrained`` is a bundled name, ``tiny-random-<family>``, a local directory or a hub
-    id. Other keyword arguments (``batch_size``, ``max_length``, ...) go to HFLM.
+    id. ``sandbox_isolation`` is the least isolation level of the code sandbox that code
+    tasks accept (default ``namespaces``; ``rlimits`` accepts the weaker level explicitly).
+    Other keyword arguments (``batch_size``, ``max_length``, ...) go to HFLM.
     """
 
     def __init__(
@@ -30,9 +32,15 @@ class MoelabLM(HFLM):
         dtype: str | None = None,
         trust_remote_code: bool = False,
         device_map: str | None = None,
+        sandbox_isolation: str | None = None,
         **kwargs: Any,
     ) -> None:
         from moelab.loading import load
+
+        if sandbox_isolation is not None:
+            from moelab.evals.metrics import set_min_isolation
+
+            set_min_isolation(str(sandbox_isolation))
 
         model, tokenizer = load(
             pretrained,

@@ -14,7 +14,7 @@ from dataclasses import replace
 
 import numpy as np
 
-from moelab.evals.sandbox import SandboxConfig, run_programs
+from moelab.evals.sandbox import SandboxConfig, check_level, run_tests_many
 
 logger = logging.getLogger(__name__)
 
@@ -47,8 +47,16 @@ def sandbox_defaults(config: SandboxConfig) -> Iterator[None]:
         _DEFAULTS = previous
 
 
+def set_min_isolation(level: str) -> None:
+    """From now on, :func:`pass_at_k` refuses to run code below sandbox isolation ``level``
+    (lm-eval's command line: ``--model_args ...,sandbox_isolation=rlimits``)."""
+    global _DEFAULTS
+    _DEFAULTS = replace(_DEFAULTS, min_isolation=check_level(level, "sandbox_isolation"))
+
+
 def build_programs(candidates: Sequence[str], test: str) -> list[str]:
-    """One program per candidate: the candidate (prompt + completion) followed by the tests."""
+    """One program per candidate: the candidate (prompt + completion) followed by the tests
+    (for reading; scoring runs them apart, see :func:`moelab.evals.sandbox.run_tests`)."""
     return [f"{cand}\n{test}\n" for cand in candidates]
 
 
@@ -64,7 +72,8 @@ def pass_at_k(
     lm-eval calls it once per document with ``references=[test code ending in
     check(entry_point)]`` and ``predictions=[[candidate programs]]``. Limits not given
     come from :func:`sandbox_defaults` (set by ``moelab.evals.evaluate``) or
-    :class:`~moelab.evals.sandbox.SandboxConfig`'s defaults.
+    :class:`~moelab.evals.sandbox.SandboxConfig`'s defaults; below the isolation level it
+    asks for, :class:`~moelab.evals.sandbox.SandboxUnavailable` is raised and nothing runs.
     """
     try:
         ks = [k] if isinstance(k, int) else [int(x) for x in k]
@@ -79,7 +88,8 @@ def pass_at_k(
             )
         scores: dict[str, list[float]] = {f"pass@{kk}": [] for kk in ks}
         for test, candidates in zip(references, predictions):
-            results = run_programs(build_programs(candidates, test), config)
+            # each candidate in its own sandbox, the tests in another: an unforgeable verdict
+            results = run_tests_many([(cand, test) for cand in candidates], config)
             passed = sum(r.passed for r in results)
             for r in results:
                 if not r.passed:

@@ -32,6 +32,10 @@ class EvalConfig:
     """Local HumanEval directory or file (None: ``$MOELAB_HUMANEVAL_DIR``)."""
     code_timeout_s: float = 10.0
     """Wall-clock seconds each generated program may run in the sandbox."""
+    sandbox_isolation: str | None = None
+    """The least isolation level of the code sandbox to accept (``rlimits`` < ``namespaces``;
+    ``moelab.evals.sandbox.LEVELS``); None: ``namespaces``, or ``$MOELAB_SANDBOX_MIN_ISOLATION``.
+    Code tasks are refused when the machine offers less."""
 
     def __post_init__(self) -> None:
         if isinstance(self.tasks, str):
@@ -48,6 +52,10 @@ class EvalConfig:
             raise MoelabError(f"num_fewshot={self.num_fewshot!r}: expected an integer ≥ 0 or None.")
         if not self.code_timeout_s > 0:
             raise MoelabError(f"code_timeout_s={self.code_timeout_s!r}: expected seconds > 0.")
+        if self.sandbox_isolation is not None:
+            from moelab.evals.sandbox import check_level
+
+            check_level(self.sandbox_isolation, "sandbox_isolation")
 
 
 @dataclass
@@ -96,6 +104,9 @@ class EvalResult:
     policies: list[dict[str, Any]] = field(default_factory=list)
     """Routing policies active on the model while it was scored (class and settings), in
     the order applied; empty for the unmodified model."""
+    code_isolation: str | None = None
+    """The isolation level of the sandbox that ran model-generated code (``namespaces``,
+    ``rlimits``); None when no task ran generated code."""
 
     def score(self, task: str) -> float:
         """The headline number of ``task``."""

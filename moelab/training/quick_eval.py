@@ -1,25 +1,23 @@
 """A quick greedy-decoding checker for the bundled models (no lm-eval needed).
 
 ``arith``: strict exact match of the number after ``####`` (GSM8K's strict regex).
-``pycode``: pass@1 with the problem's own ``check``; generated code runs in a separate
-Python process per problem with a timeout — never in this process.
+``pycode``: pass@1 with the problem's own ``check``; generated code runs in
+:mod:`moelab.evals.sandbox` (kernel-confined, at the isolation level the sandbox asks for
+by default; the tests run in a sandbox of their own, so the verdict cannot be forged) —
+never in this process.
 """
 
 from __future__ import annotations
 
 import logging
 import re
-import subprocess
-import sys
-import tempfile
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
 
+from moelab.evals.sandbox import SandboxConfig, isolation_level, run_program, run_tests_many
 from moelab.tasks import generate, prompt_and_target
 from moelab.tasks.arith import final_answer
-from moelab.tasks.pycode import program
 
 logger = logging.getLogger(__name__)
 
@@ -86,21 +84,16 @@ def eval_arith(model, tokenizer, examples: list[dict[str, Any]], max_new_tokens:
     }
 
 
-def run_check(source: str, timeout: float = 5.0) -> bool:
-    """True if ``source`` exits with status 0 in a fresh, isolated Python within ``timeout``."""
-    with tempfile.TemporaryDirectory() as tmp:
-        try:
-            proc = subprocess.run(
-                [sys.executable, "-I", "-"],
-                input=source,
-                capture_output=True,
-                text=True,
-                timeout=timeout,
-                cwd=tmp,
-            )
-        except subprocess.TimeoutExpired:
-            return False
-    return proc.returncode == 0
+def run_check(candidate: str, tests: str | None = None, timeout: float = 5.0) -> bool:
+    """True if ``tests`` pass against ``candidate`` in moelab's sandbox within ``timeout``.
+
+    Without ``tests``, ``candidate`` is a whole program that must run to its end (a
+    hostile program could fake that; scoring passes the tests separately).
+    """
+    config = SandboxConfig(timeout_s=timeout)
+    if tests is None:
+        return run_program(candidate, config).passed
+    return run_tests_many([(candidate, tests)], config, workers=1)[0].passed
 
 
 def eval_pycode(
@@ -111,13 +104,21 @@ def eval_pycode(
     timeout: float = 5.0,
 ) -> dict:
     """pass@1 (greedy): prompt + completion must pass the problem's ``check``."""
+    config = SandboxConfig(timeout_s=timeout)
+    level = isolation_level(config)  # refuses before generating when the sandbox is too weak
     ctx = [ex["prompt"] for ex in examples]
     comps = [_cut(c, PYCODE_STOP) for c in greedy_complete(model, tokenizer, ctx, max_new_tokens)]
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        passed = list(
-            pool.map(lambda a: run_check(program(a[0], a[1]), timeout), zip(examples, comps))
-        )
-    return {"pass@1": sum(passed) / max(1, len(examples)), "n": len(examples), "samples": comps[:3]}
+    pairs = [
+        (ex["prompt"] + comp, f"{ex['test']}\n\ncheck({ex['entry_point']})\n")
+        for ex, comp in zip(examples, comps)
+    ]
+    passed = [r.passed for r in run_tests_many(pairs, config, workers=2)]
+    return {
+        "pass@1": sum(passed) / max(1, len(examples)),
+        "n": len(examples),
+        "samples": comps[:3],
+        "isolation": level,
+    }
 
 
 def quick_eval(

@@ -245,6 +245,7 @@ class Trainer:
             "arith_n": res["arith"]["n"],
             "pycode_pass@1": res["pycode"]["pass@1"],
             "pycode_n": res["pycode"]["n"],
+            "pycode_isolation": res["pycode"]["isolation"],
         }
         self.state["evals"].append(row)
         logger.info("eval %s", row)
