@@ -291,6 +291,7 @@ class _Child:
                 "work": home,
                 "work_kib": config.work_mb * 1024,
                 "inner_id": INNER_ID,
+                "outer_id": NOBODY,
                 "status_fd": status_w,
                 "ppid": os.getpid(),
                 "argv": runner,

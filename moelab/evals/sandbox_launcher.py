@@ -5,7 +5,10 @@ nothing from moelab. Python 3.11 has no ``os.unshare``, so the system calls go t
 ``ctypes`` (libc's ``unshare``, ``mount``, ``umount2``, ``prctl`` and ``syscall``).
 
 1. ``unshare`` new user, mount, PID, network, IPC, UTS and cgroup namespaces; the
-   evaluator's uid/gid become one unprivileged id inside (no other id is mapped).
+   evaluator's uid/gid become one unprivileged id inside (no other id is mapped). When
+   the evaluator is root, a helper process does the unshare and the launcher maps root to
+   root (for the set-up only) and the candidate's id to ``nobody`` outside: the kernel
+   exempts uid 0 from ``RLIMIT_NPROC``, so a root candidate could fork without limit.
 2. Fork: the child is PID 1 of the new PID namespace (a trusted init, not the candidate).
    The parent stays behind and waits; both die with their parent (``PR_SET_PDEATHSIG``).
 3. PID 1 builds a new root on a tmpfs: read-only, nosuid, nodev bind mounts of the
@@ -124,6 +127,9 @@ def build_root(cfg):
             os.symlink(os.readlink(path), root + path)
         elif os.path.exists(path):
             bind_readonly(path, root + path)
+    work = root + cfg["work"]
+    os.makedirs(work, exist_ok=True)
+    mount("tmpfs", work, "tmpfs", MS_NOSUID | MS_NODEV, f"size={cfg['work_kib']}k,mode=1777")
     for src, dst in cfg["python"]:
         if not os.path.lexists(root + dst):
             bind_readonly(src, root + dst)
@@ -147,9 +153,6 @@ def build_root(cfg):
         if os.path.exists(path):
             mount(path, path, None, MS_BIND | MS_REC)
             remount_readonly(path)
-    work = root + cfg["work"]
-    os.makedirs(work, exist_ok=True)
-    mount("tmpfs", work, "tmpfs", MS_NOSUID | MS_NODEV, f"size={cfg['work_kib']}k,mode=1777")
     os.chdir(root)
     nr = SYS_PIVOT_ROOT.get(platform.machine())
     if nr is None:
@@ -169,10 +172,39 @@ def main():
         os._exit(SETUP_FAILED)  # the evaluator is already gone
     uid, gid = os.geteuid(), os.getegid()
     flags = CLONE_NEWUSER | CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWNET | CLONE_NEWIPC
-    _check(libc.unshare(flags | CLONE_NEWUTS | CLONE_NEWCGROUP), "unshare")
-    _write("/proc/self/setgroups", "deny")
-    _write("/proc/self/uid_map", f"{cfg['inner_id']} {uid} 1")
-    _write("/proc/self/gid_map", f"{cfg['inner_id']} {gid} 1")
+    flags |= CLONE_NEWUTS | CLONE_NEWCGROUP
+    if uid == 0:
+        # The kernel never applies RLIMIT_NPROC to (outer) uid 0, so the candidate must not be
+        # root outside: this root launcher maps inner 0 -> 0 (for the set-up) and the inner
+        # id -> ``outer_id`` (nobody), which the runner switches to before it execs.
+        ready_r, ready_w = os.pipe()
+        go_r, go_w = os.pipe()
+        child = os.fork()
+        if child:
+            os.close(ready_w)
+            os.close(go_r)
+            os.close(status)
+            if os.read(ready_r, 1) == b"x":
+                maps = f"0 0 1\n{cfg['inner_id']} {cfg['outer_id']} 1\n"
+                _write(f"/proc/{child}/uid_map", maps)
+                _write(f"/proc/{child}/gid_map", maps)
+                os.write(go_w, b"x")
+            os.close(go_w)
+            _, st = os.waitpid(child, 0)
+            code = os.waitstatus_to_exitcode(st)
+            os._exit(code if code >= 0 else 128 - code)
+        prctl(PR_SET_PDEATHSIG, SIGKILL)
+        os.close(ready_r)
+        os.close(go_w)
+        _check(libc.unshare(flags), "unshare")
+        os.write(ready_w, b"x")
+        if os.read(go_r, 1) != b"x":
+            raise OSError("the id maps were not written")
+    else:
+        _check(libc.unshare(flags), "unshare")
+        _write("/proc/self/setgroups", "deny")
+        _write("/proc/self/uid_map", f"{cfg['inner_id']} {uid} 1")
+        _write("/proc/self/gid_map", f"{cfg['inner_id']} {gid} 1")
     init = os.fork()
     if init:  # outside the new PID namespace: wait for its init and pass on its status
         os.close(status)
@@ -189,6 +221,10 @@ def main():
         os.setsid()
         prctl(PR_SET_NO_NEW_PRIVS, 1)
         prctl(PR_SET_PDEATHSIG, SIGKILL)
+        if os.getuid() != cfg["inner_id"]:
+            os.setgroups([])
+            os.setgid(cfg["inner_id"])
+            os.setuid(cfg["inner_id"])
         os.chdir(cfg["work"])
         os.execve(cfg["argv"][0], cfg["argv"], cfg["env"])
     while True:  # PID 1: reap orphans until the runner exits, then take everything down
@@ -202,6 +238,12 @@ if __name__ == "__main__":
     try:
         main()
     except BaseException as exc:  # noqa: BLE001 - report any setup failure in one line
-        sys.stderr.write(f"moelab sandbox setup failed: {type(exc).__name__}: {exc}\n")
+        import traceback
+
+        where = traceback.extract_tb(exc.__traceback__)[-1]
+        sys.stderr.write(
+            f"moelab sandbox setup failed ({where.name}, line {where.lineno}): "
+            f"{type(exc).__name__}: {exc}\n"
+        )
         sys.stderr.flush()
         os._exit(SETUP_FAILED)

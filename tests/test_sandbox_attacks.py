@@ -1,0 +1,356 @@
+"""Model-generated code written to escape the sandbox: every attack runs through the scoring
+path (:func:`moelab.evals.sandbox.run_tests`: a wrong candidate against tests it must not
+pass) and each case asserts that
+
+* the verdict is right (the wrong candidate never passes; the controls do),
+* the host is untouched: the case's files (visible read-only inside) keep their names,
+  contents, modes and times; a sentinel process of the host is alive,
+* the evaluator survives (this process; the run returns a result),
+* no process the attack started outlives the run (its tag is in no command line).
+
+The isolation level in effect is part of every test id (``[namespaces-...]``); below the
+``namespaces`` level the suite is skipped with the reason. All cases run at once in a
+few threads (each takes ~0.3 s, or its timeout), so the suite takes seconds.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from moelab.evals.sandbox import SandboxConfig, available_isolation, run_tests
+
+LEVEL = available_isolation()
+pytestmark = pytest.mark.skipif(
+    LEVEL != "namespaces",
+    reason=f"isolation level here is {LEVEL!r}: only kernel confinement (namespaces) holds "
+    "against deliberate escapes, so the attack suite needs it",
+)
+
+WRONG = "\ndef f(x):\n    return x\n"  # the candidate is wrong: f(1) must be 2
+RIGHT = "\ndef f(x):\n    return x + 1\n"
+TESTS = "def check(candidate):\n    assert candidate(1) == 2\n    assert candidate(5) == 6\n\ncheck(f)\n"
+SECRET = "moelab-attack-secret-7f3a"  # in the evaluator's environment; must never leak
+
+
+@dataclass
+class Case:
+    name: str
+    code: str  # placeholders: __S__ (the case's host directory, visible read-only), __TAG__,
+    # __EVAL_PID__, __SENT_PID__ (a host process), __PORT__, __SOCK__, __ABSTRACT__
+    want: str = "not-passed"  # "passed", "not-passed", "timeout"
+    candidate: str = WRONG
+    tests: str = TESTS
+    during: str | None = None  # "connect-listen": connect to __PORT__ from the host meanwhile
+    result: object = None
+    leaked: list[str] = field(default_factory=list)
+
+
+C = Case
+CASES = [
+    # --- controls: ordinary work inside the sandbox passes ------------------------------------
+    C("control-right-answer", "", candidate=RIGHT, want="passed"),
+    C("control-scratch-files-and-subprocess",
+      "import os, subprocess, tempfile\nopen('scratch.txt', 'w').write('x')\n"
+      "tempfile.NamedTemporaryFile().write(b'y')\nsubprocess.run(['true'], check=True)\n"
+      "assert open('/usr/lib/os-release').read()", candidate=RIGHT, want="passed"),
+    # --- files outside the work directory ----------------------------------------------
+    C("write-new-file", "open('__S__/new.txt', 'w').write('pwned')"),
+    C("append-sentinel", "open('__S__/sentinel.txt', 'a').write('pwned')"),
+    C("truncate-sentinel", "import os\nos.open('__S__/sentinel.txt', os.O_WRONLY | os.O_TRUNC)"),
+    C("unlink-sentinel", "import os\nos.unlink('__S__/sentinel.txt')"),
+    C("rename-sentinel", "import os\nos.rename('__S__/sentinel.txt', '__S__/moved.txt')"),
+    C("mkdir-outside", "import os\nos.mkdir('__S__/newdir')"),
+    C("rmtree-outside", "import shutil\nshutil.rmtree('__S__')"),
+    C("dir-fd-open", "import os\nd = os.open('__S__', os.O_RDONLY)\nos.open('x', os.O_CREAT | os.O_WRONLY, dir_fd=d)"),
+    C("dir-fd-unlink", "import os\nd = os.open('__S__', os.O_RDONLY)\nos.unlink('sentinel.txt', dir_fd=d)"),
+    C("dir-fd-rename", "import os\nd = os.open('__S__', os.O_RDONLY)\nos.rename('sentinel.txt', 'y', src_dir_fd=d, dst_dir_fd=d)"),
+    C("dir-fd-mkdir", "import os\nd = os.open('__S__', os.O_RDONLY)\nos.mkdir('z', dir_fd=d)"),
+    C("fchmod-setuid", "import os\nfd = os.open('__S__/tool.bin', os.O_RDONLY)\nos.fchmod(fd, 0o4755)"),
+    C("chmod-path", "import os\nos.chmod('__S__/sentinel.txt', 0o777)"),
+    C("utime-touch", "import os\nos.utime('__S__/sentinel.txt', (0, 0))"),
+    C("symlink-out", "import os\nos.symlink('__S__/sentinel.txt', 'link')\nopen('link', 'w').write('pwned')"),
+    C("hardlink-out", "import os\nos.link('__S__/sentinel.txt', 'hard')\nopen('hard', 'a').write('pwned')"),
+    C("sqlite3-outside", "import sqlite3\nc = sqlite3.connect('__S__/db.sqlite')\nc.execute('create table t (x)')\nc.commit()"),
+    C("write-python-install", "import os\nopen(os.__file__, 'a').write('\\n# pwned\\n')"),
+    C("write-system-dir", "open('/usr/lib/moelab-pwned', 'w').write('x')"),
+    C("nested-userns-remount-rw",
+      "import ctypes, os\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+      "assert libc.unshare(0x10000000 | 0x00020000) == 0, 'unshare'\n"
+      "libc.mount(None, b'__S__', None, 32 | 4096, None)\n"
+      "libc.umount2(b'__S__', 2)\n"
+      "open('__S__/sentinel.txt', 'a').write('pwned')"),
+    C("nested-userns-chroot-escape",
+      "import ctypes, os\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+      "libc.unshare(0x10000000 | 0x00020000)\nos.makedirs('/tmp/jail', exist_ok=True)\n"
+      "os.chroot('/tmp/jail')\nfor _ in range(20):\n    os.chdir('..')\nos.chroot('.')\n"
+      "open('__S__/sentinel.txt', 'a').write('pwned')"),
+    C("mknod-device", "import os, stat\nos.mknod('/tmp/disk', stat.S_IFBLK | 0o600, os.makedev(8, 0))\nopen('/tmp/disk', 'rb').read(1)"),
+    C("proc-sysrq-and-sys", "open('/proc/sysrq-trigger', 'w').write('s')"),
+    C("audit-hook-off-then-ctypes-system",
+      "import sys, ctypes\nsys.addaudithook(lambda *a: None)\n"
+      "ctypes.CDLL(None).system(b\"echo pwned > '__S__/sentinel.txt'; sh -c 'sleep 30; : __TAG__' &\")"),
+    # --- processes -------------------------------------------------------------------------
+    C("os-system-orphan", "import os\nos.system(\"sh -c 'sleep 30; : __TAG__' &\")"),
+    C("subprocess-new-session-orphan",
+      "import subprocess\nsubprocess.Popen(['sh', '-c', 'sleep 30; : __TAG__'], start_new_session=True)"),
+    C("fork-setsid-exec",
+      "import os\nif os.fork() == 0:\n    os.setsid()\n    os.execv('/bin/sh', ['sh', '-c', 'sleep 30; : __TAG__'])"),
+    C("double-fork-daemon",
+      "import os\nif os.fork() == 0:\n    if os.fork() == 0:\n        os.setsid()\n"
+      "        os.execv('/bin/sh', ['sh', '-c', 'trap \"\" HUP TERM; sleep 30; : __TAG__'])\n    os._exit(0)"),
+    C("posixsubprocess-fork-exec",
+      "import _posixsubprocess, os\nr, w = os.pipe()\n"
+      "_posixsubprocess.fork_exec([b'/bin/sh', b'-c', b'sleep 30; : __TAG__'], [b'/bin/sh'], True, (w,), None, None,"
+      " -1, -1, -1, -1, -1, -1, r, w, True, True, -1, None, None, None, -1, None, False)"),
+    C("multiprocessing-spawn",
+      "import multiprocessing as mp, os\nctx = mp.get_context('spawn')\n"
+      "p = ctx.Process(target=os.execv, args=('/bin/sh', ['sh', '-c', 'sleep 30; : __TAG__']))\np.start()"),
+    C("pty-forkpty", "import os\npid, fd = os.forkpty()\nif pid == 0:\n    os.execv('/bin/sh', ['sh', '-c', 'sleep 30; : __TAG__'])"),
+    C("fork-bomb", "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass", want="not-passed"),
+    C("thread-bomb",
+      "import threading, time\nwhile True:\n    threading.Thread(target=time.sleep, args=(30,), daemon=True).start()"),
+    C("thread-outlives-and-writes",
+      "import threading, time\ndef w():\n    while True:\n        try:\n            open('__S__/sentinel.txt', 'a').write('x')\n"
+      "        except OSError:\n            time.sleep(0.01)\nthreading.Thread(target=w).start()"),
+    C("setrlimit-raise", "import resource\nresource.setrlimit(resource.RLIMIT_NPROC, (10 ** 6, 10 ** 6))\n"
+      "import os\nos.system(\"sh -c 'sleep 30; : __TAG__' &\")"),
+    # --- resources -------------------------------------------------------------------------
+    C("memory-bomb", "x = bytearray(8 * 1024 ** 3)"),
+    C("memory-blocks", "b = [bytearray(10 ** 8) for _ in range(100)]"),
+    C("tmpfs-fill", "f = open('/tmp/fill', 'wb')\nwhile True:\n    f.write(b'x' * 2 ** 20)"),
+    C("output-flood", "import sys\nwhile True:\n    sys.stdout.write('x' * 65536)"),
+    C("stderr-flood", "import os\nwhile True:\n    os.write(2, b'y' * 65536)"),
+    C("cpu-spin", "while True:\n    pass", want="timeout"),
+    # --- signals ---------------------------------------------------------------------------
+    C("kill-parent", "import os, signal\nos.kill(os.getppid(), signal.SIGKILL)"),
+    C("kill-everything", "import os, signal\nos.kill(-1, signal.SIGKILL)"),
+    C("kill-init-sigstop", "import os, signal\nos.kill(1, signal.SIGSTOP)\nos.kill(1, signal.SIGKILL)"),
+    C("kill-host-pids", "import os, signal\nfor p in (__EVAL_PID__, __SENT_PID__):\n    try:\n        os.kill(p, signal.SIGKILL)\n"
+      "    except OSError:\n        pass"),
+    C("pidfd-kill-parent", "import os, signal\nsignal.pidfd_send_signal(os.pidfd_open(os.getppid()), signal.SIGKILL)"),
+    C("pidfd-kill-evaluator", "import os, signal\nsignal.pidfd_send_signal(os.pidfd_open(__EVAL_PID__), signal.SIGKILL)"),
+    C("kill-all-visible-pids",
+      "import os, signal\nfor p in range(2, 5000):\n    try:\n        os.kill(p, signal.SIGKILL)\n    except OSError:\n        pass"),
+    C("ptrace-init", "import ctypes\nassert ctypes.CDLL(None).ptrace(16, 1, None, None) == 0, 'attach'"),
+    C("ignore-signals-and-hang",
+      "import signal, os\nfor s in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):\n    signal.signal(s, signal.SIG_IGN)\n"
+      "os.system(\"sh -c 'trap \\\"\\\" TERM HUP INT; sleep 30; : __TAG__' &\")\nwhile True:\n    pass", want="timeout"),
+    # --- network ---------------------------------------------------------------------------
+    C("tcp-connect-host", "import socket\nsocket.create_connection(('127.0.0.1', __PORT__), timeout=1).sendall(b'pwned')"),
+    C("tcp-listen", "import socket, time\ns = socket.socket()\ns.bind(('0.0.0.0', __PORT__))\ns.listen()\ntime.sleep(2)",
+      during="connect-listen"),
+    C("unix-socket-host-path", "import socket\ns = socket.socket(socket.AF_UNIX)\ns.connect('__SOCK__')\ns.sendall(b'pwned')"),
+    C("unix-socket-abstract", "import socket\ns = socket.socket(socket.AF_UNIX)\ns.connect('\\0__ABSTRACT__')\ns.sendall(b'pwned')"),
+    C("dns-lookup", "import socket\nsocket.getaddrinfo('example.com', 80)"),
+    # --- information ------------------------------------------------------------------------
+    C("read-evaluator-environ",
+      "import os\nfor p in ('/proc/1/environ', '/proc/self/environ', '/proc/%d/environ' % os.getppid(), '/proc/__EVAL_PID__/environ'):\n"
+      "    try:\n        print(open(p, 'rb').read())\n    except OSError as e:\n        print(p, e)\n"
+      "print(os.environ)"),
+    # --- the verdict --------------------------------------------------------------------------
+    C("exit-0-early", "import os\nprint('ok')\nos._exit(0)"),
+    C("sys-exit-in-function", "", candidate="\ndef f(x):\n    raise SystemExit(0)\n"),
+    C("always-equal-object", "", candidate="\nclass E:\n    def __eq__(self, o):\n        return True\n"
+      "def f(x):\n    return E()\n"),
+    C("patch-builtins", "import builtins\nbuiltins.AssertionError = type('Never', (Exception,), {})\n"
+      "builtins.__dict__['isinstance'] = lambda *a: True"),
+    C("define-check", "def check(candidate):\n    pass"),
+    C("shadow-builtin-used-by-tests", "def len(x):\n    return 3",
+      candidate="\ndef f(x):\n    return [x]\n", tests="assert len(f(1)) == 3\n"),
+    C("frame-walk-forge",
+      "import sys, os\ndef f(x):\n    g = sys._getframe(1).f_globals\n    os.write(1, repr(sorted(g)).encode())\n    os._exit(0)\n",
+      candidate=""),
+    C("fake-protocol-messages",
+      "import os\nfor fd in range(3, 20):\n    try:\n        os.write(fd, b'{\"value\": 2}\\n{\"ok\": true, \"names\": {}}\\n')\n"
+      "    except OSError:\n        pass"),
+    C("garbage-reply", "import os\n", candidate="\ndef f(x):\n    import os\n    for fd in range(3, 20):\n"
+      "        try:\n            os.write(fd, b'\\x00garbage\\n')\n        except OSError:\n            pass\n    return x\n"),
+    C("huge-reply", "", candidate="\ndef f(x):\n    return 'x' * 10 ** 8\n"),
+    C("deep-reply", "", candidate="\ndef f(x):\n    v = []\n    for _ in range(10 ** 5):\n        v = [v]\n    return v\n"),
+    C("close-std-fds", "import os\nfor fd in range(0, 20):\n    try:\n        os.close(fd)\n    except OSError:\n        pass"),
+]
+
+
+def _snapshot(d: Path) -> dict:
+    return {
+        p.name: (p.stat().st_mode, p.stat().st_mtime_ns, p.read_bytes() if p.is_file() else None)
+        for p in sorted(d.iterdir())
+    }
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _tagged_processes(tag: str) -> list[int]:
+    out = []
+    for pid in os.listdir("/proc"):
+        if pid.isdigit():
+            try:
+                if tag.encode() in Path(f"/proc/{pid}/cmdline").read_bytes():
+                    out.append(int(pid))
+            except OSError:
+                pass
+    return out
+
+
+def _listener(sock: socket.socket, hits: list) -> None:
+    sock.settimeout(0.2)
+    while not getattr(sock, "_stop", False):
+        try:
+            conn, _ = sock.accept()
+            hits.append(conn.recv(100))
+            conn.close()
+        except OSError:
+            if sock.fileno() == -1:
+                return
+
+
+@pytest.fixture(scope="module")
+def attacks(tmp_path_factory):
+    if LEVEL != "namespaces":
+        pytest.skip("no kernel isolation")
+    base = tmp_path_factory.mktemp("attack-host")
+    hostdir = tmp_path_factory.mktemp("attack-sockets")
+    os.environ["MOELAB_ATTACK_SECRET"] = SECRET
+    port = _free_port()
+    tcp = socket.socket()
+    tcp.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    tcp.bind(("127.0.0.1", port))
+    tcp.listen()
+    unix = socket.socket(socket.AF_UNIX)
+    unix.bind(str(hostdir / "host.sock"))
+    unix.listen()
+    abstract_name = f"moelab-attack-{os.getpid()}"
+    abstract = socket.socket(socket.AF_UNIX)
+    abstract.bind("\0" + abstract_name)
+    abstract.listen()
+    hits: list = []
+    for s in (tcp, unix, abstract):
+        threading.Thread(target=_listener, args=(s, hits), daemon=True).start()
+    state = {}
+    for i, case in enumerate(CASES):
+        d = base / case.name
+        d.mkdir()
+        (d / "sentinel.txt").write_text("original")
+        (d / "tool.bin").write_bytes(b"\x7fELF")
+        os.chmod(d / "tool.bin", 0o755)
+        sentinel = subprocess.Popen(["sleep", "300"])
+        tag = f"MOELABTAG{os.getpid()}x{i}"
+        listen_port = _free_port()
+        subs = {"__S__": str(d), "__TAG__": tag, "__EVAL_PID__": str(os.getpid()),
+                "__SENT_PID__": str(sentinel.pid), "__PORT__": str(listen_port if case.during else port),
+                "__SOCK__": str(hostdir / "host.sock"), "__ABSTRACT__": abstract_name}  # fmt: skip
+        code, cand, tests = case.code, case.candidate, case.tests
+        for k, v in subs.items():
+            code, cand, tests = code.replace(k, v), cand.replace(k, v), tests.replace(k, v)
+        state[case.name] = dict(dir=d, before=_snapshot(d), sentinel=sentinel, tag=tag,
+                                cand=code + "\n" + cand, tests=tests, port=listen_port)  # fmt: skip
+    py_file = Path(os.__file__)
+    py_before = (py_file.stat().st_size, py_file.stat().st_mtime_ns)
+    config = SandboxConfig(timeout_s=3.0, memory_mb=256, read_only_paths=(str(base),))
+
+    def one(case: Case):
+        st = state[case.name]
+        probe = []
+        if case.during == "connect-listen":
+
+            def connect_later():
+                time.sleep(1.0)
+                try:
+                    socket.create_connection(("127.0.0.1", st["port"]), timeout=0.5).close()
+                    probe.append("connected")
+                except OSError:
+                    probe.append("refused")
+
+            t = threading.Thread(target=connect_later)
+            t.start()
+        r = run_tests(st["cand"], st["tests"], config)
+        if case.during:
+            t.join()
+        st["probe"] = probe
+        return r
+
+    t0 = time.monotonic()
+    try:
+        with ThreadPoolExecutor(max_workers=6) as pool:
+            for case, r in zip(CASES, pool.map(one, CASES)):
+                state[case.name]["result"] = r
+        elapsed = time.monotonic() - t0
+        time.sleep(0.2)
+        for st in state.values():
+            st["survivors"] = _tagged_processes(st["tag"])
+            st["sentinel_alive"] = st["sentinel"].poll() is None
+            st["after"] = _snapshot(st["dir"])
+    finally:
+        for st in state.values():
+            st["sentinel"].kill()
+            st["sentinel"].wait()
+        for s in (tcp, unix, abstract):
+            s.close()
+    print(f"\n{len(CASES)} attacks at isolation level {LEVEL!r} in {elapsed:.1f} s", file=sys.stderr)
+    yield {"state": state, "hits": hits, "py": (py_file, py_before)}
+    os.environ.pop("MOELAB_ATTACK_SECRET", None)
+
+
+@pytest.mark.parametrize("case", CASES, ids=[f"{LEVEL}-{c.name}" for c in CASES])
+def test_attack_is_contained(attacks, case: Case):
+    st = attacks["state"][case.name]
+    r = st["result"]
+    detail = f"{case.name}: {r.status} stdout={r.stdout[-300:]!r} stderr={r.stderr[-500:]!r}"
+    assert r.isolation == LEVEL
+    if case.want == "passed":
+        assert r.status == "passed", detail
+    elif case.want == "timeout":
+        assert r.status == "timeout", detail
+    else:
+        assert r.status in ("failed", "timeout"), detail
+    assert st["after"] == st["before"], f"host files changed: {detail}"
+    assert st["sentinel_alive"], f"a host process was killed: {detail}"
+    assert st["survivors"] == [], f"processes outlived the run: {st['survivors']} ({detail})"
+    assert SECRET not in r.stdout + r.stderr, f"the evaluator's environment leaked: {detail}"
+    assert st.get("probe") in ([], ["refused"]), f"the host reached a port opened inside: {detail}"
+    assert os.getpid() > 0 and os.kill(os.getpid(), 0) is None  # the evaluator is alive
+
+
+def test_no_attack_reached_the_host_sockets_or_the_python_install(attacks):
+    assert attacks["hits"] == []  # nothing connected to the host's TCP / unix / abstract sockets
+    py_file, before = attacks["py"]
+    assert (py_file.stat().st_size, py_file.stat().st_mtime_ns) == before
+
+
+def test_killing_the_evaluator_takes_down_the_sandbox(tmp_path):
+    """The evaluator dies (SIGKILL) while a candidate runs: nothing of the run survives it."""
+    tag = f"MOELABTAGEVAL{os.getpid()}"
+    script = (
+        "from moelab.evals.sandbox import SandboxConfig, run_tests\n"
+        f"cand = \"import os\\nos.system(\\\"sh -c 'sleep 60; : {tag}' &\\\")\\n"
+        "import subprocess\\nsubprocess.Popen(['sh', '-c', 'sleep 60; : " + tag + "'], start_new_session=True)\\n"
+        "import time\\ntime.sleep(60)\\n\"\n"
+        "run_tests(cand, 'assert False', SandboxConfig(timeout_s=60))\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]), "TMPDIR": str(tmp_path)}
+    evaluator = subprocess.Popen([sys.executable, "-c", script], env=env)
+    deadline = time.monotonic() + 30
+    while len(_tagged_processes(tag)) < 2 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert len(_tagged_processes(tag)) >= 2, "the attack did not start"
+    evaluator.send_signal(signal.SIGKILL)
+    evaluator.wait()
+    deadline = time.monotonic() + 5
+    while _tagged_processes(tag) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _tagged_processes(tag) == []
