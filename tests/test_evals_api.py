@@ -114,6 +114,7 @@ def test_samples_are_written_atomically_and_a_failure_leaves_nothing(tmp_path):
     assert saved["tasks"]["arith"]["n_docs"] == 3 and saved["versions"]["lm_eval"]
     assert len((out / "samples_arith.jsonl").read_text().splitlines()) == 3
     assert result.samples_dir == str(out)
+    assert saved["code_isolation"] is None  # no task ran generated code
 
     with pytest.raises(MoelabError, match="already exists"):
         evaluate(EchoLM(), tasks=["arith"], limit=3, log_samples_dir=out)
@@ -150,6 +151,11 @@ def test_cli_scores_a_tiny_model_on_arith_and_pycode_as_json(tmp_path, capsys):
     assert 0.0 <= result["tasks"]["arith"]["metrics"]["exact_match,strict-match"] <= 1.0
     assert 0.0 <= result["tasks"]["pycode"]["metrics"]["pass@1,create_test"] <= 1.0
     assert (out / "samples_pycode.jsonl").is_file()
+    saved = json.loads((out / "results.json").read_text())
+    from moelab.evals.sandbox import available_isolation
+
+    assert saved["code_isolation"] == result["code_isolation"] == available_isolation()
+    assert saved["config"]["sandbox_isolation"] is None  # the default requirement: namespaces
 
 
 @pytest.mark.slow

@@ -106,3 +106,7 @@ def test_pycode_pass_at_1_equals_known_fraction_of_canonical_solutions():
     result = evaluate(OracleLM(code_answer), tasks=["pycode"], limit=n, allow_code_execution=True)
     want = expected_fraction(n, lambda i: i % 3 == 0 or i == 1)
     assert result.score("pycode") == pytest.approx(want, abs=1e-12)
+    from moelab.evals.sandbox import available_isolation
+
+    assert result.code_isolation == available_isolation()  # recorded in every code-running result
+    assert result.to_dict()["code_isolation"] == result.code_isolation

@@ -1,18 +1,30 @@
-"""Model-generated code runs in a separate, limited process: hostile or broken programs
-fail cleanly and harm neither the evaluator nor the host."""
+"""Model-generated code runs in a separate, confined process: broken programs fail cleanly
+and harm neither the evaluator nor the host (deliberate escapes: test_sandbox_attacks.py)."""
 
 from __future__ import annotations
 
 import os
 import resource
+import tempfile
 from pathlib import Path
 
 import pytest
 
+from moelab.errors import MoelabError
+from moelab.evals import sandbox
 from moelab.evals.metrics import estimate_pass_at_k, pass_at_k
-from moelab.evals.sandbox import SandboxConfig, run_program, run_programs
+from moelab.evals.sandbox import (
+    SandboxConfig,
+    SandboxUnavailable,
+    available_isolation,
+    run_program,
+    run_programs,
+    run_tests,
+)
 
-FAST = SandboxConfig(timeout_s=2.0, memory_mb=512)
+LEVEL = available_isolation()
+FAST = SandboxConfig(timeout_s=2.0, memory_mb=512, min_isolation="rlimits")
+ISOLATIONS = ["rlimits"] + (["namespaces"] if LEVEL == "namespaces" else [])
 
 
 def test_passing_program_passes_and_keeps_its_output():
@@ -26,7 +38,7 @@ def test_failing_assertion_fails_with_traceback():
 
 
 def test_infinite_loop_times_out_and_the_process_group_is_killed():
-    r = run_program("while True:\n    pass", SandboxConfig(timeout_s=1.0))
+    r = run_program("while True:\n    pass", SandboxConfig(timeout_s=1.0, min_isolation="rlimits"))
     assert r.status == "timeout" and not r.passed
     assert r.returncode is not None and r.returncode < 0  # killed by a signal
 
@@ -49,15 +61,15 @@ def test_early_exit_counts_as_failure_and_the_evaluator_survives(exit_code):
     assert r.status == "failed"
 
 
-@pytest.mark.parametrize(
-    "drop_privileges", [True, False], ids=["as-nobody-if-root", "audit-hook-only"]
-)
-def test_write_outside_the_sandbox_is_refused(tmp_path: Path, drop_privileges: bool):
+@pytest.mark.parametrize("isolation", ISOLATIONS)
+def test_write_outside_the_sandbox_is_refused(tmp_path: Path, isolation: str):
     target = tmp_path / "owned-by-test.txt"
     target.write_text("original")
     victim = tmp_path / "new-file.txt"
     program = f"open({str(victim)!r}, 'w').write('pwned')\n"
-    config = SandboxConfig(timeout_s=2.0, drop_privileges=drop_privileges)
+    # the directory is visible (read-only) inside the namespaces sandbox
+    config = SandboxConfig(timeout_s=2.0, isolation=isolation, min_isolation="rlimits",
+                           read_only_paths=(str(tmp_path),))  # fmt: skip
     assert run_program(program, config).status == "failed"
     for attempt in (
         f"open({str(target)!r}, 'a').write('pwned')",
@@ -67,23 +79,25 @@ def test_write_outside_the_sandbox_is_refused(tmp_path: Path, drop_privileges: b
         f"import shutil; shutil.rmtree({str(tmp_path)!r})",
     ):
         r = run_program(attempt, config)
-        assert r.status == "failed", attempt
+        assert r.status == "failed" and r.isolation == isolation, attempt
     assert not victim.exists()
     assert target.read_text() == "original"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["owned-by-test.txt"]
 
 
-def test_writes_inside_the_sandbox_are_allowed_and_the_sandbox_is_empty_and_removed():
+@pytest.mark.parametrize("isolation", ISOLATIONS)
+def test_writes_inside_the_sandbox_are_allowed_and_the_sandbox_is_empty_and_removed(isolation):
+    name = f"scratch-{os.getpid()}-{isolation}.txt"
     program = (
         "import os\n"
         "assert os.listdir('.') == [], os.listdir('.')\n"
         "assert os.environ['HOME'] == os.getcwd()\n"
-        "open('scratch.txt', 'w').write('x')\n"
-        "print(os.getcwd())\n"
+        f"open({name!r}, 'w').write('x')\n"
     )
-    r = run_program(program, FAST)
+    config = SandboxConfig(timeout_s=5.0, isolation=isolation, min_isolation="rlimits")
+    r = run_program(program, config)
     assert r.passed, r.stderr
-    assert not Path(r.stdout.strip()).exists()
+    assert not list(Path(tempfile.gettempdir()).glob(f"moelab-sandbox-*/**/{name}"))
 
 
 @pytest.mark.parametrize(
@@ -98,10 +112,66 @@ def test_writes_inside_the_sandbox_are_allowed_and_the_sandbox_is_empty_and_remo
     ],
     ids=["subprocess", "system", "fork", "kill-parent", "socket", "ctypes"],
 )
-def test_processes_signals_sockets_and_ctypes_are_refused(program):
-    r = run_program(program, FAST)
-    assert r.status == "failed" and "moelab sandbox" in r.stderr
+def test_rlimits_level_audit_hook_refuses_processes_signals_sockets_and_ctypes(program):
+    r = run_program(program, SandboxConfig(timeout_s=2.0, isolation="rlimits", min_isolation="rlimits"))
+    assert r.status == "failed" and "moelab sandbox" in r.stderr and r.isolation == "rlimits"
     assert os.getpid() > 0  # still here
+
+
+@pytest.mark.parametrize("isolation", ISOLATIONS)
+def test_run_tests_verdict_comes_from_the_tests(isolation):
+    config = SandboxConfig(timeout_s=5.0, isolation=isolation, min_isolation="rlimits")
+    tests = "def check(candidate):\n    assert candidate(2) == (4, [b'x'], {1: {2.5}})\n\ncheck(f)\n"
+    good = "def f(x):\n    return (2 * x, [b'x'], {1: {2.5}})\n"
+    assert run_tests(good, tests, config).passed
+    for bad in (
+        "def f(x):\n    return (x, [b'x'], {1: {2.5}})\n",  # wrong value
+        "import os\nos._exit(0)\n",  # exits before the tests
+        "def f(x):\n    raise SystemExit(0)\n",
+        "class E:\n    def __eq__(self, o):\n        return True\ndef f(x):\n    return E()\n",
+        "def f(x)\n",  # syntax error
+    ):
+        r = run_tests(bad, tests, config)
+        assert r.status == "failed" and r.isolation == isolation, (bad, r)
+
+
+def test_run_tests_uses_helpers_modules_and_exceptions_of_the_candidate():
+    candidate = (
+        "import math\nfrom typing import List\n"
+        "def poly(xs: List[float], x: float) -> float:\n"
+        "    return sum(c * math.pow(x, i) for i, c in enumerate(xs))\n"
+        "def find_zero(xs):\n    return -xs[0] / xs[1]\n"
+        "def picky(x):\n    if x < 0:\n        raise ValueError('negative')\n    return x\n"
+    )
+    tests = (
+        "def check(candidate):\n"
+        "    assert math.fabs(poly([2.0, 4.0], candidate([2.0, 4.0]))) < 1e-9\n"
+        "    try:\n        picky(-1)\n    except ValueError:\n        pass\n"
+        "    else:\n        raise AssertionError('no ValueError')\n"
+        "check(find_zero)\n"
+    )
+    assert run_tests(candidate, tests, FAST).passed
+
+
+def test_below_the_required_isolation_nothing_runs(monkeypatch):
+    monkeypatch.setattr(sandbox, "available_isolation", lambda: "rlimits")
+    with pytest.raises(SandboxUnavailable, match=r"needs isolation level 'namespaces'.*--sandbox-isolation rlimits"):
+        run_tests("def f(x):\n    return x", "assert f(1) == 1", SandboxConfig())
+    assert run_tests("def f(x):\n    return x", "assert f(1) == 1", SandboxConfig(min_isolation="rlimits")).passed
+    with pytest.raises(MoelabError, match="isolation 'jail' is unknown"):
+        SandboxConfig(isolation="jail")
+
+
+def test_eval_refuses_code_tasks_below_the_required_isolation(monkeypatch):
+    pytest.importorskip("lm_eval")
+    from moelab.evals.api import preflight
+    from moelab.evals.results import EvalConfig
+
+    monkeypatch.setattr(sandbox, "available_isolation", lambda: "rlimits")
+    with pytest.raises(SandboxUnavailable, match="namespaces"):
+        preflight(EvalConfig(tasks=["pycode"], allow_code_execution=True))
+    preflight(EvalConfig(tasks=["pycode"], allow_code_execution=True, sandbox_isolation="rlimits"))
+    preflight(EvalConfig(tasks=["arith"]))  # no generated code: no sandbox needed
 
 
 def test_run_programs_keeps_order():
