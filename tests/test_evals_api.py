@@ -214,3 +214,17 @@ def test_result_records_the_routing_policy_the_model_was_scored_under():
     (policy,) = deferred.policies
     assert policy["policy"] == "ExpertDeferral" and policy["deferred"] == 1 and policy["phase"] == "decode"
     assert deferred.to_dict()["policies"] == deferred.policies
+
+
+def test_cli_refuses_code_tasks_below_the_required_sandbox_level(capsys, monkeypatch):
+    from moelab.evals import sandbox
+
+    monkeypatch.setattr(sandbox, "available_isolation", lambda: "rlimits")
+    argv = ["eval", "--model", "tiny-random-mixtral", "--tasks", "pycode", "--allow-code-execution"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "needs isolation level 'namespaces'" in err and "--sandbox-isolation rlimits" in err
+    assert "Traceback" not in err
+    with pytest.raises(SystemExit):  # argparse: not a level
+        main([*argv, "--sandbox-isolation", "jail"])
+    assert "invalid choice: 'jail'" in capsys.readouterr().err

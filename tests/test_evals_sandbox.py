@@ -205,3 +205,13 @@ def test_pass_at_k_metric_averages_problems():
     good, bad = "def f(x):\n    return 2 * x", "def f(x):\n    return x"
     assert pass_at_k([test], [[good]], k=[1], timeout=2.0) == {"pass@1": 1.0}
     assert pass_at_k([test], [[good, bad]], k=[1, 2], timeout=2.0) == {"pass@1": 0.5, "pass@2": 1.0}
+
+
+def test_lm_eval_model_arg_sets_the_least_level_pass_at_k_accepts(monkeypatch):
+    from moelab.evals import metrics
+
+    monkeypatch.setattr(metrics, "_DEFAULTS", metrics._DEFAULTS)
+    metrics.set_min_isolation("rlimits")
+    assert metrics._DEFAULTS.min_isolation == "rlimits"
+    with pytest.raises(MoelabError, match="unknown"):
+        metrics.set_min_isolation("none")
