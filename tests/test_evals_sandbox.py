@@ -215,3 +215,35 @@ def test_lm_eval_model_arg_sets_the_least_level_pass_at_k_accepts(monkeypatch):
     assert metrics._DEFAULTS.min_isolation == "rlimits"
     with pytest.raises(MoelabError, match="unknown"):
         metrics.set_min_isolation("none")
+
+
+@pytest.mark.skipif(LEVEL != "namespaces", reason=f"isolation level here is {LEVEL!r}")
+def test_without_user_namespaces_the_level_drops_and_code_is_refused_with_the_reason():
+    """In a user namespace whose max_user_namespaces is 0 the probe fails: rlimits, refused."""
+    import shutil
+    import subprocess
+    import sys
+
+    if shutil.which("unshare") is None:
+        pytest.skip("util-linux unshare is not installed")
+    script = (
+        "from moelab.evals import sandbox as S\n"
+        "print(S.available_isolation())\n"
+        "try:\n"
+        "    S.run_tests('def f(x):\\n    return x', 'assert f(1) == 1')\n"
+        "except S.SandboxUnavailable as e:\n"
+        "    print('REFUSED', e)\n"
+    )
+    inner = f"echo 0 > /proc/sys/user/max_user_namespaces && exec {sys.executable} -c \"$0\""
+    proc = subprocess.run(
+        ["unshare", "-U", "-r", "--fork", "sh", "-c", inner, script],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])},
+        timeout=60,
+    )
+    if proc.returncode != 0 and "max_user_namespaces" in proc.stderr:
+        pytest.skip(f"cannot disable user namespaces here: {proc.stderr.strip()[-200:]}")
+    lines = proc.stdout.splitlines()
+    assert lines[0] == "rlimits", proc.stdout + proc.stderr
+    assert lines[1].startswith("REFUSED") and "unshare" in lines[1] and "--sandbox-isolation" in lines[1]

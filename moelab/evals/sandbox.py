@@ -189,6 +189,9 @@ def _source(name: str) -> str:
     return (_HERE / name).read_text(encoding="utf-8")
 
 
+_WHY_WEAK = ["not probed yet"]
+
+
 @functools.cache
 def available_isolation() -> str:
     """The strongest isolation level that works here (probed once per process)."""
@@ -200,9 +203,10 @@ def available_isolation() -> str:
         )
         if r.passed:
             return "namespaces"
-        logger.warning("namespaces sandbox probe failed: %s", r.stderr.strip()[-300:])
-    except SandboxUnavailable as exc:
-        logger.warning("no namespaces sandbox: %s", exc)
+        _WHY_WEAK[0] = f"the probe program failed: {r.stderr.strip()[-300:]}"
+    except (SandboxUnavailable, OSError) as exc:
+        _WHY_WEAK[0] = str(exc)
+    logger.warning("no namespaces sandbox: %s", _WHY_WEAK[0])
     return "rlimits"
 
 
@@ -211,17 +215,14 @@ def isolation_level(config: SandboxConfig | None = None) -> str:
     config = config or SandboxConfig()
     level = config.isolation or available_isolation()
     if LEVELS.index(level) < LEVELS.index(config.min_isolation):
+        why = "SandboxConfig.isolation chose it" if config.isolation else _WHY_WEAK[0]
         raise SandboxUnavailable(
             f"the code sandbox needs isolation level {config.min_isolation!r} but only {level!r} "
-            f"is available here ({_why_weak()}); run where unprivileged user namespaces work, or "
+            f"is available here ({why}); run where unprivileged user namespaces work, or "
             f"accept the weaker level explicitly (CLI: --sandbox-isolation {level}; Python: "
             f"sandbox_isolation={level!r}; env {MIN_ISOLATION_ENV}={level})."
         )
     return level
-
-
-def _why_weak() -> str:
-    return "Linux user namespaces are unavailable or disallowed"
 
 
 # --- running ---------------------------------------------------------------------------
