@@ -111,6 +111,28 @@ def test_run_check_runs_code_in_a_subprocess_with_timeout():
     assert run_check("assert 1 + 1 == 2\n")
     assert not run_check("assert 1 + 1 == 3\n")
     assert not run_check("while True:\n    pass\n", timeout=1.0)
+    # candidate and tests apart (the scoring path): the verdict is the tests'
+    assert run_check("def f(x):\n    return x + 1\n", "assert f(1) == 2\n")
+    assert not run_check("def f(x):\n    return x\n", "assert f(1) == 2\n")
+    assert not run_check("import os\nprint('ok')\nos._exit(0)\n", "assert f(1) == 2\n")
+
+
+def test_quick_eval_pycode_scores_in_the_sandbox_and_records_its_level(monkeypatch):
+    """Canonical completions pass, forged ones (early exit, always-equal objects) fail."""
+    from moelab.evals.sandbox import available_isolation
+    from moelab.tasks import generate
+    from moelab.training import quick_eval
+
+    examples = generate("pycode", "validation", n=4, seed=0)
+    forged = [
+        "    import os\n    os._exit(0)\n",
+        "    class E:\n        def __eq__(self, o):\n            return True\n    return E()\n",
+    ]
+    answers = [ex["canonical_solution"] for ex in examples[:2]] + forged
+    monkeypatch.setattr(quick_eval, "greedy_complete", lambda m, t, ctx, n: list(answers))
+    res = quick_eval.eval_pycode(None, None, examples)
+    assert res["pass@1"] == 0.5 and res["n"] == 4
+    assert res["isolation"] == available_isolation()
 
 
 @pytest.mark.parametrize("name", BUNDLED)
