@@ -28,6 +28,12 @@ candidate's process can always be undone from that process.
 Below the level asked for, :func:`run_program` / :func:`run_tests` raise
 :class:`SandboxUnavailable` instead of running anything.
 
+Why not bubblewrap: a non-setuid ``bwrap`` (Debian's) can map only the caller's own uid,
+so run by root it leaves the candidate uid 0 outside its namespace — and the kernel never
+applies ``RLIMIT_NPROC`` to uid 0, so a fork bomb would be bounded only by the machine.
+The launcher here maps the candidate to ``nobody`` in that case, needs no package (CI
+machines lack bwrap) and does the same mounts bwrap would.
+
 **A verdict the candidate cannot forge** (:func:`run_tests`). The candidate (prompt +
 completion) and the tests run in two separate sandboxes — separate PID, user and
 mount namespaces, so neither can see, signal or trace the other — joined only by two
