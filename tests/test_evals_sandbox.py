@@ -23,7 +23,7 @@ from moelab.evals.sandbox import (
 )
 
 LEVEL = available_isolation()
-FAST = SandboxConfig(timeout_s=2.0, memory_mb=512, min_isolation="rlimits")
+FAST = SandboxConfig(timeout_s=10.0, memory_mb=512, min_isolation="rlimits")
 ISOLATIONS = ["rlimits"] + (["namespaces"] if LEVEL == "namespaces" else [])
 
 
@@ -68,7 +68,7 @@ def test_write_outside_the_sandbox_is_refused(tmp_path: Path, isolation: str):
     victim = tmp_path / "new-file.txt"
     program = f"open({str(victim)!r}, 'w').write('pwned')\n"
     # the directory is visible (read-only) inside the namespaces sandbox
-    config = SandboxConfig(timeout_s=2.0, isolation=isolation, min_isolation="rlimits",
+    config = SandboxConfig(timeout_s=10.0, isolation=isolation, min_isolation="rlimits",
                            read_only_paths=(str(tmp_path),))  # fmt: skip
     assert run_program(program, config).status == "failed"
     for attempt in (
@@ -94,7 +94,7 @@ def test_writes_inside_the_sandbox_are_allowed_and_the_sandbox_is_empty_and_remo
         "assert os.environ['HOME'] == os.getcwd()\n"
         f"open({name!r}, 'w').write('x')\n"
     )
-    config = SandboxConfig(timeout_s=5.0, isolation=isolation, min_isolation="rlimits")
+    config = SandboxConfig(timeout_s=10.0, isolation=isolation, min_isolation="rlimits")
     r = run_program(program, config)
     assert r.passed, r.stderr
     assert not list(Path(tempfile.gettempdir()).glob(f"moelab-sandbox-*/**/{name}"))
@@ -113,14 +113,14 @@ def test_writes_inside_the_sandbox_are_allowed_and_the_sandbox_is_empty_and_remo
     ids=["subprocess", "system", "fork", "kill-parent", "socket", "ctypes"],
 )
 def test_rlimits_level_audit_hook_refuses_processes_signals_sockets_and_ctypes(program):
-    r = run_program(program, SandboxConfig(timeout_s=2.0, isolation="rlimits", min_isolation="rlimits"))
+    r = run_program(program, SandboxConfig(timeout_s=10.0, isolation="rlimits", min_isolation="rlimits"))
     assert r.status == "failed" and "moelab sandbox" in r.stderr and r.isolation == "rlimits"
     assert os.getpid() > 0  # still here
 
 
 @pytest.mark.parametrize("isolation", ISOLATIONS)
 def test_run_tests_verdict_comes_from_the_tests(isolation):
-    config = SandboxConfig(timeout_s=5.0, isolation=isolation, min_isolation="rlimits")
+    config = SandboxConfig(timeout_s=10.0, isolation=isolation, min_isolation="rlimits")
     tests = "def check(candidate):\n    assert candidate(2) == (4, [b'x'], {1: {2.5}})\n\ncheck(f)\n"
     good = "def f(x):\n    return (2 * x, [b'x'], {1: {2.5}})\n"
     assert run_tests(good, tests, config).passed
@@ -203,8 +203,8 @@ def test_pass_at_k_needs_enough_samples():
 def test_pass_at_k_metric_averages_problems():
     test = "def check(candidate):\n    assert candidate(2) == 4\ncheck(f)"
     good, bad = "def f(x):\n    return 2 * x", "def f(x):\n    return x"
-    assert pass_at_k([test], [[good]], k=[1], timeout=2.0) == {"pass@1": 1.0}
-    assert pass_at_k([test], [[good, bad]], k=[1, 2], timeout=2.0) == {"pass@1": 0.5, "pass@2": 1.0}
+    assert pass_at_k([test], [[good]], k=[1], timeout=10.0) == {"pass@1": 1.0}
+    assert pass_at_k([test], [[good, bad]], k=[1, 2], timeout=10.0) == {"pass@1": 0.5, "pass@2": 1.0}
 
 
 def test_lm_eval_model_arg_sets_the_least_level_pass_at_k_accepts(monkeypatch):
