@@ -247,3 +247,31 @@ def test_without_user_namespaces_the_level_drops_and_code_is_refused_with_the_re
     lines = proc.stdout.splitlines()
     assert lines[0] == "rlimits", proc.stdout + proc.stderr
     assert lines[1].startswith("REFUSED") and "unshare" in lines[1] and "--sandbox-isolation" in lines[1]
+
+
+def test_run_tests_keeps_big_integers_and_the_candidates_exception_arguments():
+    candidate = (
+        "BIG = 10 ** 5000\n"  # a module-level value JSON's decimal ints could not carry
+        "def f(x):\n    return x * 10 ** 5000\n"
+        "def g(k):\n    raise KeyError(k)\n"
+    )
+    tests = (
+        "assert f(-3) == -3 * 10 ** 5000 and f(10 ** 6000) == 10 ** 11000 and BIG == 10 ** 5000\n"
+        "try:\n    g('missing')\nexcept KeyError as e:\n"
+        "    assert e.args == ('missing',) and str(e) == \"'missing'\", e.args\n"
+        "else:\n    raise AssertionError('no KeyError')\n"
+    )
+    r = run_tests(candidate, tests, FAST)
+    assert r.passed, r.stderr
+
+
+def test_run_tests_never_imports_a_module_that_acts_on_import():
+    # unittest.__main__ runs an empty test discovery and exits 0 when imported
+    candidate = "import types\nm = types.ModuleType('unittest.__main__')\ndef f(x):\n    return x\n"
+    r = run_tests(candidate, "assert f(1) == 2\n", FAST)
+    assert r.status == "failed" and "AssertionError" in r.stderr
+
+
+def test_run_tests_needs_the_tests_to_reach_their_end():
+    r = run_tests("def f(x):\n    return x\n", "import os\nos._exit(0)\nassert f(1) == 2\n", FAST)
+    assert r.status == "failed" and r.returncode == 0  # exit status 0, but the tests stopped

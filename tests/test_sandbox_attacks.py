@@ -178,6 +178,28 @@ CASES = [
       "        try:\n            os.write(fd, b'\\x00garbage\\n')\n        except OSError:\n            pass\n    return x\n"),
     C("huge-reply", "", candidate="\ndef f(x):\n    return 'x' * 10 ** 8\n"),
     C("deep-reply", "", candidate="\ndef f(x):\n    v = []\n    for _ in range(10 ** 5):\n        v = [v]\n    return v\n"),
+    C("module-name-that-exits-0",  # the check process must not import unittest.__main__
+      "import types\nm = types.ModuleType('unittest.__main__')\nv = types.ModuleType('venv.__main__')"),
+    C("forged-hello-with-exiting-module",
+      "import os\nfor fd in range(3, 20):\n    try:\n        os.write(fd, b'{\"ok\": true, \"names\": {\"m\": "
+      "{\"kind\": \"module\", \"module\": \"unittest.__main__\"}, \"f\": {\"kind\": \"function\"}}}\\n')\n"
+      "    except OSError:\n        pass"),
+    C("forged-reply-raises-base-exception", "", candidate="\ndef f(x):\n    import os\n    for fd in range(3, 20):\n"
+      "        try:\n            os.write(fd, b'{\"raise\": \"SystemExit\", \"args\": [0]}\\n')\n"
+      "        except OSError:\n            pass\n    return x\n"),
+    C("int-subclass-always-equal", "", candidate="\nclass I(int):\n    def __eq__(self, o):\n        return True\n"
+      "    __hash__ = int.__hash__\ndef f(x):\n    return I(0)\n"),
+    C("str-subclass-always-equal", "", candidate="\nclass S(str):\n    def __eq__(self, o):\n        return True\n"
+      "    __hash__ = str.__hash__\ndef f(x):\n    return S('')\n"),
+    C("registered-integral-always-equal", "", candidate="\nimport numbers\nclass N:\n    def __eq__(self, o):\n"
+      "        return True\n    def __int__(self):\n        return 0\nnumbers.Integral.register(N)\ndef f(x):\n    return N()\n"),
+    C("nan-reply", "", candidate="\ndef f(x):\n    return float('nan')\n"),
+    C("self-referencing-reply", "", candidate="\ndef f(x):\n    v = []\n    v.append(v)\n    return v\n"),
+    C("huge-int-reply", "", candidate="\ndef f(x):\n    return 7 ** 10 ** 5\n"),
+    C("endless-line-no-newline", "", candidate="\ndef f(x):\n    import os\n    for fd in range(3, 20):\n"
+      "        try:\n            while True:\n                os.write(fd, b'[' * 2 ** 20)\n"
+      "        except OSError:\n            pass\n    return x\n"),
+    C("never-answers", "", candidate="\ndef f(x):\n    import time\n    time.sleep(60)\n", want="timeout"),
     C("close-std-fds", "import os\nfor fd in range(0, 20):\n    try:\n        os.close(fd)\n    except OSError:\n        pass"),
 ]
 
@@ -367,18 +389,21 @@ def test_no_attack_reached_the_host_sockets_or_the_python_install(attacks):
 def test_killing_the_evaluator_takes_down_the_sandbox(tmp_path):
     """The evaluator dies (SIGKILL) while a candidate runs: nothing of the run survives it."""
     tag = f"MOELABTAGEVAL{os.getpid()}"
+    # the tag is put together at run time: the evaluator's own command line (and a fork of
+    # it before exec) must not match
     script = (
         "from moelab.evals.sandbox import SandboxConfig, run_tests\n"
-        f"cand = \"import os\\nos.system(\\\"sh -c 'sleep 60; : {tag}' &\\\")\\n"
-        "import subprocess\\nsubprocess.Popen(['sh', '-c', 'sleep 60; : " + tag + "'], start_new_session=True)\\n"
-        "import time\\ntime.sleep(60)\\n\"\n"
+        f"tag = {tag[:6]!r} + {tag[6:]!r}\n"
+        "cand = \"import os\\nos.system(\\\"sh -c 'sleep 60; : TAG first' &\\\")\\n"
+        "import subprocess\\nsubprocess.Popen(['sh', '-c', 'sleep 60; : TAG second'], start_new_session=True)\\n"
+        "import time\\ntime.sleep(60)\\n\".replace('TAG', tag)\n"
         "run_tests(cand, 'assert False', SandboxConfig(timeout_s=60))\n"
     )
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]), "TMPDIR": str(tmp_path)}
     evaluator = subprocess.Popen([sys.executable, "-c", script], env=env)
     deadline = time.monotonic() + 30
-    while len(_tagged_processes(tag)) < 2 and time.monotonic() < deadline:
-        time.sleep(0.1)
+    while not _tagged_processes(f"{tag} second") and time.monotonic() < deadline:
+        time.sleep(0.1)  # the second orphan starts after the first one
     assert len(_tagged_processes(tag)) >= 2, "the attack did not start"
     evaluator.send_signal(signal.SIGKILL)
     evaluator.wait()

@@ -437,8 +437,9 @@ def run_tests(candidate: str, tests: str, config: SandboxConfig | None = None) -
         deadline = start + config.timeout_s
         cand_job = {"role": "candidate", "program": candidate, "fd_in": to_cand_r,
                     "fd_out": to_check_w}  # fmt: skip
+        nonce = secrets.token_hex(16)  # only the check process knows it
         check_job = {"role": "check", "program": tests, "fd_in": to_check_r,
-                     "fd_out": to_cand_w}  # fmt: skip
+                     "fd_out": to_cand_w, "nonce": nonce}  # fmt: skip
         cand = _Child(work, "candidate", cand_job, level, config, (to_cand_r, to_check_w))
         children.append(cand)
         check = _Child(work, "check", check_job, level, config, (to_check_r, to_cand_w))
@@ -458,6 +459,7 @@ def run_tests(candidate: str, tests: str, config: SandboxConfig | None = None) -
                 child.kill()
         duration = time.monotonic() - start
         stdout = _tail(cand.out_path, config.output_chars)
+        check_out = _tail(check.out_path, 64)
         check_err = _tail(check.err_path, config.output_chars).strip()
         cand_err = _tail(cand.err_path, config.output_chars).strip()
     finally:
@@ -469,7 +471,8 @@ def run_tests(candidate: str, tests: str, config: SandboxConfig | None = None) -
         shutil.rmtree(work, ignore_errors=True)
     code = check.returncode()
     stderr = check_err + (f"\n--- candidate's stderr ---\n{cand_err}" if cand_err else "")
-    status: Status = "timeout" if timed_out else ("passed" if code == 0 else "failed")
+    passed = code == 0 and check_out.endswith(f"\n{nonce}\n")  # the tests ran to their end
+    status: Status = "timeout" if timed_out else ("passed" if passed else "failed")
     return ExecResult(status, code, stdout, stderr[-config.output_chars :], duration, level)
 
 

@@ -28,6 +28,16 @@ import traceback
 
 MAX_DEPTH = 100
 MAX_LINE = 64 * 1024 * 1024
+#: Module-level values of the candidate larger than this (as JSON) are not sent to the tests.
+MAX_VALUE_CHARS = 1024 * 1024
+#: Integers wider than this cross as hex strings (JSON's decimal form stops at 4300 digits).
+MAX_PLAIN_INT_BITS = 64
+#: Standard-library modules the check process never imports for the candidate: they act
+#: on import (run a program, open a window or a browser, print).
+NO_IMPORT = frozenset(
+    {"antigravity", "this", "idlelib", "tkinter", "turtle", "turtledemo", "ensurepip", "venv",
+     "lib2to3", "pydoc", "webbrowser", "unittest", "test"}
+)  # fmt: skip
 
 
 def _limit(which, value):
@@ -117,7 +127,7 @@ def encode(value, fn_names, depth=0):
     if isinstance(value, str):
         return str(value)
     if isinstance(value, int):
-        return int(value)
+        return _int(int(value))
     if isinstance(value, float):
         return float(value)
     if isinstance(value, complex):
@@ -140,12 +150,18 @@ def encode(value, fn_names, depth=0):
     if id(value) in fn_names:
         return {"t": "fn", "v": fn_names[id(value)]}
     if isinstance(value, numbers.Integral):
-        return int(value)
+        return _int(int(value))
     if isinstance(value, numbers.Real):
         return float(value)
     raise Uncheckable(
         f"a value of type {type(value).__name__} cannot be checked outside the candidate's process"
     )
+
+
+def _int(value):
+    if value.bit_length() <= MAX_PLAIN_INT_BITS:
+        return value
+    return {"t": "int", "v": hex(value)}
 
 
 def decode(data, make_fn, depth=0):
@@ -169,6 +185,11 @@ def decode(data, make_fn, depth=0):
         return complex(v[0], v[1])
     if tag == "bytes" and type(v) is str:
         return v.encode("latin-1")
+    if tag == "int" and type(v) is str and v.lstrip("-").startswith("0x"):
+        try:
+            return int(v, 16)
+        except ValueError:
+            raise Uncheckable("malformed value") from None
     if type(v) is not list:
         raise Uncheckable("malformed value")
     if tag == "tuple":
@@ -257,8 +278,11 @@ def serve_candidate(job):
         elif callable(value):
             names[name] = {"kind": "function"}
         else:
-            with contextlib.suppress(Uncheckable):
-                names[name] = {"kind": "value", "value": encode(value, fn_names)}
+            # a value the tests could read; skipped when it cannot cross or is large
+            with contextlib.suppress(Exception):
+                data = encode(value, fn_names)
+                if len(json.dumps(data)) <= MAX_VALUE_CHARS:
+                    names[name] = {"kind": "value", "value": data}
     chan.send({"ok": True, "names": names})
 
     def resolve(name):
@@ -280,16 +304,58 @@ def serve_candidate(job):
             }
             reply = {"value": encode(fn(*args, **kwargs), fn_names)}
         except BaseException as exc:  # the candidate's own exception, or SystemExit
-            reply = {"raise": type(exc).__name__, "message": str(exc)[:500]}
+            reply = _exception_reply(exc, fn_names)
         sys.stdout.flush()
         chan.send(reply)
+
+
+def _exception_reply(exc, fn_names):
+    reply = {"raise": type(exc).__name__}
+    try:
+        reply["message"] = str(exc)[:500]
+        args = encode(exc.args, fn_names)
+        if len(json.dumps(args)) <= MAX_VALUE_CHARS:
+            reply["args"] = args
+    except Exception:  # noqa: BLE001 - the candidate's exception may not even print
+        reply.setdefault("message", "")
+    return reply
 
 
 class CandidateError(Exception):
     """An exception raised in the candidate process (its type is not a built-in one)."""
 
 
+def _candidate_exception(reply, fn_from_name):
+    """The candidate's exception rebuilt in the check process: the built-in type of that
+    name with the same arguments (so tests that catch it or read its message behave as in
+    one process); :class:`CandidateError` for any other type."""
+    message = str(reply.get("message"))[:500]
+    kind = getattr(builtins, str(reply["raise"]), None)
+    if isinstance(kind, type) and issubclass(kind, Exception):
+        try:
+            args = decode(reply["args"], fn_from_name)
+            exc = kind(*args) if type(args) is tuple else kind(message)
+        except Exception:  # noqa: BLE001 - no args, or args this type does not take
+            exc = kind(message)
+    else:
+        exc = CandidateError(f"{str(reply['raise'])[:100]}: {message}")
+    exc.add_note("(raised in the candidate's process)")
+    return exc
+
+
+def _importable(module):
+    """Whether the check process imports ``module`` for a name of the candidate's module:
+    only the standard library's public modules that do nothing but define things."""
+    parts = module.split(".")
+    return (
+        all(p.isidentifier() and not p.startswith("_") for p in parts)
+        and parts[0] in sys.stdlib_module_names
+        and parts[0] not in NO_IMPORT
+    )
+
+
 def run_check(job):
+    nonce = job.pop("nonce").encode()
     chan = Channel(job["fd_in"], job["fd_out"])
     hello = chan.recv()
     if (
@@ -314,10 +380,7 @@ def run_check(job):
             if type(reply) is not dict:
                 raise Uncheckable("malformed reply")
             if "raise" in reply:
-                kind = getattr(builtins, str(reply["raise"]), None)
-                if not (isinstance(kind, type) and issubclass(kind, Exception)):
-                    kind = CandidateError
-                raise kind("in the candidate: {}".format(str(reply.get("message"))[:500]))
+                raise _candidate_exception(reply, fn_from_name)
             return decode(reply.get("value"), fn_from_name)
 
         proxy.__name__ = proxy.__qualname__ = name
@@ -350,9 +413,9 @@ def run_check(job):
             continue
         if desc.get("kind") == "module":
             module = desc.get("module")
-            # modules are the check process's own imports, and only the standard library's
-            if type(module) is str and module.split(".")[0] in sys.stdlib_module_names:
-                with contextlib.suppress(ImportError):
+            if type(module) is str and _importable(module):
+                # BaseException: an import that exits (``unittest.__main__`` would exit 0)
+                with contextlib.suppress(BaseException):
                     g[name] = __import__(module, fromlist=["_"])
         elif desc.get("kind") == "value":
             with contextlib.suppress(Uncheckable, RecursionError):
@@ -366,6 +429,8 @@ def run_check(job):
         os._exit(1)
     sys.stdout.flush()
     sys.stderr.flush()
+    # the verdict: this marker after the tests' end (an exit status 0 alone is not enough)
+    os.write(1, b"\n" + nonce + b"\n")
     os._exit(0)
 
 
