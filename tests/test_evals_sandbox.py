@@ -275,3 +275,19 @@ def test_run_tests_never_imports_a_module_that_acts_on_import():
 def test_run_tests_needs_the_tests_to_reach_their_end():
     r = run_tests("def f(x):\n    return x\n", "import os\nos._exit(0)\nassert f(1) == 2\n", FAST)
     assert r.status == "failed" and r.returncode == 0  # exit status 0, but the tests stopped
+
+
+def test_run_tests_sees_arguments_the_candidate_changed_in_place():
+    candidate = (
+        "def f(xs, d, s, b, *, kw):\n"
+        "    xs.sort(); d['new'] = 1; s.add(9); b[0] = 65; kw.append('k')\n"
+    )
+    tests = (
+        "xs, d, s, b, kw = [3, 1, 2], {}, {1}, bytearray(b'x'), []\n"
+        "keep = xs\n"
+        "assert f(xs, d, s, b, kw=kw) is None\n"
+        "assert keep is xs and xs == [1, 2, 3] and d == {'new': 1} and s == {1, 9}\n"
+        "assert b == bytearray(b'A') and kw == ['k']\n"
+    )
+    r = run_tests(candidate, tests, FAST)
+    assert r.passed, r.stderr

@@ -9,7 +9,7 @@ code it runs cannot raise them again) and plays one of three roles:
 ``candidate``
     run the candidate's source (prompt + completion), then answer calls of its
     top-level functions that arrive over a pipe (``run_tests``). Values cross the pipe
-    as tagged JSON of plain data only: None, bool, int, float, complex, str, bytes,
+    as tagged JSON of plain data only: None, bool, int, float, complex, str, bytes, bytearray,
     list, tuple, dict, set, frozenset, and references to the candidate's own functions.
 ``check``
     run the trusted test code in a process of its own, where each name the tests take
@@ -133,7 +133,8 @@ def encode(value, fn_names, depth=0):
     if isinstance(value, complex):
         return {"t": "complex", "v": [value.real, value.imag]}
     if isinstance(value, (bytes, bytearray)):
-        return {"t": "bytes", "v": bytes(value).decode("latin-1")}
+        tag = "bytearray" if isinstance(value, bytearray) else "bytes"
+        return {"t": tag, "v": bytes(value).decode("latin-1")}
     d = depth + 1
     if isinstance(value, list):
         return [encode(x, fn_names, d) for x in value]
@@ -183,8 +184,8 @@ def decode(data, make_fn, depth=0):
         and all(type(x) in (int, float) for x in v)
     ):
         return complex(v[0], v[1])
-    if tag == "bytes" and type(v) is str:
-        return v.encode("latin-1")
+    if tag in ("bytes", "bytearray") and type(v) is str:
+        return v.encode("latin-1") if tag == "bytes" else bytearray(v.encode("latin-1"))
     if tag == "int" and type(v) is str and v.lstrip("-").startswith("0x"):
         try:
             return int(v, 16)
@@ -303,10 +304,41 @@ def serve_candidate(job):
                 for k, a in request["kwargs"].items()
             }
             reply = {"value": encode(fn(*args, **kwargs), fn_names)}
+            reply["mutated"] = _mutated(request, args, kwargs, fn_names)
         except BaseException as exc:  # the candidate's own exception, or SystemExit
             reply = _exception_reply(exc, fn_names)
         sys.stdout.flush()
         chan.send(reply)
+
+
+MUTABLE = (list, dict, set, bytearray)
+
+
+def _mutated(request, args, kwargs, fn_names):
+    """The new contents of the list, dict, set and bytearray arguments the call changed."""
+    out = {}
+    for key, value in [*enumerate(args), *kwargs.items()]:
+        sent = request["args"][key] if type(key) is int else request["kwargs"][key]
+        if isinstance(value, MUTABLE) and (now := encode(value, fn_names)) != sent:
+            out[str(key)] = now
+    return out
+
+
+def _copy_back(mutated, args, kwargs, fn_from_name):
+    """Apply the candidate's in-place changes of arguments to the tests' own objects."""
+    if type(mutated) is not dict:
+        return
+    for key, data in mutated.items():
+        index = int(key) if key.isascii() and key.isdigit() else len(args)
+        target = args[index] if index < len(args) else kwargs.get(key)
+        if type(target) not in MUTABLE:
+            continue
+        new = decode(data, fn_from_name)
+        if type(new) is type(target) and type(target) in (list, bytearray):
+            target[:] = new
+        elif type(new) is type(target) and type(target) in (dict, set):
+            target.clear()
+            target.update(new)
 
 
 def _exception_reply(exc, fn_names):
@@ -381,6 +413,7 @@ def run_check(job):
                 raise Uncheckable("malformed reply")
             if "raise" in reply:
                 raise _candidate_exception(reply, fn_from_name)
+            _copy_back(reply.get("mutated"), args, kwargs, fn_from_name)
             return decode(reply.get("value"), fn_from_name)
 
         proxy.__name__ = proxy.__qualname__ = name
