@@ -229,6 +229,7 @@ def test_without_user_namespaces_the_level_drops_and_code_is_refused_with_the_re
     script = (
         "from moelab.evals import sandbox as S\n"
         "print(S.available_isolation())\n"
+        "print('WHY', S.unavailable_reason())\n"
         "try:\n"
         "    S.run_tests('def f(x):\\n    return x', 'assert f(1) == 1')\n"
         "except S.SandboxUnavailable as e:\n"
@@ -246,7 +247,8 @@ def test_without_user_namespaces_the_level_drops_and_code_is_refused_with_the_re
         pytest.skip(f"cannot disable user namespaces here: {proc.stderr.strip()[-200:]}")
     lines = proc.stdout.splitlines()
     assert lines[0] == "rlimits", proc.stdout + proc.stderr
-    assert lines[1].startswith("REFUSED") and "unshare" in lines[1] and "--sandbox-isolation" in lines[1]
+    assert lines[1].startswith("WHY") and "unshare" in lines[1]  # the attack suite's skip reason
+    assert lines[2].startswith("REFUSED") and "unshare" in lines[2] and "--sandbox-isolation" in lines[2]
 
 
 def test_run_tests_keeps_big_integers_and_the_candidates_exception_arguments():

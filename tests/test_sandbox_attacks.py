@@ -30,13 +30,13 @@ from pathlib import Path
 
 import pytest
 
-from moelab.evals.sandbox import SandboxConfig, available_isolation, run_tests
+from moelab.evals.sandbox import SandboxConfig, available_isolation, run_tests, unavailable_reason
 
 LEVEL = available_isolation()
 pytestmark = pytest.mark.skipif(
     LEVEL != "namespaces",
-    reason=f"isolation level here is {LEVEL!r}: only kernel confinement (namespaces) holds "
-    "against deliberate escapes, so the attack suite needs it",
+    reason=f"isolation level here is {LEVEL!r} ({unavailable_reason()}): only kernel confinement "
+    "(namespaces) holds against deliberate escapes, so the attack suite needs it",
 )
 
 WRONG = "\ndef f(x):\n    return x\n"  # the candidate is wrong: f(1) must be 2

@@ -48,10 +48,13 @@ the standard library only). Values the candidate returns are rebuilt as built-in
 so no code of the candidate ever runs in the check process: a custom ``__eq__``, a
 patched built-in, a monkeypatched ``check``, an early ``os._exit(0)``, a printed
 nonce or a killed parent cannot change what the tests decide. The verdict is the check
-process's exit status 0, reached only after the test code ran to its end; at the
-``namespaces`` level the candidate cannot reach that process. Semantics differ from
-running both in one process in one way: candidates must return plain data (true of
-HumanEval's and moelab's pycode canonical solutions; the tests show it).
+process's exit status 0 and a marker (a nonce only that process knows) written after the
+test code ran to its end; at the ``namespaces`` level the candidate cannot reach that
+process. Semantics differ from running both in one process where values cross: results
+must be plain data; arguments are copies (in-place changes of list, dict, set and
+bytearray arguments are written back, top level only); the tests cannot pass their own
+functions; exceptions arrive as the built-in type of that name with the same arguments
+(README, "Same verdicts as one process").
 
 :func:`run_program` runs one whole program (no separate tests): its ``passed`` only
 means that the program reached its end, which a hostile program can claim falsely — the
@@ -209,11 +212,19 @@ def available_isolation() -> str:
         )
         if r.passed:
             return "namespaces"
-        _WHY_WEAK[0] = f"the probe program failed: {r.stderr.strip()[-300:]}"
+        if r.status == "timeout":
+            _WHY_WEAK[0] = "the probe program timed out after 20 s (is the machine overloaded?)"
+        else:
+            _WHY_WEAK[0] = f"the probe program failed: {r.stderr.strip()[-300:]}"
     except (SandboxUnavailable, OSError) as exc:
         _WHY_WEAK[0] = str(exc)
     logger.warning("no namespaces sandbox: %s", _WHY_WEAK[0])
     return "rlimits"
+
+
+def unavailable_reason() -> str | None:
+    """Why the ``namespaces`` level is unavailable here (None where it is available)."""
+    return None if available_isolation() == "namespaces" else _WHY_WEAK[0]
 
 
 def isolation_level(config: SandboxConfig | None = None) -> str:
