@@ -135,8 +135,10 @@ class SandboxConfig:
     """Address-space limit of each process (``RLIMIT_AS``), in MiB."""
     file_size_mb: int = 16
     """Largest file a process may write (``RLIMIT_FSIZE``, includes its stdout/stderr), in MiB."""
-    max_processes: int = 16
-    """Processes and threads the code may start (``RLIMIT_NPROC``; ``namespaces`` level)."""
+    max_processes: int = 8
+    """Processes and threads the code may start (``RLIMIT_NPROC``; ``namespaces`` level).
+    ``memory_mb`` holds per process (there is no cgroup): a run may use up to
+    ``(max_processes + 1) * memory_mb``, so keep the product well below the machine's memory."""
     work_mb: int = 64
     """Size of the writable tmpfs ``/tmp`` (``namespaces`` level), in MiB."""
     min_isolation: str = field(default_factory=_default_min_isolation)
@@ -296,8 +298,10 @@ class _Child:
         status_r = None
         if level == "namespaces":
             home = "/tmp"
-            # init, the waiting launcher and the runner count too
-            job.update(nproc=config.max_processes + 3, drop_to=None, audit_root=None)
+            # evaluator not root: the waiting launcher, init and the runner share the candidate's
+            # id and count too; root: the candidate is nobody outside, only its runner counts
+            extra = 1 if os.geteuid() == 0 else 3
+            job.update(nproc=config.max_processes + extra, drop_to=None, audit_root=None)
             status_r, status_w = os.pipe()
             root = os.path.join(work, f"{name}.root")
             os.mkdir(root)
