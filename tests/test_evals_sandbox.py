@@ -293,3 +293,15 @@ def test_run_tests_sees_arguments_the_candidate_changed_in_place():
     )
     r = run_tests(candidate, tests, FAST)
     assert r.passed, r.stderr
+
+
+@pytest.mark.skipif(LEVEL != "namespaces", reason=f"isolation level here is {LEVEL!r}")
+def test_the_candidate_may_start_exactly_max_processes():
+    # at most 12 tries, inside the sandbox; the children die with its PID namespace
+    program = (
+        "import os, time\nn = 0\nfor _ in range(12):\n    try:\n        pid = os.fork()\n"
+        "    except OSError:\n        break\n    if pid == 0:\n        time.sleep(30)\n        os._exit(0)\n"
+        "    n += 1\nprint(n)\n"
+    )
+    r = run_program(program, SandboxConfig(timeout_s=20.0, max_processes=4))
+    assert r.passed and r.stdout.strip() == "4", (r.stdout, r.stderr)
