@@ -135,11 +135,12 @@ void mk_int(const MatView& m, int tile, const TilePtrs& p, float* out, size_t ld
 
 // fp8: [Kd/4][2][16][2] bytes. A half-line (32 bytes) holds 16 rows x {k, k+2} (low,
 // high byte of each 16-bit lane); e4m3 bits moved to bits 13..7 with the sign at 15 are
-// the fp16 of value / 256 (the 256 is folded into the scales).
+// the fp16 of value / 256 (the 256 is folded into the scales). Only the block's
+// accumulators live in registers (AVX2 has 16): at the end of each block they are scaled
+// once and added to the output rows, which stay in L1.
 template <int MT, int NT>
 void mk_fp8(const MatView& m, int tile, const TilePtrs& p, float* out, size_t ldo) {
   constexpr int MH = 2 * MT;
-  __m256 facc[MH][NT];
   const uint8_t* w[MT];
   const float* sc[MT];
   const uint16_t* x[NT];
@@ -148,9 +149,8 @@ void mk_fp8(const MatView& m, int tile, const TilePtrs& p, float* out, size_t ld
     sc[i] = m.scales + size_t(tile + i) * m.scale_tile;
   }
   for (int t = 0; t < NT; ++t) x[t] = static_cast<const uint16_t*>(p.x[t]);
-  for (int i = 0; i < MH; ++i)
-    for (int t = 0; t < NT; ++t) facc[i][t] = _mm256_setzero_ps();
   const __m256i fmask = _mm256_set1_epi16(int16_t(0xBF80));
+  const __m256i himask = _mm256_set1_epi32(int32_t(0xFFFF0000u));
   const int groups = m.kd / m.group;
   for (int g = 0; g < groups; ++g) {
     __m256 acc[MH][NT];
@@ -174,7 +174,9 @@ void mk_fp8(const MatView& m, int tile, const TilePtrs& p, float* out, size_t ld
             wv[2 * i + 1] = _mm256_cvtph_ps(_mm256_extracti128_si256(h16[j][i], 1));
           }
           for (int t = 0; t < NT; ++t) {
-            const __m256 xb = _mm256_set1_ps(bf16_to_f32(x[t][kk]));
+            // bf16 pair (kk & ~1, kk | 1) broadcast as 32 bits; its low or high half is x[kk]
+            const __m256i xp = _mm256_set1_epi32(load_i32(x[t] + (kk & ~1)));
+            const __m256 xb = _mm256_castsi256_ps(hl ? _mm256_and_si256(xp, himask) : _mm256_slli_epi32(xp, 16));
             for (int i = 0; i < MH; ++i) acc[i][t] = _mm256_fmadd_ps(wv[i], xb, acc[i][t]);
           }
         }
@@ -182,11 +184,15 @@ void mk_fp8(const MatView& m, int tile, const TilePtrs& p, float* out, size_t ld
     }
     for (int i = 0; i < MH; ++i) {
       const __m256 s = _mm256_set1_ps(sc[i / 2][g]);  // once per (tile, block)
-      for (int t = 0; t < NT; ++t) facc[i][t] = _mm256_fmadd_ps(acc[i][t], s, facc[i][t]);
+      for (int t = 0; t < NT; ++t) {
+        float* o = out + size_t(t) * ldo + i * 8;
+        _mm256_storeu_ps(o, g ? _mm256_fmadd_ps(acc[i][t], s, _mm256_loadu_ps(o)) : _mm256_mul_ps(acc[i][t], s));
+      }
     }
   }
-  for (int t = 0; t < NT; ++t)
-    for (int i = 0; i < MH; ++i) _mm256_storeu_ps(out + size_t(t) * ldo + i * 8, facc[i][t]);
+  if (groups == 0)
+    for (int t = 0; t < NT; ++t)
+      for (int i = 0; i < MH; ++i) _mm256_storeu_ps(out + size_t(t) * ldo + i * 8, _mm256_setzero_ps());
 }
 
 template <int MT, int NT>
