@@ -160,3 +160,17 @@ def test_loading_a_checkpoint_that_is_not_fp8_is_refused(tmp_path):
     (tmp_path / "model.safetensors").write_bytes(b"")
     with pytest.raises(MoelabError, match="quant_method 'fp8'"):
         load_fp8_checkpoint(tmp_path)
+
+
+def test_bench_kernels_accepts_fp8_and_reports_its_bandwidth():
+    from moelab.cli import build_parser
+    from moelab.kernels.bench import BenchConfig, format_table, run_bench
+
+    args = build_parser().parse_args(["bench", "kernels", "--dtypes", "bf16", "fp8", "--baselines"])
+    assert args.dtypes == ["bf16", "fp8"]
+    cfg = BenchConfig(shapes=["256x128x4x2"], tokens=[1], dtypes=args.dtypes, baselines=[], repeat=1,
+                      bandwidth_mib=16)
+    result = run_bench(cfg)
+    fp8 = next(r for r in result["rows"] if r["dtype"] == "fp8")
+    assert fp8["gbps"] > 0 and fp8["pct_read_bw"] > 0 and 0 < fp8["rel_err_vs_bf16"] < 0.1
+    assert result["machine"]["fp8_block"] == [128, 128] and "fp8 block 128x128" in format_table(result)
