@@ -2,7 +2,9 @@
 // AVX-512 path; a 16-row tile is two 8-lane halves. bf16 weights are widened to fp32
 // (even/odd halves of each 32-bit pair); int8 uses the vpsignb/vpmaddubsw trick on the
 // signed value (no saturation for |q|, |x| <= 127); int4 uses vpmaddubsw on the
-// unsigned nibble and the same offset correction as the AVX-512 path.
+// unsigned nibble and the same offset correction as the AVX-512 path. fp8 (e4m3) bytes
+// are decoded exactly to fp16 with two shifts and a mask, widened with vcvtph2ps and
+// multiplied in fp32 against bf16 activations; the block scale is applied once per block.
 #include <immintrin.h>
 
 #include "moe_kernels.h"
@@ -131,12 +133,75 @@ void mk_int(const MatView& m, int tile, const TilePtrs& p, float* out, size_t ld
     for (int i = 0; i < MH; ++i) _mm256_storeu_ps(out + size_t(t) * ldo + i * 8, facc[i][t]);
 }
 
+// fp8: [Kd/4][2][16][2] bytes. A half-line (32 bytes) holds 16 rows x {k, k+2} (low,
+// high byte of each 16-bit lane); e4m3 bits moved to bits 13..7 with the sign at 15 are
+// the fp16 of value / 256 (the 256 is folded into the scales). Only the block's
+// accumulators live in registers (AVX2 has 16): at the end of each block they are scaled
+// once and added to the output rows, which stay in L1.
+template <int MT, int NT>
+void mk_fp8(const MatView& m, int tile, const TilePtrs& p, float* out, size_t ldo) {
+  constexpr int MH = 2 * MT;
+  const uint8_t* w[MT];
+  const float* sc[MT];
+  const uint16_t* x[NT];
+  for (int i = 0; i < MT; ++i) {
+    w[i] = m.w + size_t(tile + i) * m.tile_bytes;
+    sc[i] = m.scales + size_t(tile + i) * m.scale_tile;
+  }
+  for (int t = 0; t < NT; ++t) x[t] = static_cast<const uint16_t*>(p.x[t]);
+  const __m256i fmask = _mm256_set1_epi16(int16_t(0xBF80));
+  const __m256i himask = _mm256_set1_epi32(int32_t(0xFFFF0000u));
+  const int groups = m.kd / m.group;
+  for (int g = 0; g < groups; ++g) {
+    __m256 acc[MH][NT];
+    for (int i = 0; i < MH; ++i)
+      for (int t = 0; t < NT; ++t) acc[i][t] = _mm256_setzero_ps();
+    const int k_end = (g + 1) * m.group;
+    for (int k = g * m.group; k < k_end; k += 4) {
+      const size_t off = size_t(k / 4) * 64;
+      for (int hl = 0; hl < 2; ++hl) {
+        __m256i h16[2][MT];  // [0]: rows at k + hl, [1]: rows at k + hl + 2 (fp16 bits)
+        for (int i = 0; i < MT; ++i) {
+          const __m256i v = _mm256_load_si256(reinterpret_cast<const __m256i*>(w[i] + off + 32 * hl));
+          h16[0][i] = _mm256_and_si256(_mm256_srai_epi16(_mm256_slli_epi16(v, 8), 1), fmask);
+          h16[1][i] = _mm256_and_si256(_mm256_srai_epi16(v, 1), fmask);
+        }
+        for (int j = 0; j < 2; ++j) {
+          const int kk = k + hl + 2 * j;
+          __m256 wv[MH];
+          for (int i = 0; i < MT; ++i) {
+            wv[2 * i] = _mm256_cvtph_ps(_mm256_castsi256_si128(h16[j][i]));
+            wv[2 * i + 1] = _mm256_cvtph_ps(_mm256_extracti128_si256(h16[j][i], 1));
+          }
+          for (int t = 0; t < NT; ++t) {
+            // bf16 pair (kk & ~1, kk | 1) broadcast as 32 bits; its low or high half is x[kk]
+            const __m256i xp = _mm256_set1_epi32(load_i32(x[t] + (kk & ~1)));
+            const __m256 xb = _mm256_castsi256_ps(hl ? _mm256_and_si256(xp, himask) : _mm256_slli_epi32(xp, 16));
+            for (int i = 0; i < MH; ++i) acc[i][t] = _mm256_fmadd_ps(wv[i], xb, acc[i][t]);
+          }
+        }
+      }
+    }
+    for (int i = 0; i < MH; ++i) {
+      const __m256 s = _mm256_set1_ps(sc[i / 2][g]);  // once per (tile, block)
+      for (int t = 0; t < NT; ++t) {
+        float* o = out + size_t(t) * ldo + i * 8;
+        _mm256_storeu_ps(o, g ? _mm256_fmadd_ps(acc[i][t], s, _mm256_loadu_ps(o)) : _mm256_mul_ps(acc[i][t], s));
+      }
+    }
+  }
+  if (groups == 0)
+    for (int t = 0; t < NT; ++t)
+      for (int i = 0; i < MH; ++i) _mm256_storeu_ps(out + size_t(t) * ldo + i * 8, _mm256_setzero_ps());
+}
+
 template <int MT, int NT>
 void mk_dispatch(const MatView& m, int tile, const TilePtrs& p, float* out, size_t ldo) {
   switch (m.wtype) {
     case W_F32:
     case W_BF16: mk_fp<MT, NT>(m, tile, p, out, ldo); break;
     case W_INT8: mk_int<false, MT, NT>(m, tile, p, out, ldo); break;
+    case W_FP8: mk_fp8<MT, NT>(m, tile, p, out, ldo); break;
     default: mk_int<true, MT, NT>(m, tile, p, out, ldo); break;
   }
 }
@@ -154,7 +219,7 @@ void mk_nt(int nt, const MatView& m, int tile, const TilePtrs& p, float* out, si
 void gemm_avx2(const MatView& m, int tile0, int ntiles, const ActView& a, int n, float* out,
                size_t ldo) {
   const bool is_int = m.wtype == W_INT8 || m.wtype == W_INT4;
-  const size_t esize = m.wtype == W_F32 ? 4 : (m.wtype == W_BF16 ? 2 : 1);
+  const size_t esize = m.wtype == W_F32 ? 4 : (m.wtype == W_BF16 || m.wtype == W_FP8 ? 2 : 1);
   for (int ti = 0; ti < ntiles; ti += 2) {
     const int mt = ntiles - ti < 2 ? 1 : 2;
     for (int t0 = 0; t0 < n; t0 += 4) {

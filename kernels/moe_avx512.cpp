@@ -1,6 +1,9 @@
 // AVX-512 path (F/BW/VL + VNNI + BF16: Cooper Lake, Sapphire Rapids, Zen 4 and later).
 // bf16 uses vdpbf16ps, int8/int4 use vpdpbusd on unsigned (offset) weights and int8
-// activations; fp32 uses FMA with broadcast activations. Register blocking: MT row
+// activations; fp32 uses FMA with broadcast activations. fp8 (e4m3) bytes are decoded
+// exactly: two shifts and a mask give the fp16 of value / 256, vcvtph2ps widens it, and
+// the high halves of two such fp32 vectors are bf16 (k, k+1) pairs for vdpbf16ps against
+// the bf16 activations; the block scale (x 256) is applied once per block. Register blocking: MT row
 // tiles (16 rows each) x NT tokens of accumulators; weights stream once per token tile.
 #include <immintrin.h>
 
@@ -125,6 +128,62 @@ void mk_int(const MatView& m, int tile, const TilePtrs& p, float* out, size_t ld
     for (int i = 0; i < MT; ++i) _mm512_storeu_ps(out + size_t(t) * ldo + i * 16, facc[i][t]);
 }
 
+// fp8: [Kd/4][2][16][2] bytes; a 64-byte line is 16 rows x 4 k. Its 16-bit words 0..15
+// hold rows at (k | k+2 << 8), words 16..31 rows at (k+1 | k+3 << 8).
+template <int MT, int NT>
+void mk_fp8(const MatView& m, int tile, const TilePtrs& p, float* out, size_t ldo) {
+  __m512 facc[MT][NT];
+  const uint8_t* w[MT];
+  const float* sc[MT];
+  const uint16_t* x[NT];
+  for (int i = 0; i < MT; ++i) {
+    w[i] = m.w + size_t(tile + i) * m.tile_bytes;
+    sc[i] = m.scales + size_t(tile + i) * m.scale_tile;
+  }
+  for (int t = 0; t < NT; ++t) x[t] = static_cast<const uint16_t*>(p.x[t]);
+  for (int i = 0; i < MT; ++i)
+    for (int t = 0; t < NT; ++t) facc[i][t] = _mm512_setzero_ps();
+  const __m512i fmask = _mm512_set1_epi16(int16_t(0xBF80));
+  const __m512i himask = _mm512_set1_epi32(int32_t(0xFFFF0000u));
+  const int groups = m.kd / m.group;
+  for (int g = 0; g < groups; ++g) {
+    __m512 acc[MT][NT];
+    for (int i = 0; i < MT; ++i)
+      for (int t = 0; t < NT; ++t) acc[i][t] = _mm512_setzero_ps();
+    const int k_end = (g + 1) * m.group;
+    for (int k = g * m.group; k < k_end; k += 4) {
+      const size_t off = size_t(k / 4) * 64;
+      __m512bh p01[MT], p23[MT];
+      for (int i = 0; i < MT; ++i) {
+        const __m512i v = _mm512_load_si512(w[i] + off);
+        const __m512i lo = _mm512_and_si512(_mm512_srai_epi16(_mm512_slli_epi16(v, 8), 1), fmask);
+        const __m512i hi = _mm512_and_si512(_mm512_srai_epi16(v, 1), fmask);
+        const __m512i f0 = _mm512_castps_si512(_mm512_cvtph_ps(_mm512_castsi512_si256(lo)));
+        const __m512i f1 = _mm512_castps_si512(_mm512_cvtph_ps(_mm512_extracti64x4_epi64(lo, 1)));
+        const __m512i f2 = _mm512_castps_si512(_mm512_cvtph_ps(_mm512_castsi512_si256(hi)));
+        const __m512i f3 = _mm512_castps_si512(_mm512_cvtph_ps(_mm512_extracti64x4_epi64(hi, 1)));
+        // exact bf16 = high half of the fp32: (f0 >> 16) | (f1 & 0xffff0000) -> (k, k+1)
+        p01[i] = (__m512bh)_mm512_ternarylogic_epi32(_mm512_srli_epi32(f0, 16), f1, himask, 0xF8);
+        p23[i] = (__m512bh)_mm512_ternarylogic_epi32(_mm512_srli_epi32(f2, 16), f3, himask, 0xF8);
+      }
+      for (int t = 0; t < NT; ++t) {
+        const __m512bh x01 = (__m512bh)_mm512_set1_epi32(load_i32(x[t] + k));
+        const __m512bh x23 = (__m512bh)_mm512_set1_epi32(load_i32(x[t] + k + 2));
+        for (int i = 0; i < MT; ++i) {
+          acc[i][t] = _mm512_dpbf16_ps(acc[i][t], p01[i], x01);
+          acc[i][t] = _mm512_dpbf16_ps(acc[i][t], p23[i], x23);
+        }
+      }
+    }
+    for (int i = 0; i < MT; ++i) {
+      const __m512 s = _mm512_set1_ps(sc[i][g]);  // once per (tile, block)
+      for (int t = 0; t < NT; ++t) facc[i][t] = _mm512_fmadd_ps(acc[i][t], s, facc[i][t]);
+    }
+  }
+  for (int t = 0; t < NT; ++t)
+    for (int i = 0; i < MT; ++i) _mm512_storeu_ps(out + size_t(t) * ldo + i * 16, facc[i][t]);
+}
+
 template <int MT, int NT>
 void mk_dispatch(const MatView& m, int tile, const TilePtrs& p, float* out, size_t ldo) {
   // Only register-resident blockings are instantiated (the driver never asks for more).
@@ -133,6 +192,7 @@ void mk_dispatch(const MatView& m, int tile, const TilePtrs& p, float* out, size
       case W_F32: mk_f32<MT, NT>(m, tile, p, out, ldo); break;
       case W_BF16: mk_bf16<MT, NT>(m, tile, p, out, ldo); break;
       case W_INT8: if constexpr (MT * NT <= 8) mk_int<false, MT, NT>(m, tile, p, out, ldo); break;
+      case W_FP8: if constexpr (MT * NT <= 8) mk_fp8<MT, NT>(m, tile, p, out, ldo); break;
       default: if constexpr (MT * NT <= 8) mk_int<true, MT, NT>(m, tile, p, out, ldo); break;
     }
   }
@@ -155,8 +215,8 @@ void mk_nt(int nt, const MatView& m, int tile, const TilePtrs& p, float* out, si
 void gemm_avx512(const MatView& m, int tile0, int ntiles, const ActView& a, int n, float* out,
                  size_t ldo) {
   const bool is_int = m.wtype == W_INT8 || m.wtype == W_INT4;
-  const int nt_max = is_int ? 4 : 8;
-  const size_t esize = m.wtype == W_F32 ? 4 : (m.wtype == W_BF16 ? 2 : 1);
+  const int nt_max = is_int || m.wtype == W_FP8 ? 4 : 8;  // two accumulator sets: MT*NT <= 8
+  const size_t esize = m.wtype == W_F32 ? 4 : (m.wtype == W_BF16 || m.wtype == W_FP8 ? 2 : 1);
   // Decode (one token tile): four row tiles in flight for memory-level parallelism.
   const int mt_max = n <= 2 ? 4 : 2;
   for (int ti = 0; ti < ntiles; ti += mt_max) {

@@ -12,6 +12,27 @@ inline float bits_to_f32(uint32_t b) { float f; __builtin_memcpy(&f, &b, 4); ret
 inline uint32_t f32_to_bits(float f) { uint32_t b; __builtin_memcpy(&b, &f, 4); return b; }
 inline float bf16_to_f32(uint16_t v) { return bits_to_f32(uint32_t(v) << 16); }
 
+// e4m3fn byte -> its value / 256 (exact), the scalar twin of the SIMD decode: the byte's
+// magnitude bits shifted left by 7 form the fp16 of value / 256 (normals and subnormals
+// alike), and fp16 -> fp32 is exact. NaN bytes (0x7f, 0xff) are not decoded as NaN;
+// packing refuses them.
+struct Fp8Lut {
+  float v[256];
+  Fp8Lut() {
+    for (int b = 0; b < 256; ++b) {
+      const int e = (b >> 3) & 15, m = b & 7;
+      // value / 256 = (8 + m) * 2^(e - 18) for normals, m * 2^-17 for subnormals
+      const float mag = e ? float(8 + m) * bits_to_f32(uint32_t(127 + e - 18) << 23)
+                          : float(m) * bits_to_f32(uint32_t(127 - 17) << 23);
+      v[b] = (b & 0x80) ? -mag : mag;
+    }
+  }
+};
+inline const float* fp8_lut() {
+  static const Fp8Lut lut;
+  return lut.v;
+}
+
 // exp(x) with ~1 ulp error on [-87, 88] (Cephes polynomial); branch-free so it vectorises.
 inline float exp_approx(float x) {
   x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
@@ -106,6 +127,24 @@ void gemm_generic(const MatView& m, int tile0, int ntiles, const ActView& a, int
           const uint16_t* wk = wb + size_t(k) * 16;
           for (int l = 0; l < 16; ++l)
             acc[l] += bf16_to_f32(wk[2 * l]) * x0 + bf16_to_f32(wk[2 * l + 1]) * x1;
+        }
+      } else if (m.wtype == W_FP8) {
+        // [Kd/4][2][16][2] bytes: (row l, k = 4 q + j) at 32 (j & 1) + 2 l + (j >> 1).
+        const float* lut = fp8_lut();
+        const uint16_t* x = static_cast<const uint16_t*>(a.base) + row * a.ld;
+        const float* sc = m.scales + size_t(tile0 + ti) * m.scale_tile;
+        const int groups = kd / m.group;
+        for (int g = 0; g < groups; ++g) {
+          float gacc[16] = {0};
+          for (int k = g * m.group; k < (g + 1) * m.group; k += 4) {
+            const uint8_t* blk = w + size_t(k / 4) * 64;
+            for (int j = 0; j < 4; ++j) {
+              const float xv = bf16_to_f32(x[k + j]);
+              const uint8_t* bj = blk + 32 * (j & 1) + (j >> 1);
+              for (int l = 0; l < 16; ++l) gacc[l] += lut[bj[2 * l]] * xv;
+            }
+          }
+          for (int l = 0; l < 16; ++l) acc[l] += gacc[l] * sc[g];  // once per block
         }
       } else {
         const int8_t* x = static_cast<const int8_t*>(a.base) + row * a.ld;

@@ -10,7 +10,14 @@
 //   int8: [Kd/4][16][4] u8    (one line per 4 k; value = q + 128; vpdpbusd quads)
 //   int4: [Kd/8][16][4] u8    (one line per 8 k; low nibble k+j, high nibble k+4+j;
 //                              value = q + 8)
-// int8/int4 scales are fp32 [N/16][G][16]. Gate and up rows are interleaved per tile
+//   fp8 : [Kd/4][2][16][2] u8 (one line per 4 k, e4m3fn bytes; byte 32*(k&1) + 2*row +
+//                              (k>>1) of the line holds (row, k), so one 16-bit lane pairs
+//                              k and k+2 of a row and a half-line holds 16 rows x 2 k)
+// int8/int4 scales are fp32 [N/16][G][16]. fp8 scales are fp32 [N/16][G], one per
+// (16-row tile, block of `group` k): the checkpoint's 128x128 block scale (its row
+// block holds whole tiles) times 256, because the kernels decode e4m3 exactly through
+// fp16 (e4m3 bits << 7 are an fp16 of the value / 256), then apply the scale once per
+// block. Gate and up rows are interleaved per tile
 // (gate tile i, then up tile i) so one pass over the weights yields both.
 //
 // This header is included by the ISA translation units, which are compiled with
@@ -21,13 +28,13 @@
 
 namespace moelab {
 
-enum WeightType : int { W_F32 = 0, W_BF16 = 1, W_INT8 = 2, W_INT4 = 3 };
+enum WeightType : int { W_F32 = 0, W_BF16 = 1, W_INT8 = 2, W_INT4 = 3, W_FP8 = 4 };
 enum ActKind : int { ACT_SILU = 0, ACT_GPT_OSS = 1 };
 enum Isa : int { ISA_PORTABLE = 0, ISA_AVX2 = 1, ISA_AVX512 = 2 };
 
 // Activations for one GEMM call: row r of the input is base + rows[r] * ld.
 struct ActView {
-  const void* base;       // f32 / bf16(uint16) / int8 elements
+  const void* base;       // f32 / bf16(uint16) / int8 elements (fp8 weights: bf16)
   const int32_t* rows;    // n row indices
   size_t ld;              // elements per row
   const float* sx;        // int only: per-(row, group) scale, row stride ldg
@@ -39,10 +46,10 @@ struct ActView {
 struct MatView {
   const uint8_t* w;       // first tile of this expert
   size_t tile_bytes;      // bytes per 16-row tile
-  const float* scales;    // int only: first tile's scales
-  size_t scale_tile;      // floats per tile of scales (G*16)
+  const float* scales;    // int/fp8 only: first tile's scales
+  size_t scale_tile;      // floats per tile of scales (int: G*16, fp8: G)
   int kd;                 // padded reduction length
-  int group;              // int only
+  int group;              // int: quantisation group; fp8: block length along k
   int wtype;
 };
 

@@ -5,7 +5,7 @@
 // Stage 1 tasks are (expert, intermediate slice) pairs, largest experts first, pulled
 // dynamically by OpenMP threads; each computes gate and up for all of that expert's
 // tokens in one pass over the slice's weights and writes the activated h (in the
-// stage-2 input format: fp32, bf16 or int8 + group scales).
+// stage-2 input format: fp32, bf16 (bf16 and fp8 weights) or int8 + group scales).
 // Stage 2 tasks are output-row slices; each walks the active experts in a fixed order
 // and accumulates router-weighted results straight into its slice of the output, so
 // there are no races and the result does not depend on the thread count.
@@ -42,7 +42,8 @@ size_t tile_bytes(int wtype, int kd) {
   switch (wtype) {
     case W_F32: return size_t(64) * kd;
     case W_BF16: return size_t(32) * kd;
-    case W_INT8: return size_t(16) * kd;
+    case W_INT8:
+    case W_FP8: return size_t(16) * kd;
     default: return size_t(8) * kd;
   }
 }
@@ -64,7 +65,11 @@ at::Tensor moe_forward(const at::Tensor& x, const at::Tensor& ids, const at::Ten
   TORCH_CHECK(ids.dim() == 2 && ids.size(0) == x.size(0), "moelab: top_k_index must be (T, K)");
   TORCH_CHECK(wts.sizes() == ids.sizes(), "moelab: top_k_weights must match top_k_index");
   TORCH_CHECK(S1 % 16 == 0 && Ip % S1 == 0 && Hp % 16 == 0, "moelab: bad packed geometry");
+  TORCH_CHECK(wtype >= W_F32 && wtype <= W_FP8, "moelab: unknown weight type ", wtype);
   const bool is_int = wtype == W_INT8 || wtype == W_INT4;
+  const bool is_fp8 = wtype == W_FP8;
+  const bool has_scales = is_int || is_fp8;
+  const bool bf16_act = wtype == W_BF16 || is_fp8;  // fp8 weights meet bf16 activations
   const int offset = wtype == W_INT8 ? 128 : 8;
   const int64_t T = x.size(0), K = ids.size(1), S = T * K;
   at::Tensor out = at::empty({T, H}, x.options());
@@ -77,9 +82,19 @@ at::Tensor moe_forward(const at::Tensor& x, const at::Tensor& ids, const at::Ten
   TORCH_CHECK(reinterpret_cast<uintptr_t>(w1.data_ptr()) % 64 == 0 &&
                   reinterpret_cast<uintptr_t>(w2.data_ptr()) % 64 == 0,
               "moelab: packed weights must be 64-byte aligned");
-  const int G1 = is_int ? Kp1 / group : 0, G2 = is_int ? Ip / group : 0;
-  const float* sc1 = is_int ? s1.data_ptr<float>() : nullptr;
-  const float* sc2 = is_int ? s2.data_ptr<float>() : nullptr;
+  if (has_scales)
+    TORCH_CHECK(group > 0 && Kp1 % group == 0 && Ip % group == 0,
+                "moelab: padded lengths must be multiples of the group/block length");
+  const int G1 = has_scales ? Kp1 / group : 0, G2 = has_scales ? Ip / group : 0;
+  const size_t lanes = is_int ? 16 : 1;  // int: a scale per row; fp8: one per 16-row tile
+  const size_t st1 = size_t(G1) * lanes, st2 = size_t(G2) * lanes;  // scale floats per tile
+  if (has_scales)
+    TORCH_CHECK(s1.scalar_type() == at::kFloat && s2.scalar_type() == at::kFloat &&
+                    s1.numel() == int64_t(st1) * (2 * Ip / 16) * E &&
+                    s2.numel() == int64_t(st2) * (Hp / 16) * E,
+                "moelab: packed scales do not match the layer geometry; repack the layer");
+  const float* sc1 = has_scales ? s1.data_ptr<float>() : nullptr;
+  const float* sc2 = has_scales ? s2.data_ptr<float>() : nullptr;
   const float* bias1 = b1.defined() && b1.numel() ? b1.data_ptr<float>() : nullptr;
   const float* bias2 = b2.defined() && b2.numel() ? b2.data_ptr<float>() : nullptr;
   const IsaOps ops = ops_for(isa);
@@ -127,7 +142,7 @@ at::Tensor moe_forward(const at::Tensor& x, const at::Tensor& ids, const at::Ten
       a1.base = xf.data();
     }
     a1.ld = size_t(H);
-  } else if (wtype == W_BF16) {
+  } else if (bf16_act) {
     if (x.scalar_type() == at::kBFloat16 && Kp1 == H) {
       a1.base = xc.data_ptr();
     } else {
@@ -168,7 +183,7 @@ at::Tensor moe_forward(const at::Tensor& x, const at::Tensor& ids, const at::Ten
   std::vector<float> hsx;
   std::vector<int32_t> hcorr;
   if (wtype == W_F32) hf.resize(size_t(S) * Ip);
-  else if (wtype == W_BF16) hb.resize(size_t(S) * Ip);
+  else if (bf16_act) hb.resize(size_t(S) * Ip);
   else { hq.resize(size_t(S) * Ip); hsx.resize(size_t(S) * G2); hcorr.resize(size_t(S) * G2); }
 
   // ---- stage 1: (expert, slice) tasks, heaviest experts first ----
@@ -187,8 +202,8 @@ at::Tensor moe_forward(const at::Tensor& x, const at::Tensor& ids, const at::Ten
       gu.resize(size_t(n) * 2 * S1);
       hloc.resize(size_t(n) * S1);
       MatView m{static_cast<const uint8_t*>(w1.data_ptr()) + size_t(e) * e_bytes1, tb1,
-                is_int ? sc1 + size_t(e) * (2 * Ip / 16) * G1 * 16 : nullptr, size_t(G1) * 16,
-                Kp1, group, wtype};
+                has_scales ? sc1 + size_t(e) * (2 * Ip / 16) * st1 : nullptr, st1, Kp1, group,
+                wtype};
       ActView a = a1;
       a.rows = pair_tok.data() + off[e];
       ops.gemm(m, s * tiles1, tiles1, a, n, gu.data(), size_t(2 * S1));
@@ -199,7 +214,7 @@ at::Tensor moe_forward(const at::Tensor& x, const at::Tensor& ids, const at::Ten
         const float* src = hloc.data() + size_t(j) * S1;
         if (wtype == W_F32) {
           std::memcpy(&hf[p * Ip + size_t(s) * S1], src, sizeof(float) * S1);
-        } else if (wtype == W_BF16) {
+        } else if (bf16_act) {
           uint16_t* dst = &hb[p * Ip + size_t(s) * S1];
           for (int i = 0; i < S1; ++i) dst[i] = f32_to_bf16(src[i]);
         } else {
@@ -215,7 +230,7 @@ at::Tensor moe_forward(const at::Tensor& x, const at::Tensor& ids, const at::Ten
   ActView a2{};
   a2.ld = size_t(Ip);
   if (wtype == W_F32) a2.base = hf.data();
-  else if (wtype == W_BF16) a2.base = hb.data();
+  else if (bf16_act) a2.base = hb.data();
   else { a2.base = hq.data(); a2.sx = hsx.data(); a2.corr = hcorr.data(); a2.ldg = size_t(G2); }
   const bool out_f32 = x.scalar_type() == at::kFloat;
   float* outf = out_f32 ? out.data_ptr<float>() : nullptr;
@@ -236,8 +251,8 @@ at::Tensor moe_forward(const at::Tensor& x, const at::Tensor& ids, const at::Ten
         if (n == 0) continue;
         y.resize(size_t(n) * rows);
         MatView m{static_cast<const uint8_t*>(w2.data_ptr()) + size_t(e) * e_bytes2, tb2,
-                  is_int ? sc2 + size_t(e) * (Hp / 16) * G2 * 16 : nullptr, size_t(G2) * 16, Ip,
-                  group, wtype};
+                  has_scales ? sc2 + size_t(e) * (Hp / 16) * st2 : nullptr, st2, Ip, group,
+                  wtype};
         ActView a = a2;
         a.rows = iota.data() + off[e];
         ops.gemm(m, tile0, nt, a, n, y.data(), size_t(rows));
@@ -267,6 +282,7 @@ std::vector<std::string> cpu_features() {
   __builtin_cpu_init();
   if (__builtin_cpu_supports("avx2")) f.push_back("avx2");
   if (__builtin_cpu_supports("fma")) f.push_back("fma");
+  if (__builtin_cpu_supports("f16c")) f.push_back("f16c");  // fp8 decode widens through fp16
   if (__builtin_cpu_supports("avx512f")) f.push_back("avx512f");
   if (__builtin_cpu_supports("avx512bw")) f.push_back("avx512bw");
   if (__builtin_cpu_supports("avx512vl")) f.push_back("avx512vl");
@@ -283,5 +299,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("moe_forward", &moelab::moe_forward, "fused MoE experts forward",
         py::call_guard<py::gil_scoped_release>());
   m.def("cpu_features", &moelab::cpu_features, "x86 features detected at run time");
-  m.attr("ABI_VERSION") = 1;
+  m.attr("ABI_VERSION") = 2;
 }

@@ -7,7 +7,14 @@ import threading
 import pytest
 import torch
 
-from moelab.kernels import KernelSpec, moe_experts, pack_experts, reference_experts, supported_isas
+from moelab.kernels import (
+    Fp8Weights,
+    KernelSpec,
+    moe_experts,
+    pack_experts,
+    reference_experts,
+    supported_isas,
+)
 from moelab.kernels.build import ISAS
 
 # E experts, H hidden, I intermediate, K top-k, T tokens; odd sizes included.
@@ -19,9 +26,12 @@ SHAPES = [
     (4, 47, 129, 4, 33),
 ]
 SPECS = [KernelSpec("fp32"), KernelSpec("bf16"), KernelSpec("int8", 32), KernelSpec("int8", 128),
-         KernelSpec("int4", 64), KernelSpec("int4", 128)]
-# max |kernel - reference| / max |reference|
-TOL = {"fp32": 1e-5, "bf16": 2e-3, "int8": 5e-3, "int4": 5e-3}
+         KernelSpec("int4", 64), KernelSpec("int4", 128), KernelSpec("fp8"), KernelSpec("fp8", block=(16, 32))]
+SPEC_IDS = [f"{s.dtype}b{s.block[0]}x{s.block[1]}" if s.dtype == "fp8" else f"{s.dtype}g{s.group_size}"
+            for s in SPECS]
+# max |kernel - reference| / max |reference| (fp8: bf16 activations and h, so a 1-ulp bf16
+# flip of h from a different summation order shows; a layout or scale bug gives O(1))
+TOL = {"fp32": 1e-5, "bf16": 2e-3, "int8": 5e-3, "int4": 5e-3, "fp8": 5e-3}
 
 
 def _isa_params():
@@ -64,19 +74,19 @@ def _check(out: torch.Tensor, ref: torch.Tensor, dtype: str) -> None:
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=[f"E{e}H{h}I{i}K{k}T{t}" for e, h, i, k, t in SHAPES])
-@pytest.mark.parametrize("spec", SPECS, ids=[f"{s.dtype}g{s.group_size}" for s in SPECS])
+@pytest.mark.parametrize("spec", SPECS, ids=SPEC_IDS)
 def test_kernel_matches_reference_silu(isa, shape, spec):
     e, h, i, k, t = shape
     w = _layer(e, h, i, bias=False)
     ids, wts = _routing(t, e, k)
     x = torch.randn(t, h, generator=torch.Generator().manual_seed(1))
-    if spec.dtype == "bf16":
+    if spec.dtype in ("bf16", "fp8"):
         x = x.to(torch.bfloat16)
     packed = pack_experts(spec=spec, **w)
     _check(moe_experts(x, ids, wts, packed, isa=isa), reference_experts(x, ids, wts, spec=spec, **w), spec.dtype)
 
 
-@pytest.mark.parametrize("spec", SPECS, ids=[f"{s.dtype}g{s.group_size}" for s in SPECS])
+@pytest.mark.parametrize("spec", SPECS, ids=SPEC_IDS)
 def test_kernel_matches_reference_gpt_oss_clamped_swiglu_with_biases(isa, spec):
     e, h, i, k, t = 8, 40, 36, 4, 9
     w = _layer(e, h, i, bias=True)
@@ -95,16 +105,37 @@ def test_all_tokens_on_one_expert_and_empty_experts(isa):
     ids = torch.full((t, 1), 5)
     wts = torch.rand(t, 1)
     x = torch.randn(t, h)
-    for spec in (KernelSpec("fp32"), KernelSpec("int4", 32)):
+    for spec in (KernelSpec("fp32"), KernelSpec("int4", 32), KernelSpec("fp8", block=(32, 16))):
         packed = pack_experts(spec=spec, **w)
         _check(moe_experts(x, ids, wts, packed, isa=isa), reference_experts(x, ids, wts, spec=spec, **w), spec.dtype)
 
 
-def test_zero_tokens_give_an_empty_output():
+@pytest.mark.parametrize("dtype", ["bf16", "fp8"])
+def test_zero_tokens_give_an_empty_output(dtype):
     w = _layer(4, 32, 32, bias=False)
-    packed = pack_experts(spec=KernelSpec("bf16"), **w)
+    packed = pack_experts(spec=KernelSpec(dtype), **w)
     out = moe_experts(torch.empty(0, 32), torch.empty(0, 2, dtype=torch.long), torch.empty(0, 2), packed)
     assert out.shape == (0, 32)
+
+
+@pytest.mark.parametrize("block", [(128, 128), (16, 48)])
+def test_stored_fp8_weights_run_intact_and_match_the_dequantising_reference(isa, block):
+    # Weights already in e4m3 (as a checkpoint stores them), with scales of both signs of
+    # magnitude and subnormal bytes: packed without re-quantisation.
+    e, h, i, k, t = 6, 100, 70, 3, 21
+    g = torch.Generator().manual_seed(3)
+    fp8 = {}
+    for name, shape in (("gate", (e, i, h)), ("up", (e, i, h)), ("down", (e, h, i))):
+        q = (torch.randn(shape, generator=g) * 60).clamp(-448, 448).to(torch.float8_e4m3fn)
+        q.view(torch.uint8)[..., 0] = torch.randint(0, 8, q.shape[:-1], dtype=torch.uint8, generator=g)  # subnormals
+        grid = (e, -(-shape[1] // block[0]), -(-shape[2] // block[1]))
+        fp8[name] = Fp8Weights(q, torch.rand(grid, generator=g) * 1e-3 + 1e-5, block)
+    ids, wts = _routing(t, e, k)
+    x = torch.randn(t, h, generator=g).to(torch.bfloat16)
+    packed = pack_experts(spec=KernelSpec("fp8"), **fp8)
+    assert packed.spec.block == block  # the stored block, not the spec's default
+    _check(moe_experts(x, ids, wts, packed, isa=isa), reference_experts(x, ids, wts, spec=KernelSpec("fp8"), **fp8),
+           "fp8")
 
 
 def test_result_does_not_depend_on_thread_count():

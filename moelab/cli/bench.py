@@ -16,14 +16,20 @@ def register(subparsers) -> None:
         description="Measure this machine's read bandwidth, then time moelab's fused experts kernels "
         "(per dtype) against transformers' eager and grouped_mm experts for realistic shapes.",
     )
-    from moelab.kernels.bench import BASELINES, DEFAULT_DTYPES, DEFAULT_SHAPES, DEFAULT_TOKENS
+    from moelab.kernels.bench import (
+        BASELINES,
+        DEFAULT_DTYPES,
+        DEFAULT_SHAPES,
+        DEFAULT_TOKENS,
+        DTYPES,
+    )
 
     k.add_argument("--shapes", nargs="+", default=list(DEFAULT_SHAPES), metavar="HxIxExK",
                    help=f"expert shapes (default: {' '.join(DEFAULT_SHAPES)})")
     k.add_argument("--tokens", nargs="+", type=positive_int, default=list(DEFAULT_TOKENS), metavar="T",
                    help="tokens per call (default: 1 4 16 64 256)")
-    k.add_argument("--dtypes", nargs="+", default=list(DEFAULT_DTYPES), choices=["fp32", "bf16", "int8", "int4"],
-                   help="moelab weight formats (default: bf16 int8 int4)")
+    k.add_argument("--dtypes", nargs="+", default=list(DEFAULT_DTYPES), choices=list(DTYPES),
+                   help=f"moelab weight formats (default: {' '.join(DEFAULT_DTYPES)})")
     k.add_argument("--baselines", nargs="*", default=list(BASELINES), choices=list(BASELINES),
                    help="transformers implementations to compare with (default: both; none to skip)")
     k.add_argument("--group-size", type=int, default=64, choices=[32, 64, 128], help="int8/int4 group size")

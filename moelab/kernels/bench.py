@@ -24,7 +24,8 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_SHAPES: tuple[str, ...] = ("2048x1408x64x6", "4096x14336x8x2")
 DEFAULT_TOKENS: tuple[int, ...] = (1, 4, 16, 64, 256)
-DEFAULT_DTYPES: tuple[str, ...] = ("bf16", "int8", "int4")
+DEFAULT_DTYPES: tuple[str, ...] = ("bf16", "int8", "int4", "fp8")
+DTYPES: tuple[str, ...] = ("fp32", "bf16", "int8", "int4", "fp8")
 BASELINES: tuple[str, ...] = ("eager", "grouped_mm")
 
 
@@ -63,11 +64,13 @@ class BenchConfig:
     tokens: Sequence[int] = DEFAULT_TOKENS
     """Token counts T per layer call."""
     dtypes: Sequence[str] = DEFAULT_DTYPES
-    """moelab weight formats (fp32, bf16, int8, int4)."""
+    """moelab weight formats (fp32, bf16, int8, int4, fp8)."""
     baselines: Sequence[str] = BASELINES
     """transformers experts implementations to compare against (bf16)."""
     group_size: int = 64
     """Quantisation group size for int8/int4."""
+    fp8_block: tuple[int, int] = (128, 128)
+    """fp8 scale block (rows, reduction); DeepSeek-V3's checkpoints use 128×128."""
     repeat: int = 5
     """Timed repetitions per point (median reported; fewer for large T)."""
     memory_fraction: float = 0.6
@@ -131,7 +134,7 @@ def _available_bytes() -> int:
 
 def _fit_experts(shape: Shape, dtypes: Sequence[str], fraction: float) -> int:
     """Largest E ≤ shape.experts whose weights (bf16 original + packs) fit the budget."""
-    factor = {"fp32": 2.0, "bf16": 1.0, "int8": 0.53, "int4": 0.28}
+    factor = {"fp32": 2.0, "bf16": 1.0, "int8": 0.53, "int4": 0.28, "fp8": 0.51}
     per_expert = shape.bf16_bytes_per_expert() * (1.0 + sum(factor[d] for d in dtypes) + 1.0)  # + temporaries
     budget = _available_bytes() * fraction
     e = int(min(shape.experts, budget // per_expert))
@@ -233,13 +236,16 @@ def run_bench(config: BenchConfig, progress: Callable[[str], None] | None = None
 
             raise unknown_name("baseline", b, BASELINES)
     shapes = [Shape.parse(s) for s in config.shapes]
-    specs = {d: KernelSpec(d, config.group_size) for d in config.dtypes}  # validates names
+    specs = {  # validates names
+        d: KernelSpec(d, config.group_size, block=tuple(config.fp8_block)) for d in config.dtypes
+    }
     torch.manual_seed(0)
     say("measuring memory bandwidth")
     bw = memory_bandwidth(config.bandwidth_mib)
     machine = {
         **bw, "threads": torch.get_num_threads(), "isa": active_isa(),
         "torch": torch.__version__, "group_size": config.group_size,
+        "fp8_block": list(config.fp8_block),
     }
     rows: list[Row] = []
     for shape in shapes:
@@ -252,7 +258,8 @@ def format_table(result: dict) -> str:
     m = result["machine"]
     lines = [
         f"read bandwidth {m['read_gbps']:.1f} GB/s, copy {m['copy_gbps']:.1f} GB/s; "
-        f"{m['threads']} threads; ISA {m['isa']}; torch {m['torch']}; int group {m['group_size']}",
+        f"{m['threads']} threads; ISA {m['isa']}; torch {m['torch']}; int group {m['group_size']}"
+        + (f"; fp8 block {m['fp8_block'][0]}x{m['fp8_block'][1]}" if "fp8_block" in m else ""),
     ]
     base_names = sorted({k for r in result["rows"] for k in r["baseline_ms"]})
     head = f"{'shape HxIxExK':<17}{'E':>4} {'dtype':<6}{'T':>5}{'ms':>10}{'GB/s':>8}{'%read':>7}"

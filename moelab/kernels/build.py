@@ -6,7 +6,7 @@ needed (~1 minute on 2 cores), never at install time. The cache lives in
 ``~/.cache/moelab/kernels/<python>-torch<version>``. torch's build lock makes
 concurrent first builds (e.g. pytest-xdist workers) safe: one builds, the others wait.
 
-Instruction set: ``avx512`` (AVX-512 F/BW/VL/DQ + VNNI + BF16), ``avx2`` (AVX2 + FMA)
+Instruction set: ``avx512`` (AVX-512 F/BW/VL/DQ + VNNI + BF16), ``avx2`` (AVX2 + FMA + F16C)
 or ``portable`` (plain C++), chosen from CPU detection. Force one with the environment
 variable ``MOELAB_KERNELS_ISA`` or with :func:`force_isa` (tests use this to exercise
 the fallback).
@@ -34,8 +34,8 @@ ISAS: tuple[Isa, ...] = ("avx512", "avx2", "portable")
 ISA_CODES: dict[str, int] = {"portable": 0, "avx2": 1, "avx512": 2}
 ISA_ENV = "MOELAB_KERNELS_ISA"
 _REQUIRED: dict[str, tuple[str, ...]] = {
-    "avx512": ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512vnni", "avx512bf16"),
-    "avx2": ("avx2", "fma"),
+    "avx512": ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512vnni", "avx512bf16", "f16c"),
+    "avx2": ("avx2", "fma", "f16c"),
     "portable": (),
 }
 _EXT_NAME = "moelab_moe_kernels"

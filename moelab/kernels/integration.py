@@ -9,6 +9,10 @@
 ``moelab_bf16``        bf16 weights, fp32 accumulation, whatever the model dtype
 ``moelab_int8``        int8 group-wise weights, group 64 (``moelab_int8_g32``/``_g128``)
 ``moelab_int4``        int4 group-wise weights, group 64 (``moelab_int4_g32``/``_g128``)
+``moelab_fp8``         e4m3 weights with 128×128 block scales (DeepSeek-V3's format);
+                       a module loaded from an fp8 checkpoint
+                       (:func:`~moelab.kernels.fp8.load_fp8_checkpoint`) runs its
+                       stored e4m3 weights intact, others are quantised at packing
 =====================  ==============================================================
 
 Select one with ``model.set_experts_implementation("moelab_int4")``. Each experts
@@ -34,12 +38,14 @@ from typing import Any
 import torch
 
 from moelab.errors import MoelabError
+from moelab.kernels.fp8 import Fp8Weights
 from moelab.kernels.op import moe_experts
 from moelab.kernels.packing import Activation, KernelSpec, PackedExperts, pack_experts
 
 logger = logging.getLogger(__name__)
 
 CACHE_ATTR = "_moelab_packed"
+FP8_ATTR = "_moelab_fp8_intact"
 
 #: implementation name → spec (``None`` dtype: follow the weights' dtype).
 IMPLEMENTATIONS: dict[str, KernelSpec | None] = {
@@ -51,6 +57,7 @@ IMPLEMENTATIONS: dict[str, KernelSpec | None] = {
     "moelab_int4": KernelSpec("int4", 64),
     "moelab_int4_g32": KernelSpec("int4", 32),
     "moelab_int4_g128": KernelSpec("int4", 128),
+    "moelab_fp8": KernelSpec("fp8"),
 }
 
 
@@ -124,6 +131,9 @@ def packed_for(module: torch.nn.Module, spec: KernelSpec | None = None) -> Packe
     spec = resolve_spec(module, spec)
     cache: dict[KernelSpec, tuple[tuple, PackedExperts]] = module.__dict__.setdefault(CACHE_ATTR, {})
     key = _cache_key(module)
+    intact = module.__dict__.get(FP8_ATTR)
+    if spec.dtype == "fp8" and intact is not None and intact[0] == key:
+        return intact[1]  # the checkpoint's own e4m3 weights and block scales
     hit = cache.get(spec)
     if hit is not None and hit[0] == key:
         return hit[1]
@@ -134,12 +144,39 @@ def packed_for(module: torch.nn.Module, spec: KernelSpec | None = None) -> Packe
 
 
 def clear_packed(model: torch.nn.Module) -> int:
-    """Drop every cached pack under ``model``; returns how many modules had one."""
+    """Drop every cached pack under ``model`` (stored fp8 packs too); returns how many modules had one."""
     n = 0
     for m in model.modules():
-        if m.__dict__.pop(CACHE_ATTR, None) is not None:
+        had = m.__dict__.pop(CACHE_ATTR, None) is not None
+        if m.__dict__.pop(FP8_ATTR, None) is not None or had:
             n += 1
     return n
+
+
+def install_fp8(module: torch.nn.Module, gate: Fp8Weights, up: Fp8Weights, down: Fp8Weights) -> PackedExperts:
+    """Give a SiLU-gated experts module stored e4m3 weights: gate/up ``(E, I, H)``, down ``(E, H, I)``.
+
+    The module's parameters get the dequantised values (in their dtype and layout) so every
+    implementation runs; ``moelab_fp8`` uses the e4m3 bytes and scales intact until a
+    parameter changes (then it re-quantises the parameters like any module).
+    """
+    canon = canonical_experts(module)  # refuses unsupported layouts
+    if canon["act"] != "silu" or "gate_bias" in canon:
+        raise MoelabError(f"{_name(module)} is not a bias-free SiLU-gated experts module; cannot install fp8 weights.")
+    e, i, h = canon["gate"].shape
+    for name, w, want in (("gate", gate, (e, i, h)), ("up", up, (e, i, h)), ("down", down, (e, h, i))):
+        if tuple(w.shape) != want:
+            raise MoelabError(f"fp8 {name} weights have shape {tuple(w.shape)}; {_name(module)} needs {want}.")
+    with torch.no_grad():
+        gu = torch.cat([gate.dequantize(), up.dequantize()], dim=1)  # (E, 2I, H)
+        dn = down.dequantize()  # (E, H, I)
+        if getattr(module, "is_transposed", False):
+            gu, dn = gu.transpose(1, 2), dn.transpose(1, 2)
+        module.gate_up_proj.copy_(gu.to(module.gate_up_proj.dtype))
+        module.down_proj.copy_(dn.to(module.down_proj.dtype))
+    packed = pack_experts(gate, up, down, KernelSpec("fp8", block=gate.block))
+    module.__dict__[FP8_ATTR] = (_cache_key(module), packed)
+    return packed
 
 
 _warned_grad = False

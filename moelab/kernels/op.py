@@ -45,7 +45,8 @@ def moe_experts(
     x = hidden_states if dtype in (torch.float32, torch.bfloat16) else hidden_states.float()
     meta = [
         packed.num_experts, packed.hidden, packed.intermediate, packed.kp1, packed.ip, packed.hp,
-        DTYPE_CODES[packed.spec.dtype], packed.spec.group_size, ACT_CODES[packed.act],
+        DTYPE_CODES[packed.spec.dtype], packed.spec.kernel_group or packed.spec.group_size,
+        ACT_CODES[packed.act],
         ISA_CODES[isa], num_threads or torch.get_num_threads(), packed.slice1,
     ]
     out = ext.moe_forward(

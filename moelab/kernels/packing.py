@@ -3,26 +3,41 @@
 Canonical input (any family is reduced to it by :mod:`moelab.kernels.integration`):
 gate and up ``(E, I, H)``, down ``(E, H, I)``, optional biases ``(E, 2, I)`` and ``(E, H)``.
 The layout is documented in ``kernels/moe_kernels.h``: 16-row tiles, every 64-byte line
-holding 16 rows × (1 fp32 | 2 bf16 | 4 int8 | 8 int4) reduction steps; gate and up tiles
-interleaved so stage 1 reads both in one pass. Buffers are 64-byte aligned. A packed
+holding 16 rows × (1 fp32 | 2 bf16 | 4 int8 | 4 fp8 | 8 int4) reduction steps; gate and up
+tiles interleaved so stage 1 reads both in one pass. Buffers are 64-byte aligned. A packed
 layer holds only the packed (possibly quantised) weights — no full-precision copy.
+
+fp8 weights are e4m3 bytes with one fp32 scale per (16-row tile, block of the reduction):
+float weights are quantised per original matrix in ``spec.block`` blocks
+(:func:`~moelab.kernels.fp8.quantize_fp8_blockwise`); :class:`~moelab.kernels.fp8.Fp8Weights`
+(e.g. from a DeepSeek-V3 checkpoint) are packed intact.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
 
 from moelab.errors import MoelabError
+from moelab.kernels.fp8 import (
+    DEFAULT_BLOCK,
+    FP8_DTYPE,
+    Fp8Weights,
+    check_block,
+    quantize_fp8_blockwise,
+)
 from moelab.kernels.quant import GROUP_SIZES, quantize_groupwise
 
-KernelDtype = Literal["fp32", "bf16", "int8", "int4"]
+KernelDtype = Literal["fp32", "bf16", "int8", "int4", "fp8"]
 Activation = Literal["silu", "gpt_oss"]
-DTYPE_CODES: dict[str, int] = {"fp32": 0, "bf16": 1, "int8": 2, "int4": 3}
+DTYPE_CODES: dict[str, int] = {"fp32": 0, "bf16": 1, "int8": 2, "int4": 3, "fp8": 4}
 ACT_CODES: dict[str, int] = {"silu": 0, "gpt_oss": 1}
-_BYTES_PER_K: dict[str, float] = {"fp32": 64, "bf16": 32, "int8": 16, "int4": 8}  # per 16-row tile
+_BYTES_PER_K: dict[str, float] = {"fp32": 64, "bf16": 32, "int8": 16, "int4": 8, "fp8": 16}  # per 16-row tile
+FP8_SCALE_FOLD = 256.0
+"""The kernels decode e4m3 to value / 256 (exactly, via fp16); packed fp8 scales carry the 256."""
 
 
 @dataclass(frozen=True)
@@ -30,9 +45,12 @@ class KernelSpec:
     """How a layer is packed."""
 
     dtype: KernelDtype = "bf16"
-    """Weight format: fp32, bf16 (fp32 accumulation) or int8/int4 (group-wise symmetric)."""
+    """Weight format: fp32, bf16 (fp32 accumulation), int8/int4 (group-wise symmetric) or fp8
+    (e4m3 with block scales; bf16 activations, fp32 accumulation)."""
     group_size: int = 64
     """Quantisation group along the reduction dimension (int8/int4 only): 32, 64 or 128."""
+    block: tuple[int, int] = DEFAULT_BLOCK
+    """fp8 only: scale block (rows, reduction), multiples of 16; DeepSeek-V3 uses 128×128."""
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_CODES:
@@ -43,6 +61,8 @@ class KernelSpec:
             raise MoelabError(
                 f"group_size={self.group_size!r} is not supported; expected one of {GROUP_SIZES}."
             )
+        if self.dtype == "fp8":
+            object.__setattr__(self, "block", check_block(self.block))
 
     @property
     def quantized(self) -> bool:
@@ -50,7 +70,23 @@ class KernelSpec:
 
     @property
     def bits(self) -> int:
-        return {"int8": 8, "int4": 4}.get(self.dtype, 16 if self.dtype == "bf16" else 32)
+        return {"int8": 8, "int4": 4, "fp8": 8}.get(self.dtype, 16 if self.dtype == "bf16" else 32)
+
+    @property
+    def kernel_group(self) -> int:
+        """The kernels' scale group along the reduction (int group, fp8 block length; else 0)."""
+        return self.group_size if self.quantized else (self.block[1] if self.dtype == "fp8" else 0)
+
+    def padded(self, hidden: int, intermediate: int) -> tuple[int, int, int, int]:
+        """``(kp1, ip, hp, slice1)``: H padded for stage 1, I padded, H padded to 16, I rows per task."""
+        if self.dtype == "fp8":
+            step, slice1 = self.block[1], 32
+            i_step = math.lcm(32, self.block[1])
+        else:
+            step = {"fp32": 1, "bf16": 2}.get(self.dtype, self.group_size)
+            slice1 = 32 if not self.quantized else max(32, self.group_size)
+            i_step = slice1
+        return _round_up(hidden, step), _round_up(intermediate, i_step), _round_up(hidden, 16), slice1
 
 
 @dataclass(frozen=True)
@@ -126,6 +162,42 @@ def _pack_expert(w: torch.Tensor, spec: KernelSpec, kp: int) -> tuple[torch.Tens
     return b.flatten(), s
 
 
+def _fp8_rows(
+    q: torch.Tensor, s: torch.Tensor, block: tuple[int, int], n_pad: int, k_pad: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One (N, K) e4m3 matrix → zero-padded bytes ``(n_pad, k_pad)`` and per-row scales ``(n_pad, G)``."""
+    bn, bk = block
+    n, k = q.shape
+    u = q.view(torch.uint8)
+    if bool(((u & 0x7F) == 0x7F).any()):
+        raise MoelabError("the fp8 weights contain NaN bytes (0x7f/0xff); the checkpoint is corrupt.")
+    u = torch.nn.functional.pad(u, (0, k_pad - k, 0, n_pad - n))
+    rows = s.float().repeat_interleave(bn, dim=0)[:n]
+    rows = torch.nn.functional.pad(rows, (0, k_pad // bk - rows.shape[1], 0, n_pad - n))
+    return u, rows
+
+
+def _fp8_layout(u: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Bytes ``(N, Kp)`` → ``[N/16][Kp/4][2][16][2]`` (byte 32 (k&1) + 2 row + (k>>1) of a line);
+    per-row scales → one per (tile, block), times :data:`FP8_SCALE_FOLD`."""
+    n, kp = u.shape
+    b = u.reshape(n // 16, 16, kp // 4, 2, 2).permute(0, 2, 4, 1, 3).contiguous()
+    return b.flatten(), (rows[::16] * FP8_SCALE_FOLD).contiguous().flatten()
+
+
+def _fp8_of(w: torch.Tensor | Fp8Weights, x: int, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor, tuple]:
+    """Expert ``x`` of ``w`` as (e4m3 matrix, block scales, block): intact if already fp8."""
+    if isinstance(w, Fp8Weights):
+        q, s = w.expert(x)
+        return q, s, w.block
+    q, s = quantize_fp8_blockwise(w[x], block)
+    return q, s, block
+
+
+def _shape(w: torch.Tensor | Fp8Weights) -> tuple[int, ...]:
+    return tuple(w.shape)
+
+
 def _interleave_tiles(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """(I', ...) gate and up → (2 I', ...) with gate tile i followed by up tile i."""
     i = g.shape[0]
@@ -136,9 +208,9 @@ def _interleave_tiles(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 
 
 def pack_experts(
-    gate: torch.Tensor,
-    up: torch.Tensor,
-    down: torch.Tensor,
+    gate: torch.Tensor | Fp8Weights,
+    up: torch.Tensor | Fp8Weights,
+    down: torch.Tensor | Fp8Weights,
     spec: KernelSpec,
     *,
     gate_bias: torch.Tensor | None = None,
@@ -150,41 +222,63 @@ def pack_experts(
 ) -> PackedExperts:
     """Pack a layer: gate/up ``(E, I, H)``, down ``(E, H, I)``, biases ``(E, I)``/``(E, H)``.
 
-    Packs expert by expert so the temporaries stay at one expert's size.
+    With ``spec.dtype == "fp8"`` the weights may be :class:`~moelab.kernels.fp8.Fp8Weights`
+    (packed intact, their own block shape) or float tensors (quantised in ``spec.block``
+    blocks). Packs expert by expert so the temporaries stay at one expert's size.
     """
-    if gate.dim() != 3 or up.shape != gate.shape or down.dim() != 3:
+    fp8_given = [isinstance(w, Fp8Weights) for w in (gate, up, down)]
+    if any(fp8_given) and spec.dtype != "fp8":
+        raise MoelabError(f"Fp8Weights can only be packed with KernelSpec('fp8'); got dtype {spec.dtype!r}.")
+    if any(isinstance(w, torch.Tensor) and w.dtype == FP8_DTYPE for w in (gate, up, down)):
+        raise MoelabError("raw float8 tensors have no scales; wrap them with their scales in Fp8Weights.")
+    if len(_shape(gate)) != 3 or _shape(up) != _shape(gate) or len(_shape(down)) != 3:
         raise MoelabError(
-            f"expected gate/up (E, I, H) and down (E, H, I); got {tuple(gate.shape)}, "
-            f"{tuple(up.shape)}, {tuple(down.shape)}."
+            f"expected gate/up (E, I, H) and down (E, H, I); got {_shape(gate)}, "
+            f"{_shape(up)}, {_shape(down)}."
         )
-    e, i, h = gate.shape
-    if tuple(down.shape) != (e, h, i):
-        raise MoelabError(f"down has shape {tuple(down.shape)}; expected (E, H, I) = {(e, h, i)}.")
+    e, i, h = _shape(gate)
+    if _shape(down) != (e, h, i):
+        raise MoelabError(f"down has shape {_shape(down)}; expected (E, H, I) = {(e, h, i)}.")
     if act not in ACT_CODES:
         from moelab.errors import unknown_name
 
         raise unknown_name("activation", act, ACT_CODES)
-    step = {"fp32": 1, "bf16": 2}.get(spec.dtype, spec.group_size)
-    slice1 = 32 if not spec.quantized else max(32, spec.group_size)
-    kp1, ip, hp = _round_up(h, step), _round_up(i, slice1), _round_up(h, 16)
+    if spec.dtype == "fp8":
+        blocks = {w.block for w in (gate, up, down) if isinstance(w, Fp8Weights)}
+        if len(blocks) > 1 or (blocks and any(not f for f in fp8_given)):
+            raise MoelabError(f"gate, up and down must share one fp8 block shape; got {sorted(blocks)}.")
+        spec = KernelSpec("fp8", block=blocks.pop()) if blocks else spec
+    kp1, ip, hp, slice1 = spec.padded(h, i)
     tb1 = int(_BYTES_PER_K[spec.dtype] * kp1)
     tb2 = int(_BYTES_PER_K[spec.dtype] * ip)
     e1, e2 = tb1 * (2 * ip // 16), tb2 * (hp // 16)
     w1, w2 = _aligned_empty(e * e1), _aligned_empty(e * e2)
-    g1 = kp1 // spec.group_size if spec.quantized else 0
-    g2 = ip // spec.group_size if spec.quantized else 0
-    s1 = torch.empty(e * (2 * ip // 16) * g1 * 16) if spec.quantized else torch.empty(0)
-    s2 = torch.empty(e * (hp // 16) * g2 * 16) if spec.quantized else torch.empty(0)
+    g1 = kp1 // spec.kernel_group if spec.kernel_group else 0
+    g2 = ip // spec.kernel_group if spec.kernel_group else 0
+    lanes = 16 if spec.quantized else 1  # int: a scale per row; fp8: one per 16-row tile
+    s1 = torch.empty(e * (2 * ip // 16) * g1 * lanes) if g1 else torch.empty(0)
+    s2 = torch.empty(e * (hp // 16) * g2 * lanes) if g2 else torch.empty(0)
     with torch.no_grad():
         for x in range(e):
-            gx = torch.nn.functional.pad(gate[x].float(), (0, 0, 0, ip - i))
-            ux = torch.nn.functional.pad(up[x].float(), (0, 0, 0, ip - i))
-            b, s = _pack_expert(_interleave_tiles(gx, ux), spec, kp1)
+            if spec.dtype == "fp8":
+                gq, gs, blk = _fp8_of(gate, x, spec.block)
+                uq, us, _ = _fp8_of(up, x, spec.block)
+                gu, gr = _fp8_rows(gq, gs, blk, ip, kp1)
+                uu, ur = _fp8_rows(uq, us, blk, ip, kp1)
+                b, s = _fp8_layout(_interleave_tiles(gu, uu), _interleave_tiles(gr, ur))
+            else:
+                gx = torch.nn.functional.pad(gate[x].float(), (0, 0, 0, ip - i))
+                ux = torch.nn.functional.pad(up[x].float(), (0, 0, 0, ip - i))
+                b, s = _pack_expert(_interleave_tiles(gx, ux), spec, kp1)
             w1[x * e1 : (x + 1) * e1] = b
             if s is not None:
                 s1[x * s.numel() : (x + 1) * s.numel()] = s
-            dx = torch.nn.functional.pad(down[x].float(), (0, ip - i, 0, hp - h))
-            b, s = _pack_expert(dx, spec, ip)
+            if spec.dtype == "fp8":
+                dq, ds, blk = _fp8_of(down, x, spec.block)
+                b, s = _fp8_layout(*_fp8_rows(dq, ds, blk, hp, ip))
+            else:
+                dx = torch.nn.functional.pad(down[x].float(), (0, ip - i, 0, hp - h))
+                b, s = _pack_expert(dx, spec, ip)
             w2[x * e2 : (x + 1) * e2] = b
             if s is not None:
                 s2[x * s.numel() : (x + 1) * s.numel()] = s
