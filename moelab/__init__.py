@@ -37,6 +37,7 @@ _LAZY: dict[str, str] = {
     "ExpertDeferral": "moelab.policies",
     "ExpertSkipping": "moelab.policies",
     "RoutingPolicy": "moelab.policies",
+    "resource_dir": "moelab._resources",
 }
 
 

@@ -22,26 +22,29 @@ def run_demo(
     """Load ``model`` (default: the bundled DeepSeek/Qwen2-style model), trace it, write the report."""
     from moelab.loading import load
     from moelab.models.bundled import default_model_name
-    from moelab.report import ReportContext, build_report
+    from moelab.report import ReportContext, build_report, check_sections
     from moelab.trace.run import trace_prompts
 
+    check_sections(sections)
     name = model or default_model_name()
     mdl, tok = load(name)
     if prompts is None:
         prompts = _default_prompts(quick)
-    workdir = Path(tempfile.mkdtemp(prefix="moelab-demo-"))
-    log.info("tracing %s on %d prompts", name, len(prompts))
-    trace = trace_prompts(mdl, tok, prompts, workdir / "trace", max_new_tokens=max_new_tokens, model_name=name)
-    ctx = ReportContext(
-        model=mdl,
-        tokenizer=tok,
-        model_name=name,
-        trace=trace,
-        workdir=workdir,
-        quick=quick,
-        extras={"allow_code_execution": allow_code_execution},
-    )
-    return build_report(ctx, out, sections=sections)
+    # The trace and the sections' scratch files live only as long as the report takes to build.
+    with tempfile.TemporaryDirectory(prefix="moelab-demo-") as tmp:
+        workdir = Path(tmp)
+        log.info("tracing %s on %d prompts", name, len(prompts))
+        trace = trace_prompts(mdl, tok, prompts, workdir / "trace", max_new_tokens=max_new_tokens, model_name=name)
+        ctx = ReportContext(
+            model=mdl,
+            tokenizer=tok,
+            model_name=name,
+            trace=trace,
+            workdir=workdir,
+            quick=quick,
+            extras={"allow_code_execution": allow_code_execution},
+        )
+        return build_report(ctx, out, sections=sections)
 
 
 def _default_prompts(quick: bool) -> list[str]:

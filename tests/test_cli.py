@@ -66,10 +66,16 @@ def test_user_errors_are_one_line_without_traceback(args, message, tmp_path):
     assert not (tmp_path / "x").exists()
 
 
-def test_demo_writes_self_contained_report(tmp_path):
+def test_demo_writes_self_contained_report(tmp_path, monkeypatch):
+    import tempfile
+
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
     out = tmp_path / "report.html"
     assert main(["demo", "--model", "tiny-random-qwen2_moe", "--quick", "--max-new-tokens", "4",
                  "--sections", "routing", "--out", str(out)]) == 0
+    assert [p.name for p in scratch.iterdir() if p.name.startswith("moelab")] == []  # scratch removed
     html = out.read_text()
     assert "Expert load per MoE layer" in html and "Token \\u2192 expert assignments" in html
     assert "Adjacent-layer routing" in html

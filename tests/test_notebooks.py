@@ -1,11 +1,19 @@
-"""Every notebook runs top to bottom (headless) and is committed without outputs."""
+"""Every notebook runs top to bottom (headless) and is committed without outputs; running one
+leaves nothing untracked behind, keeps its figures in a static HTML export and prints no
+text progress bars."""
 
 import json
+import re
+import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
 
-NOTEBOOKS = sorted((Path(__file__).resolve().parent.parent / "notebooks").glob("*.ipynb"))
+ROOT = Path(__file__).resolve().parent.parent
+NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
+PLOTLY = "application/vnd.plotly.v1+json"
+TEXT_BAR = re.compile(r"\d+%\|.*\|")  # tqdm's text bar: " 40%|####      | 2/5 [...]"
 
 
 def test_there_are_notebooks():
@@ -28,11 +36,36 @@ def test_notebook_executes(path, tmp_path, monkeypatch):
     from jupyter_client import KernelManager
     from nbclient import NotebookClient
 
-    monkeypatch.chdir(tmp_path)  # notebooks write their traces/artifacts into the working dir
+    work = tmp_path / "work"  # the notebook's working dir (in Jupyter: notebooks/)
+    scratch = tmp_path / "tmp"  # the kernel's temporary directory
+    work.mkdir()
+    scratch.mkdir()
+    monkeypatch.chdir(work)  # notebooks write their traces/artifacts into the working dir
+    monkeypatch.setenv("TMPDIR", str(scratch))  # inherited by the kernel
     nb = nbformat.read(path, as_version=4)
     # IPC sockets named after this test's own connection file: kernels started in parallel
     # cannot collide on TCP ports (a collision loses messages and hangs the client).
     km = KernelManager(kernel_name="python3", transport="ipc", connection_file=str(tmp_path / "kernel.json"))
     client = NotebookClient(nb, km=km, timeout=600, startup_timeout=120,
-                            resources={"metadata": {"path": str(tmp_path)}})
+                            resources={"metadata": {"path": str(work)}})
     client.execute()
+
+    outputs = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])]
+    # figures: plotly's mimetype for JupyterLab *and* HTML, which `nbconvert --to html` keeps
+    figures = [o for o in outputs if PLOTLY in o.get("data", {})]
+    assert all("text/html" in o["data"] for o in figures), "a plotly figure has no HTML output"
+    if figures:
+        from nbconvert import HTMLExporter
+
+        html, _ = HTMLExporter().from_notebook_node(nb)
+        assert html.count("Plotly.newPlot(") >= len(figures), "figures are lost in the HTML export"
+    # progress bars are widgets (or nothing), not a text line per update
+    streams = "".join(o.get("text", "") for o in outputs if o.get("output_type") == "stream")
+    assert not TEXT_BAR.search(streams), TEXT_BAR.search(streams).group(0)
+    # nothing left behind: temporary directories removed, outputs in git-ignored places
+    assert not [p.name for p in scratch.iterdir() if p.name.startswith("moelab")]
+    if shutil.which("git") and (ROOT / ".git").exists():
+        written = sorted(f"notebooks/{p.name}{'/' if p.is_dir() else ''}" for p in work.iterdir())
+        ignored = subprocess.run(["git", "-C", str(ROOT), "check-ignore", "--no-index", *written],
+                                 capture_output=True, text=True).stdout.split() if written else []
+        assert sorted(ignored) == written, f"running {path.name} leaves untracked {set(written) - set(ignored)}"

@@ -78,6 +78,29 @@ def test_init_only_stores_params_and_clone_copies_them(kind):
 
 
 @pytest.mark.parametrize("kind", KINDS)
+def test_is_a_scikit_learn_estimator(kind, trace):
+    from sklearn.base import BaseEstimator
+    from sklearn.base import clone as sk_clone
+    from sklearn.exceptions import NotFittedError
+    from sklearn.utils import get_tags
+    from sklearn.utils.validation import check_is_fitted
+
+    p = make(kind, distance=2)
+    assert isinstance(p, BaseEstimator)
+    with pytest.raises(NotFittedError, match="not fitted yet"):
+        check_is_fitted(p)
+    tags = get_tags(p)
+    assert tags.requires_fit and not tags.input_tags.two_d_array and not tags.target_tags.required
+    p.fit(trace)
+    check_is_fitted(p)
+    c = sk_clone(p)
+    assert type(c) is type(p) and c.get_params() == p.get_params() and not c.is_fitted
+    with pytest.raises(NotFittedError):
+        check_is_fitted(c)
+    assert "distance=2" in repr(p)
+
+
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("distance", [1, 2])
 def test_predictions_have_top_k_or_m_distinct_valid_ids(kind, distance, trace):
     p = make(kind, distance=distance).fit(trace)

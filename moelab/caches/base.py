@@ -160,6 +160,7 @@ class ExpertCache:
         """Cached expert ids of ``layer`` (sorted), or ``{layer: ids}`` for all layers."""
         if layer is None:
             return {ly: self.contents(ly) for ly in range(len(self.num_experts))}
+        self._check_layer(layer)
         off = self.key_offset_[layer]
         return sorted(
             k - off for part in self._resident for k in part if self._key_layer[k] == layer
@@ -174,9 +175,18 @@ class ExpertCache:
 
     def key(self, layer: int, expert: int) -> int:
         """The global key of ``expert`` in MoE layer ``layer``."""
+        self._check_layer(layer)
         if not 0 <= expert < self.num_experts[layer]:
             raise MoelabError(f"expert {expert} out of range for MoE layer {layer} (E = {self.num_experts[layer]}).")
         return self.key_offset_[layer] + int(expert)
+
+    def _check_layer(self, layer: int) -> None:
+        n = len(self.num_experts)
+        if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)) or not 0 <= layer < n:
+            raise MoelabError(
+                f"MoE layer {layer!r} out of range: this cache has {n} MoE layers (ordinals 0..{n - 1}); "
+                "pass the MoE layer's ordinal, not its decoder-layer index."
+            )
 
     def _partition(self, key: int) -> int:
         return self._key_layer[key] if self.scope == "layer" else 0

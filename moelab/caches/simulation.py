@@ -177,6 +177,11 @@ def sweep(
     """
     from tqdm.auto import tqdm
 
+    for arg, values, example in (("policies", policies, "('lru', 'belady')"),
+                                 ("capacities", capacities, "(0.25, 0.5)"),
+                                 ("scopes", scopes, "('layer',)"), ("prefetch", prefetch, "(None,)")):
+        if isinstance(values, (str, bytes)) or len(values) == 0:
+            raise MoelabError(f"sweep({arg}={values!r}): expected a non-empty sequence, e.g. {arg}={example}.")
     need_scores = any(get_policy(p).uses_scores for p in policies)
     stream = load_stream(source, include_prefill, scores=need_scores)
     combos = [

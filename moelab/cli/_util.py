@@ -55,3 +55,17 @@ def check_output_path(path: str | Path, overwrite: bool) -> Path:
     if p.exists() and not overwrite:
         raise MoelabError(f"output {str(p)!r} already exists; pass --overwrite to replace it or choose another path.")
     return p
+
+
+class DeprecatedAlias(argparse.Action):
+    """``store`` that warns on stderr when the option is given by one of its ``deprecated`` names."""
+
+    def __init__(self, option_strings, dest, deprecated: tuple[str, ...] = (), **kwargs):
+        self.deprecated = tuple(deprecated)
+        super().__init__(option_strings, dest, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        if option_string in self.deprecated:
+            print(f"moelab: warning: {option_string} is deprecated; use {self.option_strings[0]}.",
+                  file=sys.stderr)
+        setattr(namespace, self.dest, values)

@@ -6,6 +6,14 @@ import sys
 
 from moelab.cli._util import emit_json, positive_int
 
+# Copies of moelab.kernels.bench's defaults (importing it loads transformers, and building the
+# parser must stay fast); tests/test_cli_startup.py checks that they agree.
+DEFAULT_SHAPES: tuple[str, ...] = ("2048x1408x64x6", "4096x14336x8x2")
+DEFAULT_TOKENS: tuple[int, ...] = (1, 4, 16, 64, 256)
+DEFAULT_DTYPES: tuple[str, ...] = ("bf16", "int8", "int4", "fp8")
+DTYPES: tuple[str, ...] = ("fp32", "bf16", "int8", "int4", "fp8")
+BASELINES: tuple[str, ...] = ("eager", "grouped_mm")
+
 
 def register(subparsers) -> None:
     p = subparsers.add_parser("bench", help="benchmarks (kernels)", description="Benchmarks on this machine.")
@@ -16,14 +24,6 @@ def register(subparsers) -> None:
         description="Measure this machine's read bandwidth, then time moelab's fused experts kernels "
         "(per dtype) against transformers' eager and grouped_mm experts for realistic shapes.",
     )
-    from moelab.kernels.bench import (
-        BASELINES,
-        DEFAULT_DTYPES,
-        DEFAULT_SHAPES,
-        DEFAULT_TOKENS,
-        DTYPES,
-    )
-
     k.add_argument("--shapes", nargs="+", default=list(DEFAULT_SHAPES), metavar="HxIxExK",
                    help=f"expert shapes (default: {' '.join(DEFAULT_SHAPES)})")
     k.add_argument("--tokens", nargs="+", type=positive_int, default=list(DEFAULT_TOKENS), metavar="T",

@@ -40,7 +40,7 @@ def register(subparsers) -> None:
     b.add_argument("--experts", type=int, default=64, help="experts per MoE layer")
     b.add_argument("--top-k", type=int, default=8)
     b.add_argument("--capacity", default="0.25", help="comma-separated fractions")
-    b.add_argument("--scope", default="layer,global")
+    b.add_argument("--scope", default="both", help="layer, global, or both (layer,global)")
     b.add_argument("--policy", default="lru,lfu,fifo,static,mrs,belady")
     b.add_argument("--json", action="store_true")
     b.set_defaults(func=run_bench)
@@ -58,19 +58,32 @@ def parse_capacity(text: str) -> float | int:
         raise MoelabError(f"capacity {text!r} is neither a fraction (0.25, 25%) nor a count of experts (2).") from None
 
 
-def run_simulate(args) -> int:
-    from moelab.caches.base import SCOPES, get_policy
-    from moelab.caches.simulation import PrefetchConfig, load_stream, simulate
+def parse_scopes(text: str) -> list[str]:
+    """``layer``, ``global``, ``layer,global`` or ``both`` (= layer,global) -> a list of scopes."""
+    from moelab.caches.base import SCOPES
     from moelab.errors import unknown_name
+
+    scopes: list[str] = []
+    for x in (x.strip() for x in text.split(",")):
+        for sc in (SCOPES if x == "both" else (x,) if x else ()):
+            if sc not in SCOPES:
+                raise unknown_name("cache scope", sc, [*SCOPES, "both"])
+            if sc not in scopes:
+                scopes.append(sc)
+    if not scopes:
+        raise MoelabError(f"--scope {text!r} names no scope; use layer, global or both.")
+    return scopes
+
+
+def run_simulate(args) -> int:
+    from moelab.caches.base import get_policy
+    from moelab.caches.simulation import PrefetchConfig, load_stream, simulate
 
     policies = [x.strip() for x in args.policy.split(",") if x.strip()]
     for name in policies:
         get_policy(name)  # unknown names fail here, with suggestions
     capacities = [parse_capacity(c) for c in args.capacity.split(",") if c.strip()]
-    scopes = [x.strip() for x in args.scope.split(",") if x.strip()]
-    for sc in scopes:
-        if sc not in SCOPES:
-            raise unknown_name("cache scope", sc, SCOPES)
+    scopes = parse_scopes(args.scope)
     prefetch = None
     if (args.link_gbps is None) != (args.step_ms is None):
         raise MoelabError("--link-gbps and --step-ms go together: the budget is bandwidth × step time.")
@@ -133,7 +146,7 @@ def run_bench(args) -> int:
     from moelab.caches import bench
 
     argv = ["--accesses", str(args.accesses), "--layers", str(args.layers), "--experts", str(args.experts),
-            "--top-k", str(args.top_k), "--capacity", args.capacity, "--scope", args.scope, "--policy", args.policy]
+            "--top-k", str(args.top_k), "--capacity", args.capacity, "--scope", ",".join(parse_scopes(args.scope)), "--policy", args.policy]
     argv += ["--json"] if args.json else []
     return bench.main(argv)
 

@@ -30,7 +30,7 @@ def run(args) -> int:
     from moelab.demo import run_demo
 
     out = check_output_path(args.out, args.overwrite)
-    sections = [s.strip() for s in args.sections.split(",")] if args.sections else None
+    sections = [s.strip() for s in args.sections.split(",") if s.strip()] if args.sections is not None else None
     path = run_demo(
         out,
         model=args.model,

@@ -13,7 +13,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from moelab.cli._util import check_output_path, emit_json, positive_int
+from moelab.cli._util import DeprecatedAlias, check_output_path, emit_json, positive_int
 from moelab.errors import MoelabError
 
 log = logging.getLogger(__name__)
@@ -54,7 +54,9 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--expert-bytes", default=None,
                    help="bytes per expert transfer, or a reference model (e.g. qwen2-57b-a14b); default: the model's own")
     p.add_argument("--layer-time-us", type=float, default=None, help="override the profile's decode layer time")
-    p.add_argument("--link-gbs", type=float, default=None, help="override the profile's link bandwidth (GB/s)")
+    p.add_argument("--link-gbps", "--link-gbs", dest="link_gbs", type=float, default=None, metavar="GBPS",
+                   action=DeprecatedAlias, deprecated=("--link-gbs",),
+                   help="override the profile's link bandwidth (GB/s; --link-gbs is a deprecated alias)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.add_argument("--overwrite", action="store_true", help="replace existing outputs")
 

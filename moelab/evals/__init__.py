@@ -11,7 +11,7 @@
     print(result.table())
 
 Tasks: ``evals.eval_task_names()``; the lm-eval YAMLs live in ``evals/``
-(``moelab._resources.resource_dir("evals")``). Generated code runs only in
+(``moelab.resource_dir("evals")``). Generated code runs only in
 :mod:`moelab.evals.sandbox`, and only with ``allow_code_execution=True``.
 lm-eval is imported lazily, when something is scored.
 """

@@ -221,15 +221,66 @@ def _is_lm_eval_lm(obj: Any) -> bool:
 @contextmanager
 def _quiet_lm_eval() -> Iterator[None]:
     """lm-eval's warnings are noise for moelab users (we pass a live model on purpose),
-    so they are shown only when moelab logs at INFO or more verbosely."""
+    so they are shown only when moelab logs at INFO or more verbosely. So are its progress
+    bars: building the requests gets none, generating gets one transient bar (a widget in
+    Jupyter) instead of a line per update in the notebook's output. lm-eval's ``git describe``
+    (the results' ``git_hash``) runs without printing ``fatal: not a git repository``."""
+    import lm_eval.api.task as lm_task
+    import lm_eval.models.huggingface as lm_hf
+
     lm_logger = logging.getLogger("lm_eval")
     previous = lm_logger.level
+    saved = (lm_task.tqdm, lm_hf.tqdm)
     if logging.getLogger("moelab").getEffectiveLevel() > logging.INFO:
         lm_logger.setLevel(logging.ERROR)
+        lm_task.tqdm = _no_bar
+        lm_hf.tqdm = _transient_bar
+    try:
+        with quiet_git_hash():
+            yield
+    finally:
+        lm_logger.setLevel(previous)
+        lm_task.tqdm, lm_hf.tqdm = saved
+
+
+def _no_bar(iterable: Any = None, *args: Any, **kwargs: Any) -> Any:
+    from tqdm.auto import tqdm
+
+    return tqdm(iterable, *args, **{**kwargs, "disable": True})
+
+
+def _transient_bar(iterable: Any = None, *args: Any, **kwargs: Any) -> Any:
+    from tqdm.auto import tqdm
+
+    return tqdm(iterable, *args, **{**kwargs, "leave": False})
+
+
+@contextmanager
+def quiet_git_hash() -> Iterator[None]:
+    """Run lm-eval's ``git describe`` (for the results' ``git_hash``) with stderr silenced."""
+    import lm_eval.evaluator as lm_evaluator
+
+    saved = lm_evaluator.get_git_commit_hash
+    lm_evaluator.get_git_commit_hash = _git_commit_hash
     try:
         yield
     finally:
-        lm_logger.setLevel(previous)
+        lm_evaluator.get_git_commit_hash = saved
+
+
+def _git_commit_hash() -> str | None:
+    """lm-eval's ``get_git_commit_hash`` without the ``fatal:`` line outside a repository."""
+    import subprocess
+
+    from lm_eval.loggers.utils import get_commit_from_path
+
+    try:
+        out = subprocess.run(["git", "describe", "--always"], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        out = None
+    if out is not None and out.returncode == 0 and out.stdout.strip():
+        return out.stdout.strip()
+    return get_commit_from_path(os.getcwd())
 
 
 def _check_generative(model: Any, tokenizer: Any) -> None:

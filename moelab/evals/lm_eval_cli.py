@@ -16,6 +16,7 @@ data with ``MOELAB_GSM8K_DIR`` / ``MOELAB_HUMANEVAL_DIR`` (or ``--metadata
 
 from __future__ import annotations
 
+import logging
 import sys
 
 
@@ -30,7 +31,26 @@ def main(argv: list[str] | None = None) -> None:
     if args and not any(a == "--include_path" or a.startswith("--include_path=") for a in args):
         args += ["--include_path", str(resource_dir("evals"))]
     sys.argv = [sys.argv[0] or "lm_eval", *args]
-    cli_evaluate()
+    _show_moelab_warnings()
+    from moelab.evals.api import quiet_git_hash
+
+    with quiet_git_hash():
+        cli_evaluate()
+
+
+def _show_moelab_warnings() -> None:
+    """moelab's warnings (e.g. a generation cap fitted into a short context) on stderr.
+
+    lm-eval's CLI configures only its own logger; without a handler here, moelab's
+    library-style ``NullHandler`` would swallow them.
+    """
+    log = logging.getLogger("moelab")
+    if not any(not isinstance(h, logging.NullHandler) for h in log.handlers):
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+        log.addHandler(handler)
+        if log.level == logging.NOTSET:
+            log.setLevel(logging.WARNING)
 
 
 if __name__ == "__main__":

@@ -8,10 +8,22 @@
 Both restore the model exactly on exit and compose when nested (in the order entered).
 """
 
-from moelab.policies.base import DEFERRED, DROPPED, IMMEDIATE, RoutingPolicy, SlotPlan
-from moelab.policies.deferral import DeferralConfig, ExpertDeferral
-from moelab.policies.runtime import active_policies
-from moelab.policies.skipping import ExpertSkipping, SkippingConfig
+from moelab._lazy import lazy_attributes
+
+# Imported on first use (PEP 562): the CLI imports ``moelab.policies.cli_args`` to build its
+# parser, which must not pull in torch.
+_LAZY: dict[str, str] = {
+    "DEFERRED": "moelab.policies.base",
+    "DROPPED": "moelab.policies.base",
+    "IMMEDIATE": "moelab.policies.base",
+    "RoutingPolicy": "moelab.policies.base",
+    "SlotPlan": "moelab.policies.base",
+    "DeferralConfig": "moelab.policies.deferral",
+    "ExpertDeferral": "moelab.policies.deferral",
+    "active_policies": "moelab.policies.runtime",
+    "ExpertSkipping": "moelab.policies.skipping",
+    "SkippingConfig": "moelab.policies.skipping",
+}
 
 __all__ = [
     "DEFERRED",
@@ -25,3 +37,5 @@ __all__ = [
     "SlotPlan",
     "active_policies",
 ]
+
+__getattr__, __dir__ = lazy_attributes(__name__, _LAZY, globals())

@@ -8,10 +8,12 @@ from __future__ import annotations
 import argparse
 import contextlib
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from moelab.cli._util import non_negative_int
-from moelab.policies.base import RoutingPolicy
+
+if TYPE_CHECKING:  # the CLI imports this module to build its parser: no torch at import
+    from moelab.policies.base import RoutingPolicy
 
 
 def add_policy_arguments(p: argparse.ArgumentParser) -> None:

@@ -32,6 +32,11 @@ def generate_text(model: Any, tokenizer: Any, prompt: str, max_new_tokens: int =
     enc = tokenizer(prompt, return_tensors="pt")
     device = next(model.parameters()).device
     input_ids = enc["input_ids"].to(device)
+    if input_ids.shape[1] == 0:
+        raise MoelabError(
+            f"prompt {prompt!r} encodes to no tokens and the tokenizer adds no BOS token; "
+            "give a non-empty prompt (--prompt TEXT)."
+        )
     mask = enc.get("attention_mask")
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     out = model.generate(

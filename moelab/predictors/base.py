@@ -6,6 +6,10 @@ A predictor guesses, before MoE layer ``l + d`` routes, which experts it will se
 * ``__init__`` only stores hyperparameters (``get_params``/``set_params``/:func:`clone`);
 * ``fit(trace)`` checks its inputs, learns, and returns ``self``; learned state lives in
   attributes ending in ``_`` (``model_fingerprint_``, ``trace_id_``, ...);
+* they are scikit-learn estimators (:class:`sklearn.base.BaseEstimator`): ``sklearn.base.clone``,
+  ``sklearn.utils.validation.check_is_fitted`` (via ``__sklearn_is_fitted__``) and the
+  estimator tags work; the input is a routing trace, not an ``X`` array, so the tags say
+  so and ``sklearn.utils.estimator_checks`` (which feeds arrays) does not apply;
 * **online**: ``predict(layer, hidden=..., token_ids=..., m=...)`` with what a forward
   pass has when MoE layer ``layer`` routes (its router input, the token id) returns the
   ranked expert ids predicted for MoE layer ``layer + distance``;
@@ -27,6 +31,7 @@ from functools import cached_property
 from typing import Any, ClassVar, Literal
 
 import numpy as np
+from sklearn.base import BaseEstimator
 
 from moelab.errors import MoelabError, unknown_name
 from moelab.predictors.data import TokenIndex
@@ -70,7 +75,7 @@ def as_trace_data(trace) -> TraceData:
     return TraceData(trace)
 
 
-class Predictor:
+class Predictor(BaseEstimator):
     """Base class of expert predictors (see the module docstring for the contract)."""
 
     kind: ClassVar[str] = ""
@@ -110,6 +115,19 @@ class Predictor:
                 raise unknown_name(f"parameter of {type(self).__name__}", key, names)
             setattr(self, key, value)
         return self
+
+    def __sklearn_is_fitted__(self) -> bool:
+        """For ``sklearn.utils.validation.check_is_fitted``."""
+        return self.is_fitted
+
+    def __sklearn_tags__(self):
+        tags = super().__sklearn_tags__()
+        tags.requires_fit = True
+        tags.non_deterministic = False
+        # fit(trace) and predict(layer, hidden=..., token_ids=...) take no (X, y) arrays
+        tags.input_tags.two_d_array = False
+        tags.target_tags.required = False
+        return tags
 
     def __repr__(self) -> str:
         defaults = {

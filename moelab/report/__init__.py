@@ -59,6 +59,20 @@ def section_names() -> list[str]:
     return [name for _, name, _ in _SECTIONS]
 
 
+def check_sections(sections: list[str] | None) -> None:
+    """Refuse section names that no registered section has (before any work is done)."""
+    if sections is None:
+        return
+    from moelab.errors import MoelabError, unknown_name
+
+    known = section_names()
+    if not sections:
+        raise MoelabError(f"no report sections selected; choose from: {', '.join(known)}.")
+    for name in sections:
+        if name not in known:
+            raise unknown_name("report section", name, known)
+
+
 def _load_builtin_sections() -> None:
     import importlib
 
@@ -75,7 +89,7 @@ BUILTIN_SECTION_MODULES: list[str] = ["moelab.report.routing", "moelab.evals.rep
 
 def build_report(ctx: ReportContext, out: str | Path, *, sections: list[str] | None = None) -> Path:
     """Run the sections and write the HTML report atomically to ``out``."""
-    _load_builtin_sections()
+    check_sections(sections)
     parts: list[str] = []
     include_js = True
     toc: list[str] = []

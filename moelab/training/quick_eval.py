@@ -37,15 +37,27 @@ def _cut(text: str, stops: tuple[str, ...]) -> str:
 
 @torch.no_grad()
 def greedy_complete(
-    model, tokenizer, contexts: list[str], max_new_tokens: int, batch_size: int = 32
+    model,
+    tokenizer,
+    contexts: list[str],
+    max_new_tokens: int,
+    batch_size: int = 32,
+    progress: bool | str = False,
 ) -> list[str]:
-    """Greedy continuations of ``contexts`` (left-padded batches, similar lengths together)."""
+    """Greedy continuations of ``contexts`` (left-padded batches, similar lengths together).
+
+    ``progress``: show a tqdm bar over the prompts (a string is its description).
+    """
+    from tqdm.auto import tqdm
+
     was_training = model.training
     model.eval()
     enc = [tokenizer(c, add_special_tokens=False).input_ids for c in contexts]
     order = sorted(range(len(enc)), key=lambda i: len(enc[i]))
     out: list[str] = [""] * len(enc)
     pad = tokenizer.pad_token_id
+    desc = progress if isinstance(progress, str) else "generating"
+    bar = tqdm(total=len(order), desc=desc, unit="prompt", disable=not progress, leave=False)
     for b in range(0, len(order), batch_size):
         idx = order[b : b + batch_size]
         t = max(len(enc[i]) for i in idx)
@@ -64,14 +76,19 @@ def greedy_complete(
         )
         for r, i in enumerate(idx):
             out[i] = tokenizer.decode(gen[r, t:], skip_special_tokens=True)
+        bar.update(len(idx))
+    bar.close()
     model.train(was_training)
     return out
 
 
-def eval_arith(model, tokenizer, examples: list[dict[str, Any]], max_new_tokens: int = 200) -> dict:
+def eval_arith(
+    model, tokenizer, examples: list[dict[str, Any]], max_new_tokens: int = 200, progress: bool = False
+) -> dict:
     """Strict exact match on the final ``#### N`` of GSM8K-style answers."""
     ctx = [prompt_and_target("arith", ex)[0] for ex in examples]
-    comps = [_cut(c, ARITH_STOP) for c in greedy_complete(model, tokenizer, ctx, max_new_tokens)]
+    gen = greedy_complete(model, tokenizer, ctx, max_new_tokens, progress=progress and "eval arith")
+    comps = [_cut(c, ARITH_STOP) for c in gen]
     correct = 0
     for ex, comp in zip(examples, comps):
         m = STRICT.search(comp)
@@ -102,12 +119,14 @@ def eval_pycode(
     examples: list[dict[str, Any]],
     max_new_tokens: int = 128,
     timeout: float = 5.0,
+    progress: bool = False,
 ) -> dict:
     """pass@1 (greedy): prompt + completion must pass the problem's ``check``."""
     config = SandboxConfig(timeout_s=timeout)
     level = isolation_level(config)  # refuses before generating when the sandbox is too weak
     ctx = [ex["prompt"] for ex in examples]
-    comps = [_cut(c, PYCODE_STOP) for c in greedy_complete(model, tokenizer, ctx, max_new_tokens)]
+    gen = greedy_complete(model, tokenizer, ctx, max_new_tokens, progress=progress and "eval pycode")
+    comps = [_cut(c, PYCODE_STOP) for c in gen]
     pairs = [
         (ex["prompt"] + comp, f"{ex['test']}\n\ncheck({ex['entry_point']})\n")
         for ex, comp in zip(examples, comps)
@@ -122,16 +141,24 @@ def eval_pycode(
 
 
 def quick_eval(
-    model, tokenizer, split: str = "validation", n: dict[str, int] | None = None, seed: int = 0
+    model,
+    tokenizer,
+    split: str = "validation",
+    n: dict[str, int] | None = None,
+    seed: int = 0,
+    progress: bool = False,
 ) -> dict[str, dict]:
-    """Greedy accuracy on ``arith`` and ``pycode`` (``n`` per task; None = the split's default)."""
+    """Greedy accuracy on ``arith`` and ``pycode`` (``n`` per task; None = the split's default).
+
+    ``progress``: a tqdm bar per task while generating (minutes on the full splits).
+    """
     n = n or {}
     res = {
         "arith": eval_arith(
-            model, tokenizer, generate("arith", split, n=n.get("arith"), seed=seed)
+            model, tokenizer, generate("arith", split, n=n.get("arith"), seed=seed), progress=progress
         ),
         "pycode": eval_pycode(
-            model, tokenizer, generate("pycode", split, n=n.get("pycode"), seed=seed)
+            model, tokenizer, generate("pycode", split, n=n.get("pycode"), seed=seed), progress=progress
         ),
     }
     logger.info(

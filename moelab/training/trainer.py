@@ -236,8 +236,10 @@ class Trainer:
         logger.info("%.3f s/step: training %d steps", per_step, st["max_steps"])
         return True
 
-    def _eval(self, split: str, n: dict[str, int] | None) -> dict:
-        res = quick_eval(self.model, self.tokenizer, split=split, n=n, seed=self.cfg.seed)
+    def _eval(self, split: str, n: dict[str, int] | None, progress: bool = False) -> dict:
+        res = quick_eval(
+            self.model, self.tokenizer, split=split, n=n, seed=self.cfg.seed, progress=progress
+        )
         row = {
             "step": self.state["step"],
             "split": split,
@@ -260,7 +262,8 @@ class Trainer:
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
         cfg = self.cfg
-        val = self._eval("validation", final_eval_n)
+        logger.info("final validation pass (greedy generation on the validation split)")
+        val = self._eval("validation", final_eval_n, progress=self.progress)
         load_rows = task_texts({"arith": 200, "pycode": 100}, "validation", cfg.seed)
         counts = expert_load(
             self.model, encode(self.tokenizer, load_rows, cfg.max_len), cfg.shape.top_k
