@@ -129,7 +129,7 @@ def test_quick_eval_pycode_scores_in_the_sandbox_and_records_its_level(monkeypat
         "    class E:\n        def __eq__(self, o):\n            return True\n    return E()\n",
     ]
     answers = [ex["canonical_solution"] for ex in examples[:2]] + forged
-    monkeypatch.setattr(quick_eval, "greedy_complete", lambda m, t, ctx, n: list(answers))
+    monkeypatch.setattr(quick_eval, "greedy_complete", lambda m, t, ctx, n, **kw: list(answers))
     res = quick_eval.eval_pycode(None, None, examples, timeout=30.0)
     assert res["pass@1"] == 0.5 and res["n"] == 4
     assert res["isolation"] == available_isolation()
