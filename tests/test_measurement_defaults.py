@@ -118,3 +118,150 @@ def test_demo_default_prompts_are_in_the_task_format():
 
     prompts = _default_prompts(quick=True)
     assert any(p.startswith("Question: ") and p.endswith("\nAnswer:") for p in prompts)
+
+
+# --- 3. generation caps come from the task; a capped run warns -------------------------
+
+def _notebook_cells(name: str) -> list[str]:
+    nb = json.loads((ROOT / "notebooks" / name).read_text())
+    return ["".join(c["source"]) for c in nb["cells"] if c["cell_type"] == "code"]
+
+
+@pytest.mark.slow
+@needs_bundled
+def test_notebook_02_deferral_vs_skipping_accuracies_are_not_all_zero():
+    # the notebook's own code: its set-up cell and its accuracy cell, as written
+    cells = _notebook_cells("02_expert_deferral.ipynb")
+    setup = next(c for c in cells if "moelab.load(" in c)
+    scoring = next(c for c in cells if "compare_policies(" in c)
+    ns: dict = {}
+    exec(setup, ns)  # noqa: S102 - the repository's own notebook
+    real, seen = ns["compare_policies"], {}
+
+    def cheaper(*args, deferred, skipped, **kwargs):
+        # the notebook's call and settings (limit, batch size, generation cap), on fewer
+        # policy counts: the baseline and D = top_k // 2 (3 lm-eval runs instead of 5)
+        seen.update(kwargs)
+        half = [n for n in deferred if n <= ns["top_k"] // 2]
+        return real(*args, deferred=half, skipped=half, **kwargs)
+
+    ns["compare_policies"] = cheaper
+    exec(scoring, ns)  # noqa: S102
+    cmp = ns["cmp"]
+    assert {p.policy for p in cmp.points} == {"deferral", "skipping"}
+    assert any(p.score > 0 for p in cmp.points), cmp.table()
+
+
+@needs_bundled
+def test_answers_cut_by_the_generation_cap_are_reported(caplog):
+    from moelab.evals import evaluate
+
+    model, tok = moelab.load(BUNDLED[0])
+    with caplog.at_level(logging.WARNING, logger="moelab"):
+        result = evaluate(model, tok, tasks=["arith"], limit=2, max_gen_toks=16, batch_size=2)
+    assert "2 of 2 answers were cut off at the 16-token generation cap" in caplog.text
+    assert any("16-token generation cap" in n for n in result.tasks["arith"].notes)
+
+
+def test_demo_accuracy_section_uses_the_tasks_generation_cap(monkeypatch):
+    from moelab.evals import report
+    from moelab.report import ReportContext
+
+    seen = {}
+
+    def fake_section(model, tokenizer, limit=10, **kw):
+        seen.update(kw, limit=limit)
+        return ""
+
+    monkeypatch.setattr(report, "report_section", fake_section)
+    report.accuracy_section(ReportContext(None, None, "m", None, Path("."), quick=True))
+    assert seen["limit"] == 3 and seen.get("max_gen_toks") is None
+
+
+# --- 4. truncated prompts are reported with their numbers ------------------------------
+
+
+def test_truncated_prompts_are_reported_with_their_lengths(caplog):
+    from moelab.evals import evaluate
+
+    model, tok = moelab.load("tiny-random-mixtral")  # 256-token context, one token per byte
+    with caplog.at_level(logging.WARNING, logger="moelab"):
+        result = evaluate(model, tok, tasks=["arith"], limit=2, max_gen_toks=100, batch_size=2)
+    notes = " ".join(result.tasks["arith"].notes)
+    assert "2 of 2 prompts were left-truncated to 156 tokens" in notes, notes
+    assert "256-token context minus 100 generated tokens" in caplog.text
+
+
+@needs_bundled
+@pytest.mark.skipif(not (ROOT.parent / "shared" / "data" / "gsm8k" / "test.jsonl").is_file(),
+                    reason="needs a local GSM8K copy (../shared/data/gsm8k)")
+def test_gsm8k_few_shot_prompts_truncated_on_the_bundled_models_are_reported(caplog):
+    from moelab.evals import evaluate
+
+    model, tok = moelab.load(BUNDLED[0])
+    with caplog.at_level(logging.WARNING, logger="moelab"):
+        evaluate(model, tok, tasks=["gsm8k"], limit=1, max_gen_toks=8,
+                 gsm8k_dir=str(ROOT.parent / "shared" / "data" / "gsm8k"))
+    assert "1 of 1 prompts were left-truncated to 504 tokens" in caplog.text
+
+
+# --- 5. cache traffic units -------------------------------------------------------------
+
+
+def test_cache_simulate_labels_experts_and_bytes_and_refuses_negative_sizes(tmp_path, capsys):
+    from test_caches_errors import _tiny_trace
+
+    from moelab.caches import make_cache, simulate
+    from moelab.cli import main
+    from moelab.errors import MoelabError
+
+    trace = _tiny_trace(tmp_path)
+    eb = max(json.loads((trace / "meta.json").read_text())["model"]["expert_bytes"])
+    r = simulate(trace, "lru", 0.25)
+    assert r.expert_bytes == eb > 1 and r.bytes_moved == r.transfers * eb
+    assert main(["cache", "simulate", "--trace", str(trace), "--policy", "lru", "--capacity", "0.25"]) == 0
+    out = capsys.readouterr().out
+    assert f"expert size: {eb} bytes" in out
+    header = next(line for line in out.splitlines() if line.startswith("policy"))
+    row = next(line for line in out.splitlines() if line.startswith("lru"))
+    assert "moved (experts)" in header and "moved (bytes)" in header
+    assert f" {r.transfers} " in row and f" {r.bytes_moved} " in row
+    with pytest.raises(SystemExit) as exc:  # argparse: usage line + one-line error, status 2
+        main(["cache", "simulate", "--trace", str(trace), "--policy", "lru", "--expert-bytes", "-5"])
+    assert exc.value.code == 2 and "--expert-bytes: expected a positive integer (≥ 1), got -5" in capsys.readouterr().err
+    with pytest.raises(MoelabError, match="expert_bytes=-5"):
+        simulate(trace, "lru", 0.25, expert_bytes=-5)
+    with pytest.raises(MoelabError, match="expert_bytes=0"):
+        make_cache("lru", [4], 2, expert_bytes=0)
+
+
+# --- 6. accuracy with its standard error and n -------------------------------------------
+
+
+def test_compare_policies_reports_stderr_and_n_in_table_and_figures(monkeypatch):
+    import moelab.evals
+    from moelab.evals.results import EvalConfig, EvalResult, TaskResult
+    from moelab.policies.compare import compare_policies
+
+    scores = iter([0.65, 0.70, 0.60])  # baseline, deferral 1, skipping 1
+
+    def fake_evaluate(model, tokenizer, tasks, limit=None, model_name=None, **kw):
+        s = next(scores)
+        se = (s * (1 - s) / 19) ** 0.5
+        t = TaskResult("arith", "arith", {"exact_match,strict-match": s}, {"exact_match,strict-match": se},
+                       "exact_match,strict-match", n_docs=20, n_available=200, num_fewshot=0)
+        return EvalResult("m", {"arith": t}, EvalConfig(), {})
+
+    monkeypatch.setattr(moelab.evals, "evaluate", fake_evaluate)
+    model, tok = moelab.load("tiny-random-qwen2_moe")
+    cmp = compare_policies(model, tok, ["arith"], deferred=[0, 1], skipped=[0, 1], limit=20)
+    table = cmp.table()
+    assert "0.700±0.105 (+7.7±24.3%)" in table, table  # "+7.7 %" alone hid a ±24-point error
+    assert "20 documents per cell" in table
+    d = cmp.cell("deferral", 1, "arith")
+    assert d.n_docs == 20 and abs(d.stderr - 0.1051) < 1e-3 and d.relative_stderr > 20
+    fig = cmp.line_figure()
+    assert all(tr.error_y.array is not None and len(tr.error_y.array) == 2 for tr in fig.data)
+    assert "n=20" in fig.layout.title.text
+    heat = cmp.heatmap()
+    assert "±" in heat.data[0].text[0][1] and "n=20" in heat.data[0].text[0][1]

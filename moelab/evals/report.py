@@ -130,7 +130,6 @@ def accuracy_section(ctx):
         limit=limit,
         allow_code_execution=bool(ctx.extras.get("allow_code_execution", False)),
         tasks=("arith", "pycode") if ctx.extras.get("allow_code_execution") else ("arith",),
-        max_gen_toks=64 if ctx.quick else None,
         workdir=ctx.workdir,
     )
     return Section(title="Accuracy (lm-eval)", html=body)
