@@ -34,6 +34,7 @@ import torch
 
 import moelab
 from moelab.hardware import reference_expert_bytes
+from moelab.loading import model_context_length
 from moelab.predictors import TraceData, evaluate, make_predictor
 from moelab.tasks import generate
 
@@ -55,9 +56,18 @@ def record(model, tok, texts: list[str], out: Path, name: str, new_tokens: int, 
     tok.padding_side = "left"
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
+    # prompt + generated tokens must fit the model's context; keep the end of a long prompt
+    # (what the model continues) and say how many were cut
+    room = min(256, (model_context_length(model) or 10**6) - new_tokens)
+    tok.truncation_side = "left"
+    lengths = [len(ids) for ids in tok(texts)["input_ids"]]
+    if any(n > room for n in lengths):
+        logging.getLogger("recipe").warning(
+            "%d of %d prompts are longer than %d tokens (the context minus %d generated tokens; longest %d): "
+            "their beginnings are cut", sum(n > room for n in lengths), len(texts), room, new_tokens, max(lengths))
     with moelab.record(model, out, hidden_states=True, model_name=name, overwrite=True) as rec:
         for i in range(0, len(texts), batch):
-            enc = tok(texts[i : i + batch], return_tensors="pt", padding=True, truncation=True, max_length=256)
+            enc = tok(texts[i : i + batch], return_tensors="pt", padding=True, truncation=True, max_length=room)
             with torch.inference_mode():
                 model.generate(**enc, max_new_tokens=new_tokens, do_sample=False, pad_token_id=tok.pad_token_id,
                                min_new_tokens=new_tokens)
