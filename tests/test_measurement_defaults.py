@@ -265,3 +265,33 @@ def test_compare_policies_reports_stderr_and_n_in_table_and_figures(monkeypatch)
     assert "n=20" in fig.layout.title.text
     heat = cmp.heatmap()
     assert "±" in heat.data[0].text[0][1] and "n=20" in heat.data[0].text[0][1]
+
+
+def test_compare_policies_marks_a_zero_stderr_at_zero_accuracy_with_a_wilson_interval(monkeypatch):
+    import moelab.evals
+    from moelab.evals.results import EvalConfig, EvalResult, TaskResult
+    from moelab.policies.compare import compare_policies
+
+    scores = iter([2 / 3, 0.0])  # baseline 2 of 3, deferral 1: 0 of 3 (lm-eval's stderr: 0)
+
+    def fake_evaluate(model, tokenizer, tasks, limit=None, model_name=None, **kw):
+        s = next(scores)
+        se = (s * (1 - s) / 2) ** 0.5
+        t = TaskResult("arith", "arith", {"exact_match,strict-match": s}, {"exact_match,strict-match": se},
+                       "exact_match,strict-match", n_docs=3, n_available=200, num_fewshot=0)
+        return EvalResult("m", {"arith": t}, EvalConfig(), {})
+
+    monkeypatch.setattr(moelab.evals, "evaluate", fake_evaluate)
+    model, tok = moelab.load("tiny-random-qwen2_moe")
+    cmp = compare_policies(model, tok, ["arith"], deferred=[0, 1], skipped=[], limit=3)
+    table = cmp.table()
+    assert "0.000±0.000 [0.000–0.561]" in table, table  # "0.000±0.000" alone claims certainty from n=3
+    assert "0.667±0.333 (" in table and "[0." not in table.split("0.667±0.333")[1][:3]
+    assert "Wilson 95% interval" in table
+    zero = cmp.cell("deferral", 1, "arith")
+    assert zero.stderr == 0.0 and zero.degenerate and zero.score_text() == "0.000±0.000 [95% CI 0.000–0.561] (n=3)"
+    assert cmp.to_dict()["points"][-1]["ci95_wilson"] == [0.0, pytest.approx(0.5615, abs=1e-4)]
+    tr = cmp.line_figure().data[0]
+    assert tr.error_y.array[-1] == pytest.approx(0.5615, abs=1e-4) and tr.error_y.arrayminus[-1] == 0.0
+    assert tr.error_y.array[0] == pytest.approx(1 / 3) and tr.error_y.arrayminus[0] == pytest.approx(1 / 3)
+    assert "Wilson" in cmp.line_figure().layout.title.text

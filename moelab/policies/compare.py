@@ -19,6 +19,7 @@ from typing import Any, Literal
 
 from moelab.errors import MoelabError
 from moelab.policies.base import PolicyPhase
+from moelab.stats import degenerate, format_score, wilson_interval
 
 log = logging.getLogger(__name__)
 
@@ -49,8 +50,25 @@ class PolicyPoint:
     baseline is 0."""
 
     def score_text(self) -> str:
-        """``0.650 ± 0.109 (n=20)``."""
-        return f"{self.score:.3f} ± {_se(self.stderr)} (n={self.n_docs})"
+        """``0.650±0.109 (n=20)``; at a score of 0 or 1, where the standard error is 0, also the
+        Wilson 95 % interval: ``0.000±0.000 [95% CI 0.000–0.561] (n=3)``."""
+        return format_score(self.score, self.stderr, self.n_docs)
+
+    @property
+    def degenerate(self) -> bool:
+        """True when ``stderr`` is 0 only because every document scored the same (0 or 1)."""
+        return degenerate(self.score, self.stderr)
+
+    def ci95(self) -> tuple[float, float]:
+        """Wilson 95 % interval of ``score`` over ``n_docs`` (informative also at 0 and 1)."""
+        return wilson_interval(self.score, self.n_docs)
+
+    def _cell_score(self) -> str:
+        text = f"{self.score:.3f}±{_se(self.stderr)}"
+        if self.degenerate:
+            lo, hi = self.ci95()
+            text += f" [{lo:.3f}–{hi:.3f}]"
+        return text
 
 
 @dataclass
@@ -71,7 +89,11 @@ class PolicyComparison:
     """Every (policy, n, task) cell; n = 0 is the shared baseline."""
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        """Every field, and per point its Wilson 95 % interval (``ci95_wilson``)."""
+        d = asdict(self)
+        for point, p in zip(d["points"], self.points):
+            point["ci95_wilson"] = list(p.ci95())
+        return d
 
     def cell(self, policy: str, n: int, task: str) -> PolicyPoint | None:
         return next((p for p in self.points if p.policy == policy and p.n == n and p.task == task), None)
@@ -91,7 +113,7 @@ class PolicyComparison:
                 row = [task, policy]
                 for n in ns:
                     c = self.cell(policy, n, task)
-                    row.append("" if c is None else f"{c.score:.3f}±{_se(c.stderr)} "
+                    row.append("" if c is None else f"{c._cell_score()} "
                                f"({_pct(c.relative_change, c.relative_stderr)})")
                 rows.append(row)
         widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
@@ -100,6 +122,9 @@ class PolicyComparison:
         lines.append(f"# n = experts deferred/skipped per token; accuracy ± standard error over "
                      f"{'/'.join(map(str, docs))} documents per cell; (relative change vs n=0 ± standard error); "
                      f"phase={self.phase}, limit={self.limit}, skipping renormalize={self.renormalize}")
+        if any(p.degenerate for p in self.points):
+            lines.append("# [lo–hi]: Wilson 95% interval, shown where every document scored the same (0 or 1) "
+                         "and the standard error is therefore 0")
         return "\n".join(lines)
 
     def heatmap(self):
@@ -115,7 +140,7 @@ class PolicyComparison:
                 ys.append(f"{policy} · {task}")
                 cells = [self.cell(policy, n, task) for n in ns]
                 z.append([None if c is None else c.relative_change for c in cells])
-                text.append(["" if c is None else f"{c.score:.3f} ± {_se(c.stderr)}<br>"
+                text.append(["" if c is None else f"{c._cell_score()}<br>"
                              f"{_pct(c.relative_change, c.relative_stderr)}<br>n={c.n_docs}" for c in cells])
         fig = go.Figure(go.Heatmap(
             x=[str(n) for n in ns], y=ys, z=z, text=text, texttemplate="%{text}",
@@ -141,11 +166,13 @@ class PolicyComparison:
                     fig.add_trace(go.Scatter(
                         x=[p.n for p in pts], y=[p.score for p in pts], mode="lines+markers",
                         name=f"{policy} · {task}", line={"dash": dash},
-                        error_y={"type": "data", "array": [p.stderr or 0.0 for p in pts], "visible": True},
+                        error_y={"type": "data", "symmetric": False, "visible": True,
+                                 "array": [_bar(p)[1] for p in pts], "arrayminus": [_bar(p)[0] for p in pts]},
                         text=[p.score_text() for p in pts], hovertemplate="n=%{x}: %{text}<extra></extra>",
                     ))
+        wilson = "; Wilson 95% interval where accuracy is 0 or 1" if any(p.degenerate for p in self.points) else ""
         fig.update_layout(title=f"{self.model}: accuracy vs experts deferred or skipped "
-                                f"(error bars: ± 1 standard error; {self._docs_label()})",
+                                f"(error bars: ± 1 standard error{wilson}; {self._docs_label()})",
                           xaxis_title="experts affected per token", yaxis_title="accuracy")
         return fig
 
@@ -162,6 +189,16 @@ def _pct(x: float | None, se: float | None = None) -> str:
     if x is None:
         return "n/a"
     return f"{x:+.1f}%" if se is None else f"{x:+.1f}±{se:.1f}%"
+
+
+def _bar(p: PolicyPoint) -> tuple[float, float]:
+    """Error bar (below, above): ± stderr, or the Wilson 95 % interval where stderr is 0 because
+    the score is 0 or 1 (a zero-height bar would claim certainty from a handful of documents)."""
+    if p.degenerate:
+        lo, hi = p.ci95()
+        return p.score - lo, hi - p.score
+    se = p.stderr or 0.0
+    return se, se
 
 
 def _se(x: float | None) -> str:
