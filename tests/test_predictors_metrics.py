@@ -214,3 +214,21 @@ def test_goodpred_rescoring_reports_n_and_stderr(trace):
     assert g["pairs"] == o["pairs"] and g["sequences"] == o["sequences"]
     assert o["sequences"] == 10 and o["accuracy_stderr"] > 0
     assert g["accuracy_stderr"] == pytest.approx(o["accuracy_stderr"]) and g["goodpred_stderr"] >= 0
+
+
+def test_predictor_plots_draw_clustered_stderr_bars_and_say_n(trace):
+    from moelab.predictors import frame, plots
+
+    reports = {}
+    for kind in ("token", "frequency"):
+        p = make_predictor(kind, distance=1).fit(trace)
+        reports[(kind, 1)] = (p, evaluate(p, trace, sequences=np.arange(10), expert_bytes=1, latency_us=0.0))
+    per_layer, overall = frame(reports), frame(reports, per_layer=False)
+    assert {"pairs", "sequences", "accuracy_stderr"} <= set(overall.columns)
+    for fig, df in ((plots.accuracy_per_layer(per_layer), per_layer[per_layer.phase == "decode"]),
+                    (plots.accuracy_vs_distance(overall), overall[overall.phase == "decode"])):
+        bars = np.concatenate([np.asarray(tr.error_y.array, float) for tr in fig.data])
+        assert len(bars) == len(df) and np.allclose(np.sort(bars), np.sort(df.accuracy_stderr.to_numpy()))
+        assert (bars > 0).all() and "n = " in fig.layout.title.text and "pairs" in fig.layout.title.text
+    fig, g = plots.goodpred_vs_bandwidth(reports, [5, 50], expert_bytes=reference_expert_bytes("deepseek-v2-lite"))
+    assert all(tr.error_y.array is not None for tr in fig.data) and "goodpred_stderr" in g.columns
