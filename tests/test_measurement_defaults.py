@@ -295,3 +295,17 @@ def test_compare_policies_marks_a_zero_stderr_at_zero_accuracy_with_a_wilson_int
     assert tr.error_y.array[-1] == pytest.approx(0.5615, abs=1e-4) and tr.error_y.arrayminus[-1] == 0.0
     assert tr.error_y.array[0] == pytest.approx(1 / 3) and tr.error_y.arrayminus[0] == pytest.approx(1 / 3)
     assert "Wilson" in cmp.line_figure().layout.title.text
+
+
+def test_eval_table_adds_a_wilson_interval_where_the_stderr_is_zero_at_zero_or_one():
+    from moelab.evals.results import EvalConfig, EvalResult, TaskResult
+
+    zero = TaskResult("arith", "arith", {"exact_match,strict-match": 0.0}, {"exact_match,strict-match": 0.0},
+                      "exact_match,strict-match", n_docs=3, n_available=200, num_fewshot=0)
+    half = TaskResult("pycode", "pycode", {"pass@1,none": 0.5}, {"pass@1,none": 0.2887},
+                      "pass@1,none", n_docs=4, n_available=50, num_fewshot=0)
+    table = EvalResult("m", {"arith": zero, "pycode": half}, EvalConfig(), {}).table()
+    row = next(line for line in table.splitlines() if line.startswith("arith"))
+    assert "0.0000 [0.0000–0.5615]" in row and row.split()[-1] == "3", table
+    assert "[" not in next(line for line in table.splitlines() if line.startswith("pycode"))
+    assert "Wilson 95% interval" in table
