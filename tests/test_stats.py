@@ -42,3 +42,11 @@ def test_format_score_marks_a_zero_stderr_from_an_all_or_nothing_score():
     assert format_score(0.0, 0.0, 3) == "0.000±0.000 [95% CI 0.000–0.561] (n=3)"
     assert format_score(1.0, 0.0, 3).startswith("1.000±0.000 [95% CI 0.439–1.000]")
     assert format_score(0.5, None, 4) == "0.500±n/a (n=4)"
+
+
+def test_demo_accuracy_cell_adds_the_wilson_interval_at_zero():
+    from moelab.evals.report import _se_text
+
+    assert _se_text(0.5, 0.2887, 4) == "± 0.289"
+    assert _se_text(0.0, 0.0, 3) == "± 0.000 (Wilson 95% CI 0.000–0.561)"
+    assert _se_text(0.0, None, 3) == ""

@@ -62,7 +62,7 @@ def report_section(
                         t.task,
                         key,
                         f"{value:.3f}",
-                        "" if se is None else f"± {se:.3f}",
+                        _se_text(value, se, t.n_docs),
                         t.n_docs,
                     )
                 )
@@ -117,6 +117,19 @@ def _score_text(sample: dict) -> str:
         if key in sample:
             return f"{key} = {sample[key]}"
     return ""
+
+
+def _se_text(value: float, se: float | None, n: int) -> str:
+    """``± 0.105``; at a score of 0 or 1 (stderr 0) also the Wilson 95 % interval."""
+    from moelab.stats import degenerate, wilson_interval
+
+    if se is None:
+        return ""
+    text = f"± {se:.3f}"
+    if degenerate(value, se):
+        lo, hi = wilson_interval(value, n)
+        text += f" (Wilson 95% CI {lo:.3f}–{hi:.3f})"
+    return text
 
 
 def accuracy_section(ctx):
