@@ -167,6 +167,10 @@ def markdown(results: dict) -> str:
     def f(x):
         return "–" if x is None or x != x else f"{x:.3f}"
 
+    def acc(o):  # accuracy ± its sequence-clustered stderr (results.json from before it existed: bare)
+        se = o.get("accuracy_stderr")
+        return f(o["accuracy"]) + ("" if se is None or se != se else f" ± {se:.3f}")
+
     te = results["test"]
     lines = [
         f"# Predictors of `{results['model']}` (fingerprint `{results['fingerprint']}`)",
@@ -174,7 +178,8 @@ def markdown(results: dict) -> str:
         f"Re-create: `{results['command']}`. All numbers on the **test** trace "
         f"({te['sequences']} held-out prompts, {te['decode_tokens']} decode / {te['prefill_tokens']} prefill tokens); "
         f"fitted on the train trace ({results['train']['sequences']} prompts, {results['train']['tokens']} tokens). "
-        f"Accuracy = |pred ∩ actual| / |actual| at m = top-k. GoodPred on `pcie4-x16` with the model's own expert "
+        f"Accuracy = |pred ∩ actual| / |actual| at m = top-k, ± its standard error clustered by prompt "
+        f"(moelab.predictors.metrics; n = the decode/prefill (token, layer) pairs of those prompts). GoodPred on `pcie4-x16` with the model's own expert "
         f"size, and projected with {PROJECTION} expert size ({reference_expert_bytes(PROJECTION) / 1e6:.0f} MB). "
         f"Latency: µs per layer per token, batch 1, CPU ({results['threads']} threads, shared machine).",
         "",
@@ -185,7 +190,7 @@ def markdown(results: dict) -> str:
         o = p["overall"]
         r2 = o["decode"].get(f"recall@{2 * max(te['top_k'])}")
         lines.append(
-            f"| {p['kind']} | {p['distance']} | {f(o['decode']['accuracy'])} | {f(o['prefill']['accuracy'])} | "
+            f"| {p['kind']} | {p['distance']} | {acc(o['decode'])} | {acc(o['prefill'])} | "
             f"{f(r2)} | {f(o['decode']['goodpred'])} | {f(p['goodpred_projected']['decode']['goodpred'])} | "
             f"{f(p['latency_us']) if p['latency_us'] == p['latency_us'] else '–'} | {p['fit_seconds']:.1f} |"
         )
