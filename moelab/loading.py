@@ -73,7 +73,7 @@ def load(
 
     if isinstance(name_or_path, nn.Module):
         get_adapter(name_or_path)
-        return name_or_path, tokenizer
+        return name_or_path, prepare_tokenizer(tokenizer, name_or_path, given=True)
 
     from moelab.models.bundled import TINY_RANDOM_PREFIX, bundled_path
 
@@ -91,7 +91,7 @@ def load(
             )
         model = build_tiny(family, seed=seed, dtype=torch_dtype if isinstance(torch_dtype, torch.dtype) else torch.float32)
         model.name_or_path = name
-        return model, tokenizer or byte_tokenizer()
+        return model, prepare_tokenizer(tokenizer or byte_tokenizer(), model, given=tokenizer is not None)
 
     path = bundled_path(name)
     if path is None and Path(name).expanduser().exists():
@@ -109,10 +109,47 @@ def load(
     source = str(path) if path is not None else name
     model = _from_pretrained(source, torch_dtype, device_map, trust_remote_code, kwargs)
     get_adapter(model)  # refuse non-MoE and unsupported models with a clear message
+    given = tokenizer is not None
     if tokenizer is None:
         tokenizer = _load_tokenizer(source, trust_remote_code)
     model.eval()
-    return model, tokenizer
+    return model, prepare_tokenizer(tokenizer, model, given=given)
+
+
+def model_context_length(model: Any) -> int | None:
+    """The model's context in tokens (``max_position_embeddings`` or its aliases), if known."""
+    config = getattr(model, "config", None)
+    for attr in ("max_position_embeddings", "n_positions", "n_ctx"):
+        value = getattr(config, attr, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+def prepare_tokenizer(tokenizer: Any, model: Any, *, given: bool = False) -> Any:
+    """Make ``tokenizer`` fit a decoder-only ``model``: pad on the left, and a
+    ``model_max_length`` no longer than the model's context.
+
+    Right padding puts pad tokens between a shorter prompt and its continuation, so batched
+    ``generate`` continues those rows from padding (wrong text, wrong routing traces); a
+    ``model_max_length`` above the context lets ``truncation=True`` pass prompts the model
+    cannot read. ``given``: the caller passed this tokenizer (changes are logged as warnings).
+    """
+    if tokenizer is None:
+        return None
+    report = log.warning if given else log.info
+    if getattr(tokenizer, "padding_side", "left") != "left":
+        report("tokenizer padded on the %s; decoder-only models need left padding: set padding_side='left'",
+               tokenizer.padding_side)
+        tokenizer.padding_side = "left"
+    ctx = model_context_length(model)
+    current = getattr(tokenizer, "model_max_length", None)
+    if ctx is not None and isinstance(current, int) and current > ctx:
+        if current < 10**9:  # transformers' "no limit" sentinel is ~1e30: nothing to report
+            report("tokenizer model_max_length %d is longer than the model's %d-token context; set to %d",
+                   current, ctx, ctx)
+        tokenizer.model_max_length = ctx
+    return tokenizer
 
 
 def _looks_like_path(name: str) -> bool:

@@ -2,7 +2,9 @@
 
 A task name resolves through a registry: ``demo`` (a few built-in prompts) is always
 there, and the synthetic tasks of :mod:`moelab.tasks` (``arith``, ``pycode``) are
-added when that module is present. Register more with :func:`register_prompt_source`.
+added when that module is present, as the contexts they are evaluated with
+(``Question: {question}\\nAnswer:`` for arith). Register more with :func:`register_prompt_source`.
+Prompts from a file are used verbatim; a ``.jsonl`` file can hold newlines (``"\\n"``).
 """
 
 from __future__ import annotations
@@ -37,8 +39,10 @@ def _task_prompts(name: str) -> Callable[[int | None], list[str]]:
     def source(limit: int | None) -> list[str]:
         from moelab import tasks
 
+        # the context the task is evaluated (and the bundled models were trained) with,
+        # e.g. "Question: ...\nAnswer:" for arith, not the bare question
         docs = tasks.generate(name, "test", n=limit)
-        return [d.get("question") or d["prompt"] for d in docs]
+        return [tasks.prompt_and_target(name, d)[0] for d in docs]
 
     return source
 
@@ -65,7 +69,11 @@ def task_prompts(name: str, limit: int | None = None) -> list[str]:
 
 
 def read_prompts(path: str | Path, limit: int | None = None) -> list[str]:
-    """Prompts from a file: ``.jsonl`` (field ``prompt``, ``question`` or ``text``) or one per line."""
+    """Prompts from a file: ``.jsonl`` (field ``prompt``, ``question`` or ``text``) or one per line.
+
+    Each prompt is fed to the model verbatim. A plain text file cannot hold a prompt with a
+    newline; a ``.jsonl`` file can (``{"prompt": "Question: ...\\nAnswer:"}``).
+    """
     p = Path(path)
     if not p.is_file():
         raise MoelabError(f"prompts file {str(p)!r} does not exist; pass a text file (one prompt per line) or .jsonl.")

@@ -34,6 +34,7 @@ import torch
 
 import moelab
 from moelab.hardware import reference_expert_bytes
+from moelab.loading import model_context_length
 from moelab.predictors import TraceData, evaluate, make_predictor
 from moelab.tasks import generate
 
@@ -55,9 +56,18 @@ def record(model, tok, texts: list[str], out: Path, name: str, new_tokens: int, 
     tok.padding_side = "left"
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
+    # prompt + generated tokens must fit the model's context; keep the end of a long prompt
+    # (what the model continues) and say how many were cut
+    room = min(256, (model_context_length(model) or 10**6) - new_tokens)
+    tok.truncation_side = "left"
+    lengths = [len(ids) for ids in tok(texts)["input_ids"]]
+    if any(n > room for n in lengths):
+        logging.getLogger("recipe").warning(
+            "%d of %d prompts are longer than %d tokens (the context minus %d generated tokens; longest %d): "
+            "their beginnings are cut", sum(n > room for n in lengths), len(texts), room, new_tokens, max(lengths))
     with moelab.record(model, out, hidden_states=True, model_name=name, overwrite=True) as rec:
         for i in range(0, len(texts), batch):
-            enc = tok(texts[i : i + batch], return_tensors="pt", padding=True, truncation=True, max_length=256)
+            enc = tok(texts[i : i + batch], return_tensors="pt", padding=True, truncation=True, max_length=room)
             with torch.inference_mode():
                 model.generate(**enc, max_new_tokens=new_tokens, do_sample=False, pad_token_id=tok.pad_token_id,
                                min_new_tokens=new_tokens)
@@ -157,6 +167,10 @@ def markdown(results: dict) -> str:
     def f(x):
         return "–" if x is None or x != x else f"{x:.3f}"
 
+    def acc(o):  # accuracy ± its sequence-clustered stderr (results.json from before it existed: bare)
+        se = o.get("accuracy_stderr")
+        return f(o["accuracy"]) + ("" if se is None or se != se else f" ± {se:.3f}")
+
     te = results["test"]
     lines = [
         f"# Predictors of `{results['model']}` (fingerprint `{results['fingerprint']}`)",
@@ -164,7 +178,8 @@ def markdown(results: dict) -> str:
         f"Re-create: `{results['command']}`. All numbers on the **test** trace "
         f"({te['sequences']} held-out prompts, {te['decode_tokens']} decode / {te['prefill_tokens']} prefill tokens); "
         f"fitted on the train trace ({results['train']['sequences']} prompts, {results['train']['tokens']} tokens). "
-        f"Accuracy = |pred ∩ actual| / |actual| at m = top-k. GoodPred on `pcie4-x16` with the model's own expert "
+        f"Accuracy = |pred ∩ actual| / |actual| at m = top-k, ± its standard error clustered by prompt "
+        f"(moelab.predictors.metrics; n = the decode/prefill (token, layer) pairs of those prompts). GoodPred on `pcie4-x16` with the model's own expert "
         f"size, and projected with {PROJECTION} expert size ({reference_expert_bytes(PROJECTION) / 1e6:.0f} MB). "
         f"Latency: µs per layer per token, batch 1, CPU ({results['threads']} threads, shared machine).",
         "",
@@ -175,7 +190,7 @@ def markdown(results: dict) -> str:
         o = p["overall"]
         r2 = o["decode"].get(f"recall@{2 * max(te['top_k'])}")
         lines.append(
-            f"| {p['kind']} | {p['distance']} | {f(o['decode']['accuracy'])} | {f(o['prefill']['accuracy'])} | "
+            f"| {p['kind']} | {p['distance']} | {acc(o['decode'])} | {acc(o['prefill'])} | "
             f"{f(r2)} | {f(o['decode']['goodpred'])} | {f(p['goodpred_projected']['decode']['goodpred'])} | "
             f"{f(p['latency_us']) if p['latency_us'] == p['latency_us'] else '–'} | {p['fit_seconds']:.1f} |"
         )

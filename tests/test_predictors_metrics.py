@@ -51,9 +51,19 @@ def _recompute(dump: pd.DataFrame, K: int, m_values: list[int]) -> dict:
                 good.append(g / len(a))
                 hits_total += sum(hits)
                 in_time_total += g
+        # standard error clustered by sequence, written out: sqrt(sum over sequences of the
+        # squared sum of residuals) / n; and the naive iid one
+        mean = sum(acc) / len(acc)
+        by_seq: dict[int, float] = {}
+        for s, a in zip(d.seq, acc):
+            by_seq[s] = by_seq.get(s, 0.0) + (a - mean)
         out[phase] = {
             "pairs": len(d),
+            "sequences": len(by_seq),
             "accuracy": float(np.mean(acc)),
+            # undefined (NaN, None in JSON) from a single sequence
+            "accuracy_stderr": (sum(v * v for v in by_seq.values()) ** 0.5) / len(acc) if len(by_seq) > 1 else None,
+            "accuracy_stderr_iid": float(np.std(acc, ddof=1) / len(acc) ** 0.5),
             **{f"recall@{m}": float(np.mean(rec[m])) for m in m_values},
             **{f"precision@{m}": float(np.mean(prec[m])) for m in m_values},
             "goodpred": float(np.mean(good)) if good else None,
@@ -174,3 +184,51 @@ def test_cli_fit_saves_with_held_out_metrics_and_eval_loads_it(trace, tmp_path, 
     assert again["overall"]["all"]["accuracy"] == fitted["overall"]["all"]["accuracy"]
     assert main(["predict", "eval", "--trace", str(trace.path), "--predictor", str(out), "--distance", "2"]) == 2
     assert "fitted for distance 1" in capsys.readouterr().err
+
+
+def test_cli_table_prints_n_and_the_clustered_stderr_of_accuracy(trace, capsys):
+    assert main(["predict", "eval", "--trace", str(trace.path), "--predictor", "frequency", "--distance", "1",
+                 "--set", "val_fraction=0.3"]) == 0
+    out = capsys.readouterr().out
+    header = next(line for line in out.splitlines() if line.startswith("phase"))
+    assert "pairs" in header and "seqs" in header and "±se" in header
+    decode = next(line for line in out.splitlines() if line.startswith("decode   overall"))
+    r = evaluate(make_predictor("frequency", distance=1, val_fraction=0.3).fit(trace), trace, expert_bytes=1,
+                 latency_us=0.0)
+    o = r.overall["decode"]
+    assert o["sequences"] == 3 and o["accuracy_stderr"] > 0
+    assert decode.split()[2:6] == [str(o["pairs"]), str(o["sequences"]), f"{o['accuracy']:.3f}",
+                                   f"{o['accuracy_stderr']:.3f}"]
+    assert "clustered by sequence" in out
+    assert r.accuracy_text() == (f"{o['accuracy']:.3f}±{o['accuracy_stderr']:.3f} "
+                                 f"(n={o['pairs']:,} pairs, {o['sequences']} seqs)")
+
+
+def test_goodpred_rescoring_reports_n_and_stderr(trace):
+    from moelab.predictors.metrics import goodpred
+
+    p = make_predictor("token", distance=1).fit(trace)
+    r = evaluate(p, trace, sequences=np.arange(10), expert_bytes=1, latency_us=0.0)
+    g = goodpred(r, p, expert_bytes=reference_expert_bytes("deepseek-v2-lite"), link_bandwidth_gbs=5.0)
+    o = r.overall["decode"]
+    assert g["pairs"] == o["pairs"] and g["sequences"] == o["sequences"]
+    assert o["sequences"] == 10 and o["accuracy_stderr"] > 0
+    assert g["accuracy_stderr"] == pytest.approx(o["accuracy_stderr"]) and g["goodpred_stderr"] >= 0
+
+
+def test_predictor_plots_draw_clustered_stderr_bars_and_say_n(trace):
+    from moelab.predictors import frame, plots
+
+    reports = {}
+    for kind in ("token", "frequency"):
+        p = make_predictor(kind, distance=1).fit(trace)
+        reports[(kind, 1)] = (p, evaluate(p, trace, sequences=np.arange(10), expert_bytes=1, latency_us=0.0))
+    per_layer, overall = frame(reports), frame(reports, per_layer=False)
+    assert {"pairs", "sequences", "accuracy_stderr"} <= set(overall.columns)
+    for fig, df in ((plots.accuracy_per_layer(per_layer), per_layer[per_layer.phase == "decode"]),
+                    (plots.accuracy_vs_distance(overall), overall[overall.phase == "decode"])):
+        bars = np.concatenate([np.asarray(tr.error_y.array, float) for tr in fig.data])
+        assert len(bars) == len(df) and np.allclose(np.sort(bars), np.sort(df.accuracy_stderr.to_numpy()))
+        assert (bars > 0).all() and "n = " in fig.layout.title.text and "pairs" in fig.layout.title.text
+    fig, g = plots.goodpred_vs_bandwidth(reports, [5, 50], expert_bytes=reference_expert_bytes("deepseek-v2-lite"))
+    assert all(tr.error_y.array is not None for tr in fig.data) and "goodpred_stderr" in g.columns

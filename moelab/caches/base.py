@@ -74,6 +74,17 @@ def resolve_capacity(capacity: float | int, num_experts: Sequence[int], scope: S
     return np.full(len(sizes), capacity, dtype=np.int64)
 
 
+def check_expert_bytes(expert_bytes) -> int:
+    """``expert_bytes`` as a positive int; a clear error for anything else (negative sizes
+    would report negative traffic)."""
+    if isinstance(expert_bytes, bool) or not isinstance(expert_bytes, (int, np.integer)) or expert_bytes < 1:
+        raise MoelabError(
+            f"expert_bytes={expert_bytes!r}: expected the size of one expert in bytes, an integer ≥ 1 "
+            "(leave it unset to use the size recorded in the trace, or count experts)."
+        )
+    return int(expert_bytes)
+
+
 class ExpertCache:
     """Base class of all expert caches. Subclasses implement :meth:`_priority` (and hooks).
 
@@ -103,7 +114,7 @@ class ExpertCache:
         self.num_experts = [int(e) for e in num_experts]
         self.capacity = capacity
         self.scope = scope
-        self.expert_bytes = int(expert_bytes)
+        self.expert_bytes = check_expert_bytes(expert_bytes)
         self.warm = None if warm is None else [int(k) for k in warm]
         self.reset()
 

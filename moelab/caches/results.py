@@ -31,7 +31,7 @@ class CacheResult:
     transfers: int
     """Experts moved into the cache (demand insertions + prefetches)."""
     expert_bytes: int
-    """Bytes of one expert (1 when unknown: ``bytes_moved`` then counts experts)."""
+    """Bytes of one expert (1 when unknown: ``bytes_moved`` then counts experts, like ``transfers``)."""
     layer_accesses: list[int]
     """Accesses per MoE layer."""
     layer_hits: list[int]
@@ -98,7 +98,7 @@ class CacheResult:
     def summary(self) -> str:
         s = (
             f"{self.policy:<7} {self.scope:<6} cap={_cap(self.capacity):>6} hit={self.hit_rate:7.2%} "
-            f"misses={self.misses} moved={self.bytes_moved}"
+            f"misses={self.misses} moved={self.transfers} experts ({self.bytes_moved} bytes)"
         )
         if self.prefetch:
             s += f" [{self.prefetch}: prefetched={self.prefetched} hits={self.prefetch_hits} wasted={self.wasted_prefetches}]"

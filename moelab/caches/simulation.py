@@ -17,7 +17,7 @@ from typing import Any, Literal
 import numpy as np
 
 from moelab.caches import _fast
-from moelab.caches.base import ExpertCache, Scope, get_policy, resolve_capacity
+from moelab.caches.base import ExpertCache, Scope, check_expert_bytes, get_policy, resolve_capacity
 from moelab.caches.policies import BeladyCache, mrs_p, nan_scores_message, popular_keys
 from moelab.caches.prefetch import get_prefetcher, proposals
 from moelab.caches.results import CacheResult, CacheSweep
@@ -144,8 +144,9 @@ def simulate(
         warm: start with the most popular experts of ``profile`` loaded instead of empty.
         prefetch: predictor-driven prefetching, or None for demand caching.
         backend: ``fast`` (compiled), ``reference`` (pure Python), ``auto`` (fast when possible).
-        expert_bytes: bytes per expert for ``bytes_moved``; default: the trace's recorded
-            expert size (meta.json ``model.expert_bytes``), else 1 (count experts).
+        expert_bytes: bytes per expert for ``bytes_moved`` (an integer ≥ 1); default: the
+            trace's recorded expert size (meta.json ``model.expert_bytes``), else 1 (then
+            ``bytes_moved`` counts experts). ``transfers`` always counts experts.
         profile: what ``static`` and ``warm`` rank popularity on: an AccessStream, a trace, or
             per-key counts; default the replayed stream itself (an optimistic profile).
         keep_hits: keep the per-access hit flags on the result (``result.hit``).
@@ -221,6 +222,8 @@ def _simulate_stream(
         )
     if cls.uses_scores and not stream.has_scores:
         raise MoelabError(f"policy {cls.name!r} needs router scores but the trace has none; {RECORD_SCORES_HINT}.")
+    if expert_bytes is not None:
+        check_expert_bytes(expert_bytes)
     size_known = bool(expert_bytes or stream.expert_bytes)
     expert_bytes = int(expert_bytes or stream.expert_bytes or 1)
     counts = None

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from moelab.cli._util import emit_json
+from moelab.cli._util import emit_json, positive_int
 from moelab.errors import MoelabError
 
 
@@ -29,7 +29,9 @@ def register(subparsers) -> None:
     s.add_argument("--link-gbps", type=float, default=None,
                    help="prefetch budget from a link: GB/s, with --step-ms (budget = GB/s × step time)")
     s.add_argument("--step-ms", type=float, default=None, help="step time in ms for --link-gbps")
-    s.add_argument("--expert-bytes", type=int, default=None, help="bytes per expert (default: count experts)")
+    s.add_argument("--expert-bytes", type=positive_int, default=None,
+                   help="bytes per expert (default: the size recorded in the trace; traffic is also "
+                   "reported in experts)")
     s.add_argument("--include-prefill", action="store_true", help="also replay the prompt tokens")
     s.add_argument("--warm", action="store_true", help="start with the most popular experts cached")
     s.add_argument("--json", action="store_true", help="machine-readable output")
@@ -113,14 +115,19 @@ def run_simulate(args) -> int:
           f"E={stream.num_experts.tolist()}, {'with' if args.include_prefill else 'decode only, no'} prefill"
           + (f"; prefetch {prefetch.describe(int(args.expert_bytes or stream.expert_bytes or 1))} "
              "(not for belady/static)" if prefetch else ""))
-    unit = "bytes" if args.expert_bytes else "experts"
-    print(f"{'policy':<8} {'scope':<7} {'capacity':>8} {'hit rate':>9} {'misses':>8} {'moved (' + unit + ')':>16}"
-          f"  per-layer hit rate")
+    size = args.expert_bytes or stream.expert_bytes
+    print(f"expert size: {size} bytes ({'--expert-bytes' if args.expert_bytes else 'recorded in the trace'})"
+          if size else "expert size: unknown (the trace does not record it; pass --expert-bytes): "
+          "traffic in experts only")
+    print(f"{'policy':<8} {'scope':<7} {'capacity':>8} {'hit rate':>9} {'misses':>8} {'moved (experts)':>15} "
+          f"{'moved (bytes)':>14}  per-layer hit rate")
     for r in results:
         cap = f"{r.capacity:.1%}" if isinstance(r.capacity, float) else str(r.capacity)
         layers = " ".join(f"{x:.2f}" for x in r.layer_hit_rate)
         extra = f"  [prefetched {r.prefetched}, hits {r.prefetch_hits}, wasted {r.wasted_prefetches}]" if r.prefetch else ""
-        print(f"{r.policy:<8} {r.scope:<7} {cap:>8} {r.hit_rate:>9.2%} {r.misses:>8} {r.bytes_moved:>16}  {layers}{extra}")
+        moved_bytes = str(r.bytes_moved) if size else "n/a"
+        print(f"{r.policy:<8} {r.scope:<7} {cap:>8} {r.hit_rate:>9.2%} {r.misses:>8} {r.transfers:>15} "
+              f"{moved_bytes:>14}  {layers}{extra}")
     return 0
 
 

@@ -160,16 +160,21 @@ def _print(report, args, saved=None, dump=None) -> None:
     print(f"latency {r.latency_us:.1f} µs per layer per token (batch 1, CPU); GoodPred on {r.transfer['profile']}: "
           f"{r.transfer['expert_bytes']} B/expert, transfer {r.transfer['transfer_us']:.1f} µs, "
           f"layer {r.transfer['decode_layer_time_us']:.0f} µs")
-    print(f"{'phase':8} {'layer':>7} {'pairs':>7} {'acc':>6} {'fetch':>6} {'goodpr':>6}")
+    print(f"{'phase':8} {'layer':>7} {'pairs':>7} {'seqs':>5} {'acc':>6} {'±se':>6} {'fetch':>6} {'goodpr':>6}")
     for row in r.per_layer:
         if row["phase"] == "all":
             continue
         print(f"{row['phase']:8} {row['source_layer']:>3}→{row['target_layer']:<3} {row['pairs']:>7} "
-              f"{_fmt(row['accuracy'])} {_fmt(row['fetch_rate'])} {_fmt(row['goodpred'])}")
+              f"{row['sequences']:>5} {_fmt(row['accuracy'])} {_fmt(row['accuracy_stderr'])} "
+              f"{_fmt(row['fetch_rate'])} {_fmt(row['goodpred'])}")
     for ph in ("prefill", "decode", "all"):
         o = r.overall[ph]
         rec = " ".join(f"R@{m}={_fmt(o[f'recall@{m}']).strip()}" for m in r.m_values)
-        print(f"{ph:8} overall {o['pairs']:>7} {_fmt(o['accuracy'])} {_fmt(o['fetch_rate'])} {_fmt(o['goodpred'])}  {rec}")
+        print(f"{ph:8} overall {o['pairs']:>7} {o['sequences']:>5} {_fmt(o['accuracy'])} "
+              f"{_fmt(o['accuracy_stderr'])} {_fmt(o['fetch_rate'])} {_fmt(o['goodpred'])}  {rec}")
+    print("# acc = mean |predicted ∩ actual| / top-k over n = pairs (token, layer); ±se = its standard "
+          "error clustered by sequence (tokens of one sequence are correlated; "
+          "accuracy_stderr_iid in --json is the naive lower bound)")
     if saved:
         print(f"saved to {saved}")
     if dump:

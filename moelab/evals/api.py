@@ -304,8 +304,9 @@ def _wrap(model: Any, tokenizer: Any, config: EvalConfig):
     return HFLM(pretrained=model, tokenizer=tokenizer, batch_size=config.batch_size)
 
 
-def _gen_kwargs(lm, task_obj, config: EvalConfig) -> dict[str, Any] | None:
-    """``max_gen_toks`` override: the user's cap, lowered to leave room for a prompt in short contexts."""
+def _gen_kwargs(lm, task_obj, config: EvalConfig) -> tuple[dict[str, Any] | None, int]:
+    """``max_gen_toks`` override (the user's cap, lowered to leave room for a prompt in short
+    contexts) and the cap in effect. Without an override the cap is the task's ``max_gen_toks``."""
     wanted = (task_obj.config.generation_kwargs or {}).get(
         "max_gen_toks", getattr(lm, "max_gen_toks", 256)
     )
@@ -321,7 +322,83 @@ def _gen_kwargs(lm, task_obj, config: EvalConfig) -> dict[str, Any] | None:
             cap,
         )
         cap = room
-    return {"max_gen_toks": cap} if cap != wanted else None
+    return ({"max_gen_toks": cap} if cap != wanted else None), cap
+
+
+class _CapCounter:
+    """Counts generated rows that stopped only because they reached the token cap (no stop
+    sequence, no EOS), by wrapping an HFLM's ``_model_generate`` for the duration of a run."""
+
+    def __init__(self, lm) -> None:
+        self.lm, self.rows, self.capped = lm, 0, 0
+
+    def __enter__(self) -> _CapCounter:
+        inner = getattr(self.lm, "_model_generate", None)
+        tok = getattr(self.lm, "tokenizer", None)
+        if inner is None or tok is None:
+            return self  # an lm-eval LM of another kind: nothing to count
+
+        def counted(context, max_length, stop, **kwargs):
+            out = inner(context=context, max_length=max_length, stop=stop, **kwargs)
+            n_prompt, room = context.shape[1], max_length - context.shape[1]
+            eos = getattr(tok, "eos_token_id", None)
+            for row in out[:, n_prompt:].tolist():
+                self.rows += 1
+                if len(row) < room or (eos is not None and eos in row):
+                    continue
+                text = tok.decode(row, skip_special_tokens=False)
+                self.capped += not any(s and s in text for s in (stop or []))
+            return out
+
+        self.lm._model_generate = counted
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.lm.__dict__.pop("_model_generate", None)
+
+
+def _truncated_prompts(lm, samples: list[dict], cap: int) -> tuple[int, list[int], int] | None:
+    """(prompts longer than the room lm-eval leaves them, all prompt lengths, that room), or None
+    when it cannot be told (no tokenizer or no known context)."""
+    tok, max_length = getattr(lm, "tokenizer", None), getattr(lm, "max_length", None)
+    if tok is None or not isinstance(max_length, int) or not samples:
+        return None
+    room = max_length - cap
+    lengths, seen = [], set()
+    for sample in samples:
+        if sample.get("doc_id") in seen:  # one sample record per filter (gsm8k has two)
+            continue
+        seen.add(sample.get("doc_id"))
+        args = sample.get("arguments")
+        context = args[0][0] if args and isinstance(args[0], (list, tuple)) and args[0] else None
+        if isinstance(context, str):
+            lengths.append(len(tok(context)["input_ids"]))
+    return sum(n > room for n in lengths), lengths, room
+
+
+def _check_run(lm, task: EvalTask, samples: list[dict], cap: int, counter: _CapCounter) -> list[str]:
+    """Warnings (also returned, for the result's notes) about what silently changes scores:
+    prompts cut to fit the context, and answers cut by the generation cap."""
+    notes = []
+    trunc = _truncated_prompts(lm, samples, cap)
+    if trunc is not None and trunc[0]:
+        n, lengths, room = trunc
+        lengths.sort()
+        notes.append(
+            f"{n} of {len(lengths)} prompts were left-truncated to {room} tokens (the model's "
+            f"{lm.max_length}-token context minus {cap} generated tokens); prompt lengths "
+            f"{lengths[0]}-{lengths[-1]} tokens (median {lengths[len(lengths) // 2]}). The scores measure "
+            "truncated prompts: use fewer few-shot examples (num_fewshot) or a model with a longer context."
+        )
+    if counter.rows and counter.capped * 2 > counter.rows:
+        notes.append(
+            f"{counter.capped} of {counter.rows} answers were cut off at the {cap}-token "
+            "generation cap before a stop sequence; their scores count unfinished answers. Raise "
+            "max_gen_toks (the task's own cap is the default) or check the model's outputs."
+        )
+    for note in notes:
+        logger.warning("%s: %s", task.name, note)
+    return notes
 
 
 def _run_task(
@@ -338,24 +415,28 @@ def _run_task(
         logger.warning(note)
         notes.append(note)
     logger.info("scoring %s (%s)", task.name, task.lm_eval_task)
-    raw = lm_eval.simple_evaluate(
-        model=lm,
-        tasks=[task_obj],
-        num_fewshot=config.num_fewshot,
-        limit=config.limit,
-        gen_kwargs=_gen_kwargs(lm, task_obj, config),
-        task_manager=task_manager,
-        log_samples=True,
-        bootstrap_iters=1000,
-        random_seed=config.seed,
-        numpy_random_seed=config.seed,
-        torch_random_seed=config.seed,
-        fewshot_random_seed=config.seed,
-        confirm_run_unsafe_code=config.allow_code_execution,
-    )
+    gen_kwargs, cap = _gen_kwargs(lm, task_obj, config)
+    with _CapCounter(lm) as counter:
+        raw = lm_eval.simple_evaluate(
+            model=lm,
+            tasks=[task_obj],
+            num_fewshot=config.num_fewshot,
+            limit=config.limit,
+            gen_kwargs=gen_kwargs,
+            task_manager=task_manager,
+            log_samples=True,
+            bootstrap_iters=1000,
+            random_seed=config.seed,
+            numpy_random_seed=config.seed,
+            torch_random_seed=config.seed,
+            fewshot_random_seed=config.seed,
+            confirm_run_unsafe_code=config.allow_code_execution,
+        )
     if raw is None:  # pragma: no cover - only on non-zero ranks of a distributed run
         raise MoelabError("lm-eval returned no results (not rank 0 of a distributed run?)")
     name = task.lm_eval_task
+    if task_obj.config.output_type == "generate_until":
+        notes += _check_run(lm, task, raw.get("samples", {}).get(name, []), cap, counter)
     values = raw["results"][name]
     metrics, stderr = {}, {}
     for key, value in values.items():

@@ -62,7 +62,7 @@ def report_section(
                         t.task,
                         key,
                         f"{value:.3f}",
-                        "" if se is None else f"± {se:.3f}",
+                        _se_text(value, se, t.n_docs),
                         t.n_docs,
                     )
                 )
@@ -119,6 +119,19 @@ def _score_text(sample: dict) -> str:
     return ""
 
 
+def _se_text(value: float, se: float | None, n: int) -> str:
+    """``± 0.105``; at a score of 0 or 1 (stderr 0) also the Wilson 95 % interval."""
+    from moelab.stats import degenerate, wilson_interval
+
+    if se is None:
+        return ""
+    text = f"± {se:.3f}"
+    if degenerate(value, se):
+        lo, hi = wilson_interval(value, n)
+        text += f" (Wilson 95% CI {lo:.3f}–{hi:.3f})"
+    return text
+
+
 def accuracy_section(ctx):
     """Report section (``moelab.report`` registry): accuracy on a few arith documents."""
     from moelab.report import Section
@@ -130,7 +143,6 @@ def accuracy_section(ctx):
         limit=limit,
         allow_code_execution=bool(ctx.extras.get("allow_code_execution", False)),
         tasks=("arith", "pycode") if ctx.extras.get("allow_code_execution") else ("arith",),
-        max_gen_toks=64 if ctx.quick else None,
         workdir=ctx.workdir,
     )
     return Section(title="Accuracy (lm-eval)", html=body)

@@ -117,13 +117,26 @@ class EvalResult:
         return asdict(self)
 
     def table(self) -> str:
-        """A plain-text table: one row per task and metric."""
+        """A plain-text table: one row per task and metric, with lm-eval's standard error and n.
+
+        Where a metric is 0 or 1 with a zero standard error (every document scored the same),
+        the Wilson 95 % interval follows it in brackets (:func:`moelab.stats.wilson_interval`)."""
+        from moelab.stats import degenerate, wilson_interval
+
         rows = [("task", "metric", "value", "stderr", "n")]
+        marked = False
         for t in self.tasks.values():
             for key, value in t.metrics.items():
                 se = t.stderr.get(key)
-                rows.append(
-                    (t.task, key, f"{value:.4f}", "" if se is None else f"{se:.4f}", str(t.n_docs))
-                )
+                se_text = "" if se is None else f"{se:.4f}"
+                if degenerate(value, se):  # every document scored the same: a 0 stderr claims certainty
+                    lo, hi = wilson_interval(value, t.n_docs)
+                    se_text += f" [{lo:.4f}–{hi:.4f}]"
+                    marked = True
+                rows.append((t.task, key, f"{value:.4f}", se_text, str(t.n_docs)))
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-        return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
+        lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+        if marked:
+            lines.append("# [lo–hi]: Wilson 95% interval, shown where every document scored the same (0 or 1) "
+                         "and the standard error is therefore 0")
+        return "\n".join(lines)

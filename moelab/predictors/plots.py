@@ -1,4 +1,10 @@
-"""Plotly figures of predictor reports (plotly is imported lazily)."""
+"""Plotly figures of predictor reports (plotly is imported lazily).
+
+Accuracy and GoodPred are drawn with error bars of ± one standard error clustered by sequence
+(``accuracy_stderr`` / ``goodpred_stderr`` of :mod:`moelab.predictors.metrics`; no bar where a
+group holds a single sequence and the error cannot be estimated), and the hover text gives n
+(the (token, layer) pairs scored and the sequences they come from).
+"""
 
 from __future__ import annotations
 
@@ -12,7 +18,8 @@ def accuracy_per_layer(df, phase: str = "decode", distance: int = 1):
 
     d = df[(df.phase == phase) & (df.distance == distance)]
     fig = px.bar(d, x="target_layer", y="accuracy", color="kind", barmode="group",
-                 title=f"Prediction accuracy per layer ({phase}, d = {distance})",
+                 error_y=_err(d, "accuracy"), hover_data=_n(d),
+                 title=f"Prediction accuracy per layer ({phase}, d = {distance}; {_n_label(d)})",
                  labels={"target_layer": "MoE layer", "accuracy": "accuracy (|pred ∩ actual| / top-k)"})
     fig.update_yaxes(range=[0, 1])
     return fig
@@ -24,7 +31,8 @@ def accuracy_vs_distance(df_overall, phase: str = "decode"):
 
     d = df_overall[df_overall.phase == phase].sort_values("distance")
     fig = px.line(d, x="distance", y="accuracy", color="kind", markers=True,
-                  title=f"Accuracy vs prediction distance ({phase})")
+                  error_y=_err(d, "accuracy"), hover_data=_n(d),
+                  title=f"Accuracy vs prediction distance ({phase}; {_n_label(d)})")
     fig.update_xaxes(dtick=1)
     fig.update_yaxes(range=[0, 1])
     return fig
@@ -45,10 +53,34 @@ def goodpred_vs_bandwidth(reports: dict, bandwidths: Sequence[float], *, expert_
             rows.append({"kind": kind, "distance": d, "bandwidth_gbs": bw, **g})
     df = pd.DataFrame(rows)
     fig = px.line(df, x="bandwidth_gbs", y="goodpred", color="kind", line_dash="distance", markers=True, log_x=True,
-                  title=f"GoodPred vs link bandwidth ({expert_bytes / 1e6:.1f} MB experts, {hardware} timing)",
+                  error_y=_err(df, "goodpred"), hover_data=_n(df),
+                  title=f"GoodPred vs link bandwidth ({expert_bytes / 1e6:.1f} MB experts, {hardware} timing; "
+                        f"{_n_label(df)})",
                   labels={"bandwidth_gbs": "host→device link (GB/s)"})
     fig.update_yaxes(range=[0, 1])
     return fig, df
+
+
+def _err(df, metric: str) -> str | None:
+    col = f"{metric}_stderr"
+    return col if col in df.columns else None
+
+
+def _n(df) -> list[str]:
+    return [c for c in ("pairs", "sequences") if c in df.columns]
+
+
+def _n_label(df) -> str:
+    """``± 1 clustered stderr, n = 96–1,024 pairs from 3 sequences``."""
+    if "pairs" not in df.columns or df.empty:
+        return "± 1 stderr"
+    lo, hi = int(df.pairs.min()), int(df.pairs.max())
+    pairs = f"{lo:,}" if lo == hi else f"{lo:,}–{hi:,}"
+    seqs = ""
+    if "sequences" in df.columns:
+        slo, shi = int(df.sequences.min()), int(df.sequences.max())
+        seqs = f" from {slo if slo == shi else f'{slo}–{shi}'} sequences"
+    return f"error bars ± 1 stderr clustered by sequence; n = {pairs} pairs{seqs}"
 
 
 def recall_curve(report, phase: str = "decode", layer: int | None = None):

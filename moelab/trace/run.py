@@ -41,7 +41,9 @@ def trace_prompts(
         device = next(model.parameters()).device
         for i in tqdm(range(0, len(prompts), batch_size), desc="tracing", unit="batch", disable=not progress):
             batch = prompts[i : i + batch_size]
-            enc = tokenizer(batch, return_tensors="pt", padding=True).to(device)
+            # decoder-only: pad on the left, whatever the tokenizer's default (right padding
+            # would continue the shorter rows from pad tokens)
+            enc = tokenizer(batch, return_tensors="pt", padding=True, padding_side="left").to(device)
             model.generate(
                 **enc,
                 max_new_tokens=max_new_tokens,

@@ -14,12 +14,15 @@ PAD, BOS, EOS = "<pad>", "<s>", "</s>"
 SPECIAL_TOKENS = (PAD, BOS, EOS)  # ids 0, 1, 2
 
 
-def train_tokenizer(texts: Iterable[str], vocab_size: int = 1024) -> PreTrainedTokenizerFast:
+def train_tokenizer(
+    texts: Iterable[str], vocab_size: int = 1024, model_max_length: int = 512
+) -> PreTrainedTokenizerFast:
     """Train a byte-level BPE on ``texts``; every digit is its own token.
 
     The result may stop below ``vocab_size`` (few merges left): size models with
     ``len(tokenizer)``. No BOS is prepended when encoding (as lm-eval's HF model expects
-    for most tokenizers); EOS ends every training example.
+    for most tokenizers); EOS ends every training example. It pads on the left (the models
+    are decoder-only) and its ``model_max_length`` should be the model's context.
     """
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.Sequence(
@@ -37,7 +40,12 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int = 1024) -> PreTrainedT
     )
     tok.train_from_iterator(texts, trainer)
     fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token=BOS, eos_token=EOS, pad_token=PAD, model_max_length=1024
+        tokenizer_object=tok,
+        bos_token=BOS,
+        eos_token=EOS,
+        pad_token=PAD,
+        model_max_length=model_max_length,
+        padding_side="left",
     )
     logger.info("trained a byte-level BPE with %d tokens", len(fast))
     return fast

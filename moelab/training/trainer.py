@@ -50,9 +50,13 @@ def _lr(cfg: TrainConfig, step: int, max_steps: int) -> float:
 def _tokenizer(cfg: TrainConfig, ckpt_dir: Path, resume: bool) -> PreTrainedTokenizerFast:
     tok_dir = ckpt_dir / "tokenizer"
     if resume and (tok_dir / "tokenizer.json").is_file():
-        return PreTrainedTokenizerFast.from_pretrained(tok_dir)
+        tok = PreTrainedTokenizerFast.from_pretrained(tok_dir)
+        # checkpoints written before these were set pad on the right with a 1024-token limit
+        tok.padding_side = "left"
+        tok.model_max_length = cfg.shape.max_position_embeddings
+        return tok
     rows = task_texts({name: min(n, 5000) for name, n in cfg.n_train.items()}, "train", cfg.seed)
-    tok = train_tokenizer((c + t for _, c, t in rows), cfg.vocab_size)
+    tok = train_tokenizer((c + t for _, c, t in rows), cfg.vocab_size, cfg.shape.max_position_embeddings)
     tok.save_pretrained(tok_dir)
     return tok
 
