@@ -11,15 +11,13 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import tempfile
 import time
-import uuid
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from moelab._output import reserve_output
 from moelab.errors import MoelabError
 from moelab.predictors.base import Predictor
 
@@ -55,7 +53,7 @@ def save_predictor(predictor: Predictor, path: str | Path, *, metrics: dict | No
 
     predictor._check_fitted()
     path = Path(path)
-    if path.exists() and not overwrite:
+    if os.path.lexists(path) and not overwrite:
         raise MoelabError(f"predictor output {str(path)!r} already exists; pass overwrite=True (CLI: --overwrite).")
     params = predictor.get_params()
     try:
@@ -88,26 +86,10 @@ def save_predictor(predictor: Predictor, path: str | Path, *, metrics: dict | No
         "moelab_version": __version__,
         "created_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.partial-", dir=path.parent))
-    try:
-        save_file(tensors, str(tmp / STATE_FILE), metadata={"format": FORMAT})
-        (tmp / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes 0700; give the usual permissions
-        for f in (STATE_FILE, META_FILE):
-            os.chmod(tmp / f, 0o666 & ~umask)
-        if path.exists():
-            trash = path.with_name(f".{path.name}.old-{uuid.uuid4().hex[:8]}")
-            os.replace(path, trash)
-            os.replace(tmp, path)
-            shutil.rmtree(trash, ignore_errors=True)
-        else:
-            os.replace(tmp, path)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    with reserve_output(path, overwrite, what="predictor output") as out:
+        save_file(tensors, str(out.staging / STATE_FILE), metadata={"format": FORMAT})
+        (out.staging / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
+        out.commit()
     return path
 
 

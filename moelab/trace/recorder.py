@@ -36,6 +36,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from moelab._output import reserve_output
 from moelab.adapters import MoELayer, get_adapter, make_routing, model_info, moe_layers
 from moelab.errors import MoelabError
 from moelab.trace.forward import inspect_forward
@@ -125,6 +126,7 @@ class TraceRecorder:
         self.trace = None
         self._hooks: list = []
         self._tmp: Path | None = None
+        self._reservation = None
         self._reset_state()
 
     def _reset_state(self) -> None:
@@ -160,12 +162,9 @@ class TraceRecorder:
     def start(self) -> None:
         if self._tmp is not None:
             raise MoelabError("this recorder is already recording; use a new TraceRecorder for a new trace.")
-        if self.path.exists() and not self.overwrite:
-            raise MoelabError(
-                f"trace directory {str(self.path)!r} already exists; pass overwrite=True (CLI: --overwrite) or choose another path."
-            )
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._tmp = Path(tempfile.mkdtemp(prefix=f".{self.path.name}.partial-", dir=self.path.parent))
+        # refuses an existing path, locks it against a second writer, creates the parents
+        self._reservation = reserve_output(self.path, self.overwrite, what="trace directory")
+        self._tmp = self._reservation.staging
         self._reset_state()
         try:
             self._hooks.append(self.model.register_forward_pre_hook(self._pre_forward, with_kwargs=True))
@@ -174,6 +173,7 @@ class TraceRecorder:
                 self._hooks.append(layer.router.register_forward_hook(self._router_hook(layer)))
         except BaseException:
             self._remove_hooks()
+            self.abort()
             raise
 
     def close(self):
@@ -193,17 +193,11 @@ class TraceRecorder:
                 pq.write_table(routes_schema(self.config.scores).empty_table(), self._tmp / ROUTES_FILE)
             meta = self._meta()
             _write_json_atomic(self._tmp / META_FILE, meta)
-            if self.path.exists():
-                trash = self.path.with_name(f".{self.path.name}.old-{uuid.uuid4().hex[:8]}")
-                os.replace(self.path, trash)
-                os.replace(self._tmp, self.path)
-                shutil.rmtree(trash, ignore_errors=True)
-            else:
-                os.replace(self._tmp, self.path)
+            self._reservation.commit()
         except BaseException:
             self.abort()
             raise
-        self._tmp = None
+        self._tmp = self._reservation = None
         if self._rows == 0:
             log.warning("trace %s has no rows: nothing ran through the model while recording", self.path)
         self.trace = RoutingTrace(self.path)
@@ -220,6 +214,9 @@ class TraceRecorder:
         if self._tmp is not None:
             shutil.rmtree(self._tmp, ignore_errors=True)
             self._tmp = None
+        if self._reservation is not None:
+            self._reservation.abort()
+            self._reservation = None
 
     def _remove_hooks(self) -> None:
         while self._hooks:
