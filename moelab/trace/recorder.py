@@ -111,6 +111,7 @@ class TraceRecorder:
         overwrite: bool = False,
         model_name: str | None = None,
         metadata: dict[str, Any] | None = None,
+        reservation: Any = None,
         **config_kwargs: Any,
     ) -> None:
         if config is not None and config_kwargs:
@@ -127,6 +128,8 @@ class TraceRecorder:
         self._hooks: list = []
         self._tmp: Path | None = None
         self._reservation = None
+        # a claim of ``out`` taken before the work (moelab trace claims it before loading the model)
+        self._claimed = reservation
         self._reset_state()
 
     def _reset_state(self) -> None:
@@ -163,7 +166,10 @@ class TraceRecorder:
         if self._tmp is not None:
             raise MoelabError("this recorder is already recording; use a new TraceRecorder for a new trace.")
         # refuses an existing path, locks it against a second writer, creates the parents
-        self._reservation = reserve_output(self.path, self.overwrite, what="trace directory")
+        if self._claimed is not None and Path(self._claimed.path) == self.path:
+            self._reservation, self._claimed = self._claimed, None
+        else:
+            self._reservation = reserve_output(self.path, self.overwrite, what="trace directory")
         self._tmp = self._reservation.staging
         self._reset_state()
         try:
