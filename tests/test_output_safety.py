@@ -215,3 +215,20 @@ def test_cli_train_tiny_refuses_an_existing_out_before_training(tmp_path, capsys
     code = main(["train-tiny", "--model", "mixtral", "--out", str(out), "--checkpoint-dir", str(tmp_path / "c")])
     err = capsys.readouterr().err
     assert code == 2 and "already exists" in err and "Traceback" not in err
+
+
+def test_cli_eval_claims_out_before_loading_the_model(tmp_path, capsys, monkeypatch):
+    pytest.importorskip("lm_eval", reason="lm-eval is not installed")
+    import moelab.loading
+    from moelab._output import reserve_output
+
+    def no_load(*a, **k):
+        raise AssertionError("the model was loaded before --out was claimed")
+
+    monkeypatch.setattr(moelab.loading, "load", no_load)
+    out = tmp_path / "run"
+    with reserve_output(out, what="output"):  # another `moelab eval` is writing it
+        code = main(["eval", "--model", "tiny-random-mixtral", "--tasks", "arith", "--limit", "1",
+                     "--out", str(out)])
+    err = capsys.readouterr().err
+    assert code == 2 and "being written by another process" in err and "Traceback" not in err

@@ -63,6 +63,7 @@ def evaluate(
     overwrite: bool = False,
     config: EvalConfig | None = None,
     model_name: str | None = None,
+    reservation: OutputReservation | None = None,
     **settings: Any,
 ) -> EvalResult:
     """Score ``model`` on ``tasks`` with lm-eval and return an :class:`EvalResult`.
@@ -73,7 +74,9 @@ def evaluate(
     :class:`EvalConfig`; pass ``config=`` to give them all at once. With
     ``log_samples_dir``, per-sample logs and ``results.json`` are written there
     atomically (nothing is left behind if the evaluation fails). ``model_name`` labels
-    the result (default: the model's ``name_or_path``).
+    the result (default: the model's ``name_or_path``). ``reservation`` is a claim of
+    ``log_samples_dir`` taken earlier with :func:`moelab._output.reserve_output` (what
+    ``moelab eval`` does before loading the model); without it the directory is claimed here.
     """
     if config is None:
         config = EvalConfig(
@@ -87,9 +90,10 @@ def evaluate(
         config = replace(config, **settings)
     eval_tasks, metadata, out_dir = preflight(config, log_samples_dir, overwrite)
     # claim --out now (parents created, a second writer refused), not after the run
-    reservation = (
-        reserve_output(out_dir, overwrite, what="output") if out_dir is not None else None
-    )
+    if reservation is not None and (out_dir is None or reservation.path != out_dir):
+        raise MoelabError(f"the reservation of {str(reservation.path)!r} is not for log_samples_dir {out_dir!r}.")
+    if reservation is None and out_dir is not None:
+        reservation = reserve_output(out_dir, overwrite, what="output")
     try:
         return _evaluate(model, tokenizer, config, eval_tasks, metadata, out_dir, reservation,
                          model_name)
