@@ -79,6 +79,27 @@ def _remove(path: Path) -> None:
             path.unlink()
 
 
+def _normal_permissions(root: Path) -> None:
+    """Files written 0600 by some writers (safetensors, mkstemp) get ``0666 & ~umask``;
+    directories ``0777 & ~umask``. Symlinks are left alone."""
+    mask = _umask()
+    if root.is_symlink():
+        return
+    if root.is_file():
+        os.chmod(root, 0o666 & ~mask)
+        return
+    os.chmod(root, 0o777 & ~mask)
+    for dirpath, dirnames, filenames in os.walk(root):
+        for name in dirnames:
+            p = os.path.join(dirpath, name)
+            if not os.path.islink(p):
+                os.chmod(p, 0o777 & ~mask)
+        for name in filenames:
+            p = os.path.join(dirpath, name)
+            if not os.path.islink(p):
+                os.chmod(p, 0o666 & ~mask)
+
+
 class OutputReservation:
     """A claimed output path; see the module docstring. Use :func:`reserve_output`."""
 
@@ -170,6 +191,7 @@ class OutputReservation:
         staged = self.staging
         if staged is None or self._lock_fd is None:
             raise MoelabError(f"the reservation of {str(self.path)!r} is closed; reserve it again.")
+        _normal_permissions(staged)
         if os.path.lexists(self.path):
             if not self.overwrite:
                 raise MoelabError(f"{self.what} {str(self.path)!r} appeared while writing it; {self.hint}.")

@@ -32,7 +32,7 @@ def umask_027():
 
 def _record(model, out: Path, **kw) -> None:
     with TraceRecorder(model, out, **kw):
-        model(input_ids=torch.tensor([[5, 6, 7]]))
+        model(input_ids=torch.tensor([[5, 6, 7], [8, 9, 10]]))  # two sequences
 
 
 class _Planted:
@@ -84,6 +84,24 @@ def test_cli_trace_claims_out_before_loading_the_model(tmp_path, capsys, monkeyp
     assert code == 2 and "being written by another process" in err and "Traceback" not in err
 
 
+def test_cli_predict_fit_claims_out_before_fitting(model, tmp_path, capsys, monkeypatch):
+    import moelab.predictors
+    from moelab._output import reserve_output
+
+    _record(model, tmp_path / "trace")
+
+    def no_fit(*a, **k):
+        raise AssertionError("the predictor was made before --out was claimed")
+
+    monkeypatch.setattr(moelab.predictors, "make_predictor", no_fit)
+    out = tmp_path / "pred"
+    with reserve_output(out, what="predictor output"):  # another `predict fit` is writing it
+        code = main(["predict", "fit", "--trace", str(tmp_path / "trace"), "--kind", "frequency",
+                     "--out", str(out)])
+    err = capsys.readouterr().err
+    assert code == 2 and "being written by another process" in err and "Traceback" not in err
+
+
 def test_leftovers_of_interrupted_writes_are_cleaned(model, tmp_path):
     (tmp_path / ".trace.partial-abcd1234").mkdir()
     (tmp_path / ".trace.old-abcd1234").mkdir()
@@ -97,6 +115,15 @@ def test_outputs_respect_the_umask(model, tmp_path, umask_027):
     _record(model, out)
     assert stat.S_IMODE(out.stat().st_mode) == 0o750
     assert stat.S_IMODE((out / "meta.json").stat().st_mode) & 0o007 == 0
+
+
+def test_predictor_files_respect_the_umask(model, tmp_path, umask_027):
+    from moelab.predictors import make_predictor
+
+    _record(model, tmp_path / "trace")
+    make_predictor("frequency").fit(moelab.open_trace(tmp_path / "trace")).save(tmp_path / "pred")
+    modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in (tmp_path / "pred").iterdir()}
+    assert modes == {"predictor.json": 0o640, "state.safetensors": 0o640}
 
 
 def _exchange_supported(tmp_path: Path) -> bool:

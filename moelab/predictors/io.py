@@ -45,15 +45,18 @@ def _jsonable(obj: Any) -> Any:
 
 
 def save_predictor(predictor: Predictor, path: str | Path, *, metrics: dict | None = None,
-                   overwrite: bool = False) -> Path:
-    """Write ``predictor`` (fitted) to directory ``path``; returns the path."""
+                   overwrite: bool = False, reservation: Any = None) -> Path:
+    """Write ``predictor`` (fitted) to directory ``path``; returns the path.
+
+    ``reservation``: a claim of ``path`` taken before fitting (:func:`moelab._output.reserve_output`;
+    ``moelab predict fit --out`` claims it before the work); without it, ``path`` is claimed here."""
     from safetensors.numpy import save_file
 
     from moelab import __version__
 
     predictor._check_fitted()
     path = Path(path)
-    if os.path.lexists(path) and not overwrite:
+    if reservation is None and os.path.lexists(path) and not overwrite:
         raise MoelabError(f"predictor output {str(path)!r} already exists; pass overwrite=True (CLI: --overwrite).")
     params = predictor.get_params()
     try:
@@ -86,7 +89,7 @@ def save_predictor(predictor: Predictor, path: str | Path, *, metrics: dict | No
         "moelab_version": __version__,
         "created_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
-    with reserve_output(path, overwrite, what="predictor output") as out:
+    with reservation or reserve_output(path, overwrite, what="predictor output") as out:
         save_file(tensors, str(out.staging / STATE_FILE), metadata={"format": FORMAT})
         (out.staging / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
         out.commit()
