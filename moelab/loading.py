@@ -162,11 +162,19 @@ def _from_pretrained(source: str, dtype, device_map, trust_remote_code: bool, kw
     try:
         config = AutoConfig.from_pretrained(source, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as exc:
+        if Path(source).is_dir():  # a local directory whose config.json is malformed
+            raise MoelabError(
+                f"model {source!r}: config.json cannot be read ({exc.__class__.__name__}: "
+                f"{str(exc).strip().splitlines()[0][:200]}); fix or replace the config."
+            ) from None
         raise MoelabError(
             f"could not load model {source!r}: not a bundled model ({', '.join(known_model_names())}), "
             f"not a local model directory, and not reachable as a hub id ({exc.__class__.__name__}: "
             f"{str(exc).splitlines()[0][:200]})."
         ) from None
+    except Exception as exc:  # noqa: BLE001 - e.g. huggingface_hub's strict-dataclass validation
+        text = " ".join(str(exc).split())[:300] or exc.__class__.__name__
+        raise MoelabError(f"model {source!r}: config.json is invalid ({text}); fix or replace the config.") from None
     from moelab.adapters import get_adapter, supported_families
 
     model_type = getattr(config, "model_type", None)
@@ -176,6 +184,8 @@ def _from_pretrained(source: str, dtype, device_map, trust_remote_code: bool, kw
             f"model {source!r} has model type {model_type!r}, which is not a supported Mixture-of-Experts "
             f"family. Supported: {', '.join(supported_families())}."
         )
+    if device_map is None:  # an offloading device_map may hold more than memory
+        _check_size(source, config)
     load_kwargs: dict[str, Any] = dict(kwargs)
     if dtype is not None:
         load_kwargs["dtype"] = dtype
@@ -188,6 +198,53 @@ def _from_pretrained(source: str, dtype, device_map, trust_remote_code: bool, kw
         raise MoelabError(f"{source!r} cannot be loaded as a causal language model: {str(exc)[:300]}") from None
     get_adapter(model)
     return model
+
+
+def _check_size(source: str, config: Any) -> None:
+    """Refuse a config whose shape cannot be built here (e.g. ``num_hidden_layers`` 10^6) before
+    transformers starts allocating it: shape fields must be positive integers and the estimated
+    parameter memory must fit in the memory available."""
+    fields = {}
+    for name in ("num_hidden_layers", "hidden_size", "intermediate_size", "vocab_size",
+                 "num_local_experts", "num_experts", "moe_intermediate_size",
+                 "shared_expert_intermediate_size", "num_attention_heads"):
+        value = getattr(config, name, None)
+        if value is None:
+            continue
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise MoelabError(
+                f"model {source!r}: config.json has {name}={value!r}, expected a positive integer."
+            )
+        fields[name] = value
+    H = fields.get("hidden_size", 1)
+    E = max(fields.get("num_local_experts", 1), fields.get("num_experts", 1))
+    inter = fields.get("moe_intermediate_size", fields.get("intermediate_size", H))
+    per_layer = 4 * H * H + E * (3 * H * inter + H) + 3 * H * fields.get("shared_expert_intermediate_size", 0)
+    params = fields.get("num_hidden_layers", 1) * per_layer + 2 * fields.get("vocab_size", 1) * H
+    need = params * 2  # bytes at 16-bit precision: a lower bound for any dtype moelab loads
+    available = _available_memory()
+    if available is not None and need > available:
+        raise MoelabError(
+            f"model {source!r}: config.json describes about {params:.3g} parameters "
+            f"(num_hidden_layers={fields.get('num_hidden_layers')}, hidden_size={H}, experts={E}), "
+            f"at least {need / 2**30:.1f} GiB, more than the {available / 2**30:.1f} GiB of memory "
+            "available; check the config."
+        )
+
+
+def _available_memory() -> int | None:
+    """Bytes of memory available (RAM plus the GPU's), or None where it cannot be read."""
+    total = None
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    total = int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    if total is not None and torch.cuda.is_available():
+        total += sum(torch.cuda.get_device_properties(i).total_memory for i in range(torch.cuda.device_count()))
+    return total
 
 
 def _load_tokenizer(source: str, trust_remote_code: bool):

@@ -77,9 +77,16 @@ def read_prompts(path: str | Path, limit: int | None = None) -> list[str]:
     p = Path(path)
     if not p.is_file():
         raise MoelabError(f"prompts file {str(p)!r} does not exist; pass a text file (one prompt per line) or .jsonl.")
+    try:
+        content = p.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise MoelabError(
+            f"prompts file {str(p)!r} is not UTF-8 text (byte {exc.start}: {exc.object[exc.start:exc.start + 1]!r}); "
+            "save it as UTF-8."
+        ) from None
     prompts: list[str] = []
     if p.suffix == ".jsonl":
-        for i, line in enumerate(p.read_text().splitlines(), 1):
+        for i, line in enumerate(content.splitlines(), 1):
             if not line.strip():
                 continue
             try:
@@ -91,7 +98,7 @@ def read_prompts(path: str | Path, limit: int | None = None) -> list[str]:
                 raise MoelabError(f"{p}:{i} has no 'prompt', 'question' or 'text' string field.")
             prompts.append(text)
     else:
-        prompts = [line for line in p.read_text().splitlines() if line.strip()]
+        prompts = [line for line in content.splitlines() if line.strip()]
     if not prompts:
         raise MoelabError(f"prompts file {str(p)!r} holds no prompts.")
     return prompts[:limit] if limit else prompts

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -52,7 +53,7 @@ def _int_at_least(text: str, low: int, expected: str) -> int:
 def check_output_path(path: str | Path, overwrite: bool) -> Path:
     """Refuse to replace an existing output unless ``--overwrite`` was given."""
     p = Path(path)
-    if p.exists() and not overwrite:
+    if os.path.lexists(p) and not overwrite:  # a dangling symlink counts: it would be replaced
         raise MoelabError(f"output {str(p)!r} already exists; pass --overwrite to replace it or choose another path.")
     return p
 

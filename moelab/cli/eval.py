@@ -130,17 +130,29 @@ def run(args) -> int:
         code_timeout_s=args.code_timeout,
         sandbox_isolation=args.sandbox_isolation,
     )
-    preflight(config, args.out, args.overwrite)  # bad tasks, data, output: fail before loading
-    model, tokenizer = load(args.model, dtype=args.dtype)
-    with model_context(args, model) as scored:
-        result = evaluate(
-            scored,
-            tokenizer,
-            config=config,
-            log_samples_dir=args.out,
-            overwrite=args.overwrite,
-            model_name=args.model,
-        )
+    _, _, out = preflight(config, args.out, args.overwrite)  # bad tasks, data, output: fail before loading
+    # claim --out before loading the model: a second `moelab eval` to it is refused now
+    claim = None
+    if out is not None:
+        from moelab._output import reserve_output
+
+        claim = reserve_output(out, args.overwrite, what="output",
+                               hint="pass --overwrite to replace it or choose another --out")
+    try:
+        model, tokenizer = load(args.model, dtype=args.dtype)
+        with model_context(args, model) as scored:
+            result = evaluate(
+                scored,
+                tokenizer,
+                config=config,
+                log_samples_dir=out,
+                overwrite=args.overwrite,
+                model_name=args.model,
+                reservation=claim,
+            )
+    finally:
+        if claim is not None:
+            claim.abort()  # a no-op after the commit
     if args.json:
         emit_json(result.to_dict())
     else:

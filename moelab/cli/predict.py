@@ -99,17 +99,26 @@ def _evaluate(predictor, data, args, model):
 
 
 def _fit(args) -> int:
+    from moelab._output import reserve_output
     from moelab.predictors import TraceData, make_predictor
     from moelab.trace import open_trace
 
     out = check_output_path(args.out, args.overwrite) if args.out else None
     data = TraceData(open_trace(args.trace))
-    model = _model(args)
-    predictor = make_predictor(args.kind, distance=args.distance, **_parse_set(args.set))
-    predictor.fit(data, model=model)
-    report = _evaluate(predictor, data, args, model)
-    if out is not None:
-        predictor.save(out, metrics={"heldout": report.to_dict()}, overwrite=args.overwrite)
+    # claim --out before fitting: a second writer of it is refused now, not after the work
+    claim = reserve_output(out, args.overwrite, what="predictor output",
+                           hint="pass --overwrite to replace it or choose another --out") if out else None
+    try:
+        model = _model(args)
+        predictor = make_predictor(args.kind, distance=args.distance, **_parse_set(args.set))
+        predictor.fit(data, model=model)
+        report = _evaluate(predictor, data, args, model)
+        if claim is not None:
+            predictor.save(out, metrics={"heldout": report.to_dict()}, overwrite=args.overwrite,
+                           reservation=claim)
+    finally:
+        if claim is not None:
+            claim.abort()  # a no-op after the commit
     _print(report, args, saved=out)
     return 0
 

@@ -29,27 +29,32 @@ def register(subparsers) -> None:
 
 
 def run(args) -> int:
+    from moelab._output import reserve_output
     from moelab.loading import load
     from moelab.prompts import read_prompts, task_prompts
     from moelab.trace.run import trace_prompts
 
     out = check_output_path(args.out, args.overwrite)
     prompts = read_prompts(args.prompts, args.limit) if args.prompts else task_prompts(args.task, args.limit)
-    model, tokenizer = load(args.model, dtype=args.dtype)
-    trace = trace_prompts(
-        model,
-        tokenizer,
-        prompts,
-        out,
-        max_new_tokens=args.max_new_tokens,
-        batch_size=args.batch_size,
-        overwrite=args.overwrite,
-        scores=not args.no_scores,
-        hidden_states=args.hidden_states,
-        hidden_dtype=args.hidden_dtype,
-        model_name=args.model,
-        metadata={"source": args.prompts or f"task:{args.task}"},
-    )
+    # claim --out before loading the model: a second writer of it is refused now, not after a load
+    with reserve_output(out, args.overwrite, what="trace directory",
+                        hint="pass --overwrite to replace it or choose another --out") as claim:
+        model, tokenizer = load(args.model, dtype=args.dtype)
+        trace = trace_prompts(
+            model,
+            tokenizer,
+            prompts,
+            out,
+            max_new_tokens=args.max_new_tokens,
+            batch_size=args.batch_size,
+            overwrite=args.overwrite,
+            scores=not args.no_scores,
+            hidden_states=args.hidden_states,
+            hidden_dtype=args.hidden_dtype,
+            model_name=args.model,
+            metadata={"source": args.prompts or f"task:{args.task}"},
+            reservation=claim,
+        )
     summary = trace.summary()
     if args.json:
         emit_json(summary)

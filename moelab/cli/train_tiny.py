@@ -26,6 +26,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default=None,
         help="total optimizer steps (exactly reproducible; on --resume, extends a finished run)",
     )
+    p.add_argument("--overwrite", action="store_true", help="replace an existing --out directory")
     p.add_argument("--resume", action="store_true", help="continue from the checkpoint")
     p.add_argument(
         "--checkpoint-dir",
@@ -39,24 +40,29 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from moelab._output import reserve_output
     from moelab.training import Trainer, preset
 
+    # claim --out before training: refused if it exists (without --overwrite) or is being written
+    reservation = reserve_output(args.out, args.overwrite, what="model output",
+                                 hint="pass --overwrite to replace it or choose another --out")
     cfg = preset(args.model)
     if args.threads is not None:
         cfg.threads = args.threads
     if args.seed is not None:
         cfg.seed = args.seed
     ckpt = Path(args.checkpoint_dir or Path("runs") / "train-tiny" / args.model)
-    trainer = Trainer(
-        cfg,
-        ckpt,
-        minutes=args.minutes,
-        resume=args.resume,
-        progress=not args.no_progress,
-        max_steps=args.max_steps,
-    )
-    trainer.run()
-    summary = trainer.export(args.out)
+    with reservation:
+        trainer = Trainer(
+            cfg,
+            ckpt,
+            minutes=args.minutes,
+            resume=args.resume,
+            progress=not args.no_progress,
+            max_steps=args.max_steps,
+        )
+        trainer.run()
+        summary = trainer.export(args.out, reservation=reservation)
     emit_json(
         {k: summary[k] for k in ("name", "parameters", "steps", "train_wall_s", "validation")}
     )

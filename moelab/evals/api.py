@@ -15,14 +15,13 @@ import json
 import logging
 import os
 import platform
-import shutil
-import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from moelab._output import OutputReservation, reserve_output
 from moelab.errors import MoelabError
 from moelab.evals.metrics import sandbox_defaults
 from moelab.evals.registry import EvalTask, parse_tasks
@@ -64,6 +63,7 @@ def evaluate(
     overwrite: bool = False,
     config: EvalConfig | None = None,
     model_name: str | None = None,
+    reservation: OutputReservation | None = None,
     **settings: Any,
 ) -> EvalResult:
     """Score ``model`` on ``tasks`` with lm-eval and return an :class:`EvalResult`.
@@ -74,7 +74,9 @@ def evaluate(
     :class:`EvalConfig`; pass ``config=`` to give them all at once. With
     ``log_samples_dir``, per-sample logs and ``results.json`` are written there
     atomically (nothing is left behind if the evaluation fails). ``model_name`` labels
-    the result (default: the model's ``name_or_path``).
+    the result (default: the model's ``name_or_path``). ``reservation`` is a claim of
+    ``log_samples_dir`` taken earlier with :func:`moelab._output.reserve_output` (what
+    ``moelab eval`` does before loading the model); without it the directory is claimed here.
     """
     if config is None:
         config = EvalConfig(
@@ -87,7 +89,29 @@ def evaluate(
     elif settings:
         config = replace(config, **settings)
     eval_tasks, metadata, out_dir = preflight(config, log_samples_dir, overwrite)
+    # claim --out now (parents created, a second writer refused), not after the run
+    if reservation is not None and (out_dir is None or reservation.path != out_dir):
+        raise MoelabError(f"the reservation of {str(reservation.path)!r} is not for log_samples_dir {out_dir!r}.")
+    if reservation is None and out_dir is not None:
+        reservation = reserve_output(out_dir, overwrite, what="output")
+    try:
+        return _evaluate(model, tokenizer, config, eval_tasks, metadata, out_dir, reservation,
+                         model_name)
+    finally:
+        if reservation is not None:
+            reservation.abort()  # a no-op after the commit
 
+
+def _evaluate(
+    model: Any,
+    tokenizer: Any,
+    config: EvalConfig,
+    eval_tasks: list[EvalTask],
+    metadata: dict[str, Any],
+    out_dir: Path | None,
+    reservation: OutputReservation | None,
+    model_name: str | None,
+) -> EvalResult:
     if isinstance(model, (str, os.PathLike)):
         from moelab import load
 
@@ -123,8 +147,8 @@ def evaluate(
         policies=policies,
         code_isolation=code_isolation,
     )
-    if out_dir is not None:
-        _write_atomically(out_dir, result, samples, overwrite)
+    if reservation is not None:
+        _write_atomically(reservation, result, samples)
     return result
 
 
@@ -201,14 +225,16 @@ def _check_out_dir(path: str | os.PathLike | None, overwrite: bool) -> Path | No
     if path is None:
         return None
     out = Path(path).expanduser()
-    if out.exists() and not overwrite:
+    if os.path.lexists(out) and not overwrite:
         raise MoelabError(
             f"output {str(out)!r} already exists; pass overwrite=True (CLI: --overwrite) or choose another path."
         )
-    if not out.parent.is_dir():
-        raise MoelabError(
-            f"cannot write {str(out)!r}: directory {str(out.parent)!r} does not exist."
-        )
+    # missing parents are created when the output is reserved (like `moelab trace --out`)
+    for parent in out.parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise MoelabError(f"cannot write {str(out)!r}: {str(parent)!r} is a file, not a directory.")
+            break
     return out
 
 
@@ -462,28 +488,16 @@ def _run_task(
     return result, raw.get("samples", {}).get(name, [])
 
 
-def _write_atomically(
-    out: Path, result: EvalResult, samples: dict[str, list[dict]], overwrite: bool
-) -> None:
-    """``results.json`` + ``samples_<task>.jsonl`` into a temporary sibling, then renamed into place."""
+def _write_atomically(reservation, result: EvalResult, samples: dict[str, list[dict]]) -> None:
+    """``results.json`` + ``samples_<task>.jsonl`` into the reserved staging directory, then
+    moved into place (see :mod:`moelab._output`)."""
     from lm_eval.utils import handle_non_serializable
 
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
-    try:
-        for task, rows in samples.items():
-            with open(tmp / f"samples_{task}.jsonl", "w", encoding="utf-8") as f:
-                for row in rows:
-                    f.write(
-                        json.dumps(row, default=handle_non_serializable, ensure_ascii=False) + "\n"
-                    )
-        with open(tmp / "results.json", "w", encoding="utf-8") as f:
-            json.dump(result.to_dict(), f, indent=2, default=str)
-        if out.exists() and overwrite:
-            if out.is_dir():
-                shutil.rmtree(out)
-            else:
-                out.unlink()
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    tmp = reservation.staging
+    for task, rows in samples.items():
+        with open(tmp / f"samples_{task}.jsonl", "w", encoding="utf-8") as f:
+            for row in rows:
+                f.write(json.dumps(row, default=handle_non_serializable, ensure_ascii=False) + "\n")
+    with open(tmp / "results.json", "w", encoding="utf-8") as f:
+        json.dump(result.to_dict(), f, indent=2, default=str)
+    reservation.commit()

@@ -342,11 +342,11 @@ class Predictor(BaseEstimator):
     def _load_state(self, tensors: dict[str, np.ndarray], extra: dict[str, Any], model: Any) -> None:
         """Restore what :meth:`_state` returned."""
 
-    def save(self, path, *, metrics: dict | None = None, overwrite: bool = False):
+    def save(self, path, *, metrics: dict | None = None, overwrite: bool = False, reservation=None):
         """Save as ``predictor.json`` + ``state.safetensors`` in directory ``path`` (atomic)."""
         from moelab.predictors.io import save_predictor
 
-        return save_predictor(self, path, metrics=metrics, overwrite=overwrite)
+        return save_predictor(self, path, metrics=metrics, overwrite=overwrite, reservation=reservation)
 
 
 def clone(predictor: Predictor) -> Predictor:

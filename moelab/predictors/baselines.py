@@ -6,6 +6,7 @@ from typing import Any
 
 import numpy as np
 
+from moelab.errors import MoelabError
 from moelab.predictors.base import Predictor, TraceData
 from moelab.predictors.registry import register_predictor
 
@@ -52,6 +53,9 @@ class FrequencyPredictor(Predictor):
         return {"frequency": self.frequency_}, {}
 
     def _load_state(self, tensors, extra, model):
+        want = (self.num_moe_layers_, max(self.num_experts_))
+        if tensors["frequency"].shape != want:
+            raise MoelabError(f"'frequency' has shape {tensors['frequency'].shape}, expected {want}.")
         self.frequency_ = tensors["frequency"]
 
 

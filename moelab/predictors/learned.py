@@ -252,9 +252,26 @@ class LearnedPredictor(Predictor):
     def _load_state(self, tensors, extra, model):
         self.history_ = {int(k): v for k, v in extra.get("history", {}).items()}
         self.weights_ = {}
+        L, H = self.num_moe_layers_, self.hidden_size_
         for layer in extra["layers"]:
+            if not isinstance(layer, int) or isinstance(layer, bool) or not 0 <= layer < L - self.distance:
+                raise MoelabError(
+                    f"state.layers holds {layer!r}, expected source layers 0..{L - self.distance - 1} "
+                    f"({L} MoE layers, distance {self.distance})."
+                )
             ws, i = [], 0
             while f"mlp.{layer}.{i}.weight" in tensors:
                 ws.append((tensors[f"mlp.{layer}.{i}.weight"], tensors[f"mlp.{layer}.{i}.bias"]))
                 i += 1
+            if not ws:
+                raise MoelabError(f"no weights for layer {layer} (expected 'mlp.{layer}.0.weight').")
+            dim = H or ws[0][0].shape[-1]
+            for i, (w, b) in enumerate(ws):  # x @ w.T + b: w is (out, in), b is (out,)
+                out = self.num_experts_[layer + self.distance] if i == len(ws) - 1 else w.shape[0]
+                if w.ndim != 2 or w.shape[1] != dim or w.shape[0] != out or b.shape != (out,):
+                    raise MoelabError(
+                        f"'mlp.{layer}.{i}.weight' has shape {tuple(w.shape)} (bias {tuple(b.shape)}), "
+                        f"expected ({out}, {dim}) and ({out},)."
+                    )
+                dim = out
             self.weights_[int(layer)] = ws

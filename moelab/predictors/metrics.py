@@ -121,20 +121,13 @@ class PredictionReport:
         token_id, source_layer, target_layer, distance, predicted (ranked, length max(m)),
         actual (top-k by weight), in_time (per predicted rank: transfer done before the
         target layer routes under the report's timing model; decode rows only)."""
-        import os
-
         import pyarrow.parquet as pq
 
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.partial")
-        try:
-            pq.write_table(self.dump_table(), tmp)
-            os.replace(tmp, path)
-        except BaseException:
-            tmp.unlink(missing_ok=True)
-            raise
-        return path
+        from moelab._output import reserve_output
+
+        with reserve_output(path, overwrite=True, what="dump", kind="file") as res:
+            pq.write_table(self.dump_table(), res.staging)
+            return res.commit()
 
 
 def _score_text(p: float, se: float, pairs: int, sequences: int) -> str:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import html
 import logging
-import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -122,12 +121,11 @@ def build_report(ctx: ReportContext, out: str | Path, *, sections: list[str] | N
         toc="".join(toc),
         body="\n".join(parts),
     )
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.partial")
-    tmp.write_text(doc, encoding="utf-8")
-    os.replace(tmp, out)
-    return out
+    from moelab._output import reserve_output
+
+    with reserve_output(out, overwrite=True, what="report", kind="file") as res:
+        res.staging.write_text(doc, encoding="utf-8")
+        return res.commit()
 
 
 _TEMPLATE = """<!doctype html>

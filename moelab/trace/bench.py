@@ -1,12 +1,18 @@
-"""Benchmark: how much recording adds to a decode step.
+"""Benchmarks: how much recording adds to a decode step, and how much memory it holds.
 
     python -m moelab.trace.bench [--model NAME] [--steps 512] [--repeats 7] [--json]
+    python -m moelab.trace.bench --memory [--rows 500000] [--batch 16] [--hidden-states]
 
 Runs the same greedy decode loop (KV cache, batch 1) with and without a recorder,
 alternating A/B so drift hits both alike, and reports medians of the per-step time and
 their ratio. The recorder's work — hooks, the batched routing conversion, Parquet
 writes and finalising the trace — is all inside the timed region. Target: ≤ 10 % with
 scores, without hidden states.
+
+``--memory`` decodes batches of prompts (a fresh KV cache every 200 steps) while
+recording, and prints the process's resident memory (current and peak) against the rows
+recorded so far, after the same loop without recording as the baseline. Target: peak RSS
+flat in the rows (bounded by ``flush_rows``), not growing with them.
 """
 
 from __future__ import annotations
@@ -80,6 +86,72 @@ def run(model_name: str | None = None, steps: int = 512, repeats: int = 7, hidde
     }
 
 
+def _rss_mb() -> tuple[float, float]:
+    """(current, peak) resident set size of this process in MiB (Linux /proc)."""
+    cur = peak = 0.0
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                cur = int(line.split()[1]) / 1024
+            elif line.startswith("VmHWM:"):
+                peak = int(line.split()[1]) / 1024
+    return cur, peak
+
+
+@torch.no_grad()
+def memory(model_name: str | None = None, rows: int = 500_000, batch: int = 16, hidden_states: bool = False,
+           points: int = 8) -> dict:
+    """Resident memory against recorded rows (see the module docstring)."""
+    from transformers import DynamicCache
+
+    from moelab.adapters import moe_layers
+    from moelab.loading import load
+    from moelab.models.bundled import default_model_name
+
+    name = model_name or default_model_name()
+    model, tok = load(name)
+    ids = tok(["Tom has 3 apples and buys 5 more. How many"] * batch, return_tensors="pt").input_ids
+    per_step = batch * len(moe_layers(model))
+    total_steps = max(1, rows // per_step)
+    marks = sorted({int(total_steps * (i + 1) / points) for i in range(points)})
+
+    def loop(recorder: TraceRecorder | None) -> list[dict]:
+        out_rows, done = [], 0
+        while done < total_steps:
+            cache = DynamicCache(config=model.config)
+            out = model(input_ids=ids, past_key_values=cache, use_cache=True)
+            nxt = out.logits[:, -1:].argmax(-1)
+            for _ in range(min(200, total_steps - done)):
+                out = model(input_ids=nxt, past_key_values=out.past_key_values, use_cache=True)
+                nxt = out.logits[:, -1:].argmax(-1)
+                done += 1
+                if len(out_rows) < len(marks) and done >= marks[len(out_rows)]:
+                    r = recorder
+                    n = (r._rows + r._buf_rows + r._pending_rows) if r is not None else done * per_step
+                    cur, peak = _rss_mb()
+                    out_rows.append({"rows": int(n), "rss_mb": round(cur, 1), "peak_rss_mb": round(peak, 1)})
+        return out_rows
+
+    base = loop(None)
+    with tempfile.TemporaryDirectory() as tmp:
+        rec = TraceRecorder(model, Path(tmp) / "t", hidden_states=hidden_states)
+        rec.start()
+        recorded = loop(rec)
+        rec.close()
+        cur, peak = _rss_mb()
+        recorded.append({"rows": rec.trace.num_rows, "rss_mb": round(cur, 1), "peak_rss_mb": round(peak, 1),
+                         "after": "close"})
+    return {
+        "model": name,
+        "batch": batch,
+        "hidden_states": hidden_states,
+        "threads": torch.get_num_threads(),
+        "baseline": base,
+        "recording": recorded,
+        "peak_growth_mb": round(recorded[-1]["peak_rss_mb"] - base[-1]["peak_rss_mb"], 1),
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m moelab.trace.bench", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", help="model (default: the default bundled model)")
@@ -87,7 +159,25 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--hidden-states", action="store_true", help="also record hidden states")
     p.add_argument("--json", action="store_true")
+    p.add_argument("--memory", action="store_true", help="print resident memory against rows recorded")
+    p.add_argument("--rows", type=int, default=500_000, help="rows to record with --memory")
+    p.add_argument("--batch", type=int, default=16, help="prompts per forward with --memory")
     args = p.parse_args(argv)
+    if args.memory:
+        res = memory(args.model, args.rows, args.batch, args.hidden_states)
+        if args.json:
+            print(json.dumps(res, indent=2))
+            return 0
+        print(f"{res['model']}: batch {res['batch']}, hidden states {res['hidden_states']}, "
+              f"{res['threads']} threads")
+        print(f"{'rows':>9} {'RSS MiB':>9} {'peak MiB':>9}   (without recording)")
+        for r in res["baseline"]:
+            print(f"{r['rows']:>9} {r['rss_mb']:>9.0f} {r['peak_rss_mb']:>9.0f}")
+        print(f"{'rows':>9} {'RSS MiB':>9} {'peak MiB':>9}   (recording)")
+        for r in res["recording"]:
+            print(f"{r['rows']:>9} {r['rss_mb']:>9.0f} {r['peak_rss_mb']:>9.0f}   {r.get('after', '')}")
+        print(f"peak RSS added by recording: {res['peak_growth_mb']:+.0f} MiB")
+        return 0
     res = run(args.model, args.steps, args.repeats, args.hidden_states)
     if args.json:
         print(json.dumps(res, indent=2))

@@ -8,6 +8,7 @@ are memory-mapped from their safetensors shards.
 from __future__ import annotations
 
 import json
+import re
 from functools import cached_property
 from pathlib import Path
 from typing import Any
@@ -101,7 +102,12 @@ class RoutingTrace:
             if c not in names:
                 hint = " (record with scores=True)" if c == "scores" else ""
                 raise MoelabError(f"trace {str(self.path)!r} has no column {c!r}{hint}; columns: {', '.join(names)}.")
-        return pq.read_table(self.path / ROUTES_FILE, columns=columns, memory_map=True)
+        try:
+            return pq.read_table(self.path / ROUTES_FILE, columns=columns, memory_map=True)
+        except Exception as exc:  # noqa: BLE001 - pyarrow raises several types for bad files
+            raise MoelabError(
+                f"trace {str(self.path)!r} is corrupt ({ROUTES_FILE}: {_first_line(exc)}); record it again."
+            ) from None
 
     def to_pandas(self, columns: list[str] | None = None):
         """The routes as a pandas DataFrame (list columns become numpy arrays per row)."""
@@ -140,7 +146,18 @@ class RoutingTrace:
 
     def experts_array(self) -> np.ndarray:
         """(rows, K) int32 expert ids, by descending weight (-1 pads layers with smaller K)."""
-        return self._list_matrix("experts", self.top_k)
+        fresh = "experts[]" not in self._columns
+        ids = self._list_matrix("experts", self.top_k)
+        if fresh and ids.size:
+            lo, hi = int(ids.min()), int(ids.max())
+            if lo < -1 or hi >= self.num_experts:
+                del self._columns["experts[]"]
+                bad = lo if lo < -1 else hi
+                raise MoelabError(
+                    f"trace {str(self.path)!r} is corrupt: expert id {bad} in {ROUTES_FILE}, expected "
+                    f"0..{self.num_experts - 1} (num_experts in {META_FILE}); record it again."
+                )
+        return ids
 
     def weights_array(self) -> np.ndarray:
         """(rows, K) float32 router weights aligned with :meth:`experts_array`."""
@@ -176,9 +193,38 @@ class RoutingTrace:
                 f"trace {str(self.path)!r} has no hidden states; record with hidden_states=True "
                 "(CLI: moelab trace ... --hidden-states)."
             )
+        import torch
+
+        H = info["hidden_size"]
         for shard in info["shards"]:
-            with safe_open(str(self.path / shard["file"]), framework="pt") as f:
-                yield f.get_tensor("hidden")
+            where = f"trace {str(self.path)!r}: hidden-state shard {shard['file']}"
+            try:
+                with safe_open(str(self.path / shard["file"]), framework="pt") as f:
+                    names = list(f.keys())
+                    if "hidden" not in names:
+                        raise MoelabError(
+                            f"{where} has tensors {sorted(names)}, expected one named 'hidden'; "
+                            "the trace is corrupt, record it again."
+                        )
+                    t = f.get_tensor("hidden")
+            except MoelabError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - safetensors raises several types
+                raise MoelabError(
+                    f"{where} is not a readable safetensors file ({_first_line(exc)}); record the trace again."
+                ) from None
+            if t.ndim != 2 or t.shape[0] != shard["rows"] or t.shape[1] != H:
+                raise MoelabError(
+                    f"{where} has shape {tuple(t.shape)}, expected ({shard['rows']}, {H}) per "
+                    f"{META_FILE}; the trace is corrupt, record it again."
+                )
+            if not t.is_floating_point():
+                raise MoelabError(f"{where} has dtype {t.dtype}, expected a float type; record it again.")
+            if t.numel() and not bool(torch.isfinite(t).all()):
+                raise MoelabError(
+                    f"{where} holds NaN or infinite values; the trace is corrupt, record it again."
+                )
+            yield t
 
     # ------------------------------------------------------------------ summaries
     def mask(self, *, phase: str | None = None, moe_layer: int | None = None) -> np.ndarray:
@@ -284,15 +330,95 @@ def _read_meta(path: Path) -> dict[str, Any]:
         meta = json.loads(meta_path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise MoelabError(f"{str(meta_path)!r} is not valid JSON ({exc}); the trace is corrupt, record it again.") from None
+    if not isinstance(meta, dict):
+        raise MoelabError(
+            f"{str(meta_path)!r} holds a JSON {type(meta).__name__}, expected an object; not a moelab trace."
+        )
     version = meta.get("schema_version")
-    if not isinstance(version, int):
+    if not isinstance(version, int) or isinstance(version, bool):
         raise MoelabError(f"{str(meta_path)!r} has no integer schema_version; not a moelab trace.")
     if version > SCHEMA_VERSION:
         raise MoelabError(
             f"trace {str(path)!r} has schema version {version}, newer than this moelab supports "
             f"({SCHEMA_VERSION}); upgrade moelab (pip install -U moelab) to read it."
         )
+    _check_meta(meta, meta_path)
     return meta
+
+
+#: Sanity bounds on shapes read from meta.json (real MoE models are far below them).
+MAX_EXPERTS = 1 << 16
+MAX_MOE_LAYERS = 1 << 12
+_SHARD_NAME = re.compile(r"^hidden-\d{5,}\.safetensors$")
+
+
+def _check_meta(meta: dict[str, Any], meta_path: Path) -> None:
+    """meta.json must have the fields and types moelab reads; one clear error otherwise."""
+    where = str(meta_path)
+
+    def bad(field: str, value: Any, expected: str) -> MoelabError:
+        return MoelabError(
+            f"{where!r}: {field} is {value!r}, expected {expected}; the trace is corrupt or was "
+            "edited, record it again."
+        )
+
+    def int_in(field: str, value: Any, low: int, high: int | None = None) -> int:
+        if not isinstance(value, int) or isinstance(value, bool) or value < low or (high is not None and value > high):
+            rng = f"an integer in [{low}, {high}]" if high is not None else f"an integer ≥ {low}"
+            raise bad(field, value, rng)
+        return value
+
+    def int_list(field: str, value: Any, low: int, high: int) -> list[int]:
+        if not isinstance(value, list):
+            raise bad(field, value, "a list of integers")
+        return [int_in(f"{field}[{i}]", v, low, high) for i, v in enumerate(value)]
+
+    model = meta.get("model")
+    if not isinstance(model, dict):
+        raise bad("model", model, "an object with the model's name, layers, experts and top-k")
+    if not isinstance(model.get("fingerprint"), str):
+        raise bad("model.fingerprint", model.get("fingerprint"), "a string")
+    for key in ("name", "model_type"):
+        if key in model and not isinstance(model[key], str):
+            raise bad(f"model.{key}", model[key], "a string")
+    layers = int_list("model.moe_layers", model.get("moe_layers"), 0, 1 << 20)
+    if not 1 <= len(layers) <= MAX_MOE_LAYERS:
+        raise bad("model.moe_layers", model.get("moe_layers"), f"1 to {MAX_MOE_LAYERS} layer indices")
+    experts = int_list("model.num_experts", model.get("num_experts"), 1, MAX_EXPERTS)
+    top_k = int_list("model.top_k", model.get("top_k"), 1, MAX_EXPERTS)
+    for name, values in (("model.num_experts", experts), ("model.top_k", top_k)):
+        if len(values) != len(layers):
+            raise bad(name, values, f"one entry per MoE layer ({len(layers)})")
+    for i, (k, e) in enumerate(zip(top_k, experts)):
+        if k > e:
+            raise bad(f"model.top_k[{i}]", k, f"at most num_experts ({e})")
+    int_in("num_rows", meta.get("num_rows"), 0)
+    int_in("num_sequences", meta.get("num_sequences"), 0)
+    rec = meta.get("recording")
+    if not isinstance(rec, dict):
+        raise bad("recording", rec, "an object with 'scores' and 'hidden_states'")
+    if not isinstance(rec.get("scores"), bool):
+        raise bad("recording.scores", rec.get("scores"), "true or false")
+    hidden = rec.get("hidden_states")
+    if hidden is None:
+        return
+    if not isinstance(hidden, dict) or not isinstance(hidden.get("shards"), list):
+        raise bad("recording.hidden_states", hidden, "null or an object with a list of 'shards'")
+    int_in("recording.hidden_states.hidden_size", hidden.get("hidden_size"), 1, 1 << 20)
+    for i, shard in enumerate(hidden["shards"]):
+        if not isinstance(shard, dict):
+            raise bad(f"recording.hidden_states.shards[{i}]", shard, "an object with 'file' and 'rows'")
+        name = shard.get("file")
+        # a plain file name inside the trace directory: no paths, no '..'
+        if not isinstance(name, str) or not _SHARD_NAME.match(name):
+            raise bad(f"recording.hidden_states.shards[{i}].file", name,
+                      "a file name like 'hidden-00000.safetensors' inside the trace directory")
+        int_in(f"recording.hidden_states.shards[{i}].rows", shard.get("rows"), 0)
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return (text.splitlines()[0] if text else type(exc).__name__)[:200]
 
 
 def open_trace(path: str | Path) -> RoutingTrace:

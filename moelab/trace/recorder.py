@@ -36,6 +36,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from moelab._output import reserve_output
 from moelab.adapters import MoELayer, get_adapter, make_routing, model_info, moe_layers
 from moelab.errors import MoelabError
 from moelab.trace.forward import inspect_forward
@@ -110,6 +111,7 @@ class TraceRecorder:
         overwrite: bool = False,
         model_name: str | None = None,
         metadata: dict[str, Any] | None = None,
+        reservation: Any = None,
         **config_kwargs: Any,
     ) -> None:
         if config is not None and config_kwargs:
@@ -125,6 +127,9 @@ class TraceRecorder:
         self.trace = None
         self._hooks: list = []
         self._tmp: Path | None = None
+        self._reservation = None
+        # a claim of ``out`` taken before the work (moelab trace claims it before loading the model)
+        self._claimed = reservation
         self._reset_state()
 
     def _reset_state(self) -> None:
@@ -160,12 +165,12 @@ class TraceRecorder:
     def start(self) -> None:
         if self._tmp is not None:
             raise MoelabError("this recorder is already recording; use a new TraceRecorder for a new trace.")
-        if self.path.exists() and not self.overwrite:
-            raise MoelabError(
-                f"trace directory {str(self.path)!r} already exists; pass overwrite=True (CLI: --overwrite) or choose another path."
-            )
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._tmp = Path(tempfile.mkdtemp(prefix=f".{self.path.name}.partial-", dir=self.path.parent))
+        # refuses an existing path, locks it against a second writer, creates the parents
+        if self._claimed is not None and Path(self._claimed.path) == self.path:
+            self._reservation, self._claimed = self._claimed, None
+        else:
+            self._reservation = reserve_output(self.path, self.overwrite, what="trace directory")
+        self._tmp = self._reservation.staging
         self._reset_state()
         try:
             self._hooks.append(self.model.register_forward_pre_hook(self._pre_forward, with_kwargs=True))
@@ -174,6 +179,7 @@ class TraceRecorder:
                 self._hooks.append(layer.router.register_forward_hook(self._router_hook(layer)))
         except BaseException:
             self._remove_hooks()
+            self.abort()
             raise
 
     def close(self):
@@ -193,17 +199,11 @@ class TraceRecorder:
                 pq.write_table(routes_schema(self.config.scores).empty_table(), self._tmp / ROUTES_FILE)
             meta = self._meta()
             _write_json_atomic(self._tmp / META_FILE, meta)
-            if self.path.exists():
-                trash = self.path.with_name(f".{self.path.name}.old-{uuid.uuid4().hex[:8]}")
-                os.replace(self.path, trash)
-                os.replace(self._tmp, self.path)
-                shutil.rmtree(trash, ignore_errors=True)
-            else:
-                os.replace(self._tmp, self.path)
+            self._reservation.commit()
         except BaseException:
             self.abort()
             raise
-        self._tmp = None
+        self._tmp = self._reservation = None
         if self._rows == 0:
             log.warning("trace %s has no rows: nothing ran through the model while recording", self.path)
         self.trace = RoutingTrace(self.path)
@@ -220,6 +220,9 @@ class TraceRecorder:
         if self._tmp is not None:
             shutil.rmtree(self._tmp, ignore_errors=True)
             self._tmp = None
+        if self._reservation is not None:
+            self._reservation.abort()
+            self._reservation = None
 
     def _remove_hooks(self) -> None:
         while self._hooks:
@@ -404,6 +407,7 @@ class TraceRecorder:
         self._buf_lists = {k: [] for k in self._buf_lists}
         self._buf_hidden = []
         self._buf_rows = 0
+        _release_heap()
 
     def _meta(self) -> dict[str, Any]:
         import platform
@@ -448,6 +452,30 @@ class TraceRecorder:
             },
             "metadata": self.metadata,
         }
+
+
+def _release_heap() -> None:
+    """Give the freed buffers of a flush back to the OS (glibc only; a no-op elsewhere).
+
+    A flush frees tens of MB of numpy/torch buffers allocated between many small model
+    allocations; glibc keeps such freed heap pages (RSS grew about linearly with rows in
+    the probe of issue 18, and ``malloc_trim`` returned most of it). Trimming after each
+    flush keeps the recorder's resident memory bounded by ``flush_rows``.
+    """
+    global _MALLOC_TRIM
+    if _MALLOC_TRIM is None:
+        import ctypes
+        import ctypes.util
+
+        try:
+            _MALLOC_TRIM = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+        except (OSError, AttributeError):
+            _MALLOC_TRIM = False
+    if _MALLOC_TRIM:
+        _MALLOC_TRIM(0)
+
+
+_MALLOC_TRIM: Any = None
 
 
 def _call_key(call: tuple) -> tuple:

@@ -3,7 +3,7 @@
     from moelab.training import Trainer, preset
     trainer = Trainer(preset("mixtral"), ckpt_dir="runs/train-tiny/mixtral", minutes=30)
     trainer.run()
-    trainer.export("moelab/bundled/moelab-tiny-mixtral")
+    trainer.export("moelab/bundled/moelab-tiny-mixtral", overwrite=True)
 
 ``moelab.training.quick_eval`` is a greedy checker (arith exact match, pycode pass@1 with
 tests run in a subprocess). Heavy imports (torch, transformers) happen in the submodules.

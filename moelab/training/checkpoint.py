@@ -1,4 +1,8 @@
-"""Atomic training checkpoints: write to a temporary file, then rename over the old one."""
+"""Atomic training checkpoints: write to a temporary file, then rename over the old one.
+
+Checkpoints are read with ``torch.load(weights_only=True)``: tensors, dicts, lists and
+plain numbers only, so a planted ``checkpoint.pt`` cannot run code on ``--resume``.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +12,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from moelab.errors import MoelabError
 
 CHECKPOINT_NAME = "checkpoint.pt"
 
@@ -32,4 +38,12 @@ def load_checkpoint(directory: Path) -> dict[str, Any] | None:
     path = directory / CHECKPOINT_NAME
     if not path.is_file():
         return None
-    return torch.load(path, map_location="cpu", weights_only=False)
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - UnpicklingError, RuntimeError, EOFError, ...
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise MoelabError(
+            f"checkpoint {str(path)!r} cannot be loaded safely ({first[:200]}); it holds objects other "
+            "than tensors and plain data, or is corrupt. Delete it and train again without --resume."
+        ) from None
+    return state

@@ -15,6 +15,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers import PreTrainedTokenizerFast
 
+from moelab._output import OutputReservation, reserve_output
 from moelab.errors import MoelabError
 from moelab.training.checkpoint import load_checkpoint, save_checkpoint
 from moelab.training.config import TrainConfig
@@ -103,6 +104,14 @@ class Trainer:
         np.random.seed(cfg.seed)
         torch.manual_seed(cfg.seed)
         ckpt = load_checkpoint(self.ckpt_dir) if self.resume else None
+        if ckpt is not None:
+            missing = [k for k in ("config", "model", "optimizer", "state", "torch_rng")
+                       if not isinstance(ckpt, dict) or k not in ckpt]
+            if missing:
+                raise MoelabError(
+                    f"{str(self.ckpt_dir / 'checkpoint.pt')!r} is not a moelab training checkpoint "
+                    f"(missing {', '.join(missing)}); delete it and train again without --resume."
+                )
         if ckpt is None and (self.ckpt_dir / "checkpoint.pt").exists():
             raise MoelabError(
                 f"checkpoint directory {str(self.ckpt_dir)!r} already holds a checkpoint; "
@@ -258,13 +267,29 @@ class Trainer:
         return row
 
     def export(
-        self, out_dir: str | Path, final_eval_n: dict[str, int] | None = None
+        self,
+        out_dir: str | Path,
+        final_eval_n: dict[str, int] | None = None,
+        *,
+        overwrite: bool = False,
+        reservation: OutputReservation | None = None,
     ) -> dict[str, Any]:
-        """Save the model (save_pretrained + tokenizer), its summary and its model card."""
+        """Save the model (save_pretrained + tokenizer), its summary and its model card.
+
+        Written atomically (see :mod:`moelab._output`): an existing ``out_dir`` is refused
+        unless ``overwrite``; pass a ``reservation`` of it taken before training to claim
+        the path before the work (what ``moelab train-tiny`` does).
+        """
         from moelab.training.model_card import write_model_card
 
-        out = Path(out_dir)
-        out.mkdir(parents=True, exist_ok=True)
+        res = reservation or reserve_output(out_dir, overwrite, what="model output")
+        with res:
+            summary = self._export(res.staging, final_eval_n, write_model_card)
+            res.commit()
+        self.checkpoint()
+        return summary
+
+    def _export(self, out: Path, final_eval_n, write_model_card) -> dict[str, Any]:
         cfg = self.cfg
         logger.info("final validation pass (greedy generation on the validation split)")
         val = self._eval("validation", final_eval_n, progress=self.progress)
@@ -292,5 +317,4 @@ class Trainer:
         }
         (out / "training_summary.json").write_text(json.dumps(summary, indent=1))
         write_model_card(out, summary)
-        self.checkpoint()
         return summary
