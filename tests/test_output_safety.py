@@ -206,7 +206,7 @@ def _tiny_trainer(tmp_path, monkeypatch):
     trainer = Trainer(_tiny_config(), tmp_path / "ckpt", progress=False)
     trainer.run(max_steps=1)
     # the exported files are what is tested here, not the model's scores
-    monkeypatch.setattr(trainer, "_eval", lambda split, n: {"step": 1, "split": split})
+    monkeypatch.setattr(trainer, "_eval", lambda split, n, **kw: {"step": 1, "split": split})
     return trainer
 
 

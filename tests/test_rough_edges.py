@@ -117,7 +117,7 @@ def test_trainer_export_runs_its_final_validation_with_a_progress_bar(tmp_path, 
 
     def fake_quick_eval(model, tokenizer, **kwargs):
         calls.append(kwargs)
-        return {"arith": {"exact_match": 0.0, "n": 1}, "pycode": {"pass@1": 0.0, "n": 1}}
+        return {"arith": {"exact_match": 0.0, "n": 1}, "pycode": {"pass@1": 0.0, "n": 1, "isolation": "namespaces"}}
 
     monkeypatch.setattr(trainer_mod, "quick_eval", fake_quick_eval)
     t = trainer_mod.Trainer(_tiny_config(), tmp_path / "ckpt", progress=True)
