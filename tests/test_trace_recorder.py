@@ -225,3 +225,21 @@ def test_recording_inside_lm_eval_loglikelihood(model, tok, tmp_path):
         lm.loglikelihood(reqs)
     t = rec.trace
     assert t.num_rows > 0 and set(t.column("phase")) == {"prefill"}
+
+
+def test_rows_held_in_memory_stay_below_flush_rows(model, tok, tmp_path, monkeypatch):
+    """Between forwards the recorder holds < flush_rows rows (buffered plus pending), whatever the rows."""
+    import moelab.trace.recorder as recorder_mod
+
+    monkeypatch.setattr(recorder_mod, "_PENDING_FORWARDS", 3)  # conversions that do not fill a flush
+    flush = 40
+    held = []
+    with moelab.record(model, tmp_path / "t", hidden_states=True, flush_rows=flush) as rec:
+        hook = model.register_forward_hook(lambda *a: held.append(rec._buf_rows + rec._pending_rows))
+        try:
+            for _ in range(3):
+                _gen(model, tok, ["hello there", "a longer prompt here"], n=12)
+        finally:
+            hook.remove()
+    assert rec.trace.num_rows > 5 * flush  # several flushes happened
+    assert held and max(held) < flush

@@ -1,7 +1,7 @@
 """Benchmarks: how much recording adds to a decode step, and how much memory it holds.
 
     python -m moelab.trace.bench [--model NAME] [--steps 512] [--repeats 7] [--json]
-    python -m moelab.trace.bench --memory [--rows 500000] [--batch 16] [--hidden-states]
+    python -m moelab.trace.bench --memory [--rows 500000] [--batch 16] [--max-new-tokens 64] [--hidden-states]
 
 Runs the same greedy decode loop (KV cache, batch 1) with and without a recorder,
 alternating A/B so drift hits both alike, and reports medians of the per-step time and
@@ -9,8 +9,8 @@ their ratio. The recorder's work — hooks, the batched routing conversion, Parq
 writes and finalising the trace — is all inside the timed region. Target: ≤ 10 % with
 scores, without hidden states.
 
-``--memory`` decodes batches of prompts (a fresh KV cache every 200 steps) while
-recording, and prints the process's resident memory (current and peak) against the rows
+``--memory`` runs what ``moelab trace`` runs (``model.generate`` on left-padded batches of
+prompts, a fresh KV cache per batch) while recording, and prints the process's resident memory (current and peak) against the rows
 recorded so far, after the same loop without recording as the baseline. Target: peak RSS
 flat in the rows (bounded by ``flush_rows``), not growing with them.
 """
@@ -100,37 +100,45 @@ def _rss_mb() -> tuple[float, float]:
 
 @torch.no_grad()
 def memory(model_name: str | None = None, rows: int = 500_000, batch: int = 16, hidden_states: bool = False,
-           points: int = 8) -> dict:
-    """Resident memory against recorded rows (see the module docstring)."""
-    from transformers import DynamicCache
+           points: int = 8, max_new_tokens: int = 64) -> dict:
+    """Resident memory against recorded rows (see the module docstring).
 
+    Runs what ``moelab trace`` runs: ``model.generate`` (KV cache, left-padded batches of
+    ``batch`` prompts, ``max_new_tokens`` greedy tokens) until ``rows`` rows are recorded,
+    once without and once with a recorder, and samples the resident memory between batches.
+    """
     from moelab.adapters import moe_layers
     from moelab.loading import load
     from moelab.models.bundled import default_model_name
 
     name = model_name or default_model_name()
     model, tok = load(name)
-    ids = tok(["Tom has 3 apples and buys 5 more. How many"] * batch, return_tensors="pt").input_ids
-    per_step = batch * len(moe_layers(model))
-    total_steps = max(1, rows // per_step)
-    marks = sorted({int(total_steps * (i + 1) / points) for i in range(points)})
+    pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    prompts = [f"Question {i}: Tom has {i % 50} apples and buys {i % 7} more. How many apples now?"
+               for i in range(batch)]
+    enc = tok(prompts, return_tensors="pt", padding=True, padding_side="left")
+    n_layers = len(moe_layers(model))
 
     def loop(recorder: TraceRecorder | None) -> list[dict]:
-        out_rows, done = [], 0
-        while done < total_steps:
-            cache = DynamicCache(config=model.config)
-            out = model(input_ids=ids, past_key_values=cache, use_cache=True)
-            nxt = out.logits[:, -1:].argmax(-1)
-            for _ in range(min(200, total_steps - done)):
-                out = model(input_ids=nxt, past_key_values=out.past_key_values, use_cache=True)
-                nxt = out.logits[:, -1:].argmax(-1)
-                done += 1
-                if len(out_rows) < len(marks) and done >= marks[len(out_rows)]:
-                    r = recorder
-                    n = (r._rows + r._buf_rows + r._pending_rows) if r is not None else done * per_step
-                    cur, peak = _rss_mb()
-                    out_rows.append({"rows": int(n), "rss_mb": round(cur, 1), "peak_rss_mb": round(peak, 1)})
-        return out_rows
+        samples: list[dict] = []
+        done, nxt = 0, rows / points
+        while done < rows:
+            out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad_id,
+                                 min_new_tokens=max_new_tokens)
+            if recorder is not None:
+                done = recorder._rows + recorder._buf_rows + recorder._pending_rows
+            else:  # the rows a recorder would have written: real prompt tokens + new tokens, per layer
+                done += (int(enc.attention_mask.sum()) + batch * (out.shape[1] - enc.input_ids.shape[1] - 1)) * n_layers
+            if done >= nxt or done >= rows:
+                cur, peak = _rss_mb()
+                samples.append({"rows": int(done), "rss_mb": round(cur, 1), "peak_rss_mb": round(peak, 1)})
+                nxt += rows / points
+        return samples
+
+    # the writers' libraries (~50 MiB resident once imported) are loaded before the baseline,
+    # so the difference is what recording holds, not a one-off import
+    import pyarrow.parquet  # noqa: F401
+    import safetensors.torch  # noqa: F401
 
     base = loop(None)
     with tempfile.TemporaryDirectory() as tmp:
@@ -144,7 +152,9 @@ def memory(model_name: str | None = None, rows: int = 500_000, batch: int = 16, 
     return {
         "model": name,
         "batch": batch,
+        "max_new_tokens": max_new_tokens,
         "hidden_states": hidden_states,
+        "flush_rows": rec.config.flush_rows,
         "threads": torch.get_num_threads(),
         "baseline": base,
         "recording": recorded,
@@ -161,15 +171,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", action="store_true")
     p.add_argument("--memory", action="store_true", help="print resident memory against rows recorded")
     p.add_argument("--rows", type=int, default=500_000, help="rows to record with --memory")
-    p.add_argument("--batch", type=int, default=16, help="prompts per forward with --memory")
+    p.add_argument("--batch", type=int, default=16, help="prompts per generate call with --memory")
+    p.add_argument("--max-new-tokens", type=int, default=64, help="tokens per generate call with --memory")
     args = p.parse_args(argv)
     if args.memory:
-        res = memory(args.model, args.rows, args.batch, args.hidden_states)
+        res = memory(args.model, args.rows, args.batch, args.hidden_states, max_new_tokens=args.max_new_tokens)
         if args.json:
             print(json.dumps(res, indent=2))
             return 0
-        print(f"{res['model']}: batch {res['batch']}, hidden states {res['hidden_states']}, "
-              f"{res['threads']} threads")
+        print(f"{res['model']}: generate, batch {res['batch']}, {res['max_new_tokens']} new tokens, "
+              f"hidden states {res['hidden_states']}, flush_rows {res['flush_rows']}, {res['threads']} threads")
         print(f"{'rows':>9} {'RSS MiB':>9} {'peak MiB':>9}   (without recording)")
         for r in res["baseline"]:
             print(f"{r['rows']:>9} {r['rss_mb']:>9.0f} {r['peak_rss_mb']:>9.0f}")

@@ -303,7 +303,9 @@ class TraceRecorder:
         # Keep the raw router outputs; convert many forwards at once (see _convert_pending).
         self._pending.append(fwd)
         self._pending_rows += fwd.n * len(fwd.calls)
-        if self._pending_rows >= self.config.flush_rows or len(self._pending) >= _PENDING_FORWARDS:
+        # buffered + pending rows stay below flush_rows between forwards (pending alone could
+        # otherwise add up to another flush_rows on top of an almost full buffer)
+        if self._buf_rows + self._pending_rows >= self.config.flush_rows or len(self._pending) >= _PENDING_FORWARDS:
             self._convert_pending()
             if self._buf_rows >= self.config.flush_rows:
                 self._flush()
