@@ -208,7 +208,7 @@ def available_isolation() -> str:
     """The strongest isolation level that works here (probed once per process)."""
     try:
         r = _run_one(
-            f"import os\nassert os.getuid() == {INNER_ID}\nopen('/tmp/x', 'w').write('x')\n",
+            f"import os\nassert os.getuid() == {INNER_ID}\nopen(os.environ['HOME'] + '/x', 'w').write('x')\n",
             SandboxConfig(timeout_s=20.0, isolation="namespaces", min_isolation="rlimits"),
             role="program",
         )
@@ -268,6 +268,16 @@ def _tail(path: str, chars: int) -> str:
         return f.read().decode("utf-8", "replace")[-chars:]
 
 
+def _work_dir_inside(bound: list[str]) -> str:
+    """The sandbox's writable directory (its cwd, ``HOME`` and ``TMPDIR``): ``/tmp``, unless
+    the Python installation is bound below it (a checkout or venv under ``/tmp``), whose
+    directories would then show in the candidate's empty work directory; then ``/sandbox``."""
+    for candidate in ("/tmp", "/sandbox", f"/sandbox-{secrets.token_hex(4)}"):
+        if not any(p == candidate or p.startswith(candidate + "/") for p in bound):
+            return candidate
+    raise AssertionError("unreachable: a random work directory name collided")
+
+
 def _python_paths() -> list[tuple[str, str]]:
     """(host path, path inside) of the Python installation, as the interpreter names them."""
     out: list[tuple[str, str]] = []
@@ -297,7 +307,10 @@ class _Child:
         }
         status_r = None
         if level == "namespaces":
-            home = "/tmp"
+            python = _python_paths() + [
+                (os.path.realpath(p), os.path.abspath(p)) for p in config.read_only_paths
+            ]
+            home = _work_dir_inside([inside for _, inside in python])
             # evaluator not root: the waiting launcher, init and the runner share the candidate's
             # id and count too; root: the candidate is nobody outside, only its runner counts
             extra = 1 if os.geteuid() == 0 else 3
@@ -308,8 +321,7 @@ class _Child:
             settings = {
                 "root": root,
                 "system": [p for p in SYSTEM_PATHS if os.path.lexists(p)],
-                "python": _python_paths()
-                + [(os.path.realpath(p), os.path.abspath(p)) for p in config.read_only_paths],
+                "python": python,
                 "work": home,
                 "work_kib": config.work_mb * 1024,
                 "inner_id": INNER_ID,
