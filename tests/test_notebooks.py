@@ -42,6 +42,9 @@ def test_notebook_executes(path, tmp_path, monkeypatch):
     scratch.mkdir()
     monkeypatch.chdir(work)  # notebooks write their traces/artifacts into the working dir
     monkeypatch.setenv("TMPDIR", str(scratch))  # inherited by the kernel
+    # one torch thread in the kernel: under `pytest -n 2` the other worker keeps the second core
+    # busy, and two spinning OpenMP threads on one free core made notebook 02 take minutes
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
     nb = nbformat.read(path, as_version=4)
     # IPC sockets named after this test's own connection file: kernels started in parallel
     # cannot collide on TCP ports (a collision loses messages and hangs the client).
