@@ -134,7 +134,7 @@ def test_shell_commands_are_split_at_unescaped_line_ends():
     assert shell_commands("a \\\n  b\n# c\n\nd  # e\n") == ["a    b", "d  # e"]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # not module: xdist may run other modules between blocks
 def workdir(tmp_path_factory):
     """The reader's working directory, with ``moelab`` / ``python`` on PATH from this checkout."""
     work = tmp_path_factory.mktemp("readme")
