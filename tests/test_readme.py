@@ -134,7 +134,7 @@ def test_shell_commands_are_split_at_unescaped_line_ends():
     assert shell_commands("a \\\n  b\n# c\n\nd  # e\n") == ["a    b", "d  # e"]
 
 
-@pytest.fixture(scope="session")  # not module: xdist may run other modules between blocks
+@pytest.fixture(scope="module")
 def workdir(tmp_path_factory):
     """The reader's working directory, with ``moelab`` / ``python`` on PATH from this checkout."""
     work = tmp_path_factory.mktemp("readme")
@@ -157,12 +157,19 @@ def workdir(tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.xdist_group("readme")  # in order, in one working directory
-@pytest.mark.parametrize("block", BLOCKS, ids=lambda b: f"L{b.line}-{b.kind}")
-def test_readme_block_runs(block, workdir):
-    if block.skip is not None:
-        pytest.skip(f"README line {block.line}: {block.skip}")
+def test_readme_blocks_run_in_order(workdir):
+    """Every block, in README order, in one working directory (one test: a parametrised test
+    was split across xdist workers, so a block could run before the one that made its inputs)."""
     work, env = workdir
+    known_failures = []
+    for block in BLOCKS:
+        if block.skip is None:
+            known_failures += _run_block(block, work, env)
+    if known_failures:
+        pytest.xfail("; ".join(known_failures))
+
+
+def _run_block(block, work, env) -> list[str]:
     code = block.source()
     if block.kind == "python":
         runs = [[sys.executable, "-c", code]]
@@ -184,5 +191,4 @@ def test_readme_block_runs(block, workdir):
             f"README line {block.line} ({block.kind}) failed with exit status {proc.returncode}:\n"
             f"{argv[-1]}\n--- stderr (tail) ---\n{proc.stderr[-3000:]}"
         )
-    if known_failures:
-        pytest.xfail("; ".join(known_failures))
+    return known_failures
