@@ -238,14 +238,11 @@ class Channel:
 # --- roles -----------------------------------------------------------------------------
 
 
-def run_whole_program(job):
-    nonce = job.pop("nonce").encode()
-    program = job.pop("program")
+def _run_to_the_end(code, filename, g, nonce):
+    """Run ``code``; exit 1 on any exception, else print ``nonce`` (the verdict: the marker
+    after the code's end, an exit status 0 alone is not enough) and exit 0."""
     try:
-        exec(
-            compile(program, "<candidate>", "exec"),
-            {"__name__": "__candidate__", "__builtins__": builtins},
-        )
+        exec(compile(code, filename, "exec"), g)
     except BaseException:
         traceback.print_exc()
         sys.stdout.flush()
@@ -255,6 +252,12 @@ def run_whole_program(job):
     sys.stderr.flush()
     os.write(1, b"\n" + nonce + b"\n")
     os._exit(0)
+
+
+def run_whole_program(job):
+    nonce = job.pop("nonce").encode()
+    program = job.pop("program")
+    _run_to_the_end(program, "<candidate>", {"__name__": "__candidate__", "__builtins__": builtins}, nonce)
 
 
 def serve_candidate(job):
@@ -453,18 +456,7 @@ def run_check(job):
         elif desc.get("kind") == "value":
             with contextlib.suppress(Uncheckable, RecursionError):
                 g[name] = decode(desc.get("value"), fn_from_name)
-    try:
-        exec(compile(job.pop("program"), "<tests>", "exec"), g)
-    except BaseException:
-        traceback.print_exc()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(1)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    # the verdict: this marker after the tests' end (an exit status 0 alone is not enough)
-    os.write(1, b"\n" + nonce + b"\n")
-    os._exit(0)
+    _run_to_the_end(job.pop("program"), "<tests>", g, nonce)
 
 
 def main():
