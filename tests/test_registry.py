@@ -28,8 +28,13 @@ def test_register_get_decorator_and_lazy():
     class C(Base):
         pass
 
-    r.register("lazy", "tests.test_registry:B")
-    assert r.get("a") is A and r.get("b") is C and r["lazy"] is B
+    r.register("lazy", "moelab.registry:Registry")
+    with pytest.raises(MoelabError, match="must be a subclass of Base"):
+        r["lazy"]
+    exc = Registry("error", base=Exception)
+    exc.register("lazy", "moelab.errors:MoelabError")
+    assert exc["lazy"] is MoelabError
+    assert r.get("a") is A and r.get("b") is C
     assert r.names() == ["a", "b", "lazy"] and "a" in r and "zz" not in r and len(r) == 3
 
 
@@ -40,7 +45,7 @@ def test_collision_names_both_places_and_overwrite():
     with pytest.raises(MoelabError) as e:
         r.register("a", B)
     msg = str(e.value)
-    assert "'a'" in msg and "tests.test_registry:A" in msg and "test_registry.py" in msg and "overwrite=True" in msg
+    assert "'a'" in msg and ":A" in msg and "test_registry.py" in msg and "overwrite=True" in msg
     r.register("a", B, overwrite=True)
     assert r.get("a") is B
 
