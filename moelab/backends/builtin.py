@@ -9,7 +9,7 @@ model is set to.
 With every slot active the call is the built-in's, unchanged. With skipped slots (expert
 not here, weight 0) the built-in runs on the active (token, slot) pairs only, each as one
 row with top-k 1, and the rows are summed per token the way the built-in sums its top-k:
-``eager`` adds them in the hidden dtype in expert order (its ``index_add_`` loop), the
+``eager`` adds them in the hidden dtype, one ``index_add_`` per expert (its loop), the
 others in fp32 in slot order, cast once (their ``view(T, K, H).sum(1)``).
 """
 
@@ -56,8 +56,15 @@ class TransformersBackend(ExpertsBackend):
         order = "expert" if self.impl == "eager" else "token"
         tok, slot, exp = routing.pairs(order)
         y = fn(module, hidden_states[tok], exp[:, None], routing.weights[tok, slot, None])  # (S, H)
-        if self.impl == "eager":
-            return torch.zeros_like(hidden_states).index_add_(0, tok, y.to(hidden_states.dtype))
+        if self.impl == "eager":  # one index_add_ per expert, as eager's loop (bf16 adds round each time)
+            out = torch.zeros_like(hidden_states)
+            y = y.to(out.dtype)
+            bounds = torch.cumsum(torch.unique_consecutive(exp, return_counts=True)[1], 0).tolist()
+            start = 0
+            for end in bounds:
+                out.index_add_(0, tok[start:end], y[start:end])
+                start = end
+            return out
         out = torch.zeros(hidden_states.shape, dtype=torch.float32, device=hidden_states.device)
         return out.index_add_(0, tok, y.float()).to(hidden_states.dtype)
 
