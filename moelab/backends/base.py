@@ -102,7 +102,7 @@ def check_expert_map(expert_map: torch.Tensor, num_local: int) -> None:
     if expert_map.dtype.is_floating_point or expert_map.dtype.is_complex or expert_map.dtype == torch.bool:
         raise MoelabError(f"expert_map has dtype {expert_map.dtype}; expected an integer tensor (torch.long).")
     if expert_map.numel():
-        lo, hi = int(expert_map.min()), int(expert_map.max())
+        lo, hi = (int(v) for v in torch.aminmax(expert_map))
         if lo < -1 or hi >= num_local:
             raise MoelabError(
                 f"expert_map has values in [{lo}, {hi}]; expected -1 (not here) or a local expert index in "
@@ -136,16 +136,18 @@ def route(
     if expert_map is not None:
         check_expert_map(expert_map, num_local)
     if top_k_index.numel():
-        lo, hi = int(top_k_index.min()), int(top_k_index.max())
+        lo, hi = (int(v) for v in torch.aminmax(top_k_index))
         if lo < 0 or hi >= n_ids:
             where = "the expert map's length" if expert_map is not None else "the module's expert count"
             raise MoelabError(
                 f"top_k_index has expert ids in [{lo}, {hi}]; expected [0, {n_ids}) ({where})."
             )
-    index = top_k_index.long()
-    if expert_map is not None:
+    index = top_k_index if top_k_index.dtype == torch.long else top_k_index.long()
+    if expert_map is None:
+        active = top_k_weights != 0
+    else:
         index = expert_map.to(device=index.device, dtype=torch.long)[index]
-    active = (index >= 0) & (top_k_weights != 0)
+        active = (index >= 0) & (top_k_weights != 0)
     return Routing(index, top_k_weights, active, bool(active.all()))
 
 
@@ -164,8 +166,10 @@ class ExpertsBackend:
         if self.devices is None:
             return
         named = dict(tensors)
-        for n, p in module.named_parameters(recurse=False):
-            named[f"{type(module).__name__}.{n}"] = p
+        for n in ("gate_up_proj", "up_proj", "down_proj"):  # the stacks the experts read
+            p = getattr(module, n, None)
+            if isinstance(p, torch.Tensor):
+                named[f"{type(module).__name__}.{n}"] = p
         if self.devices == ("cpu",):
             require_cpu(self.name, **named)
             return
@@ -190,7 +194,7 @@ class ExpertsBackend:
                  expert_map=expert_map),
         )
         routing = route(module, hidden_states, top_k_index, top_k_weights, expert_map)
-        if not bool(routing.active.any()):
+        if not routing.all_active and not bool(routing.active.any()):
             return torch.zeros_like(hidden_states)
         return self.compute(module, hidden_states, routing)
 

@@ -61,8 +61,7 @@ class KernelBackend(ExpertsBackend):
             intact = stored_fp8_pack(module, key)
             if intact is not None:
                 return intact  # the checkpoint's own e4m3 weights and block scales
-        with self._lock:
-            hit = self._packs.get(module, {}).get(spec)
+        hit = self._packs.get(module, {}).get(spec)  # a lookup needs no lock (atomic under the GIL)
         if hit is not None and hit[0] == key:
             return hit[1]
         logger.info("packing %s for moelab kernels (%s)", type(module).__name__, spec)
