@@ -22,6 +22,7 @@ COMMAND_MODULES: list[str] = [
     "trace_info",
     "eval",
     "generate",
+    "run",
     "compare_policies",
     "predict",
     "cache",

@@ -402,29 +402,41 @@ class HybridRun:
         return summarize(self.events_table())
 
     def save(self, out: str | Path, *, overwrite: bool = False) -> Path:
-        """Write ``plans.jsonl``, ``events.parquet`` and ``config.json`` into a new directory ``out``
-        (atomically: the directory appears complete or not at all)."""
-        import json
-
-        from moelab import __version__
+        """Write the run into a new directory ``out``, atomically (complete or absent); see :meth:`write`."""
         from moelab._output import reserve_output
 
         res = reserve_output(Path(out), overwrite, what="hybrid run directory")
         try:
-            with open(res.staging / "plans.jsonl", "w") as f:
-                for p in self.plans:
-                    f.write(json.dumps(asdict(p)) + "\n")
-            import pyarrow.parquet as pq
-
-            pq.write_table(self.events.table(), res.staging / "events.parquet")
-            (res.staging / "config.json").write_text(
-                json.dumps({"config": self.config.to_dict(), "moelab": __version__}, indent=2)
-            )
+            self.write(res.staging)
             res.commit()
         except BaseException:
             res.abort()
             raise
         return Path(out)
+
+    def write(self, directory: str | Path) -> None:
+        """Write ``plans.jsonl`` (one plan per line), ``events.parquet`` (the timeline),
+        ``summary.json`` and ``config.json`` (settings and versions) into ``directory``."""
+        import json
+        import platform
+
+        import pyarrow.parquet as pq
+        import transformers
+
+        from moelab import __version__
+
+        d = Path(directory)
+        with open(d / "plans.jsonl", "w") as f:
+            for p in self.plans:
+                f.write(json.dumps(asdict(p)) + "\n")
+        pq.write_table(self.events.table(), d / "events.parquet")
+        (d / "summary.json").write_text(json.dumps(self.summary(), indent=2))
+        (d / "config.json").write_text(json.dumps({
+            "config": self.config.to_dict(),
+            "run": self.events.run,
+            "versions": {"moelab": __version__, "torch": torch.__version__,
+                         "transformers": transformers.__version__, "python": platform.python_version()},
+        }, indent=2))
 
 
 def _needed(ids: torch.Tensor, w: torch.Tensor) -> tuple[list[int], dict[int, int]]:

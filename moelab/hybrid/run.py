@@ -1,0 +1,58 @@
+"""Run a hybrid configuration on prompts and write everything a run produces (``moelab run``).
+
+``OUT/`` holds ``trace/`` (the routing trace, :mod:`moelab.trace`), ``plans.jsonl``,
+``events.parquet`` (the timeline), ``summary.json`` and ``config.json``. The directory
+is claimed first and appears only when complete.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from moelab.hybrid.config import HybridConfig
+from moelab.hybrid.runtime import HybridRun
+
+
+@torch.no_grad()
+def run_prompts(
+    model: Any,
+    tokenizer: Any,
+    prompts: list[str],
+    config: HybridConfig | dict | str | Path,
+    out: str | Path,
+    *,
+    max_new_tokens: int = 32,
+    batch_size: int = 1,
+    overwrite: bool = False,
+    progress: bool = True,
+    model_name: str | None = None,
+) -> dict:
+    """Greedy-generate on ``prompts`` under ``config`` while recording; returns the summary."""
+    import json
+
+    from moelab._output import reserve_output
+    from moelab.trace.run import trace_prompts
+
+    res = reserve_output(Path(out), overwrite, what="run directory")
+    try:
+        run = HybridRun(model, config)
+        t0 = time.perf_counter()
+        with run:
+            trace = trace_prompts(model, tokenizer, prompts, res.staging / "trace", max_new_tokens=max_new_tokens,
+                                  batch_size=batch_size, progress=progress, model_name=model_name,
+                                  metadata={"hybrid": run.config.to_dict()})
+        wall = time.perf_counter() - t0
+        run.write(res.staging)
+        summary = {**run.summary(), "wall_s": wall, "prompts": len(prompts), "max_new_tokens": max_new_tokens,
+                   "trace_rows": trace.num_rows, "plans": len(run.plans),
+                   "tokens_per_s": len(prompts) * max_new_tokens / wall if wall > 0 else None}
+        (res.staging / "summary.json").write_text(json.dumps(summary, indent=2))
+        res.commit()
+    except BaseException:
+        res.abort()
+        raise
+    return summary
