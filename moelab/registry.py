@@ -98,22 +98,28 @@ class Registry(Generic[T]):
 
     # ------------------------------------------------------------------ registration
     @overload
-    def register(self, name: str, obj: None = None, *, overwrite: bool = False) -> Callable[[T], T]: ...
+    def register(
+        self, name: str, obj: None = None, *, overwrite: bool = False, stacklevel: int = 1
+    ) -> Callable[[T], T]: ...
 
     @overload
-    def register(self, name: str, obj: T | str, *, overwrite: bool = False) -> T | str: ...
+    def register(self, name: str, obj: T | str, *, overwrite: bool = False, stacklevel: int = 1) -> T | str: ...
 
-    def register(self, name: str, obj: Any = None, *, overwrite: bool = False) -> Any:
-        """Register ``obj`` (an object or ``"module:attr"``) as ``name``; a decorator without ``obj``."""
+    def register(self, name: str, obj: Any = None, *, overwrite: bool = False, stacklevel: int = 1) -> Any:
+        """Register ``obj`` (an object or ``"module:attr"``) as ``name``; a decorator without ``obj``.
+
+        ``stacklevel`` (as in :func:`warnings.warn`): which caller's file:line is recorded as
+        the place of registration; a wrapper such as ``register_policy`` passes 2.
+        """
         if obj is None:
-            site = _caller_site(2)
+            site = _caller_site(1 + stacklevel)
 
             def deco(target: T) -> T:
                 self._add(name, target, overwrite, site)
                 return target
 
             return deco
-        self._add(name, obj, overwrite, _caller_site(2))
+        self._add(name, obj, overwrite, _caller_site(1 + stacklevel))
         return obj
 
     def _add(self, name: str, obj: Any, overwrite: bool, site: str) -> None:

@@ -30,6 +30,7 @@ _LAZY: dict[str, str] = {
     "EVAL_TASKS": "moelab.evals.registry",
     "eval_task_names": "moelab.evals.registry",
     "get_eval_task": "moelab.evals.registry",
+    "register_eval_task": "moelab.evals.registry",
     "estimate_pass_at_k": "moelab.evals.metrics",
     "SandboxConfig": "moelab.evals.sandbox",
     "ExecResult": "moelab.evals.sandbox",

@@ -10,7 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from moelab.errors import unknown_name
+from moelab.errors import MoelabError
+from moelab.registry import Registry
 
 
 @dataclass(frozen=True)
@@ -33,60 +34,68 @@ class EvalTask:
     """Whether few-shot prompting makes sense (code tasks are 0-shot only)."""
 
 
-EVAL_TASKS: dict[str, EvalTask] = {
-    t.name: t
-    for t in (
-        EvalTask(
-            name="arith",
-            lm_eval_task="arith",
-            description="synthetic GSM8K-format arithmetic (moelab.tasks), 0-shot, strict #### exact match",
-            data="synthetic",
-            primary_metric="exact_match,strict-match",
-        ),
-        EvalTask(
-            name="pycode",
-            lm_eval_task="pycode",
-            description="synthetic HumanEval-format Python completion (moelab.tasks), 0-shot pass@1",
-            data="synthetic",
-            primary_metric="pass@1,create_test",
-            executes_code=True,
-            fewshot=False,
-        ),
-        EvalTask(
-            name="gsm8k",
-            lm_eval_task="gsm8k_local",
-            description="GSM8K test from a local copy, 8-shot, strict and flexible exact match",
-            data="gsm8k",
-            primary_metric="exact_match,strict-match",
-        ),
-        EvalTask(
-            name="humaneval",
-            lm_eval_task="humaneval_local",
-            description="HumanEval from a local copy, 0-shot pass@1",
-            data="humaneval",
-            primary_metric="pass@1,create_test",
-            executes_code=True,
-            fewshot=False,
-        ),
-    )
-}
+#: Evaluation tasks by moelab name (:class:`EvalTask` instances).
+EVAL_TASKS: Registry[EvalTask] = Registry("evaluation task", base=EvalTask, instances=True)
 
-_ALIASES = {t.lm_eval_task: t.name for t in EVAL_TASKS.values()}
+
+def register_eval_task(task: EvalTask, *, overwrite: bool = False) -> EvalTask:
+    """Add ``task`` under ``task.name`` (a different task under a registered name raises unless
+    ``overwrite=True``); ``get_eval_task`` also finds it by its lm-eval task name."""
+    if not isinstance(task, EvalTask):
+        raise MoelabError(f"register_eval_task expects an EvalTask, got {task!r}.")
+    EVAL_TASKS.register(task.name, task, overwrite=overwrite, stacklevel=2)
+    return task
+
+
+for _task in (
+    EvalTask(
+        name="arith",
+        lm_eval_task="arith",
+        description="synthetic GSM8K-format arithmetic (moelab.tasks), 0-shot, strict #### exact match",
+        data="synthetic",
+        primary_metric="exact_match,strict-match",
+    ),
+    EvalTask(
+        name="pycode",
+        lm_eval_task="pycode",
+        description="synthetic HumanEval-format Python completion (moelab.tasks), 0-shot pass@1",
+        data="synthetic",
+        primary_metric="pass@1,create_test",
+        executes_code=True,
+        fewshot=False,
+    ),
+    EvalTask(
+        name="gsm8k",
+        lm_eval_task="gsm8k_local",
+        description="GSM8K test from a local copy, 8-shot, strict and flexible exact match",
+        data="gsm8k",
+        primary_metric="exact_match,strict-match",
+    ),
+    EvalTask(
+        name="humaneval",
+        lm_eval_task="humaneval_local",
+        description="HumanEval from a local copy, 0-shot pass@1",
+        data="humaneval",
+        primary_metric="pass@1,create_test",
+        executes_code=True,
+        fewshot=False,
+    ),
+):
+    register_eval_task(_task)
 
 
 def eval_task_names() -> list[str]:
     """moelab's evaluation task names, in listing order."""
-    return list(EVAL_TASKS)
+    return EVAL_TASKS.names()
 
 
 def get_eval_task(name: str) -> EvalTask:
     """The task ``name`` (moelab's name, or the lm-eval task name); unknown names raise."""
     key = str(name).strip()
-    key = _ALIASES.get(key, key)
-    try:
-        return EVAL_TASKS[key]
-    except KeyError:
-        raise unknown_name("evaluation task", name, EVAL_TASKS) from None
+    if key not in EVAL_TASKS:
+        aliases = {t.lm_eval_task: n for n, t in EVAL_TASKS.items()}
+        key = aliases.get(key, key)
+    return EVAL_TASKS.get(key)
 
 
 def parse_tasks(tasks: str | list[str] | tuple[str, ...]) -> list[EvalTask]:
@@ -98,9 +107,7 @@ def parse_tasks(tasks: str | list[str] | tuple[str, ...]) -> list[EvalTask]:
             task = get_eval_task(n)
             out.setdefault(task.name, task)
     if not out:
-        from moelab.errors import MoelabError
-
         raise MoelabError(
-            f"no evaluation task given; expected one or more of {', '.join(EVAL_TASKS)}."
+            f"no evaluation task given; expected one or more of {', '.join(EVAL_TASKS.names())}."
         )
     return list(out.values())
