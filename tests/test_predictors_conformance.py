@@ -10,6 +10,7 @@ import torch
 import moelab
 from moelab.errors import MoelabError
 from moelab.predictors import (
+    PREDICTORS,
     LearnedPredictor,
     Predictor,
     attach,
@@ -17,7 +18,6 @@ from moelab.predictors import (
     clone,
     load_predictor,
     make_predictor,
-    PREDICTORS,
     register_predictor,
 )
 

@@ -22,6 +22,8 @@ from moelab._lazy import lazy_attributes
 
 _LAZY: dict[str, str] = {
     "evaluate": "moelab.evals.api",
+    "compare_policies": "moelab.evals.compare",
+    "PolicyComparison": "moelab.evals.compare",
     "versions": "moelab.evals.api",
     "EvalConfig": "moelab.evals.results",
     "EvalResult": "moelab.evals.results",

@@ -25,8 +25,8 @@ from typing import Any
 from moelab.tasks import arith, pycode
 from moelab.tasks._registry import (
     SPLITS,
-    Split,
     TASK_SPECS,
+    Split,
     TaskSpec,
     generate,
     get_task,
