@@ -143,8 +143,13 @@ class Registry(Generic[T]):
             return True
         if isinstance(obj, str):
             return old.lazy and old.target == obj
-        # a lazy entry that names exactly this object (a module registering itself on import)
-        return old.lazy and _qualname(obj) == old.target
+        if old.lazy:
+            # a lazy entry that names exactly this object (a module registering itself on import)
+            return _qualname(obj) == old.target
+        try:  # an equal value (a frozen dataclass built again from the same parts)
+            return bool(old.target == obj)
+        except Exception:  # noqa: BLE001 - objects whose == does not give a bool
+            return False
 
     def _check(self, name: str, obj: Any) -> None:
         if self.base is not None:
