@@ -32,6 +32,9 @@ class EvalTask:
     """Scoring runs model-generated code (needs the explicit opt-in)."""
     fewshot: bool = True
     """Whether few-shot prompting makes sense (code tasks are 0-shot only)."""
+    fewshot_from: str | None = None
+    """The YAML of an installed lm-eval task (relative to ``lm_eval/tasks``) whose ``num_fewshot``
+    is this task's default: moelab follows lm-eval's set-up rather than copying its number."""
 
 
 #: Evaluation tasks by moelab name (:class:`EvalTask` instances).
@@ -67,9 +70,10 @@ for _task in (
     EvalTask(
         name="gsm8k",
         lm_eval_task="gsm8k_local",
-        description="GSM8K test from a local copy, 8-shot, strict and flexible exact match",
+        description="GSM8K test from a local copy, lm-eval's gsm8k shot count, strict and flexible exact match",
         data="gsm8k",
         primary_metric="exact_match,strict-match",
+        fewshot_from="gsm8k/gsm8k.yaml",
     ),
     EvalTask(
         name="humaneval",
@@ -111,3 +115,45 @@ def parse_tasks(tasks: str | list[str] | tuple[str, ...]) -> list[EvalTask]:
             f"no evaluation task given; expected one or more of {', '.join(EVAL_TASKS.names())}."
         )
     return list(out.values())
+
+
+def default_num_fewshot(task: EvalTask) -> int | None:
+    """The shot count ``task`` runs with when the user sets none.
+
+    For a task with ``fewshot_from``, the ``num_fewshot`` of that installed lm-eval task (for
+    ``gsm8k``: lm-eval's ``gsm8k.yaml``, 5 in lm-eval 0.4); otherwise None (the count in
+    moelab's own YAML under ``evals/``).
+    """
+    if task.fewshot_from is None:
+        return None
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.find_spec("lm_eval.tasks")
+    roots = list(spec.submodule_search_locations or []) if spec is not None else []
+    for root in roots:
+        path = Path(root) / task.fewshot_from
+        if path.is_file():
+            return _num_fewshot_of(path, task)
+    raise MoelabError(
+        f"task {task.name!r} takes its few-shot count from lm-eval's {task.fewshot_from}, which the "
+        "installed lm-eval does not have; pass num_fewshot (CLI: --num-fewshot) explicitly, or "
+        "install lm-eval>=0.4.9."
+    )
+
+
+def _num_fewshot_of(path, task: EvalTask) -> int:
+    import yaml
+
+    class _Loader(yaml.SafeLoader):  # lm-eval YAMLs may hold `!function module.attr` tags
+        pass
+
+    _Loader.add_multi_constructor("!", lambda loader, suffix, node: None)
+    with open(path, encoding="utf-8") as f:
+        value = (yaml.load(f, Loader=_Loader) or {}).get("num_fewshot")  # noqa: S506 - SafeLoader subclass
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise MoelabError(
+            f"lm-eval's {path} gives num_fewshot={value!r} for task {task.name!r}; expected an integer "
+            "≥ 0. Pass num_fewshot (CLI: --num-fewshot) explicitly."
+        )
+    return value
