@@ -92,8 +92,17 @@ def _eval_tasks() -> Case:
                 lambda n, obj, overwrite=False: register_eval_task(obj, overwrite=overwrite))
 
 
+def _training_presets() -> Case:
+    from dataclasses import replace
+
+    from moelab.training.config import PRESETS
+
+    return Case("training presets", lambda: PRESETS, lambda n, v: replace(PRESETS.get("mixtral"), seed=100 + v),
+                lambda n, obj, overwrite=False: PRESETS.register(n, obj, overwrite=overwrite))
+
+
 CASES = [_adapters, _cache_policies, _predictors, _routing_policies, _tasks, _prompt_sources,
-         _report_sections, _eval_tasks]
+         _report_sections, _eval_tasks, _training_presets]
 
 
 @pytest.fixture(params=CASES, ids=lambda f: f.__name__.lstrip("_"))
