@@ -40,7 +40,7 @@ def _load_task_sources() -> None:
     except ImportError:  # pragma: no cover - moelab.tasks is part of the package
         return
     for name in tasks.task_names():
-        if name not in PROMPT_SOURCES._entries:
+        if name not in PROMPT_SOURCES:
             PROMPT_SOURCES.register(name, _task_prompts(name))
 
 
@@ -73,11 +73,13 @@ def _task_prompts(name: str) -> PromptSource:
 
 def prompt_sources() -> list[str]:
     """Names usable with ``--task``."""
+    _load_task_sources()  # tasks registered since the first lookup too
     return sorted(PROMPT_SOURCES.names())
 
 
 def task_prompts(name: str, limit: int | None = None) -> list[str]:
     """The prompts of task ``name`` (at most ``limit``)."""
+    _load_task_sources()
     prompts = PROMPT_SOURCES.get(name)(limit)
     return prompts[:limit] if limit else prompts
 

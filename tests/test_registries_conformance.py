@@ -173,3 +173,19 @@ def test_temporarily_restores(case):
 def test_base_check_refuses_the_wrong_kind(case):
     with pytest.raises(MoelabError):
         case.registry().register("conformance-wrong", 42)
+
+
+def test_a_task_registered_later_is_a_prompt_source():
+    from moelab.prompts import PROMPT_SOURCES, prompt_sources, task_prompts
+    from moelab.tasks import TASK_SPECS, TaskSpec
+
+    assert "demo" in prompt_sources()  # the first lookup has happened
+    spec = TaskSpec(name="conformance-later", sample=lambda rng: {"prompt": f"p{rng.randrange(10**9)}",
+                                                                  "canonical_solution": "x"},
+                    key_field="prompt", default_sizes={"train": 1, "validation": 1, "test": 1})
+    with TASK_SPECS.temporarily("conformance-later", spec):
+        try:
+            assert "conformance-later" in prompt_sources()
+            assert len(task_prompts("conformance-later", limit=2)) == 2
+        finally:
+            PROMPT_SOURCES.unregister("conformance-later")
