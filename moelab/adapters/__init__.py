@@ -21,7 +21,7 @@ from moelab.adapters.base import (
     make_routing,
 )
 from moelab.adapters.families import BUILTIN_ADAPTERS
-from moelab.errors import MoelabError
+from moelab.errors import MoelabError, did_you_mean
 from moelab.registry import Registry
 
 #: Family adapters by transformers ``config.model_type`` (instances of :class:`FamilyAdapter`).
@@ -71,7 +71,8 @@ def get_adapter(model: Any) -> FamilyAdapter:
     adapter = ADAPTERS.get(model_type, None)
     if adapter is None:
         raise MoelabError(
-            f"model type {model_type!r} ({type(model).__name__}) is not a supported Mixture-of-Experts family. "
+            f"model type {model_type!r} ({type(model).__name__}) is not a supported Mixture-of-Experts family."
+            f"{did_you_mean(model_type, supported_families())} "
             f"Supported: {', '.join(supported_families())}. To add one, register a FamilyAdapter with "
             "moelab.register_adapter()."
         )
