@@ -21,6 +21,7 @@ import torch
 
 import moelab
 from moelab.adapters import moe_layers
+from moelab.backends import use_backend
 from moelab.errors import MoelabError
 from moelab.forward import Order, forward_hooks, hooks
 from moelab.models.tiny import FAMILIES, build_tiny
@@ -80,21 +81,6 @@ class RouterTap:
             h.remove()
 
 
-def _use_moelab_kernels(model):
-    """The moelab kernels at the experts point (the backend seam)."""
-    from moelab.kernels.integration import make_experts_forward
-
-    fn = make_experts_forward(None)
-
-    def backend(module, hidden, ids, weights, expert_map=None):
-        return fn(module, hidden, ids, weights)
-
-    def choose(ctx, layer, call):
-        call.backend = backend
-
-    return hooks(model, experts=choose, order=Order.BACKEND)
-
-
 @pytest.mark.parametrize("family", FAMILIES)
 def test_recorder_deferral_predictor_and_kernels_in_one_generate(family, tmp_path):
     pytest.importorskip("moelab.kernels.op")
@@ -109,15 +95,12 @@ def test_recorder_deferral_predictor_and_kernels_in_one_generate(family, tmp_pat
             moelab.record(model, tmp_path / "t", model_name=f"tiny-{family}") as rec,
             ExpertDeferral(model, 1, min_immediate=1),
             attach(model, predictor, lambda s, t, e: seen.append((s, t, e.copy()))),
-            _use_moelab_kernels(model),
+            use_backend(model, "moelab"),
         ):
             out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=3, do_sample=False,
                                  pad_token_id=0, output_logits=True, return_dict_in_generate=True)
     finally:
         tap.remove()
-    from moelab.kernels.integration import clear_packed  # TEMP until backends own their packs
-
-    clear_packed(model)
     assert_same_state(before, snapshot(model))
     assert forward_hooks(model, create=False) is None
 
