@@ -21,6 +21,8 @@ LAYERS: list[set[str]] = [
     # components: the model view, kernels, tasks and everything that acts on a forward pass
     {"adapters", "kernels", "backends", "models", "tasks", "prompts", "loading", "forward", "hardware", "timing",
      "trace", "caches", "policies", "predictors"},
+    # runtimes composed from the components
+    {"hybrid"},
     # what is built on the components: evaluation, plots, reports, training, the demo
     {"evals", "viz", "report", "training", "demo"},
     # entry points

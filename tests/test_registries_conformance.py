@@ -101,8 +101,22 @@ def _training_presets() -> Case:
                 lambda n, obj, overwrite=False: PRESETS.register(n, obj, overwrite=overwrite))
 
 
+def _experts_backends() -> Case:
+    from moelab.backends import BACKENDS, ExpertsBackend, register_backend
+
+    return Case("experts backends", lambda: BACKENDS, lambda n, v: type(f"Backend{v}", (ExpertsBackend,), {})(),
+                lambda n, obj, overwrite=False: register_backend(n, obj, overwrite=overwrite))
+
+
+def _placements() -> Case:
+    from moelab.hybrid.placement import PLACEMENTS, Placement
+
+    return Case("placements", lambda: PLACEMENTS, lambda n, v: type(f"Placement{v}", (Placement,), {}),
+                lambda n, obj, overwrite=False: PLACEMENTS.register(n, obj, overwrite=overwrite))
+
+
 CASES = [_adapters, _cache_policies, _predictors, _routing_policies, _tasks, _prompt_sources,
-         _report_sections, _eval_tasks, _training_presets]
+         _report_sections, _eval_tasks, _training_presets, _experts_backends, _placements]
 
 
 @pytest.fixture(params=CASES, ids=lambda f: f.__name__.lstrip("_"))
