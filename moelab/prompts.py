@@ -13,7 +13,8 @@ import json
 from collections.abc import Callable
 from pathlib import Path
 
-from moelab.errors import MoelabError, unknown_name
+from moelab.errors import MoelabError
+from moelab.registry import Registry
 
 DEMO_PROMPTS = [
     "Tom has 3 apples and buys 5 more. How many apples does he have?",
@@ -24,18 +25,41 @@ DEMO_PROMPTS = [
     "Once upon a time, there was a",
 ]
 
-_SOURCES: dict[str, Callable[[int | None], list[str]]] = {}
+PromptSource = Callable[[int | None], list[str]]
+"""``source(limit) -> prompts``: at most ``limit`` prompt strings (all of them for None)."""
 
 
-def register_prompt_source(name: str, fn: Callable[[int | None], list[str]]) -> None:
-    """Make ``--task name`` yield ``fn(limit)`` (a list of prompt strings)."""
-    _SOURCES[name] = fn
+def _demo_prompts(limit: int | None) -> list[str]:
+    return DEMO_PROMPTS[:limit] if limit else list(DEMO_PROMPTS)
 
 
-register_prompt_source("demo", lambda limit: DEMO_PROMPTS[:limit] if limit else list(DEMO_PROMPTS))
+def _load_task_sources() -> None:
+    # the synthetic tasks of moelab.tasks, as the contexts they are evaluated with
+    try:
+        from moelab import tasks
+    except ImportError:  # pragma: no cover - moelab.tasks is part of the package
+        return
+    for name in tasks.task_names():
+        if name not in PROMPT_SOURCES:
+            PROMPT_SOURCES.register(name, _task_prompts(name))
 
 
-def _task_prompts(name: str) -> Callable[[int | None], list[str]]:
+#: Prompt sources by name (``--task NAME``): callables ``(limit) -> list[str]``.
+PROMPT_SOURCES: Registry[PromptSource] = Registry("prompt source", check=callable, loader=_load_task_sources)
+
+
+def register_prompt_source(name: str, fn: PromptSource, *, overwrite: bool = False) -> None:
+    """Make ``--task name`` yield ``fn(limit)`` (a list of prompt strings).
+
+    A different source under a registered name raises (naming both places) unless ``overwrite=True``.
+    """
+    PROMPT_SOURCES.register(name, fn, overwrite=overwrite, stacklevel=2)
+
+
+register_prompt_source("demo", _demo_prompts)
+
+
+def _task_prompts(name: str) -> PromptSource:
     def source(limit: int | None) -> list[str]:
         from moelab import tasks
 
@@ -49,22 +73,14 @@ def _task_prompts(name: str) -> Callable[[int | None], list[str]]:
 
 def prompt_sources() -> list[str]:
     """Names usable with ``--task``."""
-    try:
-        from moelab import tasks
-
-        for name in tasks.TASKS:
-            _SOURCES.setdefault(name, _task_prompts(name))
-    except ImportError:
-        pass
-    return sorted(_SOURCES)
+    _load_task_sources()  # tasks registered since the first lookup too
+    return sorted(PROMPT_SOURCES.names())
 
 
 def task_prompts(name: str, limit: int | None = None) -> list[str]:
     """The prompts of task ``name`` (at most ``limit``)."""
-    names = prompt_sources()
-    if name not in _SOURCES:
-        raise unknown_name("task", name, names)
-    prompts = _SOURCES[name](limit)
+    _load_task_sources()
+    prompts = PROMPT_SOURCES.get(name)(limit)
     return prompts[:limit] if limit else prompts
 
 

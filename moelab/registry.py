@@ -98,22 +98,28 @@ class Registry(Generic[T]):
 
     # ------------------------------------------------------------------ registration
     @overload
-    def register(self, name: str, obj: None = None, *, overwrite: bool = False) -> Callable[[T], T]: ...
+    def register(
+        self, name: str, obj: None = None, *, overwrite: bool = False, stacklevel: int = 1
+    ) -> Callable[[T], T]: ...
 
     @overload
-    def register(self, name: str, obj: T | str, *, overwrite: bool = False) -> T | str: ...
+    def register(self, name: str, obj: T | str, *, overwrite: bool = False, stacklevel: int = 1) -> T | str: ...
 
-    def register(self, name: str, obj: Any = None, *, overwrite: bool = False) -> Any:
-        """Register ``obj`` (an object or ``"module:attr"``) as ``name``; a decorator without ``obj``."""
+    def register(self, name: str, obj: Any = None, *, overwrite: bool = False, stacklevel: int = 1) -> Any:
+        """Register ``obj`` (an object or ``"module:attr"``) as ``name``; a decorator without ``obj``.
+
+        ``stacklevel`` (as in :func:`warnings.warn`): which caller's file:line is recorded as
+        the place of registration; a wrapper such as ``register_policy`` passes 2.
+        """
         if obj is None:
-            site = _caller_site(2)
+            site = _caller_site(1 + stacklevel)
 
             def deco(target: T) -> T:
                 self._add(name, target, overwrite, site)
                 return target
 
             return deco
-        self._add(name, obj, overwrite, _caller_site(2))
+        self._add(name, obj, overwrite, _caller_site(1 + stacklevel))
         return obj
 
     def _add(self, name: str, obj: Any, overwrite: bool, site: str) -> None:
@@ -137,8 +143,13 @@ class Registry(Generic[T]):
             return True
         if isinstance(obj, str):
             return old.lazy and old.target == obj
-        # a lazy entry that names exactly this object (a module registering itself on import)
-        return old.lazy and _qualname(obj) == old.target
+        if old.lazy:
+            # a lazy entry that names exactly this object (a module registering itself on import)
+            return _qualname(obj) == old.target
+        try:  # an equal value (a frozen dataclass built again from the same parts)
+            return bool(old.target == obj)
+        except Exception:  # noqa: BLE001 - objects whose == does not give a bool
+            return False
 
     def _check(self, name: str, obj: Any) -> None:
         if self.base is not None:

@@ -151,13 +151,16 @@ def test_belady_evicts_warm_experts_not_yet_used(backend):
 
 
 def test_user_policy_plugs_in_by_subclassing():
-    from moelab.caches import ExpertCache, register_policy
+    from moelab.caches import POLICIES, ExpertCache, register_policy
 
     @register_policy("mru-test")
     class MRU(ExpertCache):
         def _priority(self, key):
             return (-self._last_use[key],)
 
-    r = _run("mru-test")
+    try:
+        r = _run("mru-test")
+    finally:
+        POLICIES.unregister("mru-test")  # a second registration of another class would raise
     # 0 m; 1 m; 0 h; 2 m evicts 0 (most recent) -> [1 2]; 1 h; 0 m evicts 1 -> [2 0]
     assert r.hit.tolist() == [0, 0, 1, 0, 1, 0] and r.backend == "reference"

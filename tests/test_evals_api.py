@@ -17,6 +17,7 @@ from lm_eval.api.model import LM  # noqa: E402
 from moelab.cli import main  # noqa: E402
 from moelab.errors import MoelabError  # noqa: E402
 from moelab.evals import EvalConfig, evaluate, get_eval_task  # noqa: E402
+from moelab.evals.registry import default_num_fewshot  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT.parent / "shared" / "data"
@@ -174,7 +175,7 @@ def test_cli_runs_gsm8k_and_humaneval_offline_on_a_tiny_model(capsys, monkeypatc
     ]
     assert main([*argv, "--max-gen-toks", "8", "--allow-code-execution", "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
-    assert result["tasks"]["gsm8k"]["num_fewshot"] == 8
+    assert result["tasks"]["gsm8k"]["num_fewshot"] == default_num_fewshot(get_eval_task("gsm8k")) == 5
     assert set(result["tasks"]["gsm8k"]["metrics"]) == {
         "exact_match,strict-match",
         "exact_match,flexible-extract",

@@ -239,8 +239,8 @@ def test_cache_simulate_labels_experts_and_bytes_and_refuses_negative_sizes(tmp_
 
 def test_compare_policies_reports_stderr_and_n_in_table_and_figures(monkeypatch):
     import moelab.evals
+    from moelab.evals.compare import compare_policies
     from moelab.evals.results import EvalConfig, EvalResult, TaskResult
-    from moelab.policies.compare import compare_policies
 
     scores = iter([0.65, 0.70, 0.60])  # baseline, deferral 1, skipping 1
 
@@ -268,8 +268,8 @@ def test_compare_policies_reports_stderr_and_n_in_table_and_figures(monkeypatch)
 
 def test_compare_policies_marks_a_zero_stderr_at_zero_accuracy_with_a_wilson_interval(monkeypatch):
     import moelab.evals
+    from moelab.evals.compare import compare_policies
     from moelab.evals.results import EvalConfig, EvalResult, TaskResult
-    from moelab.policies.compare import compare_policies
 
     scores = iter([2 / 3, 0.0])  # baseline 2 of 3, deferral 1: 0 of 3 (lm-eval's stderr: 0)
 

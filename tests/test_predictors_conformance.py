@@ -10,6 +10,7 @@ import torch
 import moelab
 from moelab.errors import MoelabError
 from moelab.predictors import (
+    PREDICTORS,
     LearnedPredictor,
     Predictor,
     attach,
@@ -197,10 +198,13 @@ def test_user_registered_predictor_is_selectable_by_name(trace, tmp_path):
         def _load_state(self, tensors, extra, model):
             self.width_ = extra["width"]
 
-    p = make_predictor("constant-test", expert=5).fit(trace)
-    assert p.predict(0, token_ids=[1, 2])[:, 0].tolist() == [5, 5]
-    p.save(tmp_path / "c")
-    assert load_predictor(tmp_path / "c").predict(0, token_ids=[1])[0, 0] == 5
+    try:
+        p = make_predictor("constant-test", expert=5).fit(trace)
+        assert p.predict(0, token_ids=[1, 2])[:, 0].tolist() == [5, 5]
+        p.save(tmp_path / "c")
+        assert load_predictor(tmp_path / "c").predict(0, token_ids=[1])[0, 0] == 5
+    finally:
+        PREDICTORS.unregister("constant-test")  # a second registration of another class would raise
 
 
 @pytest.mark.parametrize("kind", ["learned", "token", "skip"])

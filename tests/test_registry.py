@@ -96,3 +96,26 @@ def test_loader_runs_once_before_lookup():
     r = Registry("widget", base=Base, loader=load)
     assert r.names() == ["builtin"] and r.get("builtin") is A
     assert calls == [1]
+
+
+def test_equal_values_are_no_collision_and_stacklevel_names_the_callers_caller():
+    from dataclasses import dataclass
+
+    @dataclass(frozen=True)
+    class Spec:
+        n: int
+
+    r = Registry("spec", base=Spec, instances=True)
+    r.register("a", Spec(1))
+    r.register("a", Spec(1))  # built again from the same parts: the same entry
+    with pytest.raises(MoelabError, match="already registered"):
+        r.register("a", Spec(2))
+
+    def wrapper(name, obj):
+        r.register(name, obj, stacklevel=2)
+
+    import inspect
+
+    line = inspect.currentframe().f_lineno + 1
+    wrapper("b", Spec(3))  # this line is the place recorded, not the one inside wrapper
+    assert r.site("b").endswith(f"test_registry.py:{line}")

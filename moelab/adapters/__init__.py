@@ -21,18 +21,22 @@ from moelab.adapters.base import (
     make_routing,
 )
 from moelab.adapters.families import BUILTIN_ADAPTERS
-from moelab.errors import MoelabError
+from moelab.errors import MoelabError, did_you_mean
+from moelab.registry import Registry
 
-_ADAPTERS: dict[str, FamilyAdapter] = {}
+#: Family adapters by transformers ``config.model_type`` (instances of :class:`FamilyAdapter`).
+ADAPTERS: Registry[FamilyAdapter] = Registry("family adapter", base=FamilyAdapter, instances=True)
 
 
 def register_adapter(adapter: FamilyAdapter, *, overwrite: bool = False) -> FamilyAdapter:
-    """Add an adapter for ``adapter.model_type`` (a transformers ``config.model_type``)."""
-    if adapter.model_type in _ADAPTERS and not overwrite:
-        raise MoelabError(
-            f"an adapter for model type {adapter.model_type!r} is already registered; pass overwrite=True to replace it."
-        )
-    _ADAPTERS[adapter.model_type] = adapter
+    """Add an adapter for ``adapter.model_type`` (a transformers ``config.model_type``).
+
+    A second adapter for a registered model type raises (naming both places) unless
+    ``overwrite=True``.
+    """
+    if not isinstance(adapter, FamilyAdapter):
+        raise MoelabError(f"register_adapter expects a FamilyAdapter instance, got {adapter!r}.")
+    ADAPTERS.register(adapter.model_type, adapter, overwrite=overwrite, stacklevel=2)
     return adapter
 
 
@@ -42,7 +46,7 @@ for _adapter in BUILTIN_ADAPTERS:
 
 def supported_families() -> list[str]:
     """The model types that have an adapter."""
-    return list(_ADAPTERS)
+    return ADAPTERS.names()
 
 
 def _unwrap(model: Any) -> nn.Module:
@@ -64,10 +68,11 @@ def get_adapter(model: Any) -> FamilyAdapter:
             f"{type(model).__name__} has no transformers config (config.model_type); moelab works on "
             f"Hugging Face MoE models of the families: {', '.join(supported_families())}."
         )
-    adapter = _ADAPTERS.get(model_type)
+    adapter = ADAPTERS.get(model_type, None)
     if adapter is None:
         raise MoelabError(
-            f"model type {model_type!r} ({type(model).__name__}) is not a supported Mixture-of-Experts family. "
+            f"model type {model_type!r} ({type(model).__name__}) is not a supported Mixture-of-Experts family."
+            f"{did_you_mean(model_type, supported_families())} "
             f"Supported: {', '.join(supported_families())}. To add one, register a FamilyAdapter with "
             "moelab.register_adapter()."
         )
@@ -157,6 +162,7 @@ def model_fingerprint(model: Any) -> str:
 
 
 __all__ = [
+    "ADAPTERS",
     "FamilyAdapter",
     "MoELayer",
     "ModelInfo",

@@ -58,7 +58,7 @@ def get_backend(name: str | ExpertsBackend) -> ExpertsBackend:
 
 def register_backend(name: str, backend: ExpertsBackend | str, *, overwrite: bool = False) -> None:
     """Register a backend instance (or a lazy ``"module:attr"``) under ``name``."""
-    BACKENDS.register(name, backend, overwrite=overwrite)
+    BACKENDS.register(name, backend, overwrite=overwrite, stacklevel=2)  # the caller is the place
 
 
 @contextmanager

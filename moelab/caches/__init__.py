@@ -20,6 +20,7 @@ from moelab._lazy import lazy_attributes
 
 _LAZY: dict[str, str] = {
     "ExpertCache": "moelab.caches.base",
+    "POLICIES": "moelab.caches.base",
     "register_policy": "moelab.caches.base",
     "get_policy": "moelab.caches.base",
     "available_policies": "moelab.caches.base",

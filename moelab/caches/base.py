@@ -35,6 +35,7 @@ from typing import Any, ClassVar, Literal
 import numpy as np
 
 from moelab.errors import MoelabError, unknown_name
+from moelab.registry import Registry
 
 logger = logging.getLogger(__name__)
 
@@ -323,19 +324,24 @@ class ExpertCache:
 
 
 # ---------------------------------------------------------------------- registry
-_POLICIES: dict[str, type[ExpertCache]] = {}
+def _load_builtins() -> None:
+    import moelab.caches.policies  # noqa: F401  (registers the built-in policies)
 
 
-def register_policy(name: str) -> Callable[[type[ExpertCache]], type[ExpertCache]]:
-    """Class decorator: make a cache policy available by ``name`` (user policies too)."""
+#: Cache policies by name (``ExpertCache`` subclasses); the built-ins register on first lookup.
+POLICIES: Registry[type[ExpertCache]] = Registry("cache policy", base=ExpertCache, loader=_load_builtins)
+
+
+def register_policy(name: str, *, overwrite: bool = False) -> Callable[[type[ExpertCache]], type[ExpertCache]]:
+    """Class decorator: make a cache policy available by ``name`` (user policies too).
+
+    A different class under a registered name raises (naming both places) unless ``overwrite=True``.
+    """
+    register = POLICIES.register(name, overwrite=overwrite, stacklevel=2)
 
     def deco(cls: type[ExpertCache]) -> type[ExpertCache]:
-        if not issubclass(cls, ExpertCache):
-            raise TypeError(f"{cls.__name__} must subclass ExpertCache")
-        if name in _POLICIES and _POLICIES[name] is not cls:
-            logger.warning("cache policy %r re-registered (%s)", name, cls.__name__)
+        register(cls)
         cls.name = name
-        _POLICIES[name] = cls
         return cls
 
     return deco
@@ -343,20 +349,11 @@ def register_policy(name: str) -> Callable[[type[ExpertCache]], type[ExpertCache
 
 def available_policies() -> list[str]:
     """Registered policy names."""
-    _load_builtins()
-    return sorted(_POLICIES)
+    return sorted(POLICIES.names())
 
 
 def get_policy(name: str | type[ExpertCache]) -> type[ExpertCache]:
     """The cache class registered as ``name`` (classes pass through)."""
     if isinstance(name, type) and issubclass(name, ExpertCache):
         return name
-    _load_builtins()
-    try:
-        return _POLICIES[name]
-    except KeyError:
-        raise unknown_name("cache policy", name, _POLICIES) from None
-
-
-def _load_builtins() -> None:
-    import moelab.caches.policies  # noqa: F401  (registers the built-in policies)
+    return POLICIES.get(name)

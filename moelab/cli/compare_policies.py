@@ -55,8 +55,8 @@ def register(subparsers) -> None:
 def run(args) -> int:
     from moelab.evals import EvalConfig
     from moelab.evals.api import preflight
+    from moelab.evals.compare import compare_policies
     from moelab.loading import load
-    from moelab.policies.compare import compare_policies
 
     html = check_output_path(args.html, args.overwrite) if args.html else None
     settings = dict(

@@ -98,7 +98,7 @@ def add_model_arguments(p) -> None:
         help="bundled name, tiny-random-<family>, local directory or hub id",
     )
     p.add_argument("--dtype", default=None, help="model dtype (float32, bfloat16, ...)")
-    from moelab.policies.cli_args import add_policy_arguments
+    from moelab.cli.policy_args import add_policy_arguments
 
     add_policy_arguments(p)
 
@@ -106,7 +106,7 @@ def add_model_arguments(p) -> None:
 @contextlib.contextmanager
 def model_context(args, model: Any) -> Iterator[Any]:
     """The model as it should be scored: with the routing policy the flags ask for, if any."""
-    from moelab.policies.cli_args import policy_context
+    from moelab.cli.policy_args import policy_context
 
     with policy_context(args, model) as scored:
         yield scored

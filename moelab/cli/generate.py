@@ -6,7 +6,7 @@ from moelab.cli._util import emit_json, positive_int
 
 
 def register(subparsers) -> None:
-    from moelab.policies.cli_args import add_policy_arguments
+    from moelab.cli.policy_args import add_policy_arguments
 
     p = subparsers.add_parser(
         "generate",
@@ -24,8 +24,8 @@ def register(subparsers) -> None:
 
 
 def run(args) -> int:
+    from moelab.cli.policy_args import describe_policy, policy_context
     from moelab.loading import load
-    from moelab.policies.cli_args import describe_policy, policy_context
     from moelab.policies.textgen import generate_text
 
     model, tokenizer = load(args.model, dtype=args.dtype)

@@ -22,6 +22,8 @@ from moelab._lazy import lazy_attributes
 
 _LAZY: dict[str, str] = {
     "evaluate": "moelab.evals.api",
+    "compare_policies": "moelab.evals.compare",
+    "PolicyComparison": "moelab.evals.compare",
     "versions": "moelab.evals.api",
     "EvalConfig": "moelab.evals.results",
     "EvalResult": "moelab.evals.results",
@@ -30,6 +32,7 @@ _LAZY: dict[str, str] = {
     "EVAL_TASKS": "moelab.evals.registry",
     "eval_task_names": "moelab.evals.registry",
     "get_eval_task": "moelab.evals.registry",
+    "register_eval_task": "moelab.evals.registry",
     "estimate_pass_at_k": "moelab.evals.metrics",
     "SandboxConfig": "moelab.evals.sandbox",
     "ExecResult": "moelab.evals.sandbox",

@@ -24,7 +24,7 @@ from typing import Any
 from moelab._output import OutputReservation, reserve_output
 from moelab.errors import MoelabError
 from moelab.evals.metrics import sandbox_defaults
-from moelab.evals.registry import EvalTask, parse_tasks
+from moelab.evals.registry import EvalTask, default_num_fewshot, parse_tasks
 from moelab.evals.results import EvalConfig, EvalResult, TaskResult
 from moelab.evals.sandbox import SandboxConfig, isolation_level
 
@@ -442,11 +442,13 @@ def _run_task(
         notes.append(note)
     logger.info("scoring %s (%s)", task.name, task.lm_eval_task)
     gen_kwargs, cap = _gen_kwargs(lm, task_obj, config)
+    # the user's count, else the installed lm-eval task's (gsm8k), else the count in evals/*.yaml
+    num_fewshot = config.num_fewshot if config.num_fewshot is not None else default_num_fewshot(task)
     with _CapCounter(lm) as counter:
         raw = lm_eval.simple_evaluate(
             model=lm,
             tasks=[task_obj],
-            num_fewshot=config.num_fewshot,
+            num_fewshot=num_fewshot,
             limit=config.limit,
             gen_kwargs=gen_kwargs,
             task_manager=task_manager,
@@ -482,7 +484,7 @@ def _run_task(
         primary_metric=task.primary_metric,
         n_docs=int(n.get("effective", n_available)),
         n_available=int(n.get("original", n_available)),
-        num_fewshot=int(raw.get("n-shot", {}).get(name, config.num_fewshot or 0)),
+        num_fewshot=int(raw.get("n-shot", {}).get(name, num_fewshot or 0)),
         notes=notes,
     )
     return result, raw.get("samples", {}).get(name, [])

@@ -10,7 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from moelab.errors import unknown_name
+from moelab.errors import MoelabError
+from moelab.registry import Registry
 
 
 @dataclass(frozen=True)
@@ -31,62 +32,74 @@ class EvalTask:
     """Scoring runs model-generated code (needs the explicit opt-in)."""
     fewshot: bool = True
     """Whether few-shot prompting makes sense (code tasks are 0-shot only)."""
+    fewshot_from: str | None = None
+    """The YAML of an installed lm-eval task (relative to ``lm_eval/tasks``) whose ``num_fewshot``
+    is this task's default: moelab follows lm-eval's set-up rather than copying its number."""
 
 
-EVAL_TASKS: dict[str, EvalTask] = {
-    t.name: t
-    for t in (
-        EvalTask(
-            name="arith",
-            lm_eval_task="arith",
-            description="synthetic GSM8K-format arithmetic (moelab.tasks), 0-shot, strict #### exact match",
-            data="synthetic",
-            primary_metric="exact_match,strict-match",
-        ),
-        EvalTask(
-            name="pycode",
-            lm_eval_task="pycode",
-            description="synthetic HumanEval-format Python completion (moelab.tasks), 0-shot pass@1",
-            data="synthetic",
-            primary_metric="pass@1,create_test",
-            executes_code=True,
-            fewshot=False,
-        ),
-        EvalTask(
-            name="gsm8k",
-            lm_eval_task="gsm8k_local",
-            description="GSM8K test from a local copy, 8-shot, strict and flexible exact match",
-            data="gsm8k",
-            primary_metric="exact_match,strict-match",
-        ),
-        EvalTask(
-            name="humaneval",
-            lm_eval_task="humaneval_local",
-            description="HumanEval from a local copy, 0-shot pass@1",
-            data="humaneval",
-            primary_metric="pass@1,create_test",
-            executes_code=True,
-            fewshot=False,
-        ),
-    )
-}
+#: Evaluation tasks by moelab name (:class:`EvalTask` instances).
+EVAL_TASKS: Registry[EvalTask] = Registry("evaluation task", base=EvalTask, instances=True)
 
-_ALIASES = {t.lm_eval_task: t.name for t in EVAL_TASKS.values()}
+
+def register_eval_task(task: EvalTask, *, overwrite: bool = False) -> EvalTask:
+    """Add ``task`` under ``task.name`` (a different task under a registered name raises unless
+    ``overwrite=True``); ``get_eval_task`` also finds it by its lm-eval task name."""
+    if not isinstance(task, EvalTask):
+        raise MoelabError(f"register_eval_task expects an EvalTask, got {task!r}.")
+    EVAL_TASKS.register(task.name, task, overwrite=overwrite, stacklevel=2)
+    return task
+
+
+for _task in (
+    EvalTask(
+        name="arith",
+        lm_eval_task="arith",
+        description="synthetic GSM8K-format arithmetic (moelab.tasks), 0-shot, strict #### exact match",
+        data="synthetic",
+        primary_metric="exact_match,strict-match",
+    ),
+    EvalTask(
+        name="pycode",
+        lm_eval_task="pycode",
+        description="synthetic HumanEval-format Python completion (moelab.tasks), 0-shot pass@1",
+        data="synthetic",
+        primary_metric="pass@1,create_test",
+        executes_code=True,
+        fewshot=False,
+    ),
+    EvalTask(
+        name="gsm8k",
+        lm_eval_task="gsm8k_local",
+        description="GSM8K test from a local copy, lm-eval's gsm8k shot count, strict and flexible exact match",
+        data="gsm8k",
+        primary_metric="exact_match,strict-match",
+        fewshot_from="gsm8k/gsm8k.yaml",
+    ),
+    EvalTask(
+        name="humaneval",
+        lm_eval_task="humaneval_local",
+        description="HumanEval from a local copy, 0-shot pass@1",
+        data="humaneval",
+        primary_metric="pass@1,create_test",
+        executes_code=True,
+        fewshot=False,
+    ),
+):
+    register_eval_task(_task)
 
 
 def eval_task_names() -> list[str]:
     """moelab's evaluation task names, in listing order."""
-    return list(EVAL_TASKS)
+    return EVAL_TASKS.names()
 
 
 def get_eval_task(name: str) -> EvalTask:
     """The task ``name`` (moelab's name, or the lm-eval task name); unknown names raise."""
     key = str(name).strip()
-    key = _ALIASES.get(key, key)
-    try:
-        return EVAL_TASKS[key]
-    except KeyError:
-        raise unknown_name("evaluation task", name, EVAL_TASKS) from None
+    if key not in EVAL_TASKS:
+        aliases = {t.lm_eval_task: n for n, t in EVAL_TASKS.items()}
+        key = aliases.get(key, key)
+    return EVAL_TASKS.get(key)
 
 
 def parse_tasks(tasks: str | list[str] | tuple[str, ...]) -> list[EvalTask]:
@@ -98,9 +111,49 @@ def parse_tasks(tasks: str | list[str] | tuple[str, ...]) -> list[EvalTask]:
             task = get_eval_task(n)
             out.setdefault(task.name, task)
     if not out:
-        from moelab.errors import MoelabError
-
         raise MoelabError(
-            f"no evaluation task given; expected one or more of {', '.join(EVAL_TASKS)}."
+            f"no evaluation task given; expected one or more of {', '.join(EVAL_TASKS.names())}."
         )
     return list(out.values())
+
+
+def default_num_fewshot(task: EvalTask) -> int | None:
+    """The shot count ``task`` runs with when the user sets none.
+
+    For a task with ``fewshot_from``, the ``num_fewshot`` of that installed lm-eval task (for
+    ``gsm8k``: lm-eval's ``gsm8k.yaml``, 5 in lm-eval 0.4); otherwise None (the count in
+    moelab's own YAML under ``evals/``).
+    """
+    if task.fewshot_from is None:
+        return None
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.find_spec("lm_eval.tasks")
+    roots = list(spec.submodule_search_locations or []) if spec is not None else []
+    for root in roots:
+        path = Path(root) / task.fewshot_from
+        if path.is_file():
+            return _num_fewshot_of(path, task)
+    raise MoelabError(
+        f"task {task.name!r} takes its few-shot count from lm-eval's {task.fewshot_from}, which the "
+        "installed lm-eval does not have; pass num_fewshot (CLI: --num-fewshot) explicitly, or "
+        "install lm-eval>=0.4.9."
+    )
+
+
+def _num_fewshot_of(path, task: EvalTask) -> int:
+    import yaml
+
+    class _Loader(yaml.SafeLoader):  # lm-eval YAMLs may hold `!function module.attr` tags
+        pass
+
+    _Loader.add_multi_constructor("!", lambda loader, suffix, node: None)
+    with open(path, encoding="utf-8") as f:
+        value = (yaml.load(f, Loader=_Loader) or {}).get("num_fewshot")  # noqa: S506 - SafeLoader subclass
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise MoelabError(
+            f"lm-eval's {path} gives num_fewshot={value!r} for task {task.name!r}; expected an integer "
+            "≥ 0. Pass num_fewshot (CLI: --num-fewshot) explicitly."
+        )
+    return value

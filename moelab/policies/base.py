@@ -46,8 +46,10 @@ class RoutingPolicy:
     config exactly as they were. A policy object can be entered again after exiting.
     """
 
-    #: Short name used in tables and the CLI.
+    #: Short name used in tables and the CLI (its name in :data:`moelab.policies.POLICIES`).
     kind: ClassVar[str] = "policy"
+    #: The dataclass of the policy's settings (``make_policy`` checks keywords against its fields).
+    config_class: ClassVar[type | None] = None
 
     def __init__(self, model: Any) -> None:
         self.model = model

@@ -85,6 +85,7 @@ class ExpertDeferral(RoutingPolicy):
     """
 
     kind: ClassVar[str] = "deferral"
+    config_class: ClassVar[type] = DeferralConfig
 
     def __init__(self, model: Any, deferred: PerLayer | None = None, *, config: DeferralConfig | None = None,
                  **kwargs: Any) -> None:

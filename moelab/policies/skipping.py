@@ -62,6 +62,7 @@ class ExpertSkipping(RoutingPolicy):
     """Expert Skipping on ``model`` as a reversible context manager (see the module docstring)."""
 
     kind: ClassVar[str] = "skipping"
+    config_class: ClassVar[type] = SkippingConfig
 
     def __init__(self, model: Any, skipped: PerLayer | None = None, *, config: SkippingConfig | None = None,
                  **kwargs: Any) -> None:

@@ -20,6 +20,7 @@ from moelab.predictors.metrics import PredictionReport, evaluate
 from moelab.predictors.online import attach
 from moelab.predictors.prefetch import PredictorPrefetcher, as_prefetcher
 from moelab.predictors.registry import (
+    PREDICTORS,
     available_predictors,
     get_predictor_class,
     make_predictor,
@@ -29,6 +30,7 @@ from moelab.predictors.skip import SkipPredictor
 from moelab.predictors.token import TokenPredictor
 
 __all__ = [
+    "PREDICTORS",
     "FrequencyPredictor",
     "LearnedPredictor",
     "OraclePredictor",

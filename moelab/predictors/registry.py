@@ -12,20 +12,29 @@ from typing import Any
 
 from moelab.errors import MoelabError, unknown_name
 from moelab.predictors.base import Predictor
+from moelab.registry import Registry
 
-_REGISTRY: dict[str, type[Predictor]] = {}
+
+def _load_builtins() -> None:
+    import moelab.predictors  # noqa: F401  (its modules register the built-in kinds)
+
+
+#: Predictor kinds by name (``Predictor`` subclasses).
+PREDICTORS: Registry[type[Predictor]] = Registry("predictor kind", base=Predictor, loader=_load_builtins)
 
 
 def register_predictor(name: str, *, overwrite: bool = False) -> Callable[[type[Predictor]], type[Predictor]]:
-    """Class decorator: register a :class:`Predictor` subclass under ``name``."""
+    """Class decorator: register a :class:`Predictor` subclass under ``name``.
+
+    A different class under a registered name raises (naming both places) unless ``overwrite=True``.
+    """
+    register = PREDICTORS.register(name, overwrite=overwrite, stacklevel=2)
 
     def deco(cls: type[Predictor]) -> type[Predictor]:
         if not (isinstance(cls, type) and issubclass(cls, Predictor)):
             raise MoelabError(f"register_predictor expects a Predictor subclass, got {cls!r}.")
-        if name in _REGISTRY and _REGISTRY[name] is not cls and not overwrite:
-            raise MoelabError(f"a predictor kind {name!r} is already registered; pass overwrite=True to replace it.")
+        register(cls)
         cls.kind = name
-        _REGISTRY[name] = cls
         return cls
 
     return deco
@@ -33,14 +42,12 @@ def register_predictor(name: str, *, overwrite: bool = False) -> Callable[[type[
 
 def available_predictors() -> list[str]:
     """Registered predictor kinds."""
-    return list(_REGISTRY)
+    return PREDICTORS.names()
 
 
 def get_predictor_class(name: str) -> type[Predictor]:
     """The class registered as ``name`` (did-you-mean error if unknown)."""
-    if name not in _REGISTRY:
-        raise unknown_name("predictor kind", name, _REGISTRY)
-    return _REGISTRY[name]
+    return PREDICTORS.get(name)
 
 
 def make_predictor(name: str | Predictor, **params: Any) -> Predictor:

@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from moelab.registry import Registry
+
 log = logging.getLogger(__name__)
 
 
@@ -43,19 +45,51 @@ class Section:
 
 
 SectionFn = Callable[[ReportContext], "Section | None"]
-_SECTIONS: list[tuple[int, str, SectionFn]] = []
 
 
-def register_section(name: str, fn: SectionFn, order: int = 100) -> None:
-    """Add (or replace) a report section; lower ``order`` comes first."""
-    _SECTIONS[:] = [s for s in _SECTIONS if s[1] != name]
-    _SECTIONS.append((order, name, fn))
-    _SECTIONS.sort(key=lambda s: (s[0], s[1]))
+@dataclass(frozen=True)
+class ReportSection:
+    """A registered section: its builder and its place in the report."""
+
+    name: str
+    fn: SectionFn
+    order: int = 100
+    """Lower comes first (ties by name); data, so registering never re-sorts anything."""
+
+
+def _load_builtin_sections() -> None:
+    import importlib
+
+    for module in BUILTIN_SECTION_MODULES:
+        try:
+            importlib.import_module(module)
+        except ImportError as exc:  # a capability that is not installed: its section is skipped
+            log.debug("report section module %s not available: %s", module, exc)
+
+
+#: Report sections by name (:class:`ReportSection` instances); the built-ins register on first lookup.
+SECTIONS: Registry[ReportSection] = Registry(
+    "report section", base=ReportSection, instances=True, loader=_load_builtin_sections
+)
+
+
+def register_section(name: str, fn: SectionFn, order: int = 100, *, overwrite: bool = False) -> ReportSection:
+    """Add a report section; lower ``order`` comes first.
+
+    A different section under a registered name raises (naming both places) unless ``overwrite=True``.
+    """
+    section = ReportSection(name, fn, order)
+    SECTIONS.register(name, section, overwrite=overwrite, stacklevel=2)
+    return section
+
+
+def ordered_sections() -> list[ReportSection]:
+    """The registered sections in report order (``order``, then name)."""
+    return sorted((SECTIONS.get(n) for n in SECTIONS.names()), key=lambda s: (s.order, s.name))
 
 
 def section_names() -> list[str]:
-    _load_builtin_sections()
-    return [name for _, name, _ in _SECTIONS]
+    return [s.name for s in ordered_sections()]
 
 
 def check_sections(sections: list[str] | None) -> None:
@@ -72,16 +106,6 @@ def check_sections(sections: list[str] | None) -> None:
             raise unknown_name("report section", name, known)
 
 
-def _load_builtin_sections() -> None:
-    import importlib
-
-    for module in BUILTIN_SECTION_MODULES:
-        try:
-            importlib.import_module(module)
-        except ImportError as exc:  # a capability that is not installed: its section is skipped
-            log.debug("report section module %s not available: %s", module, exc)
-
-
 #: Modules that register sections when imported.
 BUILTIN_SECTION_MODULES: list[str] = ["moelab.report.routing", "moelab.evals.report"]
 
@@ -92,7 +116,8 @@ def build_report(ctx: ReportContext, out: str | Path, *, sections: list[str] | N
     parts: list[str] = []
     include_js = True
     toc: list[str] = []
-    for _, name, fn in _SECTIONS:
+    for entry in ordered_sections():
+        name, fn = entry.name, entry.fn
         if sections is not None and name not in sections:
             continue
         t0 = time.perf_counter()

@@ -25,6 +25,7 @@ from typing import Any
 from moelab.tasks import arith, pycode
 from moelab.tasks._registry import (
     SPLITS,
+    TASK_SPECS,
     Split,
     TaskSpec,
     generate,
@@ -47,6 +48,7 @@ register_task(
         key_field="question",
         default_sizes=DEFAULT_SIZES["arith"],
         description="multi-step arithmetic word problems, GSM8K format",
+        context_target=lambda ex: (f"Question: {ex['question']}\nAnswer:", " " + ex["answer"]),
     )
 )
 register_task(
@@ -66,14 +68,15 @@ TASKS: tuple[str, ...] = task_names()
 
 def prompt_and_target(name: str, example: dict[str, Any]) -> tuple[str, str]:
     """The (context, target) texts of ``example`` in the format the bundled models know."""
-    get_task(name)
-    if name == "arith":
-        return f"Question: {example['question']}\nAnswer:", " " + example["answer"]
+    spec = get_task(name)
+    if spec.context_target is not None:
+        return spec.context_target(example)
     return example["prompt"], example["canonical_solution"]
 
 
 __all__ = [
     "DEFAULT_SIZES",
+    "TASK_SPECS",
     "SPLITS",
     "TASKS",
     "Split",

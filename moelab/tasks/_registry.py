@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from moelab.errors import MoelabError, unknown_name
+from moelab.registry import Registry
 
 Split = Literal["train", "validation", "test"]
 SPLITS: tuple[Split, ...] = ("train", "validation", "test")
@@ -43,28 +44,34 @@ class TaskSpec:
     """Optional ``(example, split, index) -> example`` hook, e.g. to number task ids."""
     description: str = ""
     """One line for listings."""
+    context_target: Callable[[dict[str, Any]], tuple[str, str]] | None = None
+    """``example -> (context, target)``: the texts the task is trained and evaluated with;
+    None: HumanEval's ``(prompt, canonical_solution)``."""
 
 
-_TASKS: dict[str, TaskSpec] = {}
+#: The synthetic tasks by name (:class:`TaskSpec` instances).
+TASK_SPECS: Registry[TaskSpec] = Registry("task", base=TaskSpec, instances=True)
 
 
-def register_task(spec: TaskSpec) -> TaskSpec:
-    """Add ``spec`` to the registry (by its name) and return it."""
-    _TASKS[spec.name] = spec
+def register_task(spec: TaskSpec, *, overwrite: bool = False) -> TaskSpec:
+    """Add ``spec`` to the registry (by its name) and return it.
+
+    A different spec under a registered name raises (naming both places) unless ``overwrite=True``.
+    """
+    if not isinstance(spec, TaskSpec):
+        raise MoelabError(f"register_task expects a TaskSpec, got {spec!r}.")
+    TASK_SPECS.register(spec.name, spec, overwrite=overwrite, stacklevel=2)
     return spec
 
 
 def get_task(name: str) -> TaskSpec:
     """The registered task ``name``; unknown names raise with a suggestion."""
-    try:
-        return _TASKS[name]
-    except KeyError:
-        raise unknown_name("task", name, _TASKS) from None
+    return TASK_SPECS.get(name)
 
 
 def task_names() -> tuple[str, ...]:
     """Names of the registered tasks, sorted."""
-    return tuple(sorted(_TASKS))
+    return tuple(sorted(TASK_SPECS.names()))
 
 
 def split_of(key: str) -> Split:

@@ -9,7 +9,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from moelab.errors import unknown_name
+from moelab.registry import Registry
 
 Arch = Literal["mixtral", "qwen2moe"]
 
@@ -93,7 +93,10 @@ class TrainConfig:
         return cls(**d)
 
 
-PRESETS: dict[str, TrainConfig] = {
+#: Training presets by name (:class:`TrainConfig` instances; ``preset(name)`` gives a copy).
+PRESETS: Registry[TrainConfig] = Registry("training preset", base=TrainConfig, instances=True)
+
+for _name, _cfg in {
     "mixtral": TrainConfig(
         name="moelab-tiny-mixtral",
         shape=ModelShape(
@@ -117,11 +120,10 @@ PRESETS: dict[str, TrainConfig] = {
             shared_expert_intermediate_size=128,
         ),
     ),
-}
+}.items():
+    PRESETS.register(_name, _cfg)
 
 
 def preset(name: str) -> TrainConfig:
     """A fresh copy of preset ``name`` (``mixtral`` or ``qwen2moe``)."""
-    if name not in PRESETS:
-        raise unknown_name("training preset", name, PRESETS)
-    return TrainConfig.from_dict(PRESETS[name].to_dict())
+    return TrainConfig.from_dict(PRESETS.get(name).to_dict())

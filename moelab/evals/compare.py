@@ -8,6 +8,9 @@ The unmodified model (0 affected experts) is scored once and is the baseline of 
 rows. The sweep lifts the guards (``min_immediate=0`` for deferral, ``min_kept=0`` for
 skipping) so it can go as far as the paper's figure, which defers or skips up to all
 routed experts; the last MoE layer never defers, while skipping acts on every MoE layer.
+
+It lives in :mod:`moelab.evals` (it scores with lm-eval), above the policies it applies:
+components never import evaluation.
 """
 
 from __future__ import annotations
@@ -239,17 +242,17 @@ def compare_policies(
     model before anything is scored.
     """
     from moelab.evals import evaluate
-    from moelab.policies.deferral import ExpertDeferral
-    from moelab.policies.skipping import ExpertSkipping
+    from moelab.policies.registry import make_policy
 
     task_list = [t.strip() for t in tasks.split(",")] if isinstance(tasks, str) else list(tasks)
     runs: list[tuple[str, int, Any]] = []
     for n in sorted(set(deferred)):
         if n:
-            runs.append(("deferral", n, ExpertDeferral(model, n, phase=phase, min_immediate=0)))
+            runs.append(("deferral", n, make_policy("deferral", model, deferred=n, phase=phase, min_immediate=0)))
     for n in sorted(set(skipped)):
         if n:
-            runs.append(("skipping", n, ExpertSkipping(model, n, phase=phase, renormalize=renormalize, min_kept=0)))
+            runs.append(("skipping", n, make_policy("skipping", model, skipped=n, phase=phase,
+                                                    renormalize=renormalize, min_kept=0)))
     if not runs and not (0 in deferred or 0 in skipped):
         raise MoelabError("nothing to compare: pass deferred and/or skipped counts, e.g. [0, 1, 2].")
     for _, _, policy in runs:  # refuse a setting that does not fit the model before scoring anything

@@ -1,6 +1,8 @@
 """The routing-policy options shared by ``moelab eval``, ``moelab generate`` and friends.
 
-A thin layer: the flags map one to one onto :class:`DeferralConfig` / :class:`SkippingConfig`.
+A thin layer: the flags map one to one onto :class:`DeferralConfig` / :class:`SkippingConfig`,
+and the policy is built by name through :func:`moelab.policies.make_policy`. (It lives in the
+CLI package: the library never imports argparse helpers.)
 """
 
 from __future__ import annotations
@@ -35,14 +37,14 @@ def add_policy_arguments(p: argparse.ArgumentParser) -> None:
 
 def policy_from_args(model: Any, args: argparse.Namespace) -> RoutingPolicy | None:
     """The policy the parsed flags ask for (not applied yet), or None."""
-    from moelab.policies.deferral import ExpertDeferral
-    from moelab.policies.skipping import ExpertSkipping
+    from moelab.policies.registry import make_policy
 
     phase = getattr(args, "policy_phase", "decode")
     if getattr(args, "deferred", None) is not None:
-        return ExpertDeferral(model, args.deferred, phase=phase, min_immediate=args.min_immediate)
+        return make_policy("deferral", model, deferred=args.deferred, phase=phase,
+                           min_immediate=args.min_immediate)
     if getattr(args, "skipped", None) is not None:
-        return ExpertSkipping(model, args.skipped, phase=phase, renormalize=args.renormalize)
+        return make_policy("skipping", model, skipped=args.skipped, phase=phase, renormalize=args.renormalize)
     return None
 
 
