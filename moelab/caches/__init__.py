@@ -38,7 +38,7 @@ _LAZY: dict[str, str] = {
     "simulate": "moelab.caches.simulation",
     "sweep": "moelab.caches.simulation",
     "load_stream": "moelab.caches.simulation",
-    "expert_bytes_of": "moelab.caches.simulation",
+    "expert_bytes_of": "moelab.timing.experts",
     "PrefetchConfig": "moelab.caches.simulation",
     "ExpertPredictor": "moelab.caches.prefetch",
     "PredictContext": "moelab.caches.prefetch",
