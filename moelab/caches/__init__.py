@@ -41,6 +41,8 @@ _LAZY: dict[str, str] = {
     "expert_bytes_of": "moelab.timing.experts",
     "PrefetchConfig": "moelab.caches.simulation",
     "ExpertPredictor": "moelab.caches.prefetch",
+    "Prefetcher": "moelab.caches.prefetch",
+    "PREFETCHERS": "moelab.caches.prefetch",
     "PredictContext": "moelab.caches.prefetch",
     "OraclePrefetcher": "moelab.caches.prefetch",
     "register_prefetcher": "moelab.caches.prefetch",

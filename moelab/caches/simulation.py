@@ -48,9 +48,9 @@ class PrefetchConfig:
     """
 
     predictor: Any = "oracle"
-    """A registered name (``oracle``, ``repeat``), a fitted :class:`~moelab.predictors.Predictor`
-    (needs ``trace=`` in ``simulate``... see :func:`moelab.predictors.as_prefetcher`), or an
-    object with ``predict(context)`` / ``propose_stream(stream, distance)``."""
+    """A registered prefetcher name (``oracle``, ``repeat``), a fitted predictor wrapped by
+    :func:`moelab.predictors.as_prefetcher`, or an object with ``propose(context)`` /
+    ``propose_stream(stream, distance)`` (:class:`moelab.caches.prefetch.Prefetcher`)."""
     distance: int = 1
     """Prediction distance d: after MoE layer l, prefetch for layer l + d."""
     budget: int | None = None
