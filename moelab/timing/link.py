@@ -25,10 +25,12 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-
-import numpy as np
+from typing import TYPE_CHECKING
 
 from moelab.errors import MoelabError
+
+if TYPE_CHECKING:  # numpy is imported when a schedule is computed: the CLI's --help stays light
+    import numpy as np
 
 #: Slack (µs) when comparing an arrival with a deadline: float sums of transfer times that
 #: land exactly on a deadline count as in time.
@@ -99,6 +101,8 @@ def fifo_schedule(
     ``ready_us[i]`` is when transfer i is requested; ``nbytes`` is one size for all or one
     per transfer; the link is free from ``free_at_us`` on.
     """
+    import numpy as np
+
     ready = np.asarray(ready_us, dtype=np.float64).reshape(-1)
     sizes = np.broadcast_to(np.asarray(nbytes, dtype=np.float64), ready.shape)
     start = np.empty_like(ready)
