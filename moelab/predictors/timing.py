@@ -15,6 +15,9 @@ MoE layer j routes — and needs its experts on the device — at ``R_j = j × T
   first, on **one FIFO host→device link** — the one link model of
   :class:`moelab.timing.Link`: each transfer takes ``link_latency_us + expert_bytes /
   link_bandwidth`` and starts when both the link is free and its prediction is ready.
+* The queue order of one forward's experts is that of
+  :func:`moelab.predictors.protocol.union_predictions`; GoodPred scores batch-1 decode
+  (one token per forward), where it is the token's own ranking.
 * A correctly predicted expert is **fetched in time** if its transfer completes by
   ``R_target``. FetchRate = in-time correct predictions / correct predictions;
   GoodPred = Accuracy × FetchRate = in-time correct predictions / actual experts.
