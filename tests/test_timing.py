@@ -236,3 +236,11 @@ def test_goodpred_schedule_is_the_fifo_link():
     got = in_time_schedule("static", 1, [3, 3], tm)
     ends = -200 + 88 * np.arange(1, 7)  # all six queued at -200: -112, -24, 64 | 152, 240, 328
     assert got.tolist() == [[e <= 0 for e in ends[:3]], [e <= 400 for e in ends[3:]]]
+
+
+def test_cli_link_latency_needs_the_link(tmp_path, capsys):
+    from moelab.cli import main
+
+    argv = ["cache", "simulate", "--trace", str(tmp_path), "--policy", "lru", "--prefetch", "oracle"]
+    assert main([*argv, "--link-latency-us", "5"]) == 2
+    assert "add --link-gbps and --step-ms" in capsys.readouterr().err
