@@ -165,10 +165,11 @@ def get_prefetcher(predictor: str | Any) -> Any:
 
 def check_compatible(predictor: Any, stream: AccessStream) -> None:
     """Refuse a predictor built for another model (by name or by expert counts)."""
+    who = type(predictor.obj if isinstance(predictor, _LegacyPredict) else predictor).__name__
     name = getattr(predictor, "model_name", None)
     if name and stream.model_name and name != stream.model_name:
         raise MoelabError(
-            f"predictor {type(predictor).__name__} was built for model {name!r} but the trace is of "
+            f"predictor {who} was built for model {name!r} but the trace is of "
             f"{stream.model_name!r}; train or load a predictor for {stream.model_name!r}."
         )
     ne = getattr(predictor, "num_experts", None)
@@ -177,7 +178,7 @@ def check_compatible(predictor: Any, stream: AccessStream) -> None:
         mine = stream.num_experts.tolist()
         if ne != mine and not (len(ne) == 1 and all(x == ne[0] for x in mine)):
             raise MoelabError(
-                f"predictor {type(predictor).__name__} expects experts per MoE layer {ne}, the trace has "
+                f"predictor {who} expects experts per MoE layer {ne}, the trace has "
                 f"{mine}; it was built for a different model."
             )
 
