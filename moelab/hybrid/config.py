@@ -78,7 +78,8 @@ class HybridConfig:
     executor: str = "functional"
     device: str = "auto"
     hardware: str | None = None
-    """Hardware profile name, for placements that need a cost model."""
+    """Hardware profile (a name of ``moelab.timing.available_profiles()`` or a profile YAML
+    file), for placements that need a cost model."""
 
     def __post_init__(self) -> None:
         if self.executor not in EXECUTORS:

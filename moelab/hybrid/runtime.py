@@ -19,8 +19,9 @@ a fixed order:
 3. placement: each miss runs on the host or is fetched to the device
    (:mod:`moelab.hybrid.placement`);
 4. prefetch: a predictor, called at the ``router`` point of layer ``l`` with its router
-   input, proposes experts for layer ``l + d``; they are inserted as speculative cache
-   entries within the budget after layer ``l``'s own accesses (low priority: a layer's
+   input, proposes experts for layer ``l + d`` (the forward's real tokens' predictions
+   merged by :func:`moelab.predictors.protocol.union_predictions`: most tokens first, then
+   best rank, then lower id); they are inserted as speculative cache entries within the budget after layer ``l``'s own accesses (low priority: a layer's
    demand accesses always come first).
 
 The resulting :class:`LayerPlan` is plain data and is kept (``run.plans``) and written
