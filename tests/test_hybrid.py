@@ -145,3 +145,46 @@ def test_plans_are_saved_atomically(mixtral, tmp_path):
     assert len(lines) == len(run.plans) and json.loads(lines[0])["layer"] == 0
     with pytest.raises(MoelabError):
         run.save(tmp_path / "run")
+
+
+@pytest.mark.parametrize("host_backend", ["reference", "moelab"])
+def test_real_executor_equals_functional_and_its_events_are_consistent(mixtral, host_backend, tmp_path):
+    if host_backend == "moelab":
+        pytest.importorskip("moelab.kernels.op")
+    ids, mask = _inputs(3)
+    cfg = {"cache": {"capacity": 0.25, "policy": "lru"}, "placement": "fetch-misses",
+           "routing": {"deferred": 1, "min_immediate": 1}}
+    with moelab.hybrid(mixtral, cfg) as f:
+        want = _gen(mixtral, ids, mask, n=4)
+    before = snapshot(mixtral)
+    with moelab.hybrid(mixtral, {**cfg, "executor": "real", "host_backend": host_backend}) as run:
+        got = _gen(mixtral, ids, mask, n=4)
+    assert_same_state(before, snapshot(mixtral))
+    assert torch.equal(want[0], got[0])
+    for a, b in zip(want[1], got[1], strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)  # two partial sums instead of one
+    assert [p.device for p in run.plans] == [p.device for p in f.plans]
+    ev = run.events_table()
+    # one worker per lane: no lane runs two things at once
+    for lane, g in ev[ev["lane"] != "control"].groupby("lane"):
+        g = g.sort_values("t_start_us")
+        assert (g["t_start_us"].to_numpy()[1:] >= g["t_end_us"].to_numpy()[:-1]).all(), lane
+    # a fetched expert's device compute starts after its copy ended
+    dev = ev[ev["kind"] == "expert-device"].set_index(["step", "layer"])
+    for _, t in ev[ev["kind"] == "transfer-demand"].iterrows():
+        if (t["step"], t["layer"]) in dev.index:
+            assert dev.loc[(t["step"], t["layer"]), "t_start_us"] >= t["t_end_us"]
+    # a deferred expert's sum is merged after its host compute: the layer after next starts later
+    dense = ev[ev["kind"] == "dense"].set_index(["step", "layer"])
+    deferred = ev[ev["kind"] == "expert-deferred"]
+    assert len(deferred) == sum(1 for p in run.plans if p.deferred)
+    for _, d in deferred.iterrows():
+        nxt = (d["step"], d["layer"] + 2)
+        if nxt in dense.index:
+            assert dense.loc[nxt, "t_start_us"] >= d["t_end_us"]
+    s = run.summary()
+    assert set(s["busy_pct"]) >= {"control", "device", "host", "copy"} and 0 <= s["overlap_pct"] <= 100
+    run.save(tmp_path / "r")
+    import pandas as pd
+
+    assert len(pd.read_parquet(tmp_path / "r" / "events.parquet")) == len(ev)

@@ -114,6 +114,10 @@ class ExpertsCall:
     """``backend(module, hidden, ids, weights, expert_map=None) -> (T, H)``; None: the module's own forward."""
     expert_map: torch.Tensor | None = None
     """(E,) int: -1 for experts not computed here (passed to the backend)."""
+    deferred_backend: Callable[..., Any] | None = None
+    """Backend of the deferred slots (None: ``backend``). It may return a future (an object
+    with ``result()``): the next MoE layer waits for it only when it adds the deferred sum,
+    so deferred work overlaps whatever runs in between."""
     _plan: SlotPlan | None = None
 
     @property
@@ -374,9 +378,9 @@ class ForwardHooks:
                 for h in self._fns[point]:
                     if h.layers is None or index in h.layers:
                         h.fn(ctx, layer, call)
-            backend, emap = call.backend, call.expert_map
+            emap = call.expert_map
 
-            def run(a: tuple, k: dict) -> torch.Tensor:
+            def run(backend, a: tuple, k: dict) -> Any:
                 if backend is None:
                     return original(*a, **k)
                 h2, i2, w2 = _unpack(a, k)
@@ -384,17 +388,19 @@ class ForwardHooks:
 
             plan = call._plan
             if plan is not None and plan.changed:
-                out = run(*_repack(args, kwargs, *_compact(ids, plan.weights, plan.state == IMMEDIATE)))
+                out = _resolve(run(call.backend, *_repack(args, kwargs, *_compact(ids, plan.weights,
+                                                                                 plan.state == IMMEDIATE))))
                 deferred = plan.state == DEFERRED
                 if bool(deferred.any()):
-                    late = run(*_repack(args, kwargs, *_compact(ids, plan.weights, deferred)))
+                    late_backend = call.deferred_backend if call.deferred_backend is not None else call.backend
+                    late = run(late_backend, *_repack(args, kwargs, *_compact(ids, plan.weights, deferred)))
                     nxt = index + 1
-                    ctx.carry[nxt] = ctx.carry[nxt] + late if nxt in ctx.carry else late
+                    ctx.carry[nxt] = _resolve(ctx.carry[nxt]) + _resolve(late) if nxt in ctx.carry else late
             else:
-                out = run(args, kwargs)
+                out = _resolve(run(call.backend, args, kwargs))
             incoming = ctx.carry.pop(index, None)
             if incoming is not None:
-                out = out + incoming.to(out.dtype)
+                out = out + _resolve(incoming).to(out.dtype)
             for h in self._fns["output"]:
                 if h.layers is None or index in h.layers:
                     new = h.fn(ctx, layer, call, out)
@@ -417,6 +423,11 @@ class _Restore:
             self.module.forward = self.original
         else:
             self.module.__dict__.pop("forward", None)
+
+
+def _resolve(x: Any) -> torch.Tensor:
+    """A tensor, or the result of a future some backend returned."""
+    return x if isinstance(x, torch.Tensor) else x.result()
 
 
 def _undo(undo: list) -> None:

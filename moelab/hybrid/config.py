@@ -19,7 +19,7 @@ from typing import Any
 
 from moelab.errors import MoelabError, did_you_mean
 
-EXECUTORS = ("functional",)
+EXECUTORS = ("functional", "real")
 DEVICES = ("auto", "cpu", "cuda")
 
 
@@ -76,6 +76,8 @@ class HybridConfig:
     host_backend: str | None = None
     """Experts backend of the host side (None: the model's own experts implementation)."""
     executor: str = "functional"
+    """``functional`` (exact outputs, plans only) or ``real`` (plans run on concurrent lanes with
+    measured timestamps: :mod:`moelab.hybrid.real`)."""
     device: str = "auto"
     hardware: str | None = None
     """Hardware profile (a name of ``moelab.timing.available_profiles()`` or a profile YAML

@@ -152,13 +152,64 @@ class HybridRun:
                 self._handles.append(mgr.add("router", self._on_router_scores, order=Order.CACHE,
                                              name="hybrid cache scores"))
             self._handles.append(mgr.add("plan", self._on_plan, order=Order.PLACEMENT, name="hybrid planner"))
+            self._install_executor(mgr)
         except BaseException:
             self.remove()
             raise
         self.active_ = True
         return self
 
+    def _install_executor(self, mgr) -> None:
+        import uuid
+
+        from moelab.hybrid.events import EventLog
+
+        cfg = self.config
+        self.events = EventLog(uuid.uuid4().hex[:12])
+        if cfg.executor == "real":
+            from moelab.hybrid.real import RealExecutor
+
+            self._executor = RealExecutor(self, cfg.device_backend, cfg.host_backend)
+            ex = self._executor
+            for point, fn in (("forward", ex.on_forward), ("router", ex.on_router), ("output", ex.on_output),
+                              ("forward_end", ex.on_forward_end)):
+                self._handles.append(mgr.add(point, fn, order=Order.OBSERVE, name="real executor"))
+            self._handles.append(mgr.add("experts", ex.on_experts, order=Order.BACKEND + 50, name="real executor"))
+        elif cfg.device_backend is not None or cfg.host_backend is not None:
+            self._handles.append(mgr.add("experts", self._functional_split, order=Order.BACKEND + 50,
+                                         name="functional executor"))
+
+    def _functional_split(self, ctx: ForwardContext, layer, call: ExpertsCall) -> None:
+        """Device experts through the device backend, the rest through the host backend, summed."""
+        from moelab.backends import get_backend
+
+        lp = ctx.scratch.get(("hybrid-plan", layer.index))
+        if lp is None:
+            return
+        dev_b = get_backend(self.config.device_backend or "reference")
+        host_b = get_backend(self.config.host_backend or "reference")
+        device = sorted({e for e, _ in lp.device})
+        E = layer.num_experts
+
+        def backend(module, hidden, ids, weights, expert_map=None):
+            dmap = torch.full((E,), -1, dtype=torch.long, device=ids.device)
+            hmap = torch.arange(E, device=ids.device)
+            if device:
+                d = torch.tensor(device, dtype=torch.long, device=ids.device)
+                dmap[d] = d
+                hmap[d] = -1
+            return dev_b(module, hidden, ids, weights, expert_map=dmap) + host_b(module, hidden, ids, weights,
+                                                                               expert_map=hmap)
+
+        call.backend = backend
+        call.deferred_backend = lambda module, hidden, ids, weights, expert_map=None: host_b(module, hidden, ids,
+                                                                                           weights)
+
     def remove(self) -> None:
+        ex = getattr(self, "_executor", None)
+        if ex is not None:
+            ex.close()
+            self._executor = None
         while self._handles:
             self._handles.pop().remove()
         while self._policies:
@@ -291,6 +342,7 @@ class HybridRun:
             lp.transfers = [Transfer(layer.index, e, nbytes, "demand") for e, n in miss_pairs if where[e] == FETCH]
         self._prefetch(ctx, layer.index, lp)
         self.plans.append(lp)
+        ctx.scratch[("hybrid-plan", layer.index)] = lp
 
     def _prefetch(self, ctx: ForwardContext, source: int, lp: LayerPlan) -> None:
         if self.predictor is None:
@@ -342,8 +394,19 @@ class HybridRun:
             rows.append(d)
         return pd.DataFrame(rows)
 
+    def events_table(self):
+        """The run's events (the timeline) as a pandas DataFrame; see :mod:`moelab.hybrid.events`."""
+        return self.events.table().to_pandas()
+
+    def summary(self) -> dict:
+        """Lane busy %, host/device overlap % and wall time, from the events alone."""
+        from moelab.hybrid.events import summarize
+
+        return summarize(self.events_table())
+
     def save(self, out: str | Path, *, overwrite: bool = False) -> Path:
-        """Write ``plans.jsonl`` and ``config.json`` into a new directory ``out`` (atomically)."""
+        """Write ``plans.jsonl``, ``events.parquet`` and ``config.json`` into a new directory ``out``
+        (atomically: the directory appears complete or not at all)."""
         import json
 
         from moelab import __version__
@@ -354,6 +417,9 @@ class HybridRun:
             with open(res.staging / "plans.jsonl", "w") as f:
                 for p in self.plans:
                     f.write(json.dumps(asdict(p)) + "\n")
+            import pyarrow.parquet as pq
+
+            pq.write_table(self.events.table(), res.staging / "events.parquet")
             (res.staging / "config.json").write_text(
                 json.dumps({"config": self.config.to_dict(), "moelab": __version__}, indent=2)
             )

@@ -1,0 +1,249 @@
+"""The *real* executor: runs each layer's plan on lanes with real concurrency and measured times.
+
+Lanes (one worker thread each, a priority queue in front):
+
+* ``device`` — computes the experts the plan puts on the device (cache hits and fetched
+  misses) with the device backend. On a machine without a GPU this is a CPU worker that
+  stands in for the device: it shares the host's cores and memory bandwidth, which is
+  exactly what makes CPU-only hybrid timings differ from a GPU box's (the simulator
+  models the difference);
+* ``host`` — computes host-placed misses and every deferred expert with the host backend
+  (the native kernels release the GIL, so they run beside the control thread);
+* ``copy`` — copies fetched, inserted and prefetched experts' weights into a
+  preallocated resident pool (a real ``copy_`` of the expert's gate/up and down stacks).
+  Demand copies go first; queued prefetches wait behind every demand copy (a demand
+  pre-empts queued prefetches). The device lane starts a fetched expert's compute only
+  after its copy has finished.
+
+The control thread (the model's own Python code: attention, norms, routers) waits for
+the immediate experts of a layer, adds the two lanes' partial sums, and goes on; a
+layer's deferred experts run on the host lane while the control thread computes the
+next layer's attention, and are awaited only where the next MoE layer adds them.
+
+Outputs equal the functional executor's up to floating-point rounding: the device and
+host parts are summed separately (two partial sums instead of one), so the result is
+``allclose``, not bit-identical. Device compute reads the module's own weights, not the
+pool copy (same bytes, so the same memory traffic on a CPU stand-in).
+
+Every unit of work is an event (:mod:`moelab.hybrid.events`).
+"""
+
+from __future__ import annotations
+
+import itertools
+import queue
+import threading
+from concurrent.futures import Future
+from typing import Any
+
+import torch
+
+from moelab.errors import MoelabError
+from moelab.hybrid.events import EventLog
+
+
+class Lane:
+    """One worker thread with a priority queue; every task becomes an event."""
+
+    def __init__(self, name: str, log: EventLog) -> None:
+        self.name = name
+        self.log = log
+        self._q: queue.PriorityQueue = queue.PriorityQueue()
+        self._seq = itertools.count()
+        self._thread = threading.Thread(target=self._work, name=f"moelab-{name}", daemon=True)
+        self._thread.start()
+
+    def submit(self, fn, *, priority: int = 0, step: int, layer: int, kind: str, expert: int = -1, tokens: int = 0,
+               nbytes: int = 0, cause: str = "", after: list[Future] | None = None) -> Future:
+        """Queue ``fn``; with ``after``, the lane first waits for those futures (a ``wait`` event)."""
+        fut: Future = Future()
+        meta = (step, layer, kind, expert, tokens, nbytes, cause, after or [])
+        self._q.put((priority, next(self._seq), fut, fn, meta))
+        return fut
+
+    def _work(self) -> None:
+        while True:
+            _, _, fut, fn, meta = self._q.get()
+            if fut is None:
+                return
+            if not fut.set_running_or_notify_cancel():
+                continue
+            step, layer, kind, expert, tokens, nbytes, cause, after = meta
+            try:
+                if after:
+                    tw = self.log.now_us()
+                    for f in after:
+                        f.result()
+                    self.log.add(step, layer, self.name, "wait", tw, self.log.now_us(), cause="copy")
+                t0 = self.log.now_us()
+                result = fn()
+            except BaseException as e:  # noqa: BLE001 - handed to the waiting thread
+                fut.set_exception(e)
+                continue
+            t1 = self.log.now_us()
+            self.log.add(step, layer, self.name, kind, t0, t1, expert=expert, tokens=tokens, nbytes=nbytes,
+                         cause=cause)
+            fut.set_result(result)
+
+    def close(self) -> None:
+        self._q.put((float("inf"), next(self._seq), None, None, None))
+        self._thread.join()
+
+
+class ExpertPool:
+    """A preallocated resident pool: one slot per device-cache entry, filled by real copies."""
+
+    def __init__(self, layers, slots: int, device: torch.device) -> None:
+        self.layers = layers
+        self.where: dict[tuple[int, int], int] = {}
+        self.free = list(range(slots))
+        e0 = layers[0].experts
+        self.gu = torch.empty((slots, *e0.gate_up_proj.shape[1:]), dtype=e0.gate_up_proj.dtype, device=device)
+        self.dn = torch.empty((slots, *e0.down_proj.shape[1:]), dtype=e0.down_proj.dtype, device=device)
+        self._lock = threading.Lock()
+
+    def fits(self, layer) -> bool:
+        e = layer.experts
+        return tuple(e.gate_up_proj.shape[1:]) == tuple(self.gu.shape[1:]) and \
+            tuple(e.down_proj.shape[1:]) == tuple(self.dn.shape[1:])
+
+    def copy_in(self, layer_index: int, expert: int) -> None:
+        layer = self.layers[layer_index]
+        if not self.fits(layer):  # layers of another shape: copy into a scratch tensor of its own
+            layer.experts.gate_up_proj[expert].detach().clone()
+            layer.experts.down_proj[expert].detach().clone()
+            return
+        with self._lock:
+            slot = self.where.get((layer_index, expert))
+            if slot is None:
+                slot = self.free.pop() if self.free else next(iter(self.where.values()))
+                self.where[(layer_index, expert)] = slot
+        self.gu[slot].copy_(layer.experts.gate_up_proj[expert].detach())
+        self.dn[slot].copy_(layer.experts.down_proj[expert].detach())
+
+    def evict(self, layer_index: int, expert: int) -> None:
+        with self._lock:
+            slot = self.where.pop((layer_index, expert), None)
+            if slot is not None:
+                self.free.append(slot)
+
+
+class RealExecutor:
+    """Handlers that run a :class:`~moelab.hybrid.HybridRun`'s plans on real lanes."""
+
+    def __init__(self, run: Any, device_backend: str | None, host_backend: str | None) -> None:
+        from moelab.backends import get_backend
+
+        if run.config.device == "cuda":
+            raise MoelabError(
+                "the real executor runs its device lane on a CPU worker in this version; a CUDA device lane "
+                "(streams, pinned pool) is not built yet. Use device: cpu (or auto on a machine without a GPU)."
+            )
+        self.run = run
+        self.log: EventLog = run.events
+        self.device_backend = get_backend(device_backend or "reference")
+        self.host_backend = get_backend(host_backend or "reference")
+        self.lanes = {name: Lane(name, self.log) for name in ("device", "host", "copy")}
+        slots = 0 if run.cache is None else int(sum(run.cache.slots_))
+        self.pool = ExpertPool(run.layers, max(slots, 1), torch.device("cpu"))
+        self._last_mark: dict[int, float] = {}
+
+    def close(self) -> None:
+        for lane in self.lanes.values():
+            lane.close()
+
+    # ------------------------------------------------------------------ handlers
+    def on_forward(self, ctx) -> None:
+        self._last_mark[ctx.index] = self.log.now_us()
+
+    def on_router(self, ctx, layer, call) -> None:
+        t = self.log.now_us()
+        start = self._last_mark.get(ctx.index, t)
+        self.log.add(ctx.index, layer.index, "control", "dense", start, t, cause="attention+router")
+
+    def on_output(self, ctx, layer, call, out) -> None:
+        self._last_mark[ctx.index] = self.log.now_us()
+
+    def on_forward_end(self, ctx, ok: bool) -> None:
+        self._last_mark.pop(ctx.index, None)
+
+    def on_experts(self, ctx, layer, call) -> None:
+        lp = ctx.scratch.get(("hybrid-plan", layer.index))
+        if lp is None:
+            return
+        call.backend = self._immediate(ctx, layer, lp)
+        call.deferred_backend = self._deferred(ctx, layer, lp)
+
+    # ------------------------------------------------------------------ work
+    def _submit_transfers(self, ctx, lp) -> dict[int, Future]:
+        demand: dict[int, Future] = {}
+        copy = self.lanes["copy"]
+        for layer_index, expert in lp.evictions:
+            self.pool.evict(layer_index, expert)
+        for t in lp.transfers:
+            prio = 0 if t.priority == "demand" else 1
+            fut = copy.submit(lambda t=t: self.pool.copy_in(t.layer, t.expert), priority=prio, step=ctx.index,
+                              layer=t.layer, kind=f"transfer-{t.priority}", expert=t.expert, nbytes=t.bytes,
+                              cause=t.priority)
+            if t.priority == "demand" and t.layer == lp.layer:
+                demand[t.expert] = fut
+        return demand
+
+    def _immediate(self, ctx, layer, lp):
+        E = layer.num_experts
+        device = sorted({e for e, _ in lp.device})
+        # the host computes its misses, and padding rows' experts (not planned: no real token needs them)
+        host_planned = sorted({e for e, _ in lp.host})
+        dev_backend, host_backend, lanes, log = self.device_backend, self.host_backend, self.lanes, self.log
+        ebytes = self.run.expert_bytes[layer.index]
+
+        def backend(module, hidden, ids, weights, expert_map=None):
+            demand = self._submit_transfers(ctx, lp)
+            t_wait = log.now_us()
+            futs = []
+            pairs = int((weights != 0).sum())
+            present = torch.unique(ids[weights != 0]).tolist()
+            host = sorted(set(host_planned) | (set(present) - set(device)))
+            if device:
+                dmap = _map(E, device, ids.device)
+
+                futs.append(lanes["device"].submit(
+                    lambda: dev_backend(module, hidden, ids, weights, expert_map=dmap), step=ctx.index,
+                    layer=layer.index, kind="expert-device", tokens=pairs, nbytes=ebytes * len(device),
+                    cause="hit+fetch", after=list(demand.values())))  # a fetched expert runs after its copy
+            if host:
+                hmap = _map(E, host, ids.device)
+                futs.append(lanes["host"].submit(
+                    lambda: host_backend(module, hidden, ids, weights, expert_map=hmap), step=ctx.index,
+                    layer=layer.index, kind="expert-host", tokens=pairs, nbytes=ebytes * len(host_planned),
+                    cause="miss"))
+            if not futs:
+                return torch.zeros_like(hidden)
+            parts = [f.result() for f in futs]
+            log.add(ctx.index, layer.index, "control", "wait", t_wait, log.now_us(), cause="lanes")
+            out = parts[0]
+            for p in parts[1:]:
+                out = out + p
+            return out
+
+        return backend
+
+    def _deferred(self, ctx, layer, lp):
+        host_backend, lane = self.host_backend, self.lanes["host"]
+        ebytes = self.run.expert_bytes[layer.index]
+
+        def backend(module, hidden, ids, weights, expert_map=None):
+            n = len({e for e, _ in lp.deferred})
+            return lane.submit(lambda: host_backend(module, hidden, ids, weights), step=ctx.index, layer=layer.index,
+                               kind="expert-deferred", tokens=int((weights != 0).sum()), nbytes=ebytes * n,
+                               cause="deferred")
+
+        return backend
+
+
+def _map(E: int, experts: list[int], device) -> torch.Tensor:
+    m = torch.full((E,), -1, dtype=torch.long, device=device)
+    if experts:
+        idx = torch.tensor(experts, dtype=torch.long, device=device)
+        m[idx] = idx
+    return m
