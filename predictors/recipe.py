@@ -33,10 +33,10 @@ from pathlib import Path
 import torch
 
 import moelab
-from moelab.hardware import reference_expert_bytes
 from moelab.loading import model_context_length
 from moelab.predictors import TraceData, evaluate, make_predictor
 from moelab.tasks import generate
+from moelab.timing import reference_expert_bytes
 
 KINDS = ("frequency", "token", "skip", "learned", "oracle")
 DISTANCES = (1, 2, 3)

@@ -37,7 +37,7 @@ def test_prefetch_with_a_predictor_for_another_model_is_refused():
     class Other:
         model_name = "some-other-model"
 
-        def predict(self, context):
+        def propose(self, context):
             return [0]
 
     with pytest.raises(MoelabError, match="built for model 'some-other-model'"):
@@ -46,7 +46,7 @@ def test_prefetch_with_a_predictor_for_another_model_is_refused():
     class WrongShape:
         num_experts = [8, 8]
 
-        def predict(self, context):
+        def propose(self, context):
             return [0]
 
     with pytest.raises(MoelabError, match="different model"):

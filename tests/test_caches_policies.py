@@ -123,7 +123,7 @@ def test_prefetch_hits_and_wasted_prefetches_are_counted():
     # evicted unused by the real need (early preemption) -> 2 prefetched, 2 wasted.
 
     class AlwaysOne:
-        def predict(self, context):
+        def propose(self, context):
             return [1]
 
     for backend in ("fast", "reference"):

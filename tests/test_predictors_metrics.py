@@ -12,14 +12,14 @@ import torch
 
 from moelab.cli import main
 from moelab.errors import MoelabError
-from moelab.hardware import (
+from moelab.predictors import evaluate, make_predictor
+from moelab.predictors.timing import TransferModel, in_time_schedule
+from moelab.timing import (
     HardwareProfile,
     available_profiles,
     get_profile,
     reference_expert_bytes,
 )
-from moelab.predictors import evaluate, make_predictor
-from moelab.predictors.timing import TransferModel, in_time_schedule
 
 torch.set_num_threads(1)
 

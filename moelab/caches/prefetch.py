@@ -1,20 +1,32 @@
-"""Prefetching into expert caches: the predictor Protocol, built-in prefetchers, proposals.
+"""Prefetching into expert caches: the proposal protocol, built-in prefetchers, proposals.
 
-After a step's MoE layer ``l`` is served, a predictor proposes the experts MoE layer
+After a step's MoE layer ``l`` is served, a *prefetcher* proposes the experts MoE layer
 ``l + d`` of the same step will need (``d`` = prediction distance). The cache inserts them
 as low-priority *speculative* entries within a per-step transfer budget; when layer ``l + d``
 runs, its exact needs are served with high priority and evict unused prefetches first
 (ProMoE's early preemption). Proposals beyond the last MoE layer are not made.
 
-Any object with a ``predict(context) -> experts`` method is a predictor (:class:`ExpertPredictor`);
-``model_name`` / ``num_experts`` attributes, when present, are checked against the trace.
-A predictor may also offer ``propose_stream(stream, distance)`` to make every proposal at
-once (the built-ins do).
+Where proposals come from:
+
+* a fitted expert predictor (:class:`moelab.predictors.Predictor`, the one predictor
+  protocol — :mod:`moelab.predictors.protocol`): wrap it with
+  ``moelab.predictors.as_prefetcher(predictor, trace)``, which predicts over the trace and
+  unions each step's tokens with :func:`moelab.predictors.protocol.union_predictions`
+  (the CLI's ``--prefetch DIRECTORY`` does this);
+* a registered prefetcher (:data:`PREFETCHERS`: ``oracle``, ``repeat``; add your own with
+  :func:`register_prefetcher`), which reads the access stream itself;
+* any object with ``propose(context) -> experts`` (:class:`Prefetcher`); it may return one
+  ranked list, or (T, m) per-token predictions (padding rows ``-1``), which are unioned
+  with ``union_predictions``. ``model_name`` / ``num_experts`` attributes, when present,
+  are checked against the trace. ``propose_stream(stream, distance)`` makes every proposal
+  at once (the built-ins do). Objects written for the old protocol, ``predict(context)``,
+  still work (with a DeprecationWarning): ``predict`` is the expert predictors' method.
 """
 
 from __future__ import annotations
 
 import logging
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
@@ -22,7 +34,8 @@ from typing import Any, Protocol, runtime_checkable
 import numpy as np
 
 from moelab.caches.stream import AccessStream
-from moelab.errors import MoelabError, unknown_name
+from moelab.errors import MoelabError
+from moelab.registry import Registry
 
 logger = logging.getLogger(__name__)
 
@@ -50,16 +63,20 @@ class PredictContext:
 
 
 @runtime_checkable
-class ExpertPredictor(Protocol):
-    """The minimal predictor interface the caches need.
-
-    ``predict`` returns expert ids of ``context.target_layer``, most confident first
-    (typically top-k of them). Optional attributes: ``model_name: str`` and
-    ``num_experts: list[int]`` (checked against the trace), and
+class Prefetcher(Protocol):
+    """What the cache's prefetch path calls: ``propose(context)`` returns expert ids of
+    ``context.target_layer``, most confident first (or (T, m) per-token predictions, unioned
+    in order by :func:`moelab.predictors.protocol.union_predictions`). Optional:
+    ``model_name: str``, ``num_experts: list[int]`` (checked against the trace), and
     ``propose_stream(stream, distance) -> (ptr, experts)`` for a vectorised offline path.
     """
 
-    def predict(self, context: PredictContext) -> Sequence[int]: ...
+    def propose(self, context: PredictContext) -> Sequence[int] | np.ndarray: ...
+
+
+#: Former name of :class:`Prefetcher` (its method was ``predict(context)``, renamed
+#: ``propose`` so that ``predict`` means one thing: the expert predictors' method).
+ExpertPredictor = Prefetcher
 
 
 class OraclePrefetcher:
@@ -67,7 +84,7 @@ class OraclePrefetcher:
 
     name = "oracle"
 
-    def predict(self, context: PredictContext) -> Sequence[int]:
+    def propose(self, context: PredictContext) -> Sequence[int]:
         tgt = _target_groups(context.stream, context.target_layer - context.layer, same_pass=True)
         g = tgt[context.group]
         return [] if g < 0 else context.stream.group_experts(g).tolist()
@@ -84,7 +101,7 @@ class RepeatPrefetcher:
 
     name = "repeat"
 
-    def predict(self, context: PredictContext) -> Sequence[int]:
+    def propose(self, context: PredictContext) -> Sequence[int]:
         tgt = _target_groups(context.stream, context.target_layer - context.layer, same_pass=False)
         g = tgt[context.group]
         return [] if g < 0 else context.stream.group_experts(g).tolist()
@@ -93,41 +110,66 @@ class RepeatPrefetcher:
         return _gather(stream, _target_groups(stream, distance, same_pass=False))
 
 
-_PREFETCHERS: dict[str, Callable[[], Any]] = {
-    "oracle": OraclePrefetcher,
-    "repeat": RepeatPrefetcher,
-}
+#: Prefetchers by name (``--prefetch NAME`` on the CLI): factories called with no arguments.
+PREFETCHERS: Registry[Callable[[], Any]] = Registry("prefetch predictor", check=callable)
+PREFETCHERS.register("oracle", OraclePrefetcher)
+PREFETCHERS.register("repeat", RepeatPrefetcher)
 
 
-def register_prefetcher(name: str, factory: Callable[[], Any]) -> None:
-    """Make a predictor available by name (``--prefetch NAME`` on the CLI)."""
-    _PREFETCHERS[name] = factory
+def register_prefetcher(name: str, factory: Callable[[], Any], *, overwrite: bool = False) -> None:
+    """Make a prefetcher available by name (``--prefetch NAME`` on the CLI); a repeated
+    name raises unless ``overwrite=True``."""
+    PREFETCHERS.register(name, factory, overwrite=overwrite)
 
 
 def available_prefetchers() -> list[str]:
-    return sorted(_PREFETCHERS)
+    return sorted(PREFETCHERS.names())
+
+
+class _LegacyPredict:
+    """An object of the old protocol (``predict(context)``) seen through ``propose``."""
+
+    def __init__(self, obj: Any) -> None:
+        self.obj = obj
+        for attr in ("model_name", "num_experts", "name"):
+            if hasattr(obj, attr):
+                setattr(self, attr, getattr(obj, attr))
+
+    def propose(self, context: PredictContext):
+        return self.obj.predict(context)
 
 
 def get_prefetcher(predictor: str | Any) -> Any:
-    """A predictor object from a registered name, or the object itself."""
+    """A prefetcher from a registered name, or the object itself (see the module docstring)."""
     if isinstance(predictor, str):
-        if predictor not in _PREFETCHERS:
-            raise unknown_name("prefetch predictor", predictor, _PREFETCHERS)
-        return _PREFETCHERS[predictor]()
-    if not callable(getattr(predictor, "predict", None)) and not callable(getattr(predictor, "propose_stream", None)):
+        return PREFETCHERS.get(predictor)()
+    if callable(getattr(predictor, "predict_trace", None)) and callable(getattr(predictor, "source_layers", None)):
         raise MoelabError(
-            f"{type(predictor).__name__} is not a predictor: it needs predict(context) -> expert ids "
-            "(see moelab.caches.prefetch.ExpertPredictor)."
+            f"{type(predictor).__name__} is an expert predictor: it predicts from router inputs and token ids, "
+            "which the cache's access stream does not hold; pass moelab.predictors.as_prefetcher(predictor, "
+            "trace) (the trace it should predict over) as the prefetch predictor."
         )
-    return predictor
+    if callable(getattr(predictor, "propose", None)) or callable(getattr(predictor, "propose_stream", None)):
+        return predictor
+    if callable(getattr(predictor, "predict", None)):
+        warnings.warn(
+            f"{type(predictor).__name__}.predict(context) is the old prefetch protocol; rename it to "
+            "propose(context) (see moelab.caches.prefetch.Prefetcher).", DeprecationWarning, stacklevel=3,
+        )
+        return _LegacyPredict(predictor)
+    raise MoelabError(
+        f"{type(predictor).__name__} is not a prefetcher: it needs propose(context) -> expert ids "
+        "(see moelab.caches.prefetch.Prefetcher), or wrap a fitted predictor with moelab.predictors.as_prefetcher."
+    )
 
 
 def check_compatible(predictor: Any, stream: AccessStream) -> None:
     """Refuse a predictor built for another model (by name or by expert counts)."""
+    who = type(predictor.obj if isinstance(predictor, _LegacyPredict) else predictor).__name__
     name = getattr(predictor, "model_name", None)
     if name and stream.model_name and name != stream.model_name:
         raise MoelabError(
-            f"predictor {type(predictor).__name__} was built for model {name!r} but the trace is of "
+            f"predictor {who} was built for model {name!r} but the trace is of "
             f"{stream.model_name!r}; train or load a predictor for {stream.model_name!r}."
         )
     ne = getattr(predictor, "num_experts", None)
@@ -136,7 +178,7 @@ def check_compatible(predictor: Any, stream: AccessStream) -> None:
         mine = stream.num_experts.tolist()
         if ne != mine and not (len(ne) == 1 and all(x == ne[0] for x in mine)):
             raise MoelabError(
-                f"predictor {type(predictor).__name__} expects experts per MoE layer {ne}, the trace has "
+                f"predictor {who} expects experts per MoE layer {ne}, the trace has "
                 f"{mine}; it was built for a different model."
             )
 
@@ -154,6 +196,8 @@ def proposals(predictor: Any, stream: AccessStream, distance: int) -> tuple[np.n
     if callable(getattr(predictor, "propose_stream", None)):
         return predictor.propose_stream(stream, distance)
     from tqdm.auto import tqdm
+
+    from moelab.predictors.protocol import union_predictions
 
     G, L = stream.num_groups, stream.num_layers
     ptr = np.zeros(G + 1, dtype=np.int64)
@@ -173,16 +217,26 @@ def proposals(predictor: Any, stream: AccessStream, distance: int) -> tuple[np.n
                 scores=stream.group_scores(g),
             )
             E = int(stream.num_experts[tgt])
-            seen: set[int] = set()
-            for e in predictor.predict(ctx):
-                e = int(e)
+            got = np.asarray(predictor.propose(ctx))
+            if got.ndim == 2:  # per-token predictions: the one union, in its order
+                got = union_predictions(got)
+            for e in _dedupe(got.reshape(-1).tolist()):
                 if not 0 <= e < E:
                     raise MoelabError(f"predictor proposed expert {e} for MoE layer {tgt}, which has {E} experts.")
-                if e not in seen:
-                    seen.add(e)
-                    out.append(int(stream.key_offset[tgt]) + e)
+                out.append(int(stream.key_offset[tgt]) + e)
         ptr[g + 1] = len(out)
     return ptr, np.asarray(out, dtype=np.int64)
+
+
+def _dedupe(experts: list) -> list[int]:
+    seen: set[int] = set()
+    out = []
+    for e in experts:
+        e = int(e)
+        if e not in seen:
+            seen.add(e)
+            out.append(e)
+    return out
 
 
 def _target_groups(stream: AccessStream, distance: int, same_pass: bool) -> np.ndarray:

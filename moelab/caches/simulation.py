@@ -37,31 +37,73 @@ RECORD_SCORES_HINT = (
 
 @dataclass
 class PrefetchConfig:
-    """Predictor-driven prefetch into the cache."""
+    """Predictor-driven prefetch into the cache.
+
+    The per-step transfer budget is given one of three ways: ``budget`` (experts),
+    ``budget_bytes`` (bytes; whole experts that fit), or a ``link`` and a time window
+    (:meth:`from_link`, :meth:`from_profile`): the experts whose back-to-back transfers,
+    all requested at the start of the step, end within the window on the FIFO link of
+    :class:`moelab.timing.Link` (``latency + bytes / bandwidth`` each) — the same link
+    model as GoodPred.
+    """
 
     predictor: Any = "oracle"
-    """A registered name (``oracle``, ``repeat``) or an object with ``predict(context)``."""
+    """A registered prefetcher name (``oracle``, ``repeat``), a fitted predictor wrapped by
+    :func:`moelab.predictors.as_prefetcher`, or an object with ``propose(context)`` /
+    ``propose_stream(stream, distance)`` (:class:`moelab.caches.prefetch.Prefetcher`)."""
     distance: int = 1
     """Prediction distance d: after MoE layer l, prefetch for layer l + d."""
     budget: int | None = None
     """Prefetch transfers per step (forward pass), in experts; None = unlimited."""
     budget_bytes: float | None = None
-    """Alternatively, bytes per step (link bandwidth × step time, see :meth:`from_link`);
-    whole experts of ``expert_bytes`` each fit in it."""
+    """Alternatively, bytes per step; whole experts of ``expert_bytes`` each fit in it."""
+    link: Any = None
+    """Alternatively, a :class:`moelab.timing.Link` with :attr:`window_us`."""
+    window_us: float | None = None
+    """The time per step (µs) the link may spend on prefetches (with :attr:`link`)."""
 
     @classmethod
     def from_link(
-        cls, predictor: Any = "oracle", distance: int = 1, *, gb_per_s: float, step_ms: float
+        cls, predictor: Any = "oracle", distance: int = 1, *, gb_per_s: float, step_ms: float,
+        latency_us: float = 0.0,
     ) -> PrefetchConfig:
-        """A byte budget per step from a host-to-GPU link: ``gb_per_s`` GB/s for ``step_ms`` ms."""
+        """A budget from a host-to-GPU link: ``gb_per_s`` GB/s for ``step_ms`` ms per step,
+        ``latency_us`` per transfer (0: the budget is bandwidth × step time, in whole experts)."""
+        from moelab.timing import Link
+
         for name, v in (("gb_per_s", gb_per_s), ("step_ms", step_ms)):
             if not v > 0:
                 raise MoelabError(f"{name} must be > 0, got {v!r}.")
-        return cls(predictor, distance, budget_bytes=gb_per_s * 1e9 * step_ms * 1e-3)
+        return cls(predictor, distance, link=Link(float(gb_per_s), float(latency_us)), window_us=step_ms * 1e3)
+
+    @classmethod
+    def from_profile(
+        cls, profile: Any = None, predictor: Any = "oracle", distance: int = 1, *, num_layers: int,
+    ) -> PrefetchConfig:
+        """A budget from a hardware profile (name, file or instance; default
+        :data:`moelab.timing.DEFAULT_PROFILE`): its link, over one decode step of
+        ``num_layers`` MoE layers × ``decode_layer_time_us``."""
+        from moelab.timing import get_profile
+
+        hw = get_profile(profile)
+        if isinstance(num_layers, bool) or not isinstance(num_layers, (int, np.integer)) or num_layers < 1:
+            raise MoelabError(f"num_layers must be an integer ≥ 1 (MoE layers per step), got {num_layers!r}.")
+        return cls(predictor, distance, link=hw.link, window_us=int(num_layers) * hw.decode_layer_time_us)
+
+    @property
+    def needs_expert_bytes(self) -> bool:
+        """Whether the budget depends on the size of an expert (bytes or a link)."""
+        return self.budget_bytes is not None or self.link is not None
 
     def experts_budget(self, expert_bytes: int) -> int | None:
-        if self.budget is not None and self.budget_bytes is not None:
-            raise MoelabError("give the prefetch budget in experts or in bytes, not both.")
+        given = [n for n, v in (("budget", self.budget), ("budget_bytes", self.budget_bytes), ("link", self.link))
+                 if v is not None]
+        if len(given) > 1:
+            raise MoelabError(f"give the prefetch budget in experts, in bytes or as a link, not {' and '.join(given)}.")
+        if self.link is not None:
+            if self.window_us is None or not self.window_us >= 0:
+                raise MoelabError(f"a prefetch link needs window_us ≥ 0 (µs per step), got {self.window_us!r}.")
+            return self.link.transfers_within(self.window_us, max(1, expert_bytes))
         if self.budget_bytes is not None:
             if not self.budget_bytes >= 0:
                 raise MoelabError(f"prefetch budget_bytes must be ≥ 0 bytes per step, got {self.budget_bytes!r}.")
@@ -107,13 +149,6 @@ def load_stream(source: Any, include_prefill: bool = False, scores: bool = True)
     if sizes:
         object.__setattr__(stream, "expert_bytes", int(max(sizes)))
     return stream
-
-
-def expert_bytes_of(model: Any) -> int:
-    """Bytes of one routed expert of ``model``'s first MoE layer (for ``expert_bytes``)."""
-    from moelab.adapters import expert_bytes, moe_layers
-
-    return expert_bytes(moe_layers(model)[0])
 
 
 # ---------------------------------------------------------------------- simulation
@@ -239,7 +274,7 @@ def _simulate_stream(
     if prefetch is not None:
         if cls.name == "static":
             logger.info("static placement ignores prefetches")
-        if prefetch.budget_bytes is not None and not size_known:
+        if prefetch.needs_expert_bytes and not size_known:
             raise MoelabError(
                 "a prefetch budget in bytes needs the size of an expert, and the trace does not record it: "
                 "pass expert_bytes (CLI: --expert-bytes), or give the budget in experts."
@@ -427,5 +462,5 @@ def _run_reference(stream, cls, capacity, scope, warm_keys, pf_ptr, pf_keys, bud
     return hit, counters, len(cache._speculative)
 
 
-__all__ = ["PrefetchConfig", "expert_bytes_of", "load_stream", "simulate", "sweep"]
+__all__ = ["PrefetchConfig", "load_stream", "simulate", "sweep"]
 

@@ -29,6 +29,9 @@ def register(subparsers) -> None:
     s.add_argument("--link-gbps", type=float, default=None,
                    help="prefetch budget from a link: GB/s, with --step-ms (budget = GB/s × step time)")
     s.add_argument("--step-ms", type=float, default=None, help="step time in ms for --link-gbps")
+    s.add_argument("--link-latency-us", type=float, default=None,
+                   help="per-transfer latency in µs for --link-gbps (the FIFO link model of moelab.timing; "
+                   "default 0: budget = GB/s × step time)")
     s.add_argument("--expert-bytes", type=positive_int, default=None,
                    help="bytes per expert (default: the size recorded in the trace; traffic is also "
                    "reported in experts)")
@@ -87,6 +90,8 @@ def run_simulate(args) -> int:
     capacities = [parse_capacity(c) for c in args.capacity.split(",") if c.strip()]
     scopes = parse_scopes(args.scope)
     prefetch = None
+    if args.link_latency_us is not None and args.link_gbps is None:
+        raise MoelabError("--link-latency-us is the latency of the --link-gbps link: add --link-gbps and --step-ms.")
     if (args.link_gbps is None) != (args.step_ms is None):
         raise MoelabError("--link-gbps and --step-ms go together: the budget is bandwidth × step time.")
     given = [n for n, v in (("--budget", args.budget), ("--budget-bytes", args.budget_bytes),
@@ -98,7 +103,8 @@ def run_simulate(args) -> int:
     if args.prefetch:
         predictor, distance = _prefetcher(args.prefetch, args.distance, args.trace)
         if args.link_gbps is not None:
-            prefetch = PrefetchConfig.from_link(predictor, distance, gb_per_s=args.link_gbps, step_ms=args.step_ms)
+            prefetch = PrefetchConfig.from_link(predictor, distance, gb_per_s=args.link_gbps, step_ms=args.step_ms,
+                                                latency_us=args.link_latency_us or 0.0)
         else:
             prefetch = PrefetchConfig(predictor, distance, args.budget, args.budget_bytes)
     stream = load_stream(args.trace, args.include_prefill, scores=any(get_policy(p).uses_scores for p in policies))

@@ -15,6 +15,7 @@ from typing import Any
 
 from moelab.cli._util import DeprecatedAlias, check_output_path, emit_json, positive_int
 from moelab.errors import MoelabError
+from moelab.timing import DEFAULT_PROFILE
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +51,8 @@ def register(subparsers) -> None:
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="model name or path (only if it cannot be loaded by the trace's model name)")
     p.add_argument("--m", default="1,2,4,8", help="list lengths m for recall@m/precision@m (default 1,2,4,8)")
-    p.add_argument("--hardware", default="pcie4-x16", help="hardware profile for GoodPred (moelab.hardware)")
+    p.add_argument("--hardware", default=DEFAULT_PROFILE,
+                   help="hardware profile for GoodPred: a name (moelab.timing.available_profiles()) or a YAML file")
     p.add_argument("--expert-bytes", default=None,
                    help="bytes per expert transfer, or a reference model (e.g. qwen2-57b-a14b); default: the model's own")
     p.add_argument("--layer-time-us", type=float, default=None, help="override the profile's decode layer time")
@@ -90,8 +92,8 @@ def _model(args):
 
 
 def _evaluate(predictor, data, args, model):
-    from moelab.hardware import reference_expert_bytes
     from moelab.predictors import evaluate
+    from moelab.timing import reference_expert_bytes
 
     eb = reference_expert_bytes(args.expert_bytes) if args.expert_bytes else None
     return evaluate(predictor, data, m_values=_m_values(args.m), hardware=args.hardware, expert_bytes=eb,

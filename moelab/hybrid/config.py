@@ -80,7 +80,8 @@ class HybridConfig:
     measured timestamps: :mod:`moelab.hybrid.real`)."""
     device: str = "auto"
     hardware: str | None = None
-    """Hardware profile name, for placements that need a cost model."""
+    """Hardware profile (a name of ``moelab.timing.available_profiles()`` or a profile YAML
+    file), for placements that need a cost model."""
 
     def __post_init__(self) -> None:
         if self.executor not in EXECUTORS:

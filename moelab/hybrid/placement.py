@@ -61,7 +61,10 @@ class CostModel:
                    tokens * self.flops_per_token / (self.host_tflops * 1e6))
 
     def fetch_us(self) -> float:
-        return self.link_latency_us + self.expert_bytes / (self.link_bandwidth_gbs * 1e3)
+        """One expert over the host→device link (:class:`moelab.timing.Link`, the one link model)."""
+        from moelab.timing import Link
+
+        return Link(self.link_bandwidth_gbs, self.link_latency_us).transfer_us(self.expert_bytes)
 
     @classmethod
     def from_profile(cls, profile, expert_bytes: int, flops_per_token: float) -> CostModel:

@@ -19,8 +19,9 @@ a fixed order:
 3. placement: each miss runs on the host or is fetched to the device
    (:mod:`moelab.hybrid.placement`);
 4. prefetch: a predictor, called at the ``router`` point of layer ``l`` with its router
-   input, proposes experts for layer ``l + d``; they are inserted as speculative cache
-   entries within the budget after layer ``l``'s own accesses (low priority: a layer's
+   input, proposes experts for layer ``l + d`` (the forward's real tokens' predictions
+   merged by :func:`moelab.predictors.protocol.union_predictions`: most tokens first, then
+   best rank, then lower id); they are inserted as speculative cache entries within the budget after layer ``l``'s own accesses (low priority: a layer's
    demand accesses always come first).
 
 The resulting :class:`LayerPlan` is plain data and is kept (``run.plans``) and written
@@ -243,7 +244,7 @@ class HybridRun:
                 f"placement {self.config.placement!r} needs a cost model; set hardware: to a profile name "
                 "(e.g. pcie4-x16), or use placement host-misses / fetch-misses."
             )
-        from moelab.hardware import get_profile
+        from moelab.timing import get_profile
 
         layer = self.layers[0]
         canon_i = getattr(layer.experts, "intermediate_dim", None) or getattr(layer.experts, "intermediate_size", None)
@@ -293,8 +294,10 @@ class HybridRun:
             hidden = hidden[valid]
         if hidden.shape[0] == 0:
             return
-        pred = self.predictor.predict(layer.index, hidden=hidden.detach().cpu(), m=self.config.prefetch.m)
-        ctx.scratch[("hybrid-prefetch", layer.index + self.predictor.distance)] = _union_rows(pred)
+        from moelab.predictors.protocol import union_predictions
+
+        pred = self.predictor.predict(layer.index, hidden=hidden, m=self.config.prefetch.m)
+        ctx.scratch[("hybrid-prefetch", layer.index + self.predictor.distance)] = union_predictions(pred).tolist()
 
     def _on_plan(self, ctx: ForwardContext, layer, call: ExpertsCall) -> None:
         plan = call.plan
@@ -454,17 +457,6 @@ def _needed(ids: torch.Tensor, w: torch.Tensor) -> tuple[list[int], dict[int, in
             best[e] = x
     order = sorted(best, key=lambda e: (-best[e], e))
     return order, count
-
-
-def _union_rows(pred: np.ndarray) -> list[int]:
-    """Several tokens' predictions as one ordered list: by best rank, then how many tokens, then id."""
-    pred = np.asarray(pred)
-    rank: dict[int, tuple[int, int]] = {}
-    for row in pred:
-        for r, e in enumerate(row.tolist()):
-            best, n = rank.get(e, (r, 0))
-            rank[e] = (min(best, r), n + 1)
-    return sorted(rank, key=lambda e: (rank[e][0], -rank[e][1], e))
 
 
 def hybrid(model: Any, config: HybridConfig | dict | str | Path | None = None) -> HybridRun:

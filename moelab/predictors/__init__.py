@@ -3,6 +3,7 @@
 >>> from moelab.predictors import make_predictor, evaluate
 >>> p = make_predictor("learned", distance=2).fit(trace)        # trace recorded with hidden_states=True
 >>> p.predict(layer, hidden=h, m=4)                              # online: ranked ids for layer + 2
+>>> p.predict_union(layer, hidden=h, token_ids=ids, valid=mask)   # the forward's experts, fetch order
 >>> report = evaluate(p, test_trace)                             # accuracy, recall@m, GoodPred, latency
 >>> p.save("predictors/my-model/learned-d2"); load_predictor("predictors/my-model/learned-d2")
 
@@ -19,6 +20,7 @@ from moelab.predictors.learned import LearnedPredictor
 from moelab.predictors.metrics import PredictionReport, evaluate
 from moelab.predictors.online import attach
 from moelab.predictors.prefetch import PredictorPrefetcher, as_prefetcher
+from moelab.predictors.protocol import to_numpy, union_predictions
 from moelab.predictors.registry import (
     PREDICTORS,
     available_predictors,
@@ -53,4 +55,6 @@ __all__ = [
     "read_predictor_meta",
     "register_predictor",
     "save_predictor",
+    "to_numpy",
+    "union_predictions",
 ]

@@ -10,10 +10,14 @@ A predictor guesses, before MoE layer ``l + d`` routes, which experts it will se
   ``sklearn.utils.validation.check_is_fitted`` (via ``__sklearn_is_fitted__``) and the
   estimator tags work; the input is a routing trace, not an ``X`` array, so the tags say
   so and ``sklearn.utils.estimator_checks`` (which feeds arrays) does not apply;
-* **online**: ``predict(layer, hidden=..., token_ids=..., m=...)`` with what a forward
-  pass has when MoE layer ``layer`` routes (its router input, the token id) returns the
-  ranked expert ids predicted for MoE layer ``layer + distance``;
+* **online**: ``predict(layer, hidden=..., token_ids=..., valid=..., m=...)`` with what a
+  forward pass has when MoE layer ``layer`` routes (its router input, the token ids, which
+  tokens are padding — numpy or torch, on any device) returns the ranked expert ids
+  predicted for MoE layer ``layer + distance`` (-1 rows for padding); ``predict_union``
+  returns their ordered union (:func:`moelab.predictors.protocol.union_predictions`);
 * **offline**: ``predict_trace(trace, layer)`` does the same for every token of a trace.
+
+:mod:`moelab.predictors.protocol` describes the protocol and its three callers.
 
 Subclasses implement ``_fit`` and ``_scores`` (and ``_state``/``_load_state`` for
 save/load); the public methods do the checks. Layers are MoE-layer ordinals (0..L-1).
@@ -35,6 +39,7 @@ from sklearn.base import BaseEstimator
 
 from moelab.errors import MoelabError, unknown_name
 from moelab.predictors.data import TokenIndex
+from moelab.predictors.protocol import to_cpu_tensor, to_numpy, union_predictions, valid_mask
 
 log = logging.getLogger(__name__)
 
@@ -233,12 +238,15 @@ class Predictor(BaseEstimator):
                 "fit a predictor on a trace of that model."
             )
 
-    def predict_scores(self, layer: int, *, hidden: Any = None, token_ids: Any = None) -> np.ndarray:
+    def predict_scores(
+        self, layer: int, *, hidden: Any = None, token_ids: Any = None, valid: Any = None
+    ) -> np.ndarray:
         """(T, E) float32 ranking scores for MoE layer ``layer + distance`` (higher = likelier).
 
-        ``hidden`` is the router input of MoE layer ``layer`` ((T, H) or (H,), torch or
-        numpy); ``token_ids`` the input token ids ((T,) or an int). Pass what the
-        predictor needs (``needs_hidden``); extra inputs are ignored.
+        ``hidden`` is the router input of MoE layer ``layer`` ((T, H) or (H,)); ``token_ids``
+        the input token ids ((T,) or an int); ``valid`` (T,) bool, False for padding tokens
+        (their rows are ``-inf`` and not computed). Each may be numpy or torch on any device.
+        Pass what the predictor needs (``needs_hidden``); extra inputs are ignored.
         """
         layer = self._check_layer(layer)
         if not self.online:
@@ -247,16 +255,22 @@ class Predictor(BaseEstimator):
                 "use predict_trace(trace, layer) or moelab.predictors.evaluate()."
             )
         hidden, token_ids, n = self._coerce_inputs(hidden, token_ids)
-        scores = np.asarray(self._scores(layer, hidden, token_ids, n), dtype=np.float32)
-        return scores
+        mask = valid_mask(valid, n)
+        if mask is None or mask.all():
+            return np.asarray(self._scores(layer, hidden, token_ids, n), dtype=np.float32)
+        out = np.full((n, max(self.num_experts_)), -np.inf, dtype=np.float32)
+        k = int(mask.sum())
+        if k:
+            h = hidden[to_cpu_tensor(mask)] if hidden is not None else None
+            ids = token_ids[mask] if token_ids is not None else None
+            out[mask] = np.asarray(self._scores(layer, h, ids, k), dtype=np.float32)
+        return out
 
     def _coerce_inputs(self, hidden: Any, token_ids: Any) -> tuple[Any, np.ndarray | None, int]:
+        """``hidden`` as a (T, H) CPU torch tensor, ``token_ids`` as (T,) int64 numpy, and T."""
         n = None
         if hidden is not None:
-            import torch
-
-            if not isinstance(hidden, torch.Tensor):
-                hidden = torch.as_tensor(np.asarray(hidden))
+            hidden = to_cpu_tensor(hidden)
             if hidden.dim() == 1:
                 hidden = hidden[None]
             hidden = hidden.reshape(-1, hidden.shape[-1])
@@ -268,7 +282,7 @@ class Predictor(BaseEstimator):
         elif self.needs_hidden:
             raise MoelabError(f"the {self.kind!r} predictor needs hidden= (the router input of the source layer).")
         if token_ids is not None:
-            token_ids = np.atleast_1d(np.asarray(token_ids, dtype=np.int64)).reshape(-1)
+            token_ids = np.atleast_1d(to_numpy(token_ids, np.int64)).reshape(-1)
             if n is not None and len(token_ids) != n:
                 raise MoelabError(f"hidden has {n} tokens but token_ids has {len(token_ids)}.")
             n = len(token_ids)
@@ -282,13 +296,29 @@ class Predictor(BaseEstimator):
     def _scores(self, layer: int, hidden: Any, token_ids: np.ndarray | None, n: int) -> np.ndarray:  # pragma: no cover
         raise NotImplementedError
 
-    def predict(self, layer: int, *, hidden: Any = None, token_ids: Any = None, m: int | None = None) -> np.ndarray:
+    def predict(
+        self, layer: int, *, hidden: Any = None, token_ids: Any = None, m: int | None = None, valid: Any = None
+    ) -> np.ndarray:
         """(T, m) int64 expert ids predicted for MoE layer ``layer + distance``, best first.
 
         ``m`` defaults to the target layer's top-k (as many experts as the model activates).
+        Rows of padding tokens (``valid`` False) are ``-1``. Inputs: see :meth:`predict_scores`.
         """
-        scores = self.predict_scores(layer, hidden=hidden, token_ids=token_ids)
-        return self._rank(scores, layer + self.distance, m)
+        scores = self.predict_scores(layer, hidden=hidden, token_ids=token_ids, valid=valid)
+        ranked = self._rank(scores, layer + self.distance, m)
+        mask = valid_mask(valid, len(scores))
+        if mask is not None:
+            ranked[~mask] = -1
+        return ranked
+
+    def predict_union(
+        self, layer: int, *, hidden: Any = None, token_ids: Any = None, m: int | None = None,
+        valid: Any = None, limit: int | None = None,
+    ) -> np.ndarray:
+        """(n,) int64: the experts of MoE layer ``layer + distance`` predicted for any valid
+        token of this forward, in fetch order (:func:`~moelab.predictors.protocol.union_predictions`)."""
+        pred = self.predict(layer, hidden=hidden, token_ids=token_ids, m=m, valid=valid)
+        return union_predictions(pred, limit=limit)
 
     def _rank(self, scores: np.ndarray, target: int, m: int | None) -> np.ndarray:
         E = self.num_experts_[target]

@@ -26,6 +26,7 @@ import numpy as np
 from moelab.errors import MoelabError
 from moelab.predictors.base import Predictor, TraceData
 from moelab.predictors.data import multi_hot
+from moelab.predictors.protocol import to_numpy
 from moelab.predictors.registry import register_predictor
 
 log = logging.getLogger(__name__)
@@ -231,7 +232,7 @@ class LearnedPredictor(Predictor):
 
     # ------------------------------------------------------------------ inference
     def _scores(self, layer, hidden, token_ids, n):
-        x = hidden.float().numpy() if hasattr(hidden, "numpy") else np.asarray(hidden, np.float32)
+        x = to_numpy(hidden, np.float32)
         weights = self.weights_[layer]
         for i, (w, b) in enumerate(weights):
             x = x @ w.T + b

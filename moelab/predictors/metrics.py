@@ -33,15 +33,10 @@ from typing import Any
 import numpy as np
 
 from moelab.errors import MoelabError
-from moelab.hardware import HardwareProfile
 from moelab.predictors.base import Predictor, as_trace_data
-from moelab.predictors.timing import (
-    expert_bytes_of,
-    in_time_schedule,
-    measure_latency_us,
-    transfer_model,
-)
+from moelab.predictors.timing import in_time_schedule, measure_latency_us, transfer_model
 from moelab.stats import clustered_stderr, iid_stderr
+from moelab.timing import DEFAULT_PROFILE, HardwareProfile, expert_bytes_of
 
 log = logging.getLogger(__name__)
 
@@ -181,7 +176,7 @@ def _aggregate(match: np.ndarray, n_actual: np.ndarray, in_time: np.ndarray, dec
     return out
 
 
-def goodpred(report: PredictionReport, predictor: Predictor, *, hardware: str | HardwareProfile = "pcie4-x16",
+def goodpred(report: PredictionReport, predictor: Predictor, *, hardware: str | HardwareProfile = DEFAULT_PROFILE,
              expert_bytes: int, layer_time_us: float | None = None, link_bandwidth_gbs: float | None = None,
              latency_us: float | None = None) -> dict[str, float]:
     """Decode fetch rate and GoodPred of ``report``'s predictions under another transfer model,
@@ -215,7 +210,7 @@ def evaluate(
     *,
     sequences: np.ndarray | None = None,
     m_values: list[int] | None = None,
-    hardware: str | HardwareProfile = "pcie4-x16",
+    hardware: str | HardwareProfile = DEFAULT_PROFILE,
     expert_bytes: int | None = None,
     layer_time_us: float | None = None,
     link_bandwidth_gbs: float | None = None,
@@ -226,8 +221,8 @@ def evaluate(
 
     Tokens: ``sequences`` if given; else, when ``trace`` is the trace the predictor was
     fitted on and it holds out validation sequences (``val_sequences_``), only those; else
-    every sequence. ``expert_bytes`` defaults to the model's own expert size (loaded by
-    name if ``model`` is not given); ``latency_us`` defaults to the measured batch-1
+    every sequence. ``expert_bytes`` defaults to the model's own expert size (recorded in the
+    trace, else from the model, loaded by name if ``model`` is not given); ``latency_us`` defaults to the measured batch-1
     latency (:func:`~moelab.predictors.timing.measure_latency_us`).
     """
     data = as_trace_data(trace)
@@ -254,6 +249,8 @@ def evaluate(
     if latency_us is None:
         latency_us = measure_latency_us(predictor, data)
     timing_latency = 0.0 if not math.isfinite(latency_us) else latency_us
+    if expert_bytes is None and tr.meta["model"].get("expert_bytes"):
+        expert_bytes = int(max(tr.meta["model"]["expert_bytes"]))  # recorded: no need to load the model
     if expert_bytes is None:
         from moelab.predictors.skip import resolve_model
 

@@ -11,6 +11,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from moelab.timing import DEFAULT_PROFILE
+
 
 def accuracy_per_layer(df, phase: str = "decode", distance: int = 1):
     """Grouped bars: accuracy per target layer, one bar per predictor (ProMoE Fig. 8 shape)."""
@@ -39,7 +41,7 @@ def accuracy_vs_distance(df_overall, phase: str = "decode"):
 
 
 def goodpred_vs_bandwidth(reports: dict, bandwidths: Sequence[float], *, expert_bytes: int,
-                          hardware: str = "pcie4-x16", **kwargs: Any):
+                          hardware: str = DEFAULT_PROFILE, **kwargs: Any):
     """Lines: decode GoodPred against link bandwidth (GB/s) for each (kind, distance)."""
     import pandas as pd
     import plotly.express as px

@@ -1,6 +1,6 @@
 """Adapter: a fitted :class:`~moelab.predictors.base.Predictor` as a cache prefetcher.
 
-The cache simulator (:mod:`moelab.caches.prefetch`) asks ``predict(context) -> expert ids``
+The cache simulator (:mod:`moelab.caches.prefetch`) asks ``propose(context) -> expert ids``
 after MoE layer ``l`` of a step, or ``propose_stream(stream, distance)`` for all groups at
 once. Its access stream holds no hidden states or token ids, so the adapter precomputes the
 predictor's predictions over the trace the stream comes from::
@@ -9,13 +9,14 @@ predictor's predictions over the trace the stream comes from::
     pf = as_prefetcher(load_predictor("predictors/moelab-tiny-mixtral/learned-d2"), trace)
     simulate(trace, "lru", 0.5, prefetch=PrefetchConfig(predictor=pf, distance=2))
 
-A group with several tokens (a prompt) gets the union of its tokens' predictions, ordered
-by how many tokens voted for each expert (ties: lower id).
+A group with several tokens (a prompt, or a batch's rows) gets the union of its tokens'
+predictions in the order of :func:`moelab.predictors.protocol.union_predictions` (tokens
+predicting it, then best rank, then lower id); a one-token group (a decode step at batch 1)
+keeps the predictor's own ranking.
 """
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
@@ -23,10 +24,11 @@ import numpy as np
 
 from moelab.errors import MoelabError
 from moelab.predictors.base import Predictor, as_trace_data
+from moelab.predictors.protocol import union_predictions
 
 
 class PredictorPrefetcher:
-    """Satisfies ``moelab.caches.prefetch.ExpertPredictor`` for one predictor and one trace."""
+    """Satisfies ``moelab.caches.prefetch.Prefetcher`` for one predictor and one trace."""
 
     def __init__(self, predictor: Predictor, trace, *, m: int | None = None) -> None:
         data = as_trace_data(trace)
@@ -37,19 +39,23 @@ class PredictorPrefetcher:
         self.num_experts = list(predictor.num_experts_)
         self.distance = int(predictor.distance)
         idx = data.index
-        votes: dict[tuple[int, int, int], Counter] = {}
+        self._table: dict[tuple[int, int, int], list[int]] = {}
         for layer in predictor.source_layers():
             tok, pred = predictor.predict_trace(data, layer, m=m)
-            for s, st, row in zip(idx.seq[tok].tolist(), idx.step[tok].tolist(), pred.tolist()):
-                c = votes.setdefault((s, st, layer), Counter())
-                c.update(row)
-        self._table = {k: [e for e, _ in sorted(c.items(), key=lambda kv: (-kv[1], kv[0]))] for k, c in votes.items()}
+            if len(tok) == 0:
+                continue
+            seq, step = idx.seq[tok].astype(np.int64), idx.step[tok].astype(np.int64)
+            order = np.lexsort((step, seq))
+            seq, step, pred = seq[order], step[order], pred[order]
+            cut = np.flatnonzero((np.diff(seq) != 0) | (np.diff(step) != 0)) + 1
+            for lo, hi in zip(np.r_[0, cut].tolist(), np.r_[cut, len(seq)].tolist()):
+                self._table[(int(seq[lo]), int(step[lo]), layer)] = union_predictions(pred[lo:hi]).tolist()
 
     def lookup(self, seq: int, step: int, layer: int) -> list[int]:
         """Predicted experts of MoE layer ``layer + distance`` after ``layer`` of (seq, step)."""
         return self._table.get((int(seq), int(step), int(layer)), [])
 
-    def predict(self, context: Any) -> Sequence[int]:
+    def propose(self, context: Any) -> Sequence[int]:
         if context.target_layer - context.layer != self.distance:
             raise MoelabError(
                 f"predictor {self.name} predicts at distance {self.distance}, the cache asked for "
@@ -77,5 +83,5 @@ class PredictorPrefetcher:
 
 
 def as_prefetcher(predictor: Predictor, trace, *, m: int | None = None) -> PredictorPrefetcher:
-    """A cache prefetcher (``moelab.caches`` ExpertPredictor protocol) from a fitted predictor."""
+    """A cache prefetcher (``moelab.caches.prefetch.Prefetcher``) from a fitted predictor."""
     return PredictorPrefetcher(predictor, trace, m=m)

@@ -18,6 +18,7 @@ import torch
 
 from moelab.errors import MoelabError
 from moelab.predictors.base import Predictor, TraceData
+from moelab.predictors.protocol import to_cpu_tensor, to_numpy
 from moelab.predictors.registry import register_predictor
 
 log = logging.getLogger(__name__)
@@ -75,10 +76,10 @@ class SkipPredictor(Predictor):
         target = layer + self.distance
         router = self.routers_[target]
         w = router.weight
-        logits, weights, experts = router(hidden.to(w.dtype))
+        logits, weights, experts = router(to_cpu_tensor(hidden).to(device=w.device, dtype=w.dtype))
         r = make_routing(logits, weights, experts, self.scoring_[target])
-        scores = r.scores.clamp(0.0, 1.0).numpy().copy()
-        chosen = r.experts.numpy()
+        scores = to_numpy(r.scores.clamp(0.0, 1.0), np.float32).copy()
+        chosen = to_numpy(r.experts, np.int64)
         K = chosen.shape[1]
         rows = np.arange(len(chosen))[:, None]
         scores[rows, chosen] = 2.0 + (K - np.arange(K))[None, :]  # the router's exact top-k first

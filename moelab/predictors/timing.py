@@ -12,9 +12,12 @@ MoE layer j routes — and needs its experts on the device — at ``R_j = j × T
   ``−a × T + (i + 1) × latency``.
 * A **static** predictor (frequency) is ready at ``−a × T``.
 * As soon as a prediction is ready, its m = top-k experts are queued for transfer, best
-  first, on **one FIFO host→device link**; each transfer takes
-  ``link_latency_us + expert_bytes / link_bandwidth`` and starts when both the link is free
-  and its prediction is ready.
+  first, on **one FIFO host→device link** — the one link model of
+  :class:`moelab.timing.Link`: each transfer takes ``link_latency_us + expert_bytes /
+  link_bandwidth`` and starts when both the link is free and its prediction is ready.
+* The queue order of one forward's experts is that of
+  :func:`moelab.predictors.protocol.union_predictions`; GoodPred scores batch-1 decode
+  (one token per forward), where it is the token's own ranking.
 * A correctly predicted expert is **fetched in time** if its transfer completes by
   ``R_target``. FetchRate = in-time correct predictions / correct predictions;
   GoodPred = Accuracy × FetchRate = in-time correct predictions / actual experts.
@@ -37,7 +40,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from moelab.hardware import HardwareProfile, get_profile
+from moelab.timing import EPS_US, HardwareProfile, fifo_schedule, get_profile
 
 
 @dataclass(frozen=True)
@@ -77,31 +80,26 @@ def in_time_schedule(timing: str, distance: int, top_k: list[int], model: Transf
     T = model.profile.decode_layer_time_us
     start = -model.profile.attention_fraction * T
     lat = max(float(model.latency_us), 0.0)
-    xfer = model.transfer_us
     targets = list(range(distance, L)) if timing == "layer" else list(range(L))
-    out = np.zeros((L, K), dtype=bool)
-    link_free = start
+    ready: list[float] = []
+    slots: list[tuple[int, int]] = []
     for i, j in enumerate(targets):
         if timing == "layer":
-            ready = (j - distance) * T + lat
+            t = (j - distance) * T + lat
         elif timing == "iteration":
-            ready = start + (i + 1) * lat
+            t = start + (i + 1) * lat
         else:  # static
-            ready = start
+            t = start
         for r in range(top_k[j]):
-            begin = max(link_free, ready)
-            link_free = begin + xfer
-            out[j, r] = link_free <= j * T + 1e-9
+            ready.append(t)
+            slots.append((j, r))
+    out = np.zeros((L, K), dtype=bool)
+    if not slots:
+        return out
+    _, end = fifo_schedule(model.profile.link, ready, model.expert_bytes, free_at_us=start)
+    for (j, r), e in zip(slots, end.tolist()):
+        out[j, r] = e <= j * T + EPS_US
     return out
-
-
-def expert_bytes_of(model) -> int:
-    """Bytes of one routed expert of ``model`` (MoE layer 0: its fused expert tensors / E)."""
-    from moelab.adapters import moe_layers
-
-    layer = moe_layers(model)[0]
-    total = sum(p.numel() * p.element_size() for p in layer.experts.parameters())
-    return int(total // max(layer.num_experts, 1))
 
 
 def measure_latency_us(predictor, data, *, calls: int = 200, warmup: int = 20) -> float:
@@ -131,11 +129,9 @@ def measure_latency_us(predictor, data, *, calls: int = 200, warmup: int = 20) -
     return float(np.median(samples) / 1e3)
 
 
-def transfer_model(hardware: str | HardwareProfile, expert_bytes: int, latency_us: float,
+def transfer_model(hardware: str | HardwareProfile | None, expert_bytes: int, latency_us: float,
                    layer_time_us: float | None = None, link_bandwidth_gbs: float | None = None) -> TransferModel:
     """A :class:`TransferModel` from a profile name and optional overrides."""
-    import dataclasses
-
     profile = get_profile(hardware)
     changes = {}
     if layer_time_us is not None:
@@ -143,5 +139,5 @@ def transfer_model(hardware: str | HardwareProfile, expert_bytes: int, latency_u
     if link_bandwidth_gbs is not None:
         changes["link_bandwidth_gbs"] = float(link_bandwidth_gbs)
     if changes:
-        profile = dataclasses.replace(profile, **changes)
+        profile = profile.with_changes(**changes)
     return TransferModel(profile=profile, expert_bytes=int(expert_bytes), latency_us=float(latency_us))

@@ -1,0 +1,51 @@
+"""Timing: hardware profiles, the one link model, and expert sizes.
+
+* :mod:`moelab.timing.profile` — :class:`HardwareProfile`, loaded from packaged YAML files
+  (``moelab/timing/profiles/*.yaml``; every number marked *stated* with its source or
+  *assumed* with why), the :data:`PROFILES` registry, :func:`get_profile`,
+  :func:`load_profile` for your own file, :data:`DEFAULT_PROFILE`.
+* :mod:`moelab.timing.link` — :class:`Link`: ``latency + bytes / bandwidth`` on a FIFO
+  queue; GoodPred and cache prefetch budgets both use it.
+* :mod:`moelab.timing.experts` — :func:`expert_bytes_of` (a model's expert size) and
+  reference expert sizes of real models.
+
+>>> from moelab.timing import get_profile
+>>> hw = get_profile("promoe-4090")
+>>> hw.provenance["link_bandwidth_gbs"]
+'stated: ProMoE §7.1: PCIe 4.0, 32 GB/s one way'
+>>> hw.link.transfer_us(17_301_504)            # one DeepSeek-V2-Lite expert, µs
+550.672
+"""
+
+from moelab.timing.experts import REFERENCE_EXPERT_BYTES, expert_bytes_of, reference_expert_bytes
+from moelab.timing.link import EPS_US, Link, LinkQueue, fifo_schedule
+from moelab.timing.profile import (
+    DEFAULT_PROFILE,
+    FIELDS,
+    PROFILES,
+    HardwareProfile,
+    available_profiles,
+    get_profile,
+    load_profile,
+    parse_profile,
+    register_profile,
+)
+
+__all__ = [
+    "DEFAULT_PROFILE",
+    "EPS_US",
+    "FIELDS",
+    "PROFILES",
+    "REFERENCE_EXPERT_BYTES",
+    "HardwareProfile",
+    "Link",
+    "LinkQueue",
+    "available_profiles",
+    "expert_bytes_of",
+    "fifo_schedule",
+    "get_profile",
+    "load_profile",
+    "parse_profile",
+    "reference_expert_bytes",
+    "register_profile",
+]
