@@ -18,13 +18,18 @@ Candidates are the resident experts (``insertion="always"``, the default) or tho
 step does not need (``insertion="protect-step"``); see :mod:`moelab.caches.base`. Every tie
 left after the stated order is broken by the lowest (layer, expert) key.
 
-Which bound bounds what (``insertion="always"``): ``belady`` is the most hits of any schedule
-that inserts every miss, so ``belady ≥ lru, lfu, fifo, mrs``; ``belady-bypass`` is the most
-hits of any schedule that may also serve a miss without inserting it, so it bounds those and
-``static`` too, and ``belady-bypass ≥ belady``. (``static`` can beat ``belady``: pinning one
-expert beats inserting every miss on ``a b a b ...``.) Under ``insertion="protect-step"`` both
-Belady variants replay in access order and may evict a step's own experts: a relaxation whose
-optimum (``belady-bypass``) bounds every step-protected policy.
+Which bound bounds what. ``belady-bypass`` (default ``insertion="always"``) is the most hits
+any schedule can get when a step's cached experts are hits and each miss may be inserted
+(evicting anything) or not: every policy here, under either insertion rule, is such a
+schedule, so ``belady-bypass ≥`` all of them, ``belady`` included (checked against exhaustive
+search in the tests). ``belady`` is the literature's MIN (every miss inserted, farthest next
+use evicted): with one expert per step it is the most hits of any schedule that inserts every
+miss, hence a bound on ``lru``, ``lfu``, ``fifo``, ``mrs``; when a step needs several experts
+it is the reference the papers report but not always that optimum (a step's misses must all be
+inserted, in order; exhaustive search finds schedules a hit or two better), and it never
+bounds ``static`` (pinning one expert beats inserting every miss on ``a b a b ...``). Under
+``insertion="protect-step"`` both variants replay access by access and may evict a step's own
+experts; ``belady-bypass`` is then moelab's earlier bound, the optimum of that relaxation.
 """
 
 from __future__ import annotations
@@ -244,10 +249,11 @@ class BeladyCache(ExpertCache):
     served first, then its misses in access order, and "next use" counts in groups (one per
     forward and MoE layer), as ProMoE's ``CachePolicyMIN`` (``cache.cpp``: ``use_times`` per
     (layer, token); ``access_on_hit``/``access_on_miss`` set the priority to minus the next
-    use time; ``CacheMngr::miss`` always inserts, evicting the heap's farthest). It is then
-    the most hits any schedule that inserts every miss can get, a bound on ``lru``, ``lfu``,
-    ``fifo`` and ``mrs``. Under ``insertion="protect-step"`` it replays access by access in
-    stream order (positions as time) and may evict an expert its step already used.
+    use time; ``CacheMngr::miss`` always inserts, evicting the heap's farthest). With one
+    expert per step it is the most hits any schedule that inserts every miss can get; with
+    several it is close to but not always that optimum (see the module docstring):
+    ``belady-bypass`` is the bound. Under ``insertion="protect-step"`` it replays access by
+    access in stream order (positions as time) and may evict an expert its step already used.
     """
 
     needs_future = True
@@ -314,9 +320,11 @@ class BeladyBypassCache(BeladyCache):
     """The bypassing optimum: Belady's MIN, except that a missed expert is not inserted when
     it is used again no sooner than every cached expert (or never).
 
-    The most hits of any schedule that may also serve a miss without caching it (CPU
-    compute), so it bounds every policy here, ``static`` included, and ``belady`` (which must
-    insert). With ``insertion="protect-step"`` it is moelab's earlier ``belady``.
+    Under ``insertion="always"`` it keeps, after each step, the cached experts and misses with
+    the nearest next uses (at most the capacity): the most hits of any schedule whose step's
+    cached experts are hits and whose misses may each be inserted or not, so it bounds every
+    policy here under either insertion rule, ``static`` and ``belady`` included. With
+    ``insertion="protect-step"`` it is moelab's earlier ``belady`` (access-by-access optimum).
     """
 
     bypasses = True
