@@ -126,7 +126,8 @@ def run_simulate(args) -> int:
           f"E={stream.num_experts.tolist()}, {'with' if args.include_prefill else 'decode only, no'} prefill; "
           f"insertion {args.insertion}, replay per {args.replay}"
           + (f"; prefetch {prefetch.describe(int(args.expert_bytes or stream.expert_bytes or 1))} "
-             "(not for policies that ignore prefetches: belady, belady-bypass, static)" if prefetch else ""))
+             f"(not for {', '.join(p for p in policies if not get_policy(p).accepts_prefetch) or 'none'})"
+             if prefetch else ""))
     size = args.expert_bytes or stream.expert_bytes
     print(f"expert size: {size} bytes ({'--expert-bytes' if args.expert_bytes else 'recorded in the trace'})"
           if size else "expert size: unknown (the trace does not record it; pass --expert-bytes): "
