@@ -26,17 +26,19 @@ def batch3(tmp_path_factory):
     from moelab.adapters import make_routing, moe_layers
     from moelab.models.tiny import build_tiny
     from moelab.models.tokenizer import byte_tokenizer
-    from moelab.trace.forward import inspect_forward
 
     model = build_tiny("qwen2_moe", seed=0)
     tok = byte_tokenizer()
     enc = tok(_prompts(3), return_tensors="pt", padding=True)
     calls, state = [], {}
 
-    def pre(module, args, kwargs):
-        info = inspect_forward(args, kwargs)
-        state["valid"] = info.mask.reshape(-1)
-        state["step"] = 0 if info.past_len == 0 else state.get("step", 0) + 1
+    def pre(module, args, kwargs):  # which tokens are real (left padding), and the step
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        S = ids.shape[1]
+        past = kwargs.get("past_key_values")
+        past_len = past.get_seq_length() if past is not None else 0
+        state["valid"] = kwargs["attention_mask"][:, -S:].bool().reshape(-1)
+        state["step"] = 0 if past_len == 0 else state.get("step", 0) + 1
 
     def router_hook(layer):
         def hook(module, args, output):

@@ -151,6 +151,14 @@ class ExpertCache:
     #: Policy code of the compiled kernel (:mod:`moelab.caches._fast`), or None. Read from the
     #: class itself only: a subclass that changes behaviour replays through the reference.
     kernel: ClassVar[int | None] = None
+    #: Former name of ``needs_scores``, kept in step with it for code written against it.
+    uses_scores: ClassVar[bool] = False
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "uses_scores" in cls.__dict__ and "needs_scores" not in cls.__dict__:
+            cls.needs_scores = cls.uses_scores  # a subclass written against the former name
+        cls.uses_scores = cls.needs_scores
 
     def __init__(
         self,
