@@ -38,6 +38,8 @@ _LAZY: dict[str, str] = {
     "ExpertSkipping": "moelab.policies",
     "RoutingPolicy": "moelab.policies",
     "resource_dir": "moelab._resources",
+    "hybrid": "moelab.hybrid",
+    "HybridConfig": "moelab.hybrid",
 }
 
 

@@ -21,8 +21,8 @@ from moelab.kernels import (
     save_fp8_checkpoint,
     supported_isas,
 )
-from moelab.kernels.fp8 import FP8_MAX
-from moelab.kernels.integration import FP8_ATTR, packed_for
+from moelab.kernels.fp8 import FP8_MAX, stored_fp8_pack
+from moelab.kernels.integration import packed_for
 from moelab.models.tiny import build_tiny
 
 
@@ -128,7 +128,8 @@ def test_deepseek_v3_fp8_checkpoint_runs_intact_on_every_isa(fp8_checkpoint):
     original, path = fp8_checkpoint
     model = load_fp8_checkpoint(path)
     exp = model.model.layers[1].mlp.experts
-    intact = exp.__dict__[FP8_ATTR][1]
+    intact = stored_fp8_pack(exp)
+    assert intact is not None and not any(k.startswith("_moelab") for k in exp.__dict__)
     assert intact.spec.block == (32, 16)
     with safe_open(str(path / "model.safetensors"), "pt") as f:  # the stored bytes, not re-quantised
         stored = {p: Fp8Weights(

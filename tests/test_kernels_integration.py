@@ -6,9 +6,10 @@ import pytest
 import torch
 
 import moelab.kernels  # noqa: F401  (registers the implementations)
+from moelab.backends import get_backend
 from moelab.errors import MoelabError
 from moelab.kernels import force_isa, supported_isas
-from moelab.kernels.integration import CACHE_ATTR, IMPLEMENTATIONS, canonical_experts, clear_packed
+from moelab.kernels.integration import IMPLEMENTATIONS, canonical_experts, clear_packed
 from moelab.models.tiny import FAMILIES, build_tiny
 
 
@@ -86,20 +87,22 @@ def test_pack_is_cached_and_invalidated_when_weights_or_dtype_change():
     ids = _ids(model)
     _logits(model, ids, "moelab")
     exp = _experts(model)[0]
-    first = exp.__dict__[CACHE_ATTR]
-    packed = next(iter(first.values()))[1]
+    backend = get_backend("moelab")  # the instance set_experts_implementation("moelab") runs
+    assert not any(k.startswith("_moelab") for k in exp.__dict__)  # the backend owns the packs
+    packed = next(iter(backend.cached(exp).values()))
     _logits(model, ids, "moelab")
-    assert next(iter(exp.__dict__[CACHE_ATTR].values()))[1] is packed  # reused
+    assert next(iter(backend.cached(exp).values())) is packed  # reused
     with torch.no_grad():
         exp.down_proj.mul_(2.0)  # in-place change bumps the version counter
     doubled = _logits(model, ids, "moelab")
-    assert next(iter(exp.__dict__[CACHE_ATTR].values()))[1] is not packed
+    assert next(iter(backend.cached(exp).values())) is not packed
     torch.testing.assert_close(doubled, _logits(model, ids, "eager"), atol=1e-4, rtol=1e-4)
     model.to(torch.bfloat16)
     _logits(model, ids, "moelab")
-    specs = {s.dtype for s in exp.__dict__[CACHE_ATTR]}
+    specs = {s.dtype for s in backend.cached(exp)}
     assert "bf16" in specs
     assert clear_packed(model) == len(_experts(model))
+    assert backend.cached(exp) == {}
 
 
 def test_all_quantised_names_are_registered():

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import moelab
+from moelab.forward import forward_hooks
 from moelab.adapters import moe_layers
 from moelab.models.tokenizer import byte_tokenizer
 from moelab.trace import RecordConfig, TraceRecorder, open_trace
@@ -54,8 +55,10 @@ def test_exception_inside_model_forward_resets_state(model, tok, tmp_path):
         with pytest.raises(Exception):  # noqa: B017 - any error from a bad input
             model(torch.tensor([[10**6]]))
         _gen(model, tok, ["hello"])
+        mgr = forward_hooks(model, create=False)
+        assert mgr.depth == 0 and mgr.ctx is None
     assert rec.trace.num_rows > 0
-    assert rec._depth == 0
+    assert forward_hooks(model, create=False) is None  # the last handler took the manager with it
 
 
 def test_interrupted_recording_never_looks_complete(model, tok, tmp_path):

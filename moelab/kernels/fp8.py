@@ -30,6 +30,8 @@ import os
 import re
 import shutil
 import tempfile
+import threading
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -162,6 +164,39 @@ class Fp8Weights:
     def dequantize(self) -> torch.Tensor:
         """fp32 ``(E, N, K)``."""
         return dequantize_fp8_blockwise(self.data, self.scale_inv, self.block)
+
+
+# --------------------------------------------------------------------------- stored packs
+
+# module → (parameter key at install time, packed stored e4m3 weights). Weak keys: the pack
+# lives as long as the module, and nothing is hidden in the module's __dict__.
+_STORED: weakref.WeakKeyDictionary[torch.nn.Module, tuple[tuple, Any]] = weakref.WeakKeyDictionary()
+_STORED_LOCK = threading.Lock()
+
+
+def store_fp8_pack(module: torch.nn.Module, key: tuple, packed: Any) -> None:
+    """Remember ``module``'s stored e4m3 weights, packed, valid while its parameter key is ``key``."""
+    with _STORED_LOCK:
+        _STORED[module] = (key, packed)
+
+
+def stored_fp8_pack(module: torch.nn.Module, key: tuple | None = None) -> Any:
+    """The stored-weights pack of ``module`` (``PackedExperts``), or ``None``.
+
+    With ``key`` (the module's current parameter key), ``None`` also when a parameter
+    changed since the weights were installed: the parameters are then the truth.
+    """
+    with _STORED_LOCK:
+        hit = _STORED.get(module)
+    if hit is None or (key is not None and hit[0] != key):
+        return None
+    return hit[1]
+
+
+def forget_fp8_pack(module: torch.nn.Module) -> bool:
+    """Drop ``module``'s stored e4m3 pack; whether it had one."""
+    with _STORED_LOCK:
+        return _STORED.pop(module, None) is not None
 
 
 # --------------------------------------------------------------------------- checkpoints

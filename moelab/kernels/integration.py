@@ -15,13 +15,15 @@
                        stored e4m3 weights intact, others are quantised at packing
 =====================  ==============================================================
 
-Select one with ``model.set_experts_implementation("moelab_int4")``. Each experts
-module is packed the first time it runs under a name and the packed weights are cached
-on the module (``module._moelab_packed``), keyed by the spec; the cache is invalidated
-when a weight tensor is replaced, modified in place (its version counter changes) or
-changes dtype. The module keeps its own parameters, so other implementations keep
-working: a cached bf16 pack costs as much memory as the weights, int8 about half, int4
-about a quarter. :func:`clear_packed` frees the caches.
+Select one with ``model.set_experts_implementation("moelab_int4")``. Each name runs the
+default experts backend for its spec (:mod:`moelab.backends.kernel`, also reachable as
+``moelab.backends.get_backend("moelab_int4")``). The backend packs a module the first
+time it runs it and owns the pack (a weak-keyed table, not the module's ``__dict__``),
+keyed by the spec; a pack is invalidated when a weight tensor is replaced, modified in
+place (its version counter changes) or changes dtype. The module keeps its own
+parameters, so other implementations keep working: a cached bf16 pack costs as much
+memory as the weights, int8 about half, int4 about a quarter. :func:`clear_packed` frees
+the packs.
 
 Supported experts modules: gated (``has_gate``), with or without biases, plain or
 transposed, concatenated or interleaved gate/up, SiLU activation or gpt_oss's clamped
@@ -38,14 +40,10 @@ from typing import Any
 import torch
 
 from moelab.errors import MoelabError
-from moelab.kernels.fp8 import Fp8Weights
-from moelab.kernels.op import moe_experts
+from moelab.kernels.fp8 import Fp8Weights, forget_fp8_pack, store_fp8_pack
 from moelab.kernels.packing import Activation, KernelSpec, PackedExperts, pack_experts
 
 logger = logging.getLogger(__name__)
-
-CACHE_ATTR = "_moelab_packed"
-FP8_ATTR = "_moelab_fp8_intact"
 
 #: implementation name → spec (``None`` dtype: follow the weights' dtype).
 IMPLEMENTATIONS: dict[str, KernelSpec | None] = {
@@ -113,7 +111,8 @@ def canonical_experts(module: torch.nn.Module) -> dict[str, Any]:
     return out
 
 
-def _cache_key(module: torch.nn.Module) -> tuple:
+def cache_key(module: torch.nn.Module) -> tuple:
+    """What a pack of ``module`` depends on: each parameter's (name, data_ptr, version, dtype, shape)."""
     return tuple(
         (n, p.data_ptr(), p._version, p.dtype, tuple(p.shape)) for n, p in module.named_parameters(recurse=False)
     )
@@ -127,28 +126,24 @@ def resolve_spec(module: torch.nn.Module, spec: KernelSpec | None) -> KernelSpec
 
 
 def packed_for(module: torch.nn.Module, spec: KernelSpec | None = None) -> PackedExperts:
-    """The module's packed weights for ``spec``, packing (and caching) on first use."""
-    spec = resolve_spec(module, spec)
-    cache: dict[KernelSpec, tuple[tuple, PackedExperts]] = module.__dict__.setdefault(CACHE_ATTR, {})
-    key = _cache_key(module)
-    intact = module.__dict__.get(FP8_ATTR)
-    if spec.dtype == "fp8" and intact is not None and intact[0] == key:
-        return intact[1]  # the checkpoint's own e4m3 weights and block scales
-    hit = cache.get(spec)
-    if hit is not None and hit[0] == key:
-        return hit[1]
-    logger.info("packing %s for moelab kernels (%s)", _name(module), spec)
-    packed = pack_experts(spec=spec, **canonical_experts(module))
-    cache[spec] = (key, packed)
-    return packed
+    """The module's packed weights for ``spec``, packed (and kept) by the default backend for ``spec``."""
+    from moelab.backends.kernel import kernel_backend
+
+    return kernel_backend(spec).packed(module)
 
 
 def clear_packed(model: torch.nn.Module) -> int:
-    """Drop every cached pack under ``model`` (stored fp8 packs too); returns how many modules had one."""
+    """Drop every pack any kernel backend holds for modules under ``model`` (stored fp8 packs too).
+
+    Returns how many modules had one.
+    """
+    from moelab.backends.kernel import all_kernel_backends
+
+    backends = all_kernel_backends()
     n = 0
     for m in model.modules():
-        had = m.__dict__.pop(CACHE_ATTR, None) is not None
-        if m.__dict__.pop(FP8_ATTR, None) is not None or had:
+        had = [b.forget(m) for b in backends]
+        if forget_fp8_pack(m) or any(had):
             n += 1
     return n
 
@@ -175,7 +170,7 @@ def install_fp8(module: torch.nn.Module, gate: Fp8Weights, up: Fp8Weights, down:
         module.gate_up_proj.copy_(gu.to(module.gate_up_proj.dtype))
         module.down_proj.copy_(dn.to(module.down_proj.dtype))
     packed = pack_experts(gate, up, down, KernelSpec("fp8", block=gate.block))
-    module.__dict__[FP8_ATTR] = (_cache_key(module), packed)
+    store_fp8_pack(module, cache_key(module), packed)
     return packed
 
 
@@ -183,7 +178,8 @@ _warned_grad = False
 
 
 def make_experts_forward(spec: KernelSpec | None) -> Callable[..., torch.Tensor]:
-    """An ``ExpertsInterface`` function running the module's experts through the kernels."""
+    """An ``ExpertsInterface`` function running the module's experts on the default backend for ``spec``."""
+    backend = None
 
     def forward(
         self: torch.nn.Module,
@@ -191,12 +187,16 @@ def make_experts_forward(spec: KernelSpec | None) -> Callable[..., torch.Tensor]
         top_k_index: torch.Tensor,
         top_k_weights: torch.Tensor,
     ) -> torch.Tensor:
+        nonlocal backend
         global _warned_grad
         if torch.is_grad_enabled() and not _warned_grad and self.gate_up_proj.requires_grad:
             logger.warning("moelab experts kernels are forward-only: no gradients flow through the experts.")
             _warned_grad = True
-        packed = packed_for(self, spec)
-        return moe_experts(hidden_states.detach(), top_k_index, top_k_weights.detach(), packed)
+        if backend is None:
+            from moelab.backends.kernel import kernel_backend
+
+            backend = kernel_backend(spec)
+        return backend(self, hidden_states, top_k_index, top_k_weights)
 
     forward.__name__ = "moelab_experts_forward"
     return forward

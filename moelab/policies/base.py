@@ -2,7 +2,8 @@
 
 A policy never touches weights, the router or the model's code. While it is active, the
 model's MoE layers hand each experts call to a shared per-model runtime
-(:mod:`moelab.policies.runtime`), which builds a :class:`SlotPlan` — every token's top-k
+(:mod:`moelab.policies.runtime`, a handler at the ``plan`` point of :mod:`moelab.forward`),
+which builds a :class:`SlotPlan` — every token's top-k
 slots, each *immediate*, *deferred* (computed on this layer's input, added to the next
 MoE layer's output) or *dropped* — and lets each active policy edit it, in the order the
 policies were entered. Policies compose: ``with skip, defer:`` skips, then defers among
@@ -18,74 +19,22 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
-import torch
 from torch import nn
 
 from moelab.adapters import MoELayer, moe_layers
 from moelab.errors import MoelabError
+from moelab.forward.plan import DEFERRED, DROPPED, IMMEDIATE, SlotPlan  # noqa: F401 - re-exported
 
 log = logging.getLogger(__name__)
 
 PolicyPhase = Literal["decode", "all"]
 """Where a policy acts: ``decode`` forwards only, or ``all`` forwards (prefill and decode)."""
 
-#: Slot states in a :class:`SlotPlan`.
-IMMEDIATE, DEFERRED, DROPPED = 0, 1, 2
-
 #: A per-layer setting: one value for every layer, a value per MoE layer (length L), or
 #: ``{moe layer ordinal: value}`` (layers not named get 0).
 PerLayer = int | Sequence[int] | Mapping[int, int]
-
-
-@dataclass
-class SlotPlan:
-    """One experts call of one MoE layer: what happens to each of every token's top-k slots.
-
-    Slots keep the router's order (policies rank them by weight themselves); editing
-    ``state`` and ``weights`` in place is how a policy acts.
-    """
-
-    layer: MoELayer
-    """The MoE layer being computed."""
-    experts: torch.Tensor
-    """(T, K) int64 routed expert ids, in the router's slot order."""
-    weights: torch.Tensor
-    """(T, K) router weights (policies may rescale them, e.g. renormalising after a skip)."""
-    state: torch.Tensor
-    """(T, K) int8: ``IMMEDIATE`` (0), ``DEFERRED`` (1) or ``DROPPED`` (2)."""
-    valid: torch.Tensor
-    """(T,) bool: real tokens (False for padding)."""
-    phase: Literal["prefill", "decode"]
-    """Phase of the forward in flight."""
-    weights_changed: bool = False
-    """Set by a policy that rescaled ``weights``."""
-
-    def rank(self, among: torch.Tensor) -> torch.Tensor:
-        """(T, K) rank of each slot by descending weight among the slots where ``among`` is True
-        (0 = highest); ties keep the router's slot order. Slots outside ``among`` rank last."""
-        key = torch.where(among, self.weights.float(), torch.full_like(self.weights, float("-inf"), dtype=torch.float32))
-        order = torch.argsort(key, dim=1, descending=True, stable=True)
-        rank = torch.empty_like(order)
-        rank.scatter_(1, order, torch.arange(order.shape[1], device=order.device).expand_as(order))
-        return rank
-
-    def demote_lowest(self, count: torch.Tensor | int, frm: int, to: int) -> None:
-        """Move the ``count`` lowest-weight slots of state ``frm`` to state ``to``, per token."""
-        among = self.state == frm
-        n = among.sum(1, keepdim=True)
-        rank = self.rank(among)
-        if isinstance(count, int):
-            count = torch.full_like(n, count)
-        move = among & (rank >= n - count.reshape(-1, 1).clamp(min=0))
-        self.state = torch.where(move, torch.full_like(self.state, to), self.state)
-
-    @property
-    def changed(self) -> bool:
-        """Whether the plan differs from running every slot immediately with the router's weights."""
-        return self.weights_changed or bool((self.state != IMMEDIATE).any())
 
 
 class RoutingPolicy:

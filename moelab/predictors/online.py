@@ -1,14 +1,18 @@
 """Run a predictor online, inside a model's forward pass (what a prefetcher does).
 
->>> def on_prediction(source, target, experts):      # experts: (T, m) int64, best first
+>>> def on_prediction(source, target, experts):      # experts: (n, m) int64, best first
 ...     prefetch(target, experts)
 >>> with attach(model, predictor, on_prediction):
 ...     model.generate(**inputs, max_new_tokens=16)
 
-Layer-wise predictors are called from a forward hook on MoE layer ``l``'s router with its
-input (the router input the trace records); iteration-wise and static ones are called once
-per forward from the token ids, before layer 0, for every source layer. Hooks are removed
-on exit, also on exceptions.
+The predictor is a set of handlers on the model's one forward context
+(:mod:`moelab.forward`, level ``PREFETCH``). Layer-wise predictors are called at the
+``router`` point of MoE layer ``l`` with its input (the router input the trace
+records); iteration-wise and static ones are called once per forward from the token
+ids, at the ``forward`` point (before layer 0), for every source layer. Only the
+forward's real tokens are predicted for — padding rows never reach the predictor — so
+``experts`` has one row per real token, in row-major order. Handlers are removed on
+exit, also on exceptions.
 """
 
 from __future__ import annotations
@@ -27,49 +31,54 @@ Callback = Callable[[int, int, np.ndarray], None]
 @contextmanager
 def attach(model: Any, predictor: Predictor, callback: Callback, *, m: int | None = None) -> Iterator[None]:
     """Call ``callback(source_layer, target_layer, predicted)`` during every forward of ``model``."""
-    from moelab.adapters import model_fingerprint, moe_layers
+    from moelab.adapters import model_fingerprint
+    from moelab.errors import MoelabError
+    from moelab.forward import Order, forward_hooks
 
     predictor.check_model(model_fingerprint(model), getattr(model, "name_or_path", type(model).__name__))
     if not predictor.online:
-        from moelab.errors import MoelabError
-
         raise MoelabError(f"the {predictor.kind!r} predictor works only offline (it needs the future routing).")
-    layers = moe_layers(model)
     sources = predictor.source_layers()
-    state: dict[str, Any] = {"ids": None, "depth": 0}
-    hooks = []
+    mgr = forward_hooks(model)
 
-    def pre_forward(module, args, kwargs):
-        state["depth"] += 1
-        if state["depth"] > 1:
-            return None
-        ids = kwargs.get("input_ids", args[0] if args else None)
-        state["ids"] = None if ids is None else ids.detach().reshape(-1).cpu().numpy()
-        if predictor.timing != "layer" and state["ids"] is not None:
-            for s in sources:
-                callback(s, s + predictor.distance, predictor.predict(s, token_ids=state["ids"], m=m))
-        return None
+    def real_token_ids(ctx) -> np.ndarray:
+        ids = ctx.token_ids.reshape(-1)
+        mask = ctx.mask_cpu
+        return ids if mask is None else ids[mask.reshape(-1)]
 
-    def post_forward(module, args, output):
-        state["depth"] -= 1
+    def on_forward(ctx) -> None:
+        if ctx.inputs.input_ids is None:
+            return
+        ids = real_token_ids(ctx)
+        if len(ids) == 0:
+            return
+        for s in sources:
+            callback(s, s + predictor.distance, predictor.predict(s, token_ids=ids, m=m))
 
-    def router_hook(source: int):
-        def hook(module, args, output):
-            if state["depth"] != 1 or not args:
-                return
-            hidden = args[0].detach().reshape(-1, args[0].shape[-1])
-            ids = state["ids"] if state["ids"] is not None and len(state["ids"]) == len(hidden) else None
-            callback(source, source + predictor.distance, predictor.predict(source, hidden=hidden, token_ids=ids, m=m))
+    def on_router(ctx, layer, call) -> None:
+        hidden = call.hidden
+        if hidden is None:
+            return
+        hidden = hidden.reshape(-1, hidden.shape[-1])
+        valid = ctx.valid(hidden.device)
+        if valid is not None and valid.numel() == hidden.shape[0]:
+            hidden = hidden[valid]
+        if hidden.shape[0] == 0:
+            return
+        ids = None
+        if ctx.inputs.input_ids is not None:
+            ids = real_token_ids(ctx)
+            ids = ids if len(ids) == hidden.shape[0] else None
+        s = layer.index
+        callback(s, s + predictor.distance, predictor.predict(s, hidden=hidden, token_ids=ids, m=m))
 
-        return hook
-
+    handles = []
     try:
-        hooks.append(model.register_forward_pre_hook(pre_forward, with_kwargs=True))
-        hooks.append(model.register_forward_hook(post_forward, always_call=True))
         if predictor.timing == "layer":
-            for s in sources:
-                hooks.append(layers[s].router.register_forward_hook(router_hook(s)))
+            handles.append(mgr.add("router", on_router, order=Order.PREFETCH, layers=sources, name="online predictor"))
+        else:
+            handles.append(mgr.add("forward", on_forward, order=Order.PREFETCH, name="online predictor"))
         yield
     finally:
-        for h in hooks:
+        for h in handles:
             h.remove()

@@ -4,14 +4,15 @@
 ...     model.generate(**inputs, max_new_tokens=32)
 >>> trace = rec.trace
 
-How tokens are identified: a forward hook on the top-level model sees ``input_ids``,
-``attention_mask`` and the KV cache. A forward on an empty cache is a *prompt*: each
-batch row starts a new sequence (``seq``), ``step`` 0, phase ``prefill``. A forward on
-a non-empty cache continues the current sequences: ``step`` n, phase ``decode`` for
-one new token per row (a multi-token continuation is labelled ``prefill``). Positions
-count the real tokens of a row; padding (attention mask 0) is not recorded.
+How tokens are identified: the recorder is a set of handlers on the model's one forward
+context (:mod:`moelab.forward`), which sees ``input_ids``, ``attention_mask`` and the KV
+cache. A forward on an empty cache is a *prompt*: each batch row starts a new sequence
+(``seq``), ``step`` 0, phase ``prefill``. A forward on a non-empty cache continues the
+current sequences: ``step`` n, phase ``decode`` for one new token per row (a multi-token
+continuation is labelled ``prefill``). Positions count the real tokens of a row;
+padding (attention mask 0) is not recorded.
 
-Router forward hooks collect each MoE layer's outputs; they are converted to rows once
+Handlers at the ``router`` point (level ``OBSERVE``) collect each MoE layer's outputs; they are converted to rows once
 per forward (one host transfer per forward, not per layer), buffered, and flushed to
 Parquet row groups (and safetensors shards for hidden states) every ``flush_rows``
 rows, so memory stays bounded. Hooks are removed on exit, also on exceptions; an
@@ -39,7 +40,7 @@ from torch import nn
 from moelab._output import reserve_output
 from moelab.adapters import MoELayer, get_adapter, make_routing, model_info, moe_layers
 from moelab.errors import MoelabError
-from moelab.trace.forward import inspect_forward
+from moelab.forward import ForwardContext, Order, RouterCall, forward_hooks
 from moelab.trace.schema import (
     HIDDEN_PATTERN,
     META_FILE,
@@ -134,7 +135,6 @@ class TraceRecorder:
 
     def _reset_state(self) -> None:
         self._fwd: _Forward | None = None
-        self._depth = 0
         self._next_seq = 0
         self._cur_seq: np.ndarray | None = None
         self._row_len: np.ndarray | None = None
@@ -173,10 +173,10 @@ class TraceRecorder:
         self._tmp = self._reservation.staging
         self._reset_state()
         try:
-            self._hooks.append(self.model.register_forward_pre_hook(self._pre_forward, with_kwargs=True))
-            self._hooks.append(self.model.register_forward_hook(self._post_forward, always_call=True))
-            for layer in self.layers:
-                self._hooks.append(layer.router.register_forward_hook(self._router_hook(layer)))
+            mgr = forward_hooks(self.model)
+            self._hooks.append(mgr.add("forward", self._on_forward, order=Order.OBSERVE, name="trace recorder"))
+            self._hooks.append(mgr.add("router", self._on_router, order=Order.OBSERVE, name="trace recorder"))
+            self._hooks.append(mgr.add("forward_end", self._on_forward_end, order=Order.OBSERVE, name="trace recorder"))
         except BaseException:
             self._remove_hooks()
             self.abort()
@@ -228,22 +228,12 @@ class TraceRecorder:
         while self._hooks:
             self._hooks.pop().remove()
 
-    # ------------------------------------------------------------------ hooks
-    def _pre_forward(self, module, args, kwargs):
-        self._depth += 1
-        if self._depth > 1:
-            return None
-        info = inspect_forward(args, kwargs)
-        if info is None:
-            self._fwd = None
-            return None
-        B, S, past = info.batch, info.seq_len, info.past_len
-        if info.input_ids is not None:
-            token_id = info.input_ids.detach().to("cpu", torch.int64).numpy()
-        else:
-            token_id = np.full((B, S), -1, dtype=np.int64)
-        continuing = past > 0 and self._cur_seq is not None and len(self._cur_seq) == B
-        if past > 0 and not continuing:
+    # ------------------------------------------------------------------ handlers
+    def _on_forward(self, ctx: ForwardContext) -> None:
+        """Start of a forward: which sequences, steps and positions its real tokens have."""
+        B, S = ctx.batch, ctx.seq_len
+        continuing = not ctx.starts_sequences and self._cur_seq is not None and len(self._cur_seq) == B
+        if not ctx.starts_sequences and not continuing or ctx.unknown_cache:
             log.warning("forward continues a KV cache of an unknown sequence; recording it as new sequences")
         if not continuing:
             self._cur_seq = np.arange(self._next_seq, self._next_seq + B, dtype=np.int64)
@@ -252,54 +242,43 @@ class TraceRecorder:
             self._step = 0
         else:
             self._step += 1
-        phase = "decode" if continuing and S == 1 else "prefill"
-        cur = None if info.all_real else info.mask.to("cpu")
-        if cur is None or bool(cur.all()):  # every token real (the usual decode step): no masking
+        token_id = ctx.token_ids
+        mask = ctx.mask_cpu
+        if mask is None:  # every token real (the usual decode step): no masking
             pos = self._row_len[:, None] + np.arange(S)
             self._row_len = self._row_len + S
             self._fwd = _Forward(
                 valid=None,
                 seq=np.repeat(self._cur_seq, S),
                 pos=pos.reshape(-1).astype(np.int32),
-                token_id=token_id.reshape(-1).copy(),  # input_ids may be a reused buffer
+                token_id=token_id.reshape(-1),
                 step=self._step,
-                phase=phase,
+                phase=ctx.phase,
             )
-            return None
-        cur_np = cur.numpy()
-        pos = self._row_len[:, None] + np.cumsum(cur_np, axis=1) - 1
-        self._row_len = self._row_len + cur_np.sum(axis=1)
-        valid = cur_np.reshape(-1)
+            return
+        pos = self._row_len[:, None] + np.cumsum(mask, axis=1) - 1
+        self._row_len = self._row_len + mask.sum(axis=1)
+        valid = mask.reshape(-1)
         self._fwd = _Forward(
-            valid=cur.reshape(-1),
+            valid=torch.from_numpy(valid),
             seq=np.repeat(self._cur_seq, S)[valid],
             pos=pos.reshape(-1)[valid].astype(np.int32),
             token_id=token_id.reshape(-1)[valid],
             step=self._step,
-            phase=phase,
+            phase=ctx.phase,
         )
-        return None
 
-    def _router_hook(self, layer: MoELayer):
-        want_hidden = self.config.hidden_states
+    def _on_router(self, ctx: ForwardContext, layer: MoELayer, call: RouterCall) -> None:
+        fwd = self._fwd
+        if fwd is None:
+            return
+        hidden = call.hidden if self.config.hidden_states else None
+        fwd.calls.append((layer, hidden, call.logits, call.weights, call.experts))
 
-        def hook(module, args, output):
-            fwd = self._fwd
-            if fwd is None or self._depth != 1:
-                return
-            logits, weights, experts = output[0], output[1], output[2]
-            hidden = args[0].detach() if want_hidden and args else None
-            fwd.calls.append((layer, hidden, logits.detach(), weights.detach(), experts.detach()))
-
-        return hook
-
-    def _post_forward(self, module, args, output):
-        self._depth -= 1
-        if self._depth > 0:
-            return None
+    def _on_forward_end(self, ctx: ForwardContext, ok: bool) -> None:
         fwd, self._fwd = self._fwd, None
-        if fwd is None or not fwd.calls or fwd.n == 0:
-            return None
+        if not ok or fwd is None or not fwd.calls or fwd.n == 0:
+            return
         # Keep the raw router outputs; convert many forwards at once (see _convert_pending).
         self._pending.append(fwd)
         self._pending_rows += fwd.n * len(fwd.calls)
@@ -309,7 +288,6 @@ class TraceRecorder:
             self._convert_pending()
             if self._buf_rows >= self.config.flush_rows:
                 self._flush()
-        return None
 
     # ------------------------------------------------------------------ rows
     def _convert_pending(self) -> None:

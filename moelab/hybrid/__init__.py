@@ -1,0 +1,25 @@
+"""The hybrid CPU/GPU model: one configuration, one planner on the forward seam, executors.
+
+See :mod:`moelab.hybrid.runtime` (``moelab.hybrid(model, config)``), :mod:`moelab.hybrid.config`
+and :mod:`moelab.hybrid.placement`.
+"""
+
+from moelab.hybrid.config import CacheConfig, HybridConfig, PrefetchConfig, RoutingConfig
+from moelab.hybrid.placement import PLACEMENTS, CostModel, Placement, get_placement
+from moelab.hybrid.runtime import HybridRun, LayerPlan, Transfer, hybrid
+
+__all__ = [
+    "PLACEMENTS", "CacheConfig", "CostModel", "HybridConfig", "HybridRun", "LayerPlan", "Placement",
+    "PrefetchConfig", "RoutingConfig", "Transfer", "get_placement", "hybrid",
+]
+
+
+class _CallableModule(type(__import__("sys"))):
+    """``moelab.hybrid(model, config)`` calls :func:`hybrid`, although ``moelab.hybrid`` is
+    also this package (importing a subpackage binds the parent's attribute to it)."""
+
+    def __call__(self, model, config=None):
+        return hybrid(model, config)
+
+
+__import__("sys").modules[__name__].__class__ = _CallableModule

@@ -1,0 +1,143 @@
+"""``HybridConfig``: one object describing a hybrid CPU/GPU configuration, from Python or YAML.
+
+>>> cfg = HybridConfig.from_dict({"cache": {"capacity": 0.25, "policy": "mrs"},
+...                               "placement": "greedy-hss",
+...                               "routing": {"deferred": 2}})
+>>> cfg = HybridConfig.from_yaml("hybrid.yaml")
+
+Unknown keys anywhere are refused with the closest valid name; values are checked when
+the configuration is applied to a model (capacities against its experts, a predictor
+against its fingerprint).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from moelab.errors import MoelabError, did_you_mean
+
+EXECUTORS = ("functional",)
+DEVICES = ("auto", "cpu", "cuda")
+
+
+@dataclass
+class CacheConfig:
+    """The device-resident expert set."""
+
+    capacity: float | int = 0.25
+    """Experts resident on the device: a fraction of each layer's experts (float in (0, 1])
+    or a count (int); 0 keeps nothing on the device."""
+    policy: str = "lru"
+    """Cache policy (a registered name: ``lru``, ``lfu``, ``fifo``, ``mrs``, ``static`` …)."""
+    scope: str = "layer"
+    """``layer``: each MoE layer its own slots; ``global``: one pool for all layers."""
+    options: dict[str, Any] = field(default_factory=dict)
+    """Extra arguments of the policy (e.g. ``alpha`` for ``mrs``)."""
+
+
+@dataclass
+class PrefetchConfig:
+    """Predictor-driven prefetch of experts for a later layer."""
+
+    predictor: str | None = None
+    """A saved predictor directory (``moelab predict fit --out DIR``), or None for no prefetch."""
+    distance: int = 1
+    """Predict for MoE layer ``l + distance`` at layer ``l`` (must match the predictor's)."""
+    budget: int | None = None
+    """At most this many prefetched experts per layer and forward (None: as many as predicted)."""
+    m: int | None = None
+    """Experts proposed per token (default: the target layer's top-k)."""
+
+
+@dataclass
+class RoutingConfig:
+    """Deferral and skipping, with today's exact semantics (see ``moelab.policies``)."""
+
+    deferred: int | list[int] | dict[int, int] = 0
+    skipped: int | list[int] | dict[int, int] = 0
+    phase: str = "decode"
+    min_immediate: int = 2
+
+
+@dataclass
+class HybridConfig:
+    """A hybrid CPU/GPU configuration (see the module docstring)."""
+
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    placement: str = "host-misses"
+    """How misses run: ``host-misses``, ``fetch-misses``, ``greedy-hss``, ``min-cost``."""
+    prefetch: PrefetchConfig = field(default_factory=PrefetchConfig)
+    routing: RoutingConfig = field(default_factory=RoutingConfig)
+    device_backend: str | None = None
+    """Experts backend of the device side (None: the model's own experts implementation)."""
+    host_backend: str | None = None
+    """Experts backend of the host side (None: the model's own experts implementation)."""
+    executor: str = "functional"
+    device: str = "auto"
+    hardware: str | None = None
+    """Hardware profile name, for placements that need a cost model."""
+
+    def __post_init__(self) -> None:
+        if self.executor not in EXECUTORS:
+            raise MoelabError(
+                f"executor {self.executor!r} is not available;{did_you_mean(self.executor, EXECUTORS)} "
+                f"expected one of {', '.join(EXECUTORS)}."
+            )
+        if self.device not in DEVICES:
+            raise MoelabError(f"device {self.device!r}: expected one of {', '.join(DEVICES)}.")
+        if self.device == "cuda":
+            import torch
+
+            if not torch.cuda.is_available():
+                raise MoelabError("device='cuda' but no CUDA GPU is available here; use device='auto' or 'cpu'.")
+
+    # ------------------------------------------------------------------ (de)serialisation
+    @classmethod
+    def from_dict(cls, data: dict[str, Any] | None, *, where: str = "hybrid config") -> HybridConfig:
+        """A config from plain data; unknown keys raise naming the closest valid key."""
+        return _build(cls, data or {}, where)
+
+    @classmethod
+    def from_yaml(cls, path: str | Path) -> HybridConfig:
+        import yaml
+
+        p = Path(path)
+        if not p.is_file():
+            raise MoelabError(f"hybrid config {str(p)!r} does not exist; pass a YAML file.")
+        try:
+            data = yaml.safe_load(p.read_text())
+        except yaml.YAMLError as e:
+            raise MoelabError(f"hybrid config {str(p)!r} is not valid YAML: {e}") from e
+        if data is not None and not isinstance(data, dict):
+            raise MoelabError(f"hybrid config {str(p)!r} must be a mapping of settings, got {type(data).__name__}.")
+        return cls.from_dict(data, where=str(p))
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _build(cls: type, data: Any, where: str) -> Any:
+    if isinstance(data, cls):
+        return data
+    if not isinstance(data, dict):
+        raise MoelabError(f"{where}: expected a mapping for {cls.__name__}, got {data!r}.")
+    known = {f.name: f for f in fields(cls)}
+    kwargs = {}
+    for key, value in data.items():
+        if key not in known:
+            raise MoelabError(
+                f"{where}: unknown key {key!r}.{did_you_mean(key, known)} Valid keys: {', '.join(known)}."
+            )
+        sub = _NESTED.get((cls.__name__, key))
+        kwargs[key] = _build(sub, value, f"{where}.{key}") if sub is not None else value
+    return cls(**kwargs)
+
+
+_NESTED = {
+    ("HybridConfig", "cache"): CacheConfig,
+    ("HybridConfig", "prefetch"): PrefetchConfig,
+    ("HybridConfig", "routing"): RoutingConfig,
+}

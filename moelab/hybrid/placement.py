@@ -1,0 +1,167 @@
+"""Placement policies: where each cache miss of a MoE layer runs — on the host, or fetched to the device.
+
+Registered by name in :data:`PLACEMENTS`:
+
+============== =========================================================================
+``host-misses``  KTransformers: the device runs what it holds (a static or cached set);
+                 every miss is computed on the host.
+``fetch-misses`` mixtral-offloading, ProMoE: every miss is copied to the device, then
+                 computed there.
+``greedy-hss``   HybriMoE §IV-B: the device runs cached experts heaviest first, the host
+                 runs uncached experts lightest first; the heaviest uncached experts are
+                 fetched, one at a time, while that makes the later lane finish earlier
+                 (by the cost model). Not modelled: the host stealing cached experts
+                 when idle.
+``min-cost``     Fiddler's idea: the split of the misses that minimises the **later** of
+                 the two lanes (the makespan), exactly for up to 12 misses, greedily
+                 beyond. Fiddler's published code minimises the *sum* of the lanes' costs;
+                 we minimise the makespan because the lanes run concurrently.
+============== =========================================================================
+
+A cost model (:class:`CostModel`) turns (expert, tokens) into microseconds per lane and
+per copy; ``greedy-hss`` and ``min-cost`` need one (``HybridConfig.hardware``).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import ClassVar
+
+from moelab.errors import MoelabError
+from moelab.registry import Registry
+
+HOST, FETCH = "host", "fetch"
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Roofline costs of one routed expert on each lane (times in µs, bandwidths in GB/s)."""
+
+    expert_bytes: int
+    """Bytes of one expert's weights."""
+    flops_per_token: float
+    """FLOPs of one token through one expert (2 × 3 × hidden × intermediate for a gated MLP)."""
+    device_bandwidth_gbs: float
+    device_tflops: float
+    host_bandwidth_gbs: float
+    host_tflops: float
+    link_bandwidth_gbs: float
+    link_latency_us: float
+    launch_us: float = 5.0
+    """Fixed cost of one device kernel launch (assumed)."""
+
+    def device_us(self, tokens: int) -> float:
+        return self.launch_us + max(self.expert_bytes / (self.device_bandwidth_gbs * 1e3),
+                                    tokens * self.flops_per_token / (self.device_tflops * 1e6))
+
+    def host_us(self, tokens: int) -> float:
+        return max(self.expert_bytes / (self.host_bandwidth_gbs * 1e3),
+                   tokens * self.flops_per_token / (self.host_tflops * 1e6))
+
+    def fetch_us(self) -> float:
+        return self.link_latency_us + self.expert_bytes / (self.link_bandwidth_gbs * 1e3)
+
+    @classmethod
+    def from_profile(cls, profile, expert_bytes: int, flops_per_token: float) -> CostModel:
+        """From a hardware profile; peak FLOP rates the profile does not state are assumed
+        (device 100 TFLOP/s, host 1 TFLOP/s: a bf16 GPU and a many-core AVX-512 server)."""
+        return cls(
+            expert_bytes=int(expert_bytes),
+            flops_per_token=float(flops_per_token),
+            device_bandwidth_gbs=float(profile.gpu_memory_bandwidth_gbs),
+            device_tflops=float(getattr(profile, "gpu_tflops", 100.0)),
+            host_bandwidth_gbs=float(profile.cpu_memory_bandwidth_gbs),
+            host_tflops=float(getattr(profile, "cpu_tflops", 1.0)),
+            link_bandwidth_gbs=float(profile.link_bandwidth_gbs),
+            link_latency_us=float(profile.link_latency_us),
+        )
+
+
+def lanes_us(hits: Sequence[tuple[int, int]], fetch: Sequence[tuple[int, int]],
+             host: Sequence[tuple[int, int]], cost: CostModel) -> tuple[float, float]:
+    """(device finish, host finish) of one layer: the device runs hits, then each fetched
+    expert once its copy (FIFO on the link) and the device are both free."""
+    dev = sum(cost.device_us(n) for _, n in hits)
+    link = 0.0
+    for _, n in fetch:
+        link += cost.fetch_us()
+        dev = max(dev, link) + cost.device_us(n)
+    return dev, sum(cost.host_us(n) for _, n in host)
+
+
+class Placement:
+    """Base class: decide, for each miss, ``"host"`` or ``"fetch"``."""
+
+    name: ClassVar[str] = ""
+    needs_cost_model: ClassVar[bool] = False
+
+    def place(self, hits: list[tuple[int, int]], misses: list[tuple[int, int]],
+              cost: CostModel | None) -> dict[int, str]:  # pragma: no cover - abstract
+        """``hits``/``misses``: (expert, tokens) pairs; returns expert → ``host`` | ``fetch``."""
+        raise NotImplementedError
+
+
+PLACEMENTS: Registry[type[Placement]] = Registry("placement policy", base=Placement)
+
+
+@PLACEMENTS.register("host-misses")
+class HostMisses(Placement):
+    name = "host-misses"
+
+    def place(self, hits, misses, cost):
+        return {e: HOST for e, _ in misses}
+
+
+@PLACEMENTS.register("fetch-misses")
+class FetchMisses(Placement):
+    name = "fetch-misses"
+
+    def place(self, hits, misses, cost):
+        return {e: FETCH for e, _ in misses}
+
+
+@PLACEMENTS.register("greedy-hss")
+class GreedyHSS(Placement):
+    name = "greedy-hss"
+    needs_cost_model = True
+
+    def place(self, hits, misses, cost):
+        hits_sorted = sorted(hits, key=lambda p: (-p[1], p[0]))  # device: heaviest first
+        host = sorted(misses, key=lambda p: (p[1], p[0]))  # host: lightest first
+        fetch: list[tuple[int, int]] = []
+        best = max(lanes_us(hits_sorted, fetch, host, cost))
+        for cand in sorted(misses, key=lambda p: (-p[1], p[0])):  # the link moves the heaviest first
+            trial_host = [p for p in host if p != cand]
+            t = max(lanes_us(hits_sorted, [*fetch, cand], trial_host, cost))
+            if t < best:
+                best, host, fetch = t, trial_host, [*fetch, cand]
+        return {e: (FETCH if (e, n) in fetch else HOST) for e, n in misses}
+
+
+@PLACEMENTS.register("min-cost")
+class MinCost(Placement):
+    name = "min-cost"
+    needs_cost_model = True
+    exact_limit: ClassVar[int] = 12
+
+    def place(self, hits, misses, cost):
+        if len(misses) > self.exact_limit:
+            return GreedyHSS().place(hits, misses, cost)
+        ordered = sorted(misses, key=lambda p: (-p[1], p[0]))
+        best, best_set = float("inf"), ()
+        for r in range(len(ordered) + 1):
+            for chosen in itertools.combinations(ordered, r):
+                host = [p for p in ordered if p not in chosen]
+                t = max(lanes_us(hits, chosen, host, cost))
+                if t < best - 1e-9:
+                    best, best_set = t, chosen
+        return {e: (FETCH if (e, n) in best_set else HOST) for e, n in misses}
+
+
+def get_placement(name: str) -> Placement:
+    """A new placement policy by registered name (did-you-mean error if unknown)."""
+    if not isinstance(name, str):
+        raise MoelabError(f"placement must be a registered name, got {name!r}.")
+    return PLACEMENTS.get(name)()

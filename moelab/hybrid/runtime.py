@@ -1,0 +1,394 @@
+"""``moelab.hybrid(model, config)``: a running hybrid CPU/GPU model built from one configuration.
+
+>>> with moelab.hybrid(model, {"cache": {"capacity": 0.25, "policy": "mrs"},
+...                            "placement": "greedy-hss", "hardware": "pcie4-x16",
+...                            "routing": {"deferred": 2}}) as run:
+...     model.generate(**inputs, max_new_tokens=32)
+>>> run.plan_table()          # one row per (forward, MoE layer): what ran where, what moved, why
+
+The planner is a set of handlers on the model's one forward context
+(:mod:`moelab.forward`). At every MoE layer of every forward it asks the components in
+a fixed order:
+
+1. routing policy (level ``ROUTING``): deferral and skipping edit the layer's slot plan,
+   with exactly the semantics of :mod:`moelab.policies` (they *are* those policies);
+2. cache (level ``PLACEMENT``): the experts the layer needs — the union over the
+   forward's real tokens of the slots that run now or deferred, in descending router
+   weight (ties: lower id) — are served by the expert cache: hits, misses, and on
+   insertion the victim;
+3. placement: each miss runs on the host or is fetched to the device
+   (:mod:`moelab.hybrid.placement`);
+4. prefetch: a predictor, called at the ``router`` point of layer ``l`` with its router
+   input, proposes experts for layer ``l + d``; they are inserted as speculative cache
+   entries within the budget after layer ``l``'s own accesses (low priority: a layer's
+   demand accesses always come first).
+
+The resulting :class:`LayerPlan` is plain data and is kept (``run.plans``) and written
+by :meth:`HybridRun.save`. The *functional* executor computes each layer's exact output:
+placement decides where work would run and what moves, not the arithmetic, so with no
+deferral or skipping the logits equal the unmodified model's bit for bit (with the
+model's own experts implementation on both sides).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from moelab.errors import MoelabError
+from moelab.forward import (
+    DEFERRED,
+    DROPPED,
+    ExpertsCall,
+    ForwardContext,
+    Handle,
+    Order,
+    RouterCall,
+    forward_hooks,
+)
+from moelab.hybrid.config import HybridConfig
+from moelab.hybrid.placement import FETCH, HOST, CostModel, get_placement
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Transfer:
+    """One host→device copy of an expert."""
+
+    layer: int
+    expert: int
+    bytes: int
+    priority: str
+    """``demand`` (a miss placed on the device), ``insert`` (a miss run on the host and then
+    cached), or ``prefetch`` (a predicted expert)."""
+
+
+@dataclass
+class LayerPlan:
+    """What one MoE layer of one forward does (plain data; see the module docstring)."""
+
+    forward: int
+    step: int
+    phase: str
+    layer: int
+    tokens: int
+    """Real tokens in the forward."""
+    device: list[tuple[int, int]] = field(default_factory=list)
+    """(expert, tokens) computed on the device: cache hits and fetched misses."""
+    host: list[tuple[int, int]] = field(default_factory=list)
+    """(expert, tokens) computed on the host."""
+    deferred: list[tuple[int, int]] = field(default_factory=list)
+    """(expert, tokens) pairs whose slots are deferred to the next MoE layer's output."""
+    skipped: int = 0
+    """(token, expert) slots dropped by skipping."""
+    hits: list[int] = field(default_factory=list)
+    misses: list[int] = field(default_factory=list)
+    transfers: list[Transfer] = field(default_factory=list)
+    evictions: list[tuple[int, int]] = field(default_factory=list)
+    """(layer, expert) pairs evicted by this layer's insertions and prefetches."""
+
+
+def _as_config(config: HybridConfig | dict | str | Path | None) -> HybridConfig:
+    if config is None:
+        return HybridConfig()
+    if isinstance(config, HybridConfig):
+        return config
+    if isinstance(config, dict):
+        return HybridConfig.from_dict(config)
+    if isinstance(config, (str, Path)):
+        return HybridConfig.from_yaml(config)
+    raise MoelabError(f"config must be a HybridConfig, a dict or a YAML path, got {type(config).__name__}.")
+
+
+class HybridRun:
+    """A hybrid configuration applied to a model; a reversible context manager."""
+
+    def __init__(self, model: Any, config: HybridConfig | dict | str | Path | None = None) -> None:
+        from moelab.adapters import _unwrap
+
+        self.model = _unwrap(model)
+        self.config = _as_config(config)
+        self.plans: list[LayerPlan] = []
+        self._handles: list[Handle] = []
+        self._policies: list = []
+        self.active_ = False
+
+    # ------------------------------------------------------------------ lifecycle
+    def __enter__(self) -> HybridRun:
+        return self.apply()
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        self.remove()
+        return False
+
+    def apply(self) -> HybridRun:
+        if self.active_:
+            raise MoelabError("this hybrid run is already applied; exit it first or create another.")
+        from moelab.adapters import expert_bytes, moe_layers
+
+        cfg = self.config
+        self.layers = moe_layers(self.model)
+        nums = [layer.num_experts for layer in self.layers]
+        self.expert_bytes = [expert_bytes(layer) for layer in self.layers]
+        self.cache = self._make_cache(nums)
+        self.placement = get_placement(cfg.placement)
+        self.cost = self._cost_model() if self.placement.needs_cost_model else None
+        self.predictor = self._load_predictor()
+        try:
+            self._apply_routing()
+            mgr = forward_hooks(self.model)
+            if self.predictor is not None:
+                self._handles.append(mgr.add("router", self._on_router_predict, order=Order.PREFETCH,
+                                             layers=self.predictor.source_layers(), name="hybrid prefetch"))
+            if self.cache is not None and self.cache.uses_scores:
+                self._handles.append(mgr.add("router", self._on_router_scores, order=Order.CACHE,
+                                             name="hybrid cache scores"))
+            self._handles.append(mgr.add("plan", self._on_plan, order=Order.PLACEMENT, name="hybrid planner"))
+        except BaseException:
+            self.remove()
+            raise
+        self.active_ = True
+        return self
+
+    def remove(self) -> None:
+        while self._handles:
+            self._handles.pop().remove()
+        while self._policies:
+            self._policies.pop().remove()
+        self.active_ = False
+
+    # ------------------------------------------------------------------ set-up
+    def _make_cache(self, nums: Sequence[int]):
+        from moelab.caches import make_cache
+
+        c = self.config.cache
+        cap = c.capacity
+        if isinstance(cap, bool) or not isinstance(cap, (int, float)):
+            raise MoelabError(f"cache.capacity must be a fraction in (0, 1] or an expert count, got {cap!r}.")
+        if cap < 0 or (isinstance(cap, int) and cap > max(nums)) or (isinstance(cap, float) and cap > 1):
+            raise MoelabError(
+                f"cache.capacity={cap!r} does not fit this model ({max(nums)} experts per layer); use a fraction "
+                f"in (0, 1] or a count in 0..{max(nums)}."
+            )
+        if cap == 0:
+            return None
+        from moelab.caches import get_policy
+
+        options = dict(c.options)
+        if get_policy(c.policy).uses_scores:
+            options.setdefault("top_k", [layer.top_k for layer in self.layers])
+        return make_cache(c.policy, nums, cap, c.scope, expert_bytes=max(self.expert_bytes), **options)
+
+    def _cost_model(self) -> CostModel:
+        if self.config.hardware is None:
+            raise MoelabError(
+                f"placement {self.config.placement!r} needs a cost model; set hardware: to a profile name "
+                "(e.g. pcie4-x16), or use placement host-misses / fetch-misses."
+            )
+        from moelab.hardware import get_profile
+
+        layer = self.layers[0]
+        canon_i = getattr(layer.experts, "intermediate_dim", None) or getattr(layer.experts, "intermediate_size", None)
+        hidden = int(self.model.config.hidden_size)
+        inter = int(canon_i) if canon_i else int(self.expert_bytes[0] // (3 * hidden * 2))
+        return CostModel.from_profile(get_profile(self.config.hardware), self.expert_bytes[0], 6.0 * hidden * inter)
+
+    def _load_predictor(self):
+        p = self.config.prefetch
+        if p.predictor is None:
+            return None
+        if self.cache is None:
+            raise MoelabError("prefetch needs a device cache to prefetch into; set cache.capacity > 0.")
+        from moelab.adapters import model_fingerprint
+        from moelab.predictors import load_predictor
+
+        pred = load_predictor(p.predictor, model=self.model)
+        pred.check_model(model_fingerprint(self.model), getattr(self.model, "name_or_path", ""))
+        if not pred.online:
+            raise MoelabError(f"the {pred.kind!r} predictor works only offline; it cannot drive a prefetch.")
+        if pred.distance != p.distance:
+            raise MoelabError(
+                f"prefetch.distance={p.distance} but the predictor at {p.predictor!r} predicts distance "
+                f"{pred.distance}; set prefetch.distance: {pred.distance}."
+            )
+        return pred
+
+    def _apply_routing(self) -> None:
+        from moelab.policies import ExpertDeferral, ExpertSkipping
+
+        r = self.config.routing
+        if r.skipped:
+            self._policies.append(ExpertSkipping(self.model, r.skipped, phase=r.phase).apply())
+        if r.deferred:
+            self._policies.append(
+                ExpertDeferral(self.model, r.deferred, phase=r.phase, min_immediate=r.min_immediate).apply()
+            )
+
+    # ------------------------------------------------------------------ handlers
+    def _on_router_scores(self, ctx: ForwardContext, layer, call: RouterCall) -> None:
+        ctx.scratch[("hybrid-logits", layer.index)] = call.logits
+
+    def _on_router_predict(self, ctx: ForwardContext, layer, call: RouterCall) -> None:
+        hidden = call.hidden.reshape(-1, call.hidden.shape[-1])
+        valid = ctx.valid(hidden.device)
+        if valid is not None and valid.numel() == hidden.shape[0]:
+            hidden = hidden[valid]
+        if hidden.shape[0] == 0:
+            return
+        pred = self.predictor.predict(layer.index, hidden=hidden.detach().cpu(), m=self.config.prefetch.m)
+        ctx.scratch[("hybrid-prefetch", layer.index + self.predictor.distance)] = _union_rows(pred)
+
+    def _on_plan(self, ctx: ForwardContext, layer, call: ExpertsCall) -> None:
+        plan = call.plan
+        valid = plan.valid
+        state = plan.state[valid]
+        ids = plan.experts[valid]
+        w = plan.weights[valid].float()
+        run = state != DROPPED
+        lp = LayerPlan(forward=ctx.index, step=ctx.step, phase=ctx.phase, layer=layer.index,
+                       tokens=int(valid.sum()), skipped=int((~run).sum()))
+        needed, tokens = _needed(ids[run], w[run])
+        deferred_ids = ids[state == DEFERRED]
+        if deferred_ids.numel():
+            e, n = torch.unique(deferred_ids, return_counts=True)
+            lp.deferred = list(zip(e.tolist(), n.tolist(), strict=True))
+        cache = self.cache
+        nbytes = self.expert_bytes[layer.index]
+        if cache is None:
+            hits = [False] * len(needed)
+        else:
+            scores = self._scores(ctx, layer, valid)
+            before = set(cache.contents(layer.index)) if cache.scope == "layer" else None
+            before_all = cache.resident_keys() if before is None else None
+            hits = cache.access(layer.index, needed, scores)
+            lp.evictions = self._evicted(layer.index, before, before_all)
+        hit_pairs = [(e, tokens[e]) for e, h in zip(needed, hits, strict=True) if h]
+        miss_pairs = [(e, tokens[e]) for e, h in zip(needed, hits, strict=True) if not h]
+        where = self.placement.place(hit_pairs, miss_pairs, self.cost) if miss_pairs else {}
+        lp.hits = [e for e, _ in hit_pairs]
+        lp.misses = [e for e, _ in miss_pairs]
+        lp.device = list(hit_pairs) + [(e, n) for e, n in miss_pairs if where[e] == FETCH]
+        lp.host = [(e, n) for e, n in miss_pairs if where[e] == HOST]
+        if cache is not None:
+            resident = set(cache.contents(layer.index)) if cache.scope == "layer" else None
+            for e, _ in miss_pairs:
+                inserted = resident is None or e in resident
+                if where[e] == FETCH:
+                    lp.transfers.append(Transfer(layer.index, e, nbytes, "demand"))
+                elif inserted:
+                    lp.transfers.append(Transfer(layer.index, e, nbytes, "insert"))
+        else:
+            lp.transfers = [Transfer(layer.index, e, nbytes, "demand") for e, n in miss_pairs if where[e] == FETCH]
+        self._prefetch(ctx, layer.index, lp)
+        self.plans.append(lp)
+
+    def _prefetch(self, ctx: ForwardContext, source: int, lp: LayerPlan) -> None:
+        if self.predictor is None:
+            return
+        target = source + self.predictor.distance
+        experts = ctx.scratch.pop(("hybrid-prefetch", target), None)
+        if experts is None or target >= len(self.layers):
+            return
+        cache = self.cache
+        before = set(cache.contents(target)) if cache.scope == "layer" else None
+        before_all = cache.resident_keys() if before is None else None
+        moved_before = cache.prefetched
+        cache.prefetch(target, experts, self.config.prefetch.budget)
+        if cache.prefetched > moved_before:
+            now = set(cache.contents(target))
+            for e in experts:
+                if e in now and (before is None or e not in before):
+                    lp.transfers.append(Transfer(target, e, self.expert_bytes[target], "prefetch"))
+        lp.evictions += self._evicted(target, before, before_all)
+
+    def _scores(self, ctx: ForwardContext, layer, valid: torch.Tensor) -> np.ndarray | None:
+        logits = ctx.scratch.pop(("hybrid-logits", layer.index), None)
+        if logits is None:
+            return None
+        logits = logits.reshape(-1, logits.shape[-1])
+        if logits.shape[0] == valid.numel():
+            logits = logits[valid.to(logits.device)]
+        s = logits.float().softmax(-1) if layer.spec.scoring == "softmax" else logits.float().sigmoid()
+        return s.detach().cpu().numpy()
+
+    def _evicted(self, layer: int, before: set[int] | None, before_all: np.ndarray | None) -> list[tuple[int, int]]:
+        cache = self.cache
+        if before is not None:
+            return [(layer, e) for e in sorted(before - set(cache.contents(layer)))]
+        gone = np.flatnonzero(before_all & ~cache.resident_keys())
+        off = cache.key_offset_
+        return [(int(np.searchsorted(off, k, side="right") - 1), int(k - off[np.searchsorted(off, k, side="right") - 1]))
+                for k in gone]
+
+    # ------------------------------------------------------------------ results
+    def plan_table(self):
+        """One row per (forward, MoE layer) plan, as a pandas DataFrame."""
+        import pandas as pd
+
+        rows = []
+        for p in self.plans:
+            d = asdict(p)
+            d["transfers"] = [(t["layer"], t["expert"], t["bytes"], t["priority"]) for t in d["transfers"]]
+            rows.append(d)
+        return pd.DataFrame(rows)
+
+    def save(self, out: str | Path, *, overwrite: bool = False) -> Path:
+        """Write ``plans.jsonl`` and ``config.json`` into a new directory ``out`` (atomically)."""
+        import json
+
+        from moelab import __version__
+        from moelab._output import reserve_output
+
+        res = reserve_output(Path(out), overwrite, what="hybrid run directory")
+        try:
+            with open(res.staging / "plans.jsonl", "w") as f:
+                for p in self.plans:
+                    f.write(json.dumps(asdict(p)) + "\n")
+            (res.staging / "config.json").write_text(
+                json.dumps({"config": self.config.to_dict(), "moelab": __version__}, indent=2)
+            )
+            res.commit()
+        except BaseException:
+            res.abort()
+            raise
+        return Path(out)
+
+
+def _needed(ids: torch.Tensor, w: torch.Tensor) -> tuple[list[int], dict[int, int]]:
+    """The experts of the given slots, in descending max router weight (ties: lower id), and
+    how many slots (tokens) each has."""
+    if ids.numel() == 0:
+        return [], {}
+    flat_e = ids.reshape(-1).cpu().numpy()
+    flat_w = w.reshape(-1).cpu().numpy()
+    best: dict[int, float] = {}
+    count: dict[int, int] = {}
+    for e, x in zip(flat_e.tolist(), flat_w.tolist(), strict=True):
+        count[e] = count.get(e, 0) + 1
+        if e not in best or x > best[e]:
+            best[e] = x
+    order = sorted(best, key=lambda e: (-best[e], e))
+    return order, count
+
+
+def _union_rows(pred: np.ndarray) -> list[int]:
+    """Several tokens' predictions as one ordered list: by best rank, then how many tokens, then id."""
+    pred = np.asarray(pred)
+    rank: dict[int, tuple[int, int]] = {}
+    for row in pred:
+        for r, e in enumerate(row.tolist()):
+            best, n = rank.get(e, (r, 0))
+            rank[e] = (min(best, r), n + 1)
+    return sorted(rank, key=lambda e: (rank[e][0], -rank[e][1], e))
+
+
+def hybrid(model: Any, config: HybridConfig | dict | str | Path | None = None) -> HybridRun:
+    """A :class:`HybridRun` of ``model`` under ``config`` (use it as a context manager)."""
+    return HybridRun(model, config)

@@ -1,0 +1,147 @@
+"""The hybrid model's planner and functional executor: parity, plan invariants, placement
+definitions, configuration errors and reversibility."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import moelab
+from moelab.errors import MoelabError
+from moelab.forward import forward_hooks
+from moelab.hybrid import CostModel, HybridConfig, get_placement
+from moelab.models.tiny import FAMILIES, build_tiny
+from moelab.policies import ExpertDeferral
+from tests.test_policies_lifecycle import assert_same_state, snapshot
+
+CONFIGS = {
+    "lru-host": {"cache": {"capacity": 0.25, "policy": "lru"}},
+    "mrs-greedy": {"cache": {"capacity": 0.25, "policy": "mrs"}, "placement": "greedy-hss", "hardware": "pcie4-x16"},
+    "none-fetch": {"cache": {"capacity": 0}, "placement": "fetch-misses"},
+}
+
+
+def _inputs(B=3, S=5, seed=0):
+    ids = torch.randint(3, 250, (B, S), generator=torch.Generator().manual_seed(seed))
+    mask = torch.ones_like(ids)
+    if B > 1:
+        mask[1, :2] = 0
+        ids[1, :2] = 0
+    return ids, mask
+
+
+def _gen(model, ids, mask, n=3):
+    out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, do_sample=False, pad_token_id=0,
+                         output_logits=True, return_dict_in_generate=True)
+    return out.sequences, out.logits
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_no_deferral_is_bit_identical_and_deferral_equals_the_policy(family):
+    model = build_tiny(family, seed=0)
+    before = snapshot(model)
+    for B in (1, 3):
+        ids, mask = _inputs(B)
+        want = _gen(model, ids, mask)
+        for cfg in CONFIGS.values():
+            with moelab.hybrid(model, cfg) as run:
+                got = _gen(model, ids, mask)
+            assert torch.equal(want[0], got[0])
+            assert all(torch.equal(a, b) for a, b in zip(want[1], got[1], strict=True))
+            assert run.plans
+        top_k = min(layer.top_k for layer in moelab.moe_layers(model))
+        if top_k >= 2:
+            with ExpertDeferral(model, 1, min_immediate=1):
+                pol = _gen(model, ids, mask)
+            with moelab.hybrid(model, {**CONFIGS["mrs-greedy"], "routing": {"deferred": 1, "min_immediate": 1}}):
+                got = _gen(model, ids, mask)
+            assert torch.equal(pol[0], got[0])
+            assert all(torch.equal(a, b) for a, b in zip(pol[1], got[1], strict=True))
+    assert_same_state(before, snapshot(model))
+    assert forward_hooks(model, create=False) is None
+
+
+@pytest.fixture(scope="module")
+def mixtral():
+    return build_tiny("mixtral", seed=0)
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_plans_account_for_every_needed_expert_once(mixtral, name):
+    ids, mask = _inputs(3)
+    cfg = {**CONFIGS[name], "routing": {"deferred": 1, "min_immediate": 1}}
+    with moelab.hybrid(mixtral, cfg) as run:
+        _gen(mixtral, ids, mask, n=4)
+    assert len(run.plans) == 4 * len(moelab.moe_layers(mixtral))
+    for p in run.plans:
+        needed = set(p.hits) | set(p.misses)
+        assert not set(p.hits) & set(p.misses)
+        ran = [e for e, _ in p.device] + [e for e, _ in p.host]
+        assert sorted(ran) == sorted(needed), "each needed expert runs exactly once, on one side"
+        assert {e for e, _ in p.device} >= set(p.hits), "cached experts run on the device"
+        fetched = {t.expert for t in p.transfers if t.priority == "demand" and t.layer == p.layer}
+        assert fetched == {e for e, _ in p.device} - set(p.hits), "a miss on the device was fetched"
+        assert sum(n for _, n in p.device) + sum(n for _, n in p.host) >= p.tokens
+        assert {e for e, _ in p.deferred} <= needed
+        if p.phase == "prefill":
+            assert not p.deferred  # deferral acts in decode forwards by default
+
+
+def test_placement_definitions_on_hand_made_costs():
+    # device 10 µs per expert, host 30 µs per expert-token, a copy 15 µs (launch 0)
+    cost = CostModel(expert_bytes=10_000, flops_per_token=3e7, device_bandwidth_gbs=1.0, device_tflops=1e9,
+                     host_bandwidth_gbs=1e9, host_tflops=1.0, link_bandwidth_gbs=1.0, link_latency_us=5.0,
+                     launch_us=0.0)
+    assert cost.device_us(4) == pytest.approx(10.0) and cost.host_us(1) == pytest.approx(30.0)
+    assert cost.fetch_us() == pytest.approx(15.0)
+    hits = [(0, 1)]
+    misses = [(1, 3), (2, 1), (3, 1)]
+    assert get_placement("host-misses").place(hits, misses, None) == {1: "host", 2: "host", 3: "host"}
+    assert get_placement("fetch-misses").place(hits, misses, None) == {1: "fetch", 2: "fetch", 3: "fetch"}
+    # all on host: max(10, 90+30+30=150) = 150. Fetch the heaviest (1): device max(10,15)+10 = 25,
+    # host 60 → 60. Then expert 2: device max(25,30)+10 = 40, host 30 → 40. Then 3: device
+    # max(40,45)+10 = 55, host 0 → 55 > 40: stop there.
+    assert get_placement("greedy-hss").place(hits, misses, cost) == {1: "fetch", 2: "fetch", 3: "host"}
+    # min-cost searches every split; 40 is optimal here too
+    assert get_placement("min-cost").place(hits, misses, cost) == {1: "fetch", 2: "fetch", 3: "host"}
+
+
+def test_bad_configurations_are_refused_with_the_fix(mixtral):
+    with pytest.raises(MoelabError, match=r"unknown key 'capacty'.*Did you mean 'capacity'"):
+        HybridConfig.from_dict({"cache": {"capacty": 0.5}})
+    with pytest.raises(MoelabError, match=r"unknown key 'placment'.*'placement'"):
+        HybridConfig.from_dict({"placment": "host-misses"})
+    with pytest.raises(MoelabError, match=r"unknown placement policy 'greedy-hs'.*'greedy-hss'"):
+        moelab.hybrid(mixtral, {"placement": "greedy-hs"}).apply()
+    with pytest.raises(MoelabError, match="needs a cost model; set hardware"):
+        moelab.hybrid(mixtral, {"placement": "greedy-hss"}).apply()
+    with pytest.raises(MoelabError, match=r"capacity=99 does not fit"):
+        moelab.hybrid(mixtral, {"cache": {"capacity": 99}}).apply()
+    with pytest.raises(MoelabError, match=r"capacity=-0.5 does not fit"):
+        moelab.hybrid(mixtral, {"cache": {"capacity": -0.5}}).apply()
+    if not torch.cuda.is_available():
+        with pytest.raises(MoelabError, match="no CUDA GPU"):
+            HybridConfig(device="cuda")
+    assert forward_hooks(mixtral, create=False) is None
+
+
+def test_config_round_trips_through_yaml(tmp_path):
+    import yaml
+
+    cfg = HybridConfig.from_dict({"cache": {"capacity": 0.5, "policy": "lfu"}, "placement": "min-cost",
+                                  "hardware": "pcie5-x16", "routing": {"deferred": 2}})
+    p = tmp_path / "h.yaml"
+    p.write_text(yaml.safe_dump(cfg.to_dict()))
+    assert HybridConfig.from_yaml(p) == cfg
+
+
+def test_plans_are_saved_atomically(mixtral, tmp_path):
+    import json
+
+    with moelab.hybrid(mixtral, CONFIGS["lru-host"]) as run:
+        _gen(mixtral, *_inputs(1), n=2)
+    run.save(tmp_path / "run")
+    lines = (tmp_path / "run" / "plans.jsonl").read_text().splitlines()
+    assert len(lines) == len(run.plans) and json.loads(lines[0])["layer"] == 0
+    with pytest.raises(MoelabError):
+        run.save(tmp_path / "run")
