@@ -34,8 +34,12 @@ def run(
     seqs = 64
     steps = max(1, accesses // (seqs * layers * top_k))
     t0 = time.perf_counter()
+    # 64 independent sequences replayed one after another (a group = one token's top-k): the
+    # kernel's throughput on long per-token streams. Per forward, 64 tokens' union would be
+    # nearly every expert of a layer.
     stream = synthetic_stream(
-        num_layers=layers, num_experts=experts, top_k=top_k, num_seqs=seqs, steps=steps, seed=seed
+        num_layers=layers, num_experts=experts, top_k=top_k, num_seqs=seqs, steps=steps, seed=seed,
+        replay="sequence",
     )
     build_s = time.perf_counter() - t0
     t0 = time.perf_counter()
