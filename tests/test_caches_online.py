@@ -181,3 +181,26 @@ def test_build_stream_rejects_an_unknown_replay_order():
 
     with pytest.raises(MoelabError, match="replay order"):
         build_stream([0], [1], [0], np.array([[0]]), None, [2], [1], replay="per-token")
+
+
+def test_a_forward_column_separates_what_the_row_order_cannot():
+    # One MoE layer, two prompt forwards in a row (seq 0, then seq 1): from the row order alone
+    # they read as one forward (step 0, layer 0 throughout); a forward column splits them.
+    seq, step, layer = [0, 0, 1], [0, 0, 0], [0, 0, 0]
+    experts = np.array([[0], [1], [2]])
+    weights = np.array([[0.9], [0.8], [0.7]])
+    merged = build_stream(seq, step, layer, experts, weights, [4], [1], include_prefill=True)
+    assert merged.num_groups == 1 and merged.keys.tolist() == [0, 1, 2]
+    split = build_stream(seq, step, layer, experts, weights, [4], [1], include_prefill=True, forward=[0, 0, 1])
+    assert split.num_groups == 2 and split.group_ptr.tolist() == [0, 2, 3] and split.group_seq.tolist() == [0, 1]
+
+
+def test_unknown_insertion_rule_is_a_one_line_error_with_the_choices():
+    from moelab.caches.synthetic import synthetic_stream
+    from moelab.errors import MoelabError
+
+    s = synthetic_stream(num_layers=1, num_experts=4, top_k=1, num_seqs=1, steps=3)
+    with pytest.raises(MoelabError, match="protect-step"):
+        simulate(s, "lru", 2, insertion="protect")
+    with pytest.raises(MoelabError, match="always"):
+        make_cache("lru", [4], 2, insertion="never")
