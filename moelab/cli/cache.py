@@ -118,6 +118,7 @@ def run_simulate(args) -> int:
                 pf = prefetch if get_policy(p).accepts_prefetch else None
                 results.append(simulate(stream, p, c, sc, prefetch=pf, warm=args.warm, expert_bytes=args.expert_bytes,
                                         insertion=args.insertion))
+    ignoring = [p for p in policies if not get_policy(p).accepts_prefetch]
     if args.json:
         emit_json({"trace": args.trace, "accesses": stream.num_accesses, "insertion": args.insertion,
                    "replay": args.replay, "results": [r.to_dict() for r in results]})
@@ -125,9 +126,8 @@ def run_simulate(args) -> int:
     print(f"trace {args.trace}: {stream.num_accesses} expert accesses, {stream.num_layers} MoE layers, "
           f"E={stream.num_experts.tolist()}, {'with' if args.include_prefill else 'decode only, no'} prefill; "
           f"insertion {args.insertion}, replay per {args.replay}"
-          + (f"; prefetch {prefetch.describe(int(args.expert_bytes or stream.expert_bytes or 1))} "
-             f"(not for {', '.join(p for p in policies if not get_policy(p).accepts_prefetch) or 'none'})"
-             if prefetch else ""))
+          + (f"; prefetch {prefetch.describe(int(args.expert_bytes or stream.expert_bytes or 1))}" if prefetch else "")
+          + (f" (not for {', '.join(ignoring)}: they ignore prefetches)" if prefetch and ignoring else ""))
     size = args.expert_bytes or stream.expert_bytes
     print(f"expert size: {size} bytes ({'--expert-bytes' if args.expert_bytes else 'recorded in the trace'})"
           if size else "expert size: unknown (the trace does not record it; pass --expert-bytes): "
