@@ -8,6 +8,9 @@ and Belady is O(n log n). MRS keeps one heap per layer instead (O(L + log C) per
 global pool) and selects every token row's top-p first, in one pass over the router scores in
 memory order (:func:`top_p_rows`), so the replay reads a compact (R, P) table in stream order.
 Memory: O(num_keys) state, one byte per access for the hit flags, and MRS's (R, P) table.
+Insertion rules (:mod:`moelab.caches.base`): ``always`` visits a group twice, its hits first
+and then its misses (each inserted, the victim any cached key); ``protect-step`` visits it
+once, in access order, with the group's keys stamped as not evictable.
 
 Shape legend: n accesses, G groups, R token rows, P top-p width, NK keys, NP partitions.
 """
