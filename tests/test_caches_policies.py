@@ -49,16 +49,16 @@ def test_fifo_evicts_earliest_inserted_even_if_recently_hit():
     assert r.hit.tolist() == [0, 0, 1, 0, 1, 0]
 
 
-def test_belady_bypasses_experts_never_used_again():
+def test_belady_bypass_does_not_insert_experts_never_used_again():
     # 2 is never used again: not inserted; 1 and 0 stay -> hits at positions 2, 4, 5.
-    r = _run("belady")
+    r = _run("belady-bypass")
     assert r.hit.tolist() == [0, 0, 1, 0, 1, 1]
     assert r.transfers == 2
 
 
-def test_belady_without_bypass_evicts_farthest_next_use():
+def test_belady_inserts_every_miss_evicting_the_farthest_next_use():
     # 2 must be inserted: next uses are 0 -> 5, 1 -> 4, so 0 is evicted; 1 hits, 0 misses.
-    r = _run("belady", bypass=False)
+    r = _run("belady")
     assert r.hit.tolist() == [0, 0, 1, 0, 1, 0]
 
 
@@ -69,12 +69,40 @@ def test_static_keeps_only_pinned_experts():
     assert r.evictions == 0
 
 
-def test_experts_of_the_same_step_never_evict_each_other():
-    cache = make_cache("lru", [4], 1)
+def test_protect_step_experts_of_the_same_step_never_evict_each_other():
+    cache = make_cache("lru", [4], 1, insertion="protect-step")
     assert cache.access(0, [0, 1]) == [False, False]
     assert cache.contents(0) == [0]  # 1 could only evict 0, which the step still needs
     assert cache.access(0, [1]) == [False]
     assert cache.contents(0) == [1]
+
+
+def test_always_every_miss_is_inserted_even_over_the_steps_own_experts():
+    cache = make_cache("lru", [4], 1)
+    assert cache.access(0, [0, 1]) == [False, False]
+    assert cache.contents(0) == [1]  # 0 was inserted, then evicted by 1 (the only resident)
+    assert cache.access(0, [1]) == [True]
+    # Hits are served before misses: 2 misses but evicts 1 only after 1 was served as a hit.
+    assert cache.access(0, [2, 1]) == [False, True]
+    assert cache.contents(0) == [2]
+    assert (cache.hits, cache.misses, cache.transfers, cache.evictions) == (2, 3, 3, 2)
+
+
+def test_always_victim_may_be_a_hit_of_the_same_step():
+    # capacity 2, LRU. Step A: [0, 1] -> [0 1]. Step B: [2, 0]: 0 is a hit (served first, now
+    # most recent), then 2 misses and evicts the least recent resident, 1.
+    # Step C: [1, 2, 0]: hits 2 and 0 first (0 the most recent), then 1 evicts 2.
+    cache = make_cache("lru", [4], 2)
+    cache.access(0, [0, 1])
+    assert cache.access(0, [2, 0]) == [False, True]
+    assert cache.contents(0) == [0, 2]
+    assert cache.access(0, [1, 2, 0]) == [False, True, True]
+    assert cache.contents(0) == [0, 1]
+    # Under protect-step the same stream keeps a step's experts: in step C, 1 finds no victim.
+    old = make_cache("lru", [4], 2, insertion="protect-step")
+    old.access(0, [0, 1])
+    assert old.access(0, [2, 0]) == [False, True] and old.contents(0) == [0, 2]
+    assert old.access(0, [1, 2, 0]) == [False, True, True] and old.contents(0) == [0, 2]
 
 
 def test_mrs_keeps_high_scoring_unselected_expert():
@@ -98,14 +126,14 @@ def test_mrs_keeps_high_scoring_unselected_expert():
     assert cache._score == pytest.approx([0.5 * 0.7 + 0.5 * 0.175, 0.5 * 0.1625 + 0.05, 0.2, 0.0])
 
 
-def test_mrs_with_alpha_one_and_p_topk_is_lru():
+def test_mrs_with_alpha_one_and_p_topk_is_lru_under_step_protection():
     from moelab.caches.synthetic import synthetic_stream
 
     s = synthetic_stream(num_layers=3, num_experts=8, top_k=2, num_seqs=2, steps=40, prefill_tokens=4,
                          include_prefill=True, seed=3)
     for scope, cap in [("layer", 0.25), ("layer", 0.5), ("layer", 3)]:
-        mrs = simulate(s, "mrs", cap, scope, alpha=1.0, p=2, keep_hits=True)
-        lru = simulate(s, "lru", cap, scope, keep_hits=True)
+        mrs = simulate(s, "mrs", cap, scope, alpha=1.0, p=2, keep_hits=True, insertion="protect-step")
+        lru = simulate(s, "lru", cap, scope, keep_hits=True, insertion="protect-step")
         assert np.array_equal(mrs.hit, lru.hit), (scope, cap)
 
 
@@ -146,7 +174,7 @@ def test_belady_evicts_warm_experts_not_yet_used(backend):
     # Accesses 1 0 with one slot warmed with 0 (the most popular on ties: lowest id), no bypass:
     # 1 misses and evicts 0 (next use at 2 is the only one, but it must make room); 0 then
     # misses and evicts 1 (never used again). Two misses, two evictions.
-    r = _run("belady", seq=[1, 0], capacity=1, warm=True, bypass=False, backend=backend)
+    r = _run("belady", seq=[1, 0], capacity=1, warm=True, backend=backend)
     assert r.hit.tolist() == [0, 0] and r.evictions == 2
 
 

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import moelab
-from moelab.forward import forward_hooks
 from moelab.adapters import moe_layers
+from moelab.forward import forward_hooks
 from moelab.models.tokenizer import byte_tokenizer
 from moelab.trace import RecordConfig, TraceRecorder, open_trace
 

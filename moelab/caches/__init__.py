@@ -1,4 +1,4 @@
-"""Expert caches: LRU, LFU, FIFO, static, MRS and the Belady bound, offline and online.
+"""Expert caches: LRU, LFU, FIFO, static, MRS and the Belady bounds, offline and online.
 
 Offline::
 
@@ -6,10 +6,11 @@ Offline::
     r = simulate("traces/run1", "mrs", capacity=0.25, scope="layer")
     r.hit_rate, r.layer_hit_rate, r.bytes_moved
 
-Online (a runtime calls it once per MoE layer per step)::
+Online (a runtime calls it once per MoE layer per forward)::
 
     cache = make_cache("lru", num_experts=[8] * 4, capacity=0.25)
-    hits = cache.access(layer, experts)          # experts in descending router weight
+    hits = access_forward(cache, layer, topk_ids, topk_weights, valid)   # (T, K) tensors
+    hits = cache.access(layer, experts)          # or: experts in descending router weight
 
 Semantics: :mod:`moelab.caches.stream` and :mod:`moelab.caches.base`.
 """
@@ -32,6 +33,10 @@ _LAZY: dict[str, str] = {
     "StaticCache": "moelab.caches.policies",
     "MRSCache": "moelab.caches.policies",
     "BeladyCache": "moelab.caches.policies",
+    "BeladyBypassCache": "moelab.caches.policies",
+    "access_forward": "moelab.caches.online",
+    "ordered_union": "moelab.caches.stream",
+    "INSERTIONS": "moelab.caches.base",
     "AccessStream": "moelab.caches.stream",
     "build_stream": "moelab.caches.stream",
     "stream_from_groups": "moelab.caches.stream",

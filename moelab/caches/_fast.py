@@ -8,6 +8,9 @@ and Belady is O(n log n). MRS keeps one heap per layer instead (O(L + log C) per
 global pool) and selects every token row's top-p first, in one pass over the router scores in
 memory order (:func:`top_p_rows`), so the replay reads a compact (R, P) table in stream order.
 Memory: O(num_keys) state, one byte per access for the hit flags, and MRS's (R, P) table.
+Insertion rules (:mod:`moelab.caches.base`): ``always`` visits a group twice, its hits first
+and then its misses (each inserted, the victim any cached key); ``protect-step`` visits it
+once, in access order, with the group's keys stamped as not evictable.
 
 Shape legend: n accesses, G groups, R token rows, P top-p width, NK keys, NP partitions.
 """
@@ -30,8 +33,7 @@ except ImportError:  # pragma: no cover - exercised only where numba is missing
         return deco if not (len(args) == 1 and callable(args[0])) else args[0]
 
 
-LRU, FIFO, LFU, MRS, STATIC, BELADY = 0, 1, 2, 3, 4, 5
-POLICY_CODES: dict[str, int] = {"lru": LRU, "fifo": FIFO, "lfu": LFU, "mrs": MRS, "static": STATIC, "belady": BELADY}
+from moelab.caches._codes import BELADY, FIFO, INSERTION_CODES, LFU, LRU, MRS, STATIC  # noqa: F401
 
 # counters[] slots
 EVICTIONS, TRANSFERS, PREFETCHED, PREFETCH_HITS, WASTED_EVICTED = 0, 1, 2, 3, 4
@@ -149,6 +151,7 @@ def replay(
     never,  # int64 futures >= never are "never used again" (belady)
     pinned,  # (NK,) bool (static)
     bypass,  # bool (belady)
+    insertion,  # int: INSERTION_CODES (0 always: hits first, then every miss, any victim; 1 protect-step)
     pf_ptr,  # (G+1,) int64 prefetch proposals per group (empty: no prefetch)
     pf_keys,  # (M,) int64 proposed keys, target layer's keys
     budget,  # int64 prefetch transfers per pass, -1 = unlimited
@@ -368,10 +371,16 @@ def replay(
             for j in range(size // 2 - 1, -1, -1):
                 sift_down(hstart[layer], size, j)
 
+        # "always": two passes, the hits first, then the misses; "protect-step": one, in order.
+        npass = 2 if insertion == 0 else 1
+        vstamp = -2 if insertion == 0 else stamp  # -2: no key carries it (never-stamped keys hold -1)
         if policy == BELADY:
-            # Sequential MIN; nothing is protected (see BeladyCache).
-            for i in range(a, b):
+            # MIN; nothing is protected (see BeladyCache).
+            for q in range(a, a + npass * (b - a)):
+                i = q if q < b else q - (b - a)
                 k = keys[i]
+                if npass == 2 and ((q < b and not resident[k]) or (q >= b and hit[i] == 1)):
+                    continue
                 part = key_part[k]
                 t += 1
                 last[k] = t
@@ -398,8 +407,11 @@ def replay(
                 prio(k)
                 push(k)
 
-        for i in range(a, a if policy == BELADY else b):  # every other policy: in access order
+        for q in range(a, a if policy == BELADY else a + npass * (b - a)):  # every other policy
+            i = q if q < b else q - (b - a)
             k = keys[i]
+            if npass == 2 and ((q < b and not resident[k]) or (q >= b and hit[i] == 1)):
+                continue
             part = key_part[k]
             t += 1
             if resident[k]:
@@ -413,7 +425,7 @@ def replay(
                 if policy == STATIC:
                     admit = pinned[k]
                 if admit and count[part] >= part_cap[part]:
-                    v = victim(part, stamp)
+                    v = victim(part, vstamp)
                     if v < 0:
                         admit = False
                     else:

@@ -11,19 +11,44 @@ Semantics (every policy follows them; see also :mod:`moelab.caches.stream`):
 * Each MoE layer has its own slots (``scope="layer"``) or all layers share one pool
   (``scope="global"``). Capacity counts routed experts only; shared experts are always
   resident and not counted.
-* :meth:`access` takes the experts one (step, layer) needs, in access order. A cached expert
-  is a *hit*; otherwise a *miss*, followed by insertion if the policy admits it: when the pool
-  is full the policy picks a victim among the cached experts that the current (step, layer)
-  does **not** need (they are never evicted to make room for each other). With no such victim,
-  or when the policy declines (``static`` outside its pinned set, ``belady`` bypass), the
-  miss is served without insertion (computed on the CPU / streamed).
+* :meth:`access` takes the experts one (forward, layer) needs, in access order. What happens
+  on a miss is the cache's ``insertion`` rule:
+
+  - ``"always"`` (default; the rule of the published offloading runtimes): the experts
+    already cached are served first (hits, updating recency and frequency in access order),
+    then every miss is inserted in access order, and its victim may be *any* resident expert,
+    one this step just used or just inserted included (not the incoming one: it is not
+    resident yet). Peers: mixtral-offloading ``src/expert_cache.py``
+    (``ExpertCache.load_experts`` with ``unordered=True`` yields on-device experts first;
+    ``EvictionGroupInfo.choose_expert_to_evict`` returns the least recently used of all
+    on-device experts; ``swap`` inserts every offloaded one); HybriMoE
+    ``ktransformers/operators/experts.py`` (``KExpertsCache.get_expert_place`` /
+    ``get_experts_weights`` serve loaded experts first, ``load_expert_weights`` evicts
+    ``KScoreAwareCache.get_expert_to_unload``, the lowest score among all loaded experts of
+    the layer); ProMoE's ``cache.cpp`` (``CacheMngr::miss`` always inserts, evicting
+    ``policy->select_for_evict`` among the resident experts).
+  - ``"protect-step"`` (moelab's earlier rule): experts are served in access order, and a
+    miss may only evict a cached expert the current (step, layer) does **not** need; with no
+    such victim the miss is served without insertion. At capacity ≤ top-k this makes LRU,
+    LFU, FIFO and MRS identical.
+
+  Either way a policy may decline to insert (``static`` outside its pinned set,
+  ``belady-bypass``): such policies say so with ``bypasses = True``.
 * Victim order is the policy's rank, smallest first: ``(speculative?, *priority, key)``,
   i.e. unused prefetched experts go first, then the policy's own priority, then the lowest
   (layer, expert) key. Every tie is thereby broken deterministically.
 * :meth:`prefetch` inserts experts proposed by a predictor as *speculative* (low priority,
   evicted first while unused); a later demand access to one is a prefetch hit and turns it
-  into an ordinary entry. Demand needs always win (ProMoE's early preemption).
+  into an ordinary entry. Demand needs always win (ProMoE's early preemption). Prefetches of
+  one batch never evict each other.
 * Caches start empty unless ``warm`` gives initial contents.
+
+Capabilities are class attributes, read by :func:`moelab.caches.simulate` and the CLI instead
+of policy names: ``needs_scores`` (router score vectors), ``needs_future`` (built from the
+whole stream; offline only), ``needs_profile`` (per-key access counts), ``bypasses`` (may
+serve a miss without inserting it), ``accepts_prefetch`` (sweeps pair it with prefetch
+settings), ``params`` (the keyword parameters it takes) and ``kernel`` (the compiled kernel's
+policy code, or None: replayed by the reference class).
 """
 
 from __future__ import annotations
@@ -41,6 +66,15 @@ logger = logging.getLogger(__name__)
 
 Scope = Literal["layer", "global"]
 SCOPES: tuple[str, ...] = ("layer", "global")
+Insertion = Literal["always", "protect-step"]
+INSERTIONS: tuple[str, ...] = ("always", "protect-step")
+
+
+def check_insertion(insertion: str) -> str:
+    """``insertion`` if it names a rule, else a clear error with the choices."""
+    if insertion not in INSERTIONS:
+        raise unknown_name("cache insertion rule", insertion, INSERTIONS)
+    return insertion
 
 
 def resolve_capacity(capacity: float | int, num_experts: Sequence[int], scope: Scope) -> np.ndarray:
@@ -95,14 +129,37 @@ class ExpertCache:
         scope: ``"layer"``: each MoE layer its own slots; ``"global"``: one pool for all.
         expert_bytes: bytes one expert's weights take; ``bytes_moved = transfers × expert_bytes``.
         warm: keys to load before the first access (in order; least important first), or None.
+        insertion: ``"always"`` (default: every miss is inserted, its victim may be any
+            resident expert) or ``"protect-step"`` (a step's experts never evict each other;
+            a miss with no other victim is not inserted). See the module docstring.
     """
 
     #: Registry name, set by :func:`register_policy`.
     name: ClassVar[str] = ""
     #: True if :meth:`access` needs the router score vectors.
-    uses_scores: ClassVar[bool] = False
+    needs_scores: ClassVar[bool] = False
     #: True if the policy reads the future (offline only; built from a stream).
     needs_future: ClassVar[bool] = False
+    #: True if the policy is built from per-key access counts (``profile``).
+    needs_profile: ClassVar[bool] = False
+    #: True if the policy may serve a miss without inserting it.
+    bypasses: ClassVar[bool] = False
+    #: False if the policy ignores prefetches (sweeps then run it without prefetch settings).
+    accepts_prefetch: ClassVar[bool] = True
+    #: Keyword parameters the policy takes besides capacity/scope/warm/expert_bytes/insertion;
+    #: None: not checked (user policies).
+    params: ClassVar[frozenset[str] | None] = None
+    #: Policy code of the compiled kernel (:mod:`moelab.caches._fast`), or None. Read from the
+    #: class itself only: a subclass that changes behaviour replays through the reference.
+    kernel: ClassVar[int | None] = None
+    #: Former name of ``needs_scores``, kept in step with it for code written against it.
+    uses_scores: ClassVar[bool] = False
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "uses_scores" in cls.__dict__ and "needs_scores" not in cls.__dict__:
+            cls.needs_scores = cls.uses_scores  # a subclass written against the former name
+        cls.uses_scores = cls.needs_scores
 
     def __init__(
         self,
@@ -111,7 +168,9 @@ class ExpertCache:
         scope: Scope = "layer",
         expert_bytes: int = 1,
         warm: Sequence[int] | None = None,
+        insertion: Insertion = "always",
     ) -> None:
+        self.insertion = check_insertion(insertion)
         self.num_experts = [int(e) for e in num_experts]
         self.capacity = capacity
         self.scope = scope
@@ -205,30 +264,51 @@ class ExpertCache:
 
     # ------------------------------------------------------------------ online API
     def access(self, layer: int, experts: Sequence[int], scores: Any = None) -> list[bool]:
-        """Serve the experts one (step, MoE layer) needs; returns hit/miss per expert.
+        """Serve the experts one (forward, MoE layer) needs; returns hit/miss per expert.
 
         ``experts`` are in access order (descending router weight) and distinct; ``scores``
         is the router score vector (E,) of the step's token, or (tokens, E) for several
-        tokens — needed only by score-aware policies (``mrs``).
+        tokens — needed only by score-aware policies (``mrs``). For a batch's (T, K) router
+        output use :func:`moelab.caches.online.access_forward`.
         """
+        keys = self._keys(layer, experts, scores)
+        self._begin_group(layer, keys, scores)
+        if self.insertion == "protect-step":
+            needed = set(keys)
+            out = []
+            for key in keys:
+                self._clock += 1
+                hit = self._count(layer, key)
+                if not hit and self._admit(key) and self._make_room(self._partition(key), needed, key):
+                    self._store(key, speculative=False)
+                out.append(hit)
+                self._last_use[key] = self._clock
+                self._on_access(key)
+            return out
+        out = [key in self._resident[self._partition(key)] for key in keys]
+        for key, hit in zip(keys, out):  # hits first, in access order
+            if hit:
+                self._clock += 1
+                self._count(layer, key)
+                self._last_use[key] = self._clock
+                self._on_access(key)
+        for key, hit in zip(keys, out):  # then every miss, in access order
+            if not hit:
+                self._clock += 1
+                self._count(layer, key)
+                if self._admit(key) and self._make_room(self._partition(key), set(), key):
+                    self._store(key, speculative=False)
+                self._last_use[key] = self._clock
+                self._on_access(key)
+        return out
+
+    def _keys(self, layer: int, experts: Sequence[int], scores: Any) -> list[int]:
         keys = [self.key(layer, e) for e in experts]
         if len(set(keys)) != len(keys):
             raise MoelabError(f"experts of one step must be distinct, got {list(experts)}.")
-        if self.uses_scores and scores is None:
+        if self.needs_scores and scores is None:
             raise MoelabError(f"policy {self.name!r} needs the router scores of each step.")
-        self._begin_group(layer, keys, scores)
-        needed = set(keys)
-        out = []
-        for key in keys:
-            self._clock += 1
-            part = self._partition(key)
-            hit = self._count(layer, key)
-            if not hit and self._admit(key) and self._make_room(part, needed, key):
-                self._store(key, speculative=False)
-            out.append(hit)
-            self._last_use[key] = self._clock
-            self._on_access(key)
-        return out
+        return keys
 
     def prefetch(self, layer: int, experts: Sequence[int], budget: int | None = None) -> int:
         """Insert predicted experts of ``layer`` as speculative entries; returns how many moved.
@@ -312,14 +392,14 @@ class ExpertCache:
         """Hook called when ``key`` leaves the cache."""
 
     def _admit(self, key: int) -> bool:
-        """Whether a missed ``key`` may be inserted at all (``static``, ``belady``)."""
+        """Whether a missed ``key`` may be inserted at all (policies with ``bypasses``)."""
         return True
 
     def _admit_prefetch(self, key: int) -> bool:
         return self._admit(key)
 
     def _replace(self, key: int, victim: int) -> bool:
-        """Whether inserting ``key`` is worth evicting ``victim`` (``belady``'s bypass)."""
+        """Whether inserting ``key`` is worth evicting ``victim`` (a bypassing optimum)."""
         return True
 
 

@@ -1,17 +1,35 @@
 """The built-in cache policies (pure-Python reference implementations).
 
-==========  ===================================================================  ============
-name        evicts first (among cached experts the current step does not need)  source
-==========  ===================================================================  ============
-``lru``     least recently used                                                  Mixtral-offloading, ProMoE
-``lfu``     fewest accesses so far; ties: least recently used                    llama.cpp, KTransformers
-``fifo``    earliest inserted                                                    baseline
-``static``  never evicts: only the most popular experts of a profile are cached  Fiddler
-``mrs``     lowest Minus-Recent-Score priority; ties: least recently used        HybriMoE §IV-D
-``belady``  the expert used again farthest in the future (offline optimum)       Belady's MIN
-==========  ===================================================================  ============
+=================  ===========================================================  ===========================
+name               evicts first                                                 source
+=================  ===========================================================  ===========================
+``lru``            least recently used                                          Mixtral-offloading, ProMoE
+``lfu``            fewest accesses so far; ties: least recently used            llama.cpp, KTransformers
+``fifo``           earliest inserted                                            baseline
+``static``         never evicts: only the most popular experts of a profile     Fiddler
+``mrs``            lowest Minus-Recent-Score priority; ties: least recent       HybriMoE §IV-D
+``belady``         the expert used again farthest in the future; inserts        Belady's MIN (ProMoE's
+                   every miss (offline)                                         ``CachePolicyMIN``)
+``belady-bypass``  the same, but a miss used again no sooner than every         the bypassing optimum
+                   cached expert is not inserted (offline)
+=================  ===========================================================  ===========================
 
-Every tie left after the stated order is broken by the lowest (layer, expert) key.
+Candidates are the resident experts (``insertion="always"``, the default) or those the current
+step does not need (``insertion="protect-step"``); see :mod:`moelab.caches.base`. Every tie
+left after the stated order is broken by the lowest (layer, expert) key.
+
+Which bound bounds what. ``belady-bypass`` (default ``insertion="always"``) is the most hits
+any schedule can get when a step's cached experts are hits and each miss may be inserted
+(evicting anything) or not: every policy here, under either insertion rule, is such a
+schedule, so ``belady-bypass ≥`` all of them, ``belady`` included (checked against exhaustive
+search in the tests). ``belady`` is the literature's MIN (every miss inserted, farthest next
+use evicted): with one expert per step it is the most hits of any schedule that inserts every
+miss, hence a bound on ``lru``, ``lfu``, ``fifo``, ``mrs``; when a step needs several experts
+it is the reference the papers report but not always that optimum (a step's misses must all be
+inserted, in order; exhaustive search finds schedules a hit or two better), and it never
+bounds ``static`` (pinning one expert beats inserting every miss on ``a b a b ...``). Under
+``insertion="protect-step"`` both variants replay access by access and may evict a step's own
+experts; ``belady-bypass`` is then moelab's earlier bound, the optimum of that relaxation.
 """
 
 from __future__ import annotations
@@ -21,6 +39,7 @@ from typing import Any
 
 import numpy as np
 
+from moelab.caches import _codes
 from moelab.caches.base import ExpertCache, Scope, register_policy, resolve_capacity
 from moelab.caches.stream import AccessStream, belady_future
 from moelab.errors import MoelabError
@@ -28,7 +47,16 @@ from moelab.errors import MoelabError
 
 @register_policy("lru")
 class LRUCache(ExpertCache):
-    """Least recently used: a hit or an insertion makes an expert the most recent."""
+    """Least recently used: a hit or an insertion makes an expert the most recent.
+
+    Follows mixtral-offloading ``src/expert_cache.py`` (``EvictionGroupInfo``: an
+    ``OrderedDict`` per layer from least to most recently used; ``mark_used`` moves a hit to
+    the end, ``choose_expert_to_evict`` returns the first on-device entry) and ProMoE's
+    ``CachePolicyLRU`` (``access_on_hit`` moves to the back, ``access_on_miss`` appends).
+    """
+
+    params = frozenset()
+    kernel = _codes.LRU
 
     def _priority(self, key: int) -> tuple:
         return (self._last_use[key],)
@@ -36,7 +64,11 @@ class LRUCache(ExpertCache):
 
 @register_policy("fifo")
 class FIFOCache(ExpertCache):
-    """First in, first out: evicts the expert inserted longest ago; hits change nothing."""
+    """First in, first out: evicts the expert inserted longest ago; hits change nothing
+    (ProMoE's ``CachePolicyFIFO``: a queue pushed on miss)."""
+
+    params = frozenset()
+    kernel = _codes.FIFO
 
     def _priority(self, key: int) -> tuple:
         return (self._inserted_at[key],)
@@ -51,6 +83,9 @@ class LFUCache(ExpertCache):
     classic in-cache LFU (count restarts at 0 when evicted). Ties: least recently used,
     then the lowest key. Prefetches do not count as accesses.
     """
+
+    params = frozenset({"reset_on_evict"})
+    kernel = _codes.LFU
 
     def __init__(self, *args: Any, reset_on_evict: bool = False, **kwargs: Any) -> None:
         self.reset_on_evict = reset_on_evict
@@ -79,15 +114,21 @@ class MRSCache(ExpertCache):
     largest scores (ties: lower expert id) and counts the others as 0. The cached expert with
     the lowest ``S`` is evicted; ties: least recently used, then the lowest key.
 
+    Follows HybriMoE ``ktransformers/operators/experts.py``: ``KScoreAwareCache``
+    (``update_priority_scores``: ``S ← α·topP + (1−α)·S`` on the top-p, ``(1−α)·S`` elsewhere;
+    ``get_expert_to_unload``: ``argmin S`` over the layer's loaded experts, whose dict order is
+    least recently used first, as ``get_expert_weights`` re-inserts every hit).
+
     Special case: with ``alpha=1`` and ``p = top-k``, a layer's ``S`` is its latest token's
-    top-k scores and 0 elsewhere. With per-layer slots the current step's experts are
-    protected anyway, so every candidate has ``S = 0`` and MRS evicts exactly like LRU
-    (when the selected experts are the top-k of the recorded scores, as for softmax top-k
-    routers). In a global pool the other layers' latest experts keep ``S > 0``, so it is
-    LRU that first spares each layer's most recent step.
+    top-k scores and 0 elsewhere. Under ``insertion="protect-step"`` with per-layer slots the
+    current step's experts are protected anyway, so every candidate has ``S = 0`` and MRS
+    evicts exactly like LRU (when the selected experts are the top-k of the recorded scores,
+    as for softmax top-k routers).
     """
 
-    uses_scores = True
+    needs_scores = True
+    params = frozenset({"alpha", "p"})
+    kernel = _codes.MRS
 
     def __init__(
         self,
@@ -162,6 +203,12 @@ class StaticCache(ExpertCache):
     Prefetches are ignored.
     """
 
+    needs_profile = True
+    bypasses = True
+    accepts_prefetch = False
+    params = frozenset({"pinned"})
+    kernel = _codes.STATIC
+
     def __init__(
         self,
         *args: Any,
@@ -194,32 +241,35 @@ class StaticCache(ExpertCache):
 
 @register_policy("belady")
 class BeladyCache(ExpertCache):
-    """Belady's MIN: evict the cached expert whose next use is farthest in the future.
+    """Belady's MIN: every miss is inserted, evicting the cached expert used again farthest
+    in the future (never used again counts as farthest; ties: the lowest key).
 
     Offline only: it is built from the whole :class:`AccessStream` (``stream``) and must be
-    driven with exactly that stream. With ``bypass=True`` (default) a missed expert is not
-    inserted when it is used again no sooner than every cached expert (or never): the
-    optimum when a miss may be served without caching (CPU compute).
-
-    Belady is the *bound*, so it is the exact optimum of a slightly larger set of schedules:
-    it sees accesses one at a time and may evict an expert the current step has already used
-    (the other policies never evict the current step's experts). Classic MIN optimality then
-    holds, and with it ``hits(belady) ≥ hits(any policy here)``, ``static`` included. (Under
-    the step-protection rule itself, farthest-next-use is not always optimal when a step
-    needs several experts.) ``bypass=False`` is MIN that inserts every miss.
+    driven with exactly that stream. Under ``insertion="always"`` (default) a step's hits are
+    served first, then its misses in access order, and "next use" counts in groups (one per
+    forward and MoE layer), as ProMoE's ``CachePolicyMIN`` (``cache.cpp``: ``use_times`` per
+    (layer, token); ``access_on_hit``/``access_on_miss`` set the priority to minus the next
+    use time; ``CacheMngr::miss`` always inserts, evicting the heap's farthest). With one
+    expert per step it is the most hits any schedule that inserts every miss can get; with
+    several it is close to but not always that optimum (see the module docstring):
+    ``belady-bypass`` is the bound. Under ``insertion="protect-step"`` it replays access by
+    access in stream order (positions as time) and may evict an expert its step already used.
     """
 
     needs_future = True
+    accepts_prefetch = False
+    params = frozenset()
+    kernel = _codes.BELADY
 
-    def __init__(self, *args: Any, stream: AccessStream | None = None, bypass: bool = True, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, stream: AccessStream | None = None, **kwargs: Any) -> None:
         if stream is None:
-            raise MoelabError("belady reads the future: build it with stream=<AccessStream> (offline only).")
+            raise MoelabError(f"{self.name} reads the future: build it with stream=<AccessStream> (offline only).")
         self.stream = stream
-        self.bypass = bypass
         super().__init__(*args, **kwargs)
 
     def _reset_policy(self) -> None:
-        self._nxt, first, self._never = belady_future(self.stream)
+        unit = "group" if self.insertion == "always" else "access"
+        self._nxt, first, self._never = belady_future(self.stream, unit)
         self._next = first.tolist()  # per key: when it is needed next, from now
         self._pos = 0
 
@@ -228,32 +278,58 @@ class BeladyCache(ExpertCache):
         got = self.stream.keys[self._pos : self._pos + len(keys)].tolist()
         if got != keys:
             raise MoelabError(
-                f"belady must replay its own stream: access #{self._pos} is {got}, called with {keys}."
+                f"{self.name} must replay its own stream: access #{self._pos} is {got}, called with {keys}."
             )
-        out = []
-        for key in keys:
-            self._clock += 1
-            hit = self._count(layer, key)
-            self._next[key] = int(self._nxt[self._pos])  # next use after this access
-            self._pos += 1
-            admit = not self.bypass or self._next[key] < self._never
-            if not hit and admit and self._make_room(self._partition(key), set(), key):
-                self._store(key, speculative=False)
-            self._last_use[key] = self._clock
-            out.append(hit)
+        at = list(range(self._pos, self._pos + len(keys)))
+        self._pos += len(keys)
+        if self.insertion == "protect-step":  # access by access, nothing protected
+            return [self._serve(layer, key, i) for key, i in zip(keys, at)]
+        out = [key in self._resident[self._partition(key)] for key in keys]
+        for key, i, hit in zip(keys, at, out):  # hits first
+            if hit:
+                self._serve(layer, key, i)
+        for key, i, hit in zip(keys, at, out):  # then the misses, in access order
+            if not hit:
+                self._serve(layer, key, i)
         return out
 
-    def _admit_prefetch(self, key: int) -> bool:
-        return not self.bypass or self._next[key] < self._never
+    def _serve(self, layer: int, key: int, i: int) -> bool:
+        self._clock += 1
+        hit = self._count(layer, key)
+        self._next[key] = int(self._nxt[i])  # next use after this access
+        if not hit and self._admit(key) and self._make_room(self._partition(key), set(), key):
+            self._store(key, speculative=False)
+        self._last_use[key] = self._clock
+        return hit
+
+    def _admit(self, key: int) -> bool:
+        return not self.bypasses or self._next[key] < self._never
 
     def _replace(self, key: int, victim: int) -> bool:
-        return not self.bypass or self._next[key] < self._next[victim]
+        return not self.bypasses or self._next[key] < self._next[victim]
 
     def _rank(self, key: int) -> tuple:
         return (1, -self._next[key], key)
 
     def _priority(self, key: int) -> tuple:
         return (-self._next[key],)
+
+
+@register_policy("belady-bypass")
+class BeladyBypassCache(BeladyCache):
+    """The bypassing optimum: Belady's MIN, except that a missed expert is not inserted when
+    it is used again no sooner than every cached expert (or never).
+
+    Under ``insertion="always"`` it keeps, after each step, the cached experts and misses with
+    the nearest next uses (at most the capacity): the most hits of any schedule whose step's
+    cached experts are hits and whose misses may each be inserted or not, so it bounds every
+    policy here under either insertion rule, ``static`` and ``belady`` included. With
+    ``insertion="protect-step"`` it is moelab's earlier ``belady`` (access-by-access optimum).
+    """
+
+    bypasses = True
+    params = frozenset()
+    kernel = _codes.BELADY
 
 
 def popular_keys(
@@ -284,7 +360,8 @@ def make_cache(
     """Build an online cache by policy name, e.g. ``make_cache("lru", [8] * 4, 0.25)``.
 
     Extra keyword arguments go to the policy (``alpha``, ``p``, ``top_k`` for ``mrs``;
-    ``profile``/``pinned`` for ``static``; ``stream`` for ``belady``; ``warm``, ``expert_bytes``).
+    ``profile``/``pinned`` for ``static``; ``stream`` for ``belady``/``belady-bypass``; ``warm``,
+    ``expert_bytes``, ``insertion``).
     """
     from moelab.caches.base import get_policy
 

@@ -52,6 +52,10 @@ class CacheResult:
     """``fast`` (compiled kernel) or ``reference`` (pure Python)."""
     model: str | None = None
     """Model name of the trace."""
+    insertion: str = "always"
+    """Insertion rule replayed: ``always`` (every miss inserted) or ``protect-step``."""
+    replay: str = "forward"
+    """Access order replayed: ``forward`` (one group per forward and layer) or ``sequence``."""
     hit: np.ndarray | None = field(default=None, repr=False)
     """(n,) uint8 hit flag per access (not serialised)."""
 
@@ -168,10 +172,12 @@ class CacheSweep:
                 )
         return pd.DataFrame(rows)
 
-    def belady_gap(self):
-        """Per (capacity, scope, prefetch): each policy's hit rate minus Belady's (no prefetch)."""
+    def belady_gap(self, bound: str = "belady"):
+        """Per (capacity, scope, prefetch): each policy's hit rate minus the ``bound`` policy's
+        (no prefetch): ``belady`` (MIN, bounds policies that insert every miss) or
+        ``belady-bypass`` (bounds every policy)."""
         df = self.to_frame()
-        bel = df[(df.policy == "belady") & (df.prefetch == "none")][["capacity_fraction", "scope", "hit_rate"]]
+        bel = df[(df.policy == bound) & (df.prefetch == "none")][["capacity_fraction", "scope", "hit_rate"]]
         bel = bel.rename(columns={"hit_rate": "belady_hit_rate"})
         out = df.merge(bel, on=["capacity_fraction", "scope"], how="left")
         out["gap_to_belady"] = out["hit_rate"] - out["belady_hit_rate"]

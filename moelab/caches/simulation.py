@@ -17,11 +17,19 @@ from typing import Any, Literal
 import numpy as np
 
 from moelab.caches import _fast
-from moelab.caches.base import ExpertCache, Scope, check_expert_bytes, get_policy, resolve_capacity
-from moelab.caches.policies import BeladyCache, mrs_p, nan_scores_message, popular_keys
+from moelab.caches.base import (
+    ExpertCache,
+    Insertion,
+    Scope,
+    check_expert_bytes,
+    check_insertion,
+    get_policy,
+    resolve_capacity,
+)
+from moelab.caches.policies import mrs_p, nan_scores_message, popular_keys
 from moelab.caches.prefetch import get_prefetcher, proposals
 from moelab.caches.results import CacheResult, CacheSweep
-from moelab.caches.stream import AccessStream, belady_future, build_stream
+from moelab.caches.stream import AccessStream, Replay, belady_future, build_stream
 from moelab.errors import MoelabError
 
 logger = logging.getLogger(__name__)
@@ -119,10 +127,16 @@ class PrefetchConfig:
 
 
 # ---------------------------------------------------------------------- streams from traces
-def load_stream(source: Any, include_prefill: bool = False, scores: bool = True) -> AccessStream:
+def load_stream(
+    source: Any, include_prefill: bool = False, scores: bool = True, replay: Replay = "forward"
+) -> AccessStream:
     """The access stream of a trace (``RoutingTrace``, a trace directory) or a stream as is.
 
     ``scores=False`` skips loading the router scores (they are only needed by ``mrs``).
+    ``replay``: ``forward`` (one group per forward pass and MoE layer: the batch's union, what
+    an online cache sees) or ``sequence`` (per sequence, step and layer); see
+    :mod:`moelab.caches.stream`. A given stream is returned as is (its order was chosen when
+    it was built).
     """
     if isinstance(source, AccessStream):
         return source
@@ -138,17 +152,25 @@ def load_stream(source: Any, include_prefill: bool = False, scores: bool = True)
         step=tr.column("step"),
         moe_layer=tr.column("moe_layer"),
         experts=tr.experts_array(),
-        weights=tr.weights_array() if include_prefill else None,
+        weights=tr.weights_array() if (include_prefill or replay == "forward") else None,
         num_experts=tr.num_experts_per_layer,
         top_k=tr.top_k_per_layer,
         scores=tr.scores_array() if (scores and tr.has_scores) else None,
         include_prefill=include_prefill,
         model_name=tr.meta["model"].get("name"),
+        replay=replay,
+        forward=tr.column("forward") if "forward" in _columns(tr) else None,
     )
     sizes = tr.meta["model"].get("expert_bytes")  # traces recorded before it was added lack it
     if sizes:
         object.__setattr__(stream, "expert_bytes", int(max(sizes)))
     return stream
+
+
+def _columns(tr: Any) -> set[str]:
+    """Column names of a trace (empty if the reader does not say)."""
+    parquet = getattr(tr, "_parquet", None)
+    return set(parquet.schema_arrow.names) if parquet is not None else set()
 
 
 # ---------------------------------------------------------------------- simulation
@@ -165,14 +187,16 @@ def simulate(
     expert_bytes: int | None = None,
     profile: Any = None,
     keep_hits: bool = False,
+    insertion: Insertion = "always",
+    replay: Replay = "forward",
     **policy_kwargs: Any,
 ) -> CacheResult:
     """Replay ``source``'s access stream through one policy at one capacity.
 
     Args:
         source: a ``RoutingTrace``, a trace directory, or an :class:`AccessStream`.
-        policy: a registered name (``lru``, ``lfu``, ``fifo``, ``static``, ``mrs``, ``belady``)
-            or an :class:`ExpertCache` subclass.
+        policy: a registered name (``lru``, ``lfu``, ``fifo``, ``static``, ``mrs``, ``belady``,
+            ``belady-bypass``) or an :class:`ExpertCache` subclass.
         capacity: fraction of the experts (float in (0, 1]) or a count (int), per partition.
         scope: ``layer`` (per-MoE-layer slots) or ``global`` (one pool for all layers).
         include_prefill: also replay the prompt (step 0) groups (only when building from a trace).
@@ -185,31 +209,42 @@ def simulate(
         profile: what ``static`` and ``warm`` rank popularity on: an AccessStream, a trace, or
             per-key counts; default the replayed stream itself (an optimistic profile).
         keep_hits: keep the per-access hit flags on the result (``result.hit``).
+        insertion: ``always`` (default; the published runtimes' rule: a step's hits are served
+            first, then every miss is inserted, its victim any resident expert) or
+            ``protect-step`` (moelab's earlier rule: a step's experts never evict each other,
+            a miss without another victim is not inserted). See :mod:`moelab.caches.base`.
+        replay: ``forward`` (default; one group per forward pass and MoE layer, the batch's
+            union) or ``sequence`` (per sequence, step and layer). Only when building from a
+            trace.
         policy_kwargs: policy parameters (``alpha``, ``p`` for mrs; ``reset_on_evict`` for
-            lfu; ``bypass`` for belady).
+            lfu; ``pinned`` for static).
     """
     cls = get_policy(policy)
-    stream = load_stream(source, include_prefill, scores=cls.uses_scores)
+    check_insertion(insertion)
+    stream = load_stream(source, include_prefill, scores=cls.needs_scores, replay=replay)
     return _simulate_stream(
-        stream, cls, capacity, scope, warm, prefetch, backend, expert_bytes, profile, keep_hits, policy_kwargs
+        stream, cls, capacity, scope, warm, prefetch, backend, expert_bytes, profile, keep_hits, insertion,
+        policy_kwargs,
     )
 
 
 def sweep(
     source: Any,
-    policies: Sequence[str] = ("lru", "lfu", "fifo", "static", "mrs", "belady"),
+    policies: Sequence[str] = ("lru", "lfu", "fifo", "static", "mrs", "belady", "belady-bypass"),
     capacities: Sequence[float | int] = (0.125, 0.25, 0.5, 0.75),
     scopes: Sequence[Scope] = ("layer",),
     prefetch: Sequence[PrefetchConfig | None] = (None,),
     *,
     include_prefill: bool = False,
     progress: bool = True,
+    replay: Replay = "forward",
     **kwargs: Any,
 ) -> CacheSweep:
     """Every combination of ``policies × capacities × scopes × prefetch``; the stream is built once.
 
-    Prefetch settings are not applied to ``belady`` (it stays the demand-caching bound) nor to
-    ``static`` (it ignores prefetches).
+    Prefetch settings are applied only to policies with ``accepts_prefetch`` (not to the
+    Belady bounds, which stay demand-caching bounds, nor to ``static``, which ignores them).
+    Other keyword arguments (``insertion``, ``warm``, ...) go to :func:`simulate`.
     """
     from tqdm.auto import tqdm
 
@@ -218,15 +253,15 @@ def sweep(
                                  ("scopes", scopes, "('layer',)"), ("prefetch", prefetch, "(None,)")):
         if isinstance(values, (str, bytes)) or len(values) == 0:
             raise MoelabError(f"sweep({arg}={values!r}): expected a non-empty sequence, e.g. {arg}={example}.")
-    need_scores = any(get_policy(p).uses_scores for p in policies)
-    stream = load_stream(source, include_prefill, scores=need_scores)
+    need_scores = any(get_policy(p).needs_scores for p in policies)
+    stream = load_stream(source, include_prefill, scores=need_scores, replay=replay)
     combos = [
         (p, c, s, pf)
         for pf in prefetch
         for s in scopes
         for p in policies
         for c in capacities
-        if pf is None or p not in ("belady", "static")
+        if pf is None or get_policy(p).accepts_prefetch
     ]
     results = [
         simulate(stream, p, c, s, prefetch=pf, **kwargs)
@@ -246,34 +281,35 @@ def _simulate_stream(
     expert_bytes: int | None,
     profile: Any,
     keep_hits: bool,
+    insertion: Insertion,
     policy_kwargs: dict[str, Any],
 ) -> CacheResult:
     slots = resolve_capacity(capacity, stream.num_experts, scope)
-    allowed = _PARAMS.get(cls.name) if get_policy(cls.name) is cls else None
+    allowed = cls.__dict__.get("params")
     if allowed is not None and set(policy_kwargs) - allowed:
         bad = ", ".join(sorted(set(policy_kwargs) - allowed))
         raise MoelabError(
             f"unknown parameter(s) for policy {cls.name!r}: {bad}; it takes: {', '.join(sorted(allowed)) or 'none'}."
         )
-    if cls.uses_scores and not stream.has_scores:
+    if cls.needs_scores and not stream.has_scores:
         raise MoelabError(f"policy {cls.name!r} needs router scores but the trace has none; {RECORD_SCORES_HINT}.")
     if expert_bytes is not None:
         check_expert_bytes(expert_bytes)
     size_known = bool(expert_bytes or stream.expert_bytes)
     expert_bytes = int(expert_bytes or stream.expert_bytes or 1)
     counts = None
-    if warm or cls.name == "static":
+    if warm or cls.needs_profile:
         counts = _profile_counts(profile if profile is not None else stream, stream)
     warm_keys = popular_keys(counts, stream.num_experts, slots, scope) if warm else []
-    if cls.name == "static":
+    if cls.needs_profile:
         policy_kwargs = {"profile": counts, **policy_kwargs}
 
     pf_ptr = np.zeros(stream.num_groups + 1, dtype=np.int64)
     pf_keys = np.zeros(0, dtype=np.int64)
     budget = None
     if prefetch is not None:
-        if cls.name == "static":
-            logger.info("static placement ignores prefetches")
+        if not cls.accepts_prefetch:
+            logger.info("%s ignores prefetches", cls.name or cls.__name__)
         if prefetch.needs_expert_bytes and not size_known:
             raise MoelabError(
                 "a prefetch budget in bytes needs the size of an expert, and the trace does not record it: "
@@ -282,7 +318,8 @@ def _simulate_stream(
         pf_ptr, pf_keys = proposals(get_prefetcher(prefetch.predictor), stream, prefetch.distance)
         budget = prefetch.experts_budget(expert_bytes)
 
-    fast_ok = _fast.HAVE_NUMBA and cls.name in _fast.POLICY_CODES and get_policy(cls.name) is cls
+    kernel = cls.__dict__.get("kernel")  # the class's own: a subclass that changes behaviour has none
+    fast_ok = _fast.HAVE_NUMBA and kernel is not None
     if backend == "fast" and not fast_ok:
         why = "numba is not installed" if not _fast.HAVE_NUMBA else f"{cls.__name__} has no compiled kernel"
         raise MoelabError(f"backend 'fast' is unavailable: {why}; use backend='reference'.")
@@ -290,11 +327,15 @@ def _simulate_stream(
         raise MoelabError(f"backend must be 'auto', 'fast' or 'reference', got {backend!r}.")
     use_fast = fast_ok and backend != "reference"
     if use_fast:
-        raw = _run_fast(stream, cls.name, slots, scope, warm_keys, counts, pf_ptr, pf_keys, budget, policy_kwargs)
+        raw = _run_fast(
+            stream, cls, slots, scope, warm_keys, pf_ptr, pf_keys, budget, insertion, policy_kwargs
+        )
     else:
-        if backend == "auto" and cls.name in _fast.POLICY_CODES and not _fast.HAVE_NUMBA:
+        if backend == "auto" and kernel is not None and not _fast.HAVE_NUMBA:
             logger.warning("numba is not installed: replaying %s in pure Python (slow)", cls.name)
-        raw = _run_reference(stream, cls, capacity, scope, warm_keys, pf_ptr, pf_keys, budget, expert_bytes, policy_kwargs)
+        raw = _run_reference(
+            stream, cls, capacity, scope, warm_keys, pf_ptr, pf_keys, budget, expert_bytes, insertion, policy_kwargs
+        )
 
     hit, counters, spec_left = raw
     key_layer = stream.key_layer()
@@ -330,19 +371,10 @@ def _simulate_stream(
         wasted_prefetches=int(counters[_fast.WASTED_EVICTED] + spec_left),
         backend="fast" if use_fast else "reference",
         model=stream.model_name,
+        insertion=insertion,
+        replay=stream.replay,
         hit=hit if keep_hits else None,
     )
-
-
-#: The parameters each built-in policy takes (besides capacity/scope/warm/prefetch).
-_PARAMS: dict[str, set[str]] = {
-    "lru": set(),
-    "fifo": set(),
-    "lfu": {"reset_on_evict"},
-    "mrs": {"alpha", "p"},
-    "static": {"pinned"},
-    "belady": {"bypass"},
-}
 
 
 def _profile_counts(profile: Any, stream: AccessStream) -> np.ndarray:
@@ -361,8 +393,8 @@ def _profile_counts(profile: Any, stream: AccessStream) -> np.ndarray:
     return counts
 
 
-def _run_fast(stream, name, slots, scope, warm_keys, counts, pf_ptr, pf_keys, budget, kw):
-    code = _fast.POLICY_CODES[name]
+def _run_fast(stream, cls, slots, scope, warm_keys, pf_ptr, pf_keys, budget, insertion, kw):
+    code = cls.kernel
     n, NK, G = stream.num_accesses, stream.num_keys, stream.num_groups
     key_layer = stream.key_layer().astype(np.int64)
     key_part = key_layer if scope == "layer" else np.zeros(NK, dtype=np.int64)
@@ -388,7 +420,7 @@ def _run_fast(stream, name, slots, scope, warm_keys, counts, pf_ptr, pf_keys, bu
             raise MoelabError(nan_scores_message(int(bad)))
     nxt, first, never = np.zeros(0, dtype=np.int64), np.zeros(NK, dtype=np.int64), 0
     if code == _fast.BELADY:
-        nxt, first, never = belady_future(stream)
+        nxt, first, never = belady_future(stream, "group" if insertion == "always" else "access")
     pinned = np.zeros(NK, dtype=np.bool_)
     if code == _fast.STATIC:
         keys = kw.get("pinned")
@@ -419,7 +451,8 @@ def _run_fast(stream, name, slots, scope, warm_keys, counts, pf_ptr, pf_keys, bu
         first,
         np.int64(never),
         pinned,
-        bool(kw.get("bypass", True)),
+        bool(cls.bypasses),
+        _fast.INSERTION_CODES[insertion],
         pf_ptr,
         pf_keys.astype(np.int64),
         np.int64(-1 if budget is None else budget),
@@ -431,13 +464,16 @@ def _run_fast(stream, name, slots, scope, warm_keys, counts, pf_ptr, pf_keys, bu
     return hit, counters, int(spec.sum())
 
 
-def _run_reference(stream, cls, capacity, scope, warm_keys, pf_ptr, pf_keys, budget, expert_bytes, kw):
+def _run_reference(stream, cls, capacity, scope, warm_keys, pf_ptr, pf_keys, budget, expert_bytes, insertion, kw):
     kwargs = dict(kw)
-    if cls.needs_future or issubclass(cls, BeladyCache):
+    if cls.needs_future:
         kwargs["stream"] = stream
-    if cls.uses_scores and "top_k" not in kwargs:
+    if cls.needs_scores and "top_k" not in kwargs:
         kwargs["top_k"] = stream.top_k.tolist()
-    cache = cls(stream.num_experts.tolist(), capacity, scope, expert_bytes=expert_bytes, warm=list(warm_keys), **kwargs)
+    cache = cls(
+        stream.num_experts.tolist(), capacity, scope, expert_bytes=expert_bytes, warm=list(warm_keys),
+        insertion=insertion, **kwargs,
+    )
     hit = np.zeros(stream.num_accesses, dtype=np.uint8)
     cur_pass, left = -1, budget
     for g in range(stream.num_groups):

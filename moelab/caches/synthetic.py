@@ -67,8 +67,15 @@ def synthetic_columns(
     return out
 
 
-def synthetic_stream(*, include_prefill: bool = False, scores: bool = True, **kwargs) -> AccessStream:
-    """An :class:`AccessStream` over :func:`synthetic_columns` (same keyword arguments)."""
+def synthetic_stream(
+    *, include_prefill: bool = False, scores: bool = True, replay: str = "forward", **kwargs
+) -> AccessStream:
+    """An :class:`AccessStream` over :func:`synthetic_columns` (same keyword arguments).
+
+    Decode steps of all ``num_seqs`` sequences form one forward (a batch), so with
+    ``replay="forward"`` (default) a group is their union; ``replay="sequence"`` gives one group
+    per sequence, step and layer.
+    """
     c = synthetic_columns(**kwargs)
     return build_stream(
         c["seq"],
@@ -81,4 +88,5 @@ def synthetic_stream(*, include_prefill: bool = False, scores: bool = True, **kw
         scores=c["scores"] if scores else None,
         include_prefill=include_prefill,
         model_name="synthetic",
+        replay=replay,
     )

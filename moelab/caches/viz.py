@@ -20,7 +20,7 @@ def hit_rate_curves(sweep: CacheSweep, scope: str = "layer", title: str | None =
     fig = go.Figure()
     for (policy, pf), d in df.groupby(["policy", "prefetch"], sort=False):
         name = policy if pf == "none" else f"{policy} + {pf}"
-        dash = "dash" if policy == "belady" else ("dot" if pf != "none" else "solid")
+        dash = "dash" if _is_bound(policy) else ("dot" if pf != "none" else "solid")
         fig.add_trace(
             go.Scatter(x=d.capacity_fraction, y=d.hit_rate, name=name, mode="lines+markers", line=dict(dash=dash))
         )
@@ -31,6 +31,16 @@ def hit_rate_curves(sweep: CacheSweep, scope: str = "layer", title: str | None =
         legend_title="policy",
     )
     return fig
+
+
+def _is_bound(policy: str) -> bool:
+    """Offline bounds (policies that read the future) are drawn dashed."""
+    from moelab.caches.base import get_policy
+
+    try:
+        return get_policy(policy).needs_future
+    except Exception:  # a result of a policy no longer registered: draw it solid
+        return False
 
 
 def layer_heatmap(sweep: CacheSweep, capacity_fraction: float | None = None, scope: str = "layer",
@@ -51,7 +61,7 @@ def layer_heatmap(sweep: CacheSweep, capacity_fraction: float | None = None, sco
     return fig
 
 
-def cache_panel(source: Any, policies: Sequence[str] = ("lru", "lfu", "fifo", "static", "mrs", "belady"),
+def cache_panel(source: Any, policies: Sequence[str] = ("lru", "lfu", "fifo", "static", "mrs", "belady", "belady-bypass"),
                 capacities: Sequence[float] = (0.125, 0.25, 0.5, 0.75)):
     """An ipywidgets panel: choose policy, capacity and scope; shows per-layer hit rates."""
     import ipywidgets as w

@@ -8,10 +8,11 @@ from moelab.errors import MoelabError
 
 def register(subparsers) -> None:
     p = subparsers.add_parser("cache", help="simulate expert caches (LRU, LFU, MRS, Belady, ...) over a trace")
+    policies = "lru,lfu,fifo,static,mrs,belady,belady-bypass"
     sub = p.add_subparsers(dest="cache_command", metavar="SUBCOMMAND")
     s = sub.add_parser("simulate", help="hit rates of cache policies at given capacities")
     s.add_argument("--trace", required=True, metavar="DIR", help="routing trace directory")
-    s.add_argument("--policy", default="lru,lfu,fifo,static,mrs,belady", help="comma-separated policies")
+    s.add_argument("--policy", default=policies, help="comma-separated policies")
     s.add_argument("--capacity", default="0.125,0.25,0.5,0.75",
                    help="comma-separated capacities: fractions (0.25, 25%%) or expert counts (2)")
     s.add_argument("--scope", default="layer", help="layer, global, or both (layer,global)")
@@ -36,6 +37,13 @@ def register(subparsers) -> None:
                    help="bytes per expert (default: the size recorded in the trace; traffic is also "
                    "reported in experts)")
     s.add_argument("--include-prefill", action="store_true", help="also replay the prompt tokens")
+    s.add_argument("--insertion", default="always", choices=["always", "protect-step"],
+                   help="always (default; the published runtimes' rule): a step's hits are served first, then every "
+                   "miss is inserted and may evict any cached expert; protect-step (moelab's earlier rule): a "
+                   "step's experts never evict each other, a miss without another victim is not inserted")
+    s.add_argument("--replay", default="forward", choices=["forward", "sequence"],
+                   help="forward (default): one access group per forward pass and MoE layer (the batch's union, "
+                   "what a running model's cache sees); sequence: per sequence, step and layer")
     s.add_argument("--warm", action="store_true", help="start with the most popular experts cached")
     s.add_argument("--json", action="store_true", help="machine-readable output")
     s.set_defaults(func=run_simulate)
@@ -46,7 +54,7 @@ def register(subparsers) -> None:
     b.add_argument("--top-k", type=int, default=8)
     b.add_argument("--capacity", default="0.25", help="comma-separated fractions")
     b.add_argument("--scope", default="both", help="layer, global, or both (layer,global)")
-    b.add_argument("--policy", default="lru,lfu,fifo,static,mrs,belady")
+    b.add_argument("--policy", default=policies)
     b.add_argument("--json", action="store_true")
     b.set_defaults(func=run_bench)
     p.set_defaults(func=lambda args: (p.print_help(), 2)[1])
@@ -107,32 +115,37 @@ def run_simulate(args) -> int:
                                                 latency_us=args.link_latency_us or 0.0)
         else:
             prefetch = PrefetchConfig(predictor, distance, args.budget, args.budget_bytes)
-    stream = load_stream(args.trace, args.include_prefill, scores=any(get_policy(p).uses_scores for p in policies))
+    stream = load_stream(args.trace, args.include_prefill, scores=any(get_policy(p).needs_scores for p in policies),
+                         replay=args.replay)
     results = []
     for sc in scopes:
         for p in policies:
             for c in capacities:
-                pf = prefetch if p not in ("belady", "static") else None
-                results.append(simulate(stream, p, c, sc, prefetch=pf, warm=args.warm, expert_bytes=args.expert_bytes))
+                pf = prefetch if get_policy(p).accepts_prefetch else None
+                results.append(simulate(stream, p, c, sc, prefetch=pf, warm=args.warm, expert_bytes=args.expert_bytes,
+                                        insertion=args.insertion))
+    ignoring = [p for p in policies if not get_policy(p).accepts_prefetch]
     if args.json:
-        emit_json({"trace": args.trace, "accesses": stream.num_accesses, "results": [r.to_dict() for r in results]})
+        emit_json({"trace": args.trace, "accesses": stream.num_accesses, "insertion": args.insertion,
+                   "replay": args.replay, "results": [r.to_dict() for r in results]})
         return 0
     print(f"trace {args.trace}: {stream.num_accesses} expert accesses, {stream.num_layers} MoE layers, "
-          f"E={stream.num_experts.tolist()}, {'with' if args.include_prefill else 'decode only, no'} prefill"
-          + (f"; prefetch {prefetch.describe(int(args.expert_bytes or stream.expert_bytes or 1))} "
-             "(not for belady/static)" if prefetch else ""))
+          f"E={stream.num_experts.tolist()}, {'with' if args.include_prefill else 'decode only, no'} prefill; "
+          f"insertion {args.insertion}, replay per {args.replay}"
+          + (f"; prefetch {prefetch.describe(int(args.expert_bytes or stream.expert_bytes or 1))}" if prefetch else "")
+          + (f" (not for {', '.join(ignoring)}: they ignore prefetches)" if prefetch and ignoring else ""))
     size = args.expert_bytes or stream.expert_bytes
     print(f"expert size: {size} bytes ({'--expert-bytes' if args.expert_bytes else 'recorded in the trace'})"
           if size else "expert size: unknown (the trace does not record it; pass --expert-bytes): "
           "traffic in experts only")
-    print(f"{'policy':<8} {'scope':<7} {'capacity':>8} {'hit rate':>9} {'misses':>8} {'moved (experts)':>15} "
+    print(f"{'policy':<13} {'scope':<7} {'capacity':>8} {'hit rate':>9} {'misses':>8} {'moved (experts)':>15} "
           f"{'moved (bytes)':>14}  per-layer hit rate")
     for r in results:
         cap = f"{r.capacity:.1%}" if isinstance(r.capacity, float) else str(r.capacity)
         layers = " ".join(f"{x:.2f}" for x in r.layer_hit_rate)
         extra = f"  [prefetched {r.prefetched}, hits {r.prefetch_hits}, wasted {r.wasted_prefetches}]" if r.prefetch else ""
         moved_bytes = str(r.bytes_moved) if size else "n/a"
-        print(f"{r.policy:<8} {r.scope:<7} {cap:>8} {r.hit_rate:>9.2%} {r.misses:>8} {r.transfers:>15} "
+        print(f"{r.policy:<13} {r.scope:<7} {cap:>8} {r.hit_rate:>9.2%} {r.misses:>8} {r.transfers:>15} "
               f"{moved_bytes:>14}  {layers}{extra}")
     return 0
 

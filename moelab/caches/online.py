@@ -1,0 +1,80 @@
+"""Drive an expert cache from a running model: one access per forward pass and MoE layer.
+
+A runtime calls :func:`access_forward` at every MoE layer of every forward with the router's
+output for the batch's tokens. The experts accessed are the union over the valid tokens,
+ordered by descending largest router weight (ties: lower expert id): the rule of
+:func:`moelab.caches.stream.ordered_union`, which the offline per-forward replay
+(``replay="forward"``) applies to a recorded trace, so that replaying a trace and driving the
+cache online give the same hits at any batch size.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from moelab.caches.base import ExpertCache
+from moelab.caches.stream import ordered_union
+from moelab.errors import MoelabError
+
+
+def _host(x: Any, dtype: Any) -> np.ndarray:
+    """A tensor (any device, any float dtype) or array as a NumPy array of ``dtype``."""
+    if hasattr(x, "detach"):  # torch.Tensor: bfloat16 has no NumPy dtype, so cast on device first
+        import torch
+
+        x = x.detach().to(device="cpu", dtype=torch.float32 if np.dtype(dtype).kind == "f" else torch.int64)
+        x = x.numpy()
+    return np.asarray(x, dtype=dtype)
+
+
+def forward_experts(experts: Any, weights: Any, valid: Any = None) -> tuple[np.ndarray, np.ndarray]:
+    """The experts a forward accesses at one MoE layer, in access order, and the valid rows.
+
+    ``experts``/``weights`` are (T, K) (``-1`` = no expert), ``valid`` (T,) bool or None (all
+    tokens real). Returns ``(expert ids (m,), indices of the valid rows)``.
+    """
+    ex = _host(experts, np.int64)
+    if ex.ndim == 1:
+        ex = ex[None, :]
+    w = _host(weights, np.float32).reshape(ex.shape)
+    rows = np.arange(len(ex)) if valid is None else np.flatnonzero(_host(valid, bool).reshape(-1))
+    if valid is not None and len(_host(valid, bool).reshape(-1)) != len(ex):
+        raise MoelabError(f"valid must have one entry per token ({len(ex)}), got {len(_host(valid, bool).reshape(-1))}.")
+    ex, w = ex[rows], w[rows]
+    _, union = ordered_union(np.zeros(len(ex), dtype=np.int64), ex, w, 1)
+    return union, rows
+
+
+def access_forward(
+    cache: ExpertCache,
+    moe_layer: int,
+    experts: Any,
+    weights: Any,
+    valid: Any = None,
+    scores: Any = None,
+) -> list[bool]:
+    """Serve one forward's MoE layer from ``cache``; returns hit/miss per accessed expert.
+
+    Args:
+        cache: an online cache (:func:`moelab.caches.make_cache`).
+        moe_layer: the MoE layer's ordinal (0..L-1), not its decoder-layer index.
+        experts: (T, K) selected expert ids of the batch's tokens (tensor on any device or
+            array; ``-1`` = no expert).
+        weights: (T, K) their router weights (orders the union).
+        valid: (T,) bool, False for padding tokens; None: every token is real.
+        scores: (T, E) router score vectors, for score-aware policies (``mrs``); only the
+            valid rows are used, in token order.
+    """
+    union, rows = forward_experts(experts, weights, valid)
+    sc = None
+    if scores is not None:
+        sc = _host(scores, np.float32)
+        sc = sc.reshape(-1, sc.shape[-1])[rows]
+    if len(union) == 0:
+        return []
+    return cache.access(moe_layer, union.tolist(), sc)
+
+
+__all__ = ["access_forward", "forward_experts"]
