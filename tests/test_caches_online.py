@@ -204,3 +204,37 @@ def test_unknown_insertion_rule_is_a_one_line_error_with_the_choices():
         simulate(s, "lru", 2, insertion="protect")
     with pytest.raises(MoelabError, match="always"):
         make_cache("lru", [4], 2, insertion="never")
+
+
+@pytest.mark.parametrize("prefill", [False, True])
+def test_a_cache_attached_through_the_forward_seam_equals_offline_replay_of_the_same_batch3_run(
+        tmp_path, prefill):
+    """One batch-3 ``generate`` drives a cache per policy and scope through ``attach_cache``
+    while the recorder writes the trace; replaying that trace per forward gives the same hits."""
+    import contextlib
+
+    import moelab
+    from moelab.caches.online import attach_cache
+    from moelab.models.tiny import build_tiny
+    from moelab.models.tokenizer import byte_tokenizer
+
+    model = build_tiny("qwen2_moe", seed=0)
+    tok = byte_tokenizer()
+    enc = tok(_prompts(3), return_tensors="pt", padding=True, padding_side="left")
+    num = [ly.num_experts for ly in moelab.moe_layers(model)]
+    top_k = [ly.top_k for ly in moelab.moe_layers(model)]
+    caches = {}
+    for policy in ONLINE:
+        if policy == "static":
+            continue  # needs a profile of the run it is part of
+        for scope, cap in [("layer", 0.25), ("global", 0.5)]:
+            extra = {"top_k": top_k} if policy == "mrs" else {}
+            caches[(policy, scope)] = make_cache(policy, num, cap, scope, **extra)
+    with contextlib.ExitStack() as stack, torch.no_grad():
+        rec = stack.enter_context(moelab.record(model, tmp_path / "t"))
+        for c in caches.values():
+            stack.enter_context(attach_cache(model, c, include_prefill=prefill))
+        model.generate(**enc, max_new_tokens=8, do_sample=False, pad_token_id=tok.pad_token_id)
+    for (policy, scope), c in caches.items():
+        off = simulate(rec.trace, policy, c.capacity, scope, include_prefill=prefill)
+        assert (c.hits, c.misses, c.evictions) == (off.hits, off.accesses - off.hits, off.evictions), (policy, scope)

@@ -188,3 +188,18 @@ def test_real_executor_equals_functional_and_its_events_are_consistent(mixtral, 
     import pandas as pd
 
     assert len(pd.read_parquet(tmp_path / "r" / "events.parquet")) == len(ev)
+
+
+@pytest.mark.parametrize("policy,scope", [("lru", "layer"), ("mrs", "global"), ("lfu", "layer")])
+def test_cache_decisions_equal_an_offline_replay_of_the_runs_own_trace(mixtral, tmp_path, policy, scope):
+    from moelab.caches import simulate
+
+    ids, mask = _inputs(3)
+    cfg = {"cache": {"capacity": 0.25, "policy": policy, "scope": scope},
+           "routing": {"deferred": 1, "min_immediate": 1}}
+    with moelab.record(mixtral, tmp_path / "t") as rec, moelab.hybrid(mixtral, cfg) as run:
+        _gen(mixtral, ids, mask, n=5)
+    off = simulate(rec.trace, policy, 0.25, scope, include_prefill=True, keep_hits=True)
+    online = [int(e in p.hits) for p in run.plans for e in p.accessed]
+    assert online == off.hit.tolist()
+    assert run.cache.hits == off.hits and run.cache.evictions == off.evictions

@@ -10,6 +10,8 @@ cache online give the same hits at any batch size.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
@@ -77,4 +79,42 @@ def access_forward(
     return cache.access(moe_layer, union.tolist(), sc)
 
 
-__all__ = ["access_forward", "forward_experts"]
+@contextmanager
+def attach_cache(model: Any, cache: ExpertCache, *, include_prefill: bool = False) -> Iterator[ExpertCache]:
+    """Drive ``cache`` from ``model``'s forwards inside the ``with`` block.
+
+    A handler at the ``router`` point of the model's forward hooks (:mod:`moelab.forward`,
+    level ``CACHE``) calls :func:`access_forward` once per forward and MoE layer with the
+    router's output and the forward's valid-token mask — decode forwards only unless
+    ``include_prefill`` (the default of offline replay), so a trace recorded during the same
+    forwards replays (``replay="forward"``) to the same hits. Removed on exit.
+
+    >>> with attach_cache(model, make_cache("lru", [8] * 4, 0.25)) as cache:
+    ...     model.generate(**inputs, max_new_tokens=16)
+    >>> cache.hit_rate
+    """
+    from moelab.adapters import make_routing
+    from moelab.forward import Order, forward_hooks
+
+    wants_scores = bool(getattr(cache, "needs_scores", False))
+
+    def on_router(ctx, layer, call) -> None:
+        if not include_prefill and ctx.phase != "decode":
+            return
+        if wants_scores:
+            r = make_routing(call.logits, call.weights, call.experts, layer.spec.scoring)
+            experts, weights, scores = r.experts, r.weights, r.scores
+        else:
+            experts, weights, scores = call.experts, call.weights, None
+        experts = experts.reshape(-1, experts.shape[-1])
+        access_forward(cache, layer.index, experts, weights.reshape(experts.shape),
+                       ctx.valid_or_ones(experts.shape[0], experts.device), scores)
+
+    handle = forward_hooks(model).add("router", on_router, order=Order.CACHE, name="online expert cache")
+    try:
+        yield cache
+    finally:
+        handle.remove()
+
+
+__all__ = ["access_forward", "attach_cache", "forward_experts"]

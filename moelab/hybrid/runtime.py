@@ -89,6 +89,8 @@ class LayerPlan:
     """(expert, tokens) pairs whose slots are deferred to the next MoE layer's output."""
     skipped: int = 0
     """(token, expert) slots dropped by skipping."""
+    accessed: list[int] = field(default_factory=list)
+    """Experts the layer needs, in the order the cache served them."""
     hits: list[int] = field(default_factory=list)
     misses: list[int] = field(default_factory=list)
     transfers: list[Transfer] = field(default_factory=list)
@@ -148,7 +150,7 @@ class HybridRun:
             if self.predictor is not None:
                 self._handles.append(mgr.add("router", self._on_router_predict, order=Order.PREFETCH,
                                              layers=self.predictor.source_layers(), name="hybrid prefetch"))
-            if self.cache is not None and self.cache.uses_scores:
+            if self.cache is not None and self.cache.needs_scores:
                 self._handles.append(mgr.add("router", self._on_router_scores, order=Order.CACHE,
                                              name="hybrid cache scores"))
             self._handles.append(mgr.add("plan", self._on_plan, order=Order.PLACEMENT, name="hybrid planner"))
@@ -234,7 +236,7 @@ class HybridRun:
         from moelab.caches import get_policy
 
         options = dict(c.options)
-        if get_policy(c.policy).uses_scores:
+        if get_policy(c.policy).needs_scores:
             options.setdefault("top_k", [layer.top_k for layer in self.layers])
         return make_cache(c.policy, nums, cap, c.scope, expert_bytes=max(self.expert_bytes), **options)
 
@@ -308,7 +310,7 @@ class HybridRun:
         run = state != DROPPED
         lp = LayerPlan(forward=ctx.index, step=ctx.step, phase=ctx.phase, layer=layer.index,
                        tokens=int(valid.sum()), skipped=int((~run).sum()))
-        needed, tokens = _needed(ids[run], w[run])
+        needed, tokens = _needed(torch.where(run, ids, torch.full_like(ids, -1)), w)
         deferred_ids = ids[state == DEFERRED]
         if deferred_ids.numel():
             e, n = torch.unique(deferred_ids, return_counts=True)
@@ -326,6 +328,7 @@ class HybridRun:
         hit_pairs = [(e, tokens[e]) for e, h in zip(needed, hits, strict=True) if h]
         miss_pairs = [(e, tokens[e]) for e, h in zip(needed, hits, strict=True) if not h]
         where = self.placement.place(hit_pairs, miss_pairs, self.cost) if miss_pairs else {}
+        lp.accessed = list(needed)
         lp.hits = [e for e, _ in hit_pairs]
         lp.misses = [e for e, _ in miss_pairs]
         lp.device = list(hit_pairs) + [(e, n) for e, n in miss_pairs if where[e] == FETCH]
@@ -443,20 +446,18 @@ class HybridRun:
 
 
 def _needed(ids: torch.Tensor, w: torch.Tensor) -> tuple[list[int], dict[int, int]]:
-    """The experts of the given slots, in descending max router weight (ties: lower id), and
-    how many slots (tokens) each has."""
+    """The experts of the slots that run (``-1`` elsewhere), in the caches' access order
+    (:func:`moelab.caches.online.forward_experts`: descending largest router weight, ties by
+    lower id), and how many slots (tokens) each has."""
+    from moelab.caches.online import forward_experts
+
     if ids.numel() == 0:
         return [], {}
-    flat_e = ids.reshape(-1).cpu().numpy()
-    flat_w = w.reshape(-1).cpu().numpy()
-    best: dict[int, float] = {}
-    count: dict[int, int] = {}
-    for e, x in zip(flat_e.tolist(), flat_w.tolist(), strict=True):
-        count[e] = count.get(e, 0) + 1
-        if e not in best or x > best[e]:
-            best[e] = x
-    order = sorted(best, key=lambda e: (-best[e], e))
-    return order, count
+    union, _ = forward_experts(ids, w)
+    flat = ids.reshape(-1).cpu().numpy()
+    flat = flat[flat >= 0]
+    counts = np.bincount(flat, minlength=int(flat.max()) + 1 if flat.size else 0)
+    return union.tolist(), {int(e): int(counts[e]) for e in union.tolist()}
 
 
 def hybrid(model: Any, config: HybridConfig | dict | str | Path | None = None) -> HybridRun:
