@@ -203,3 +203,30 @@ def test_cache_decisions_equal_an_offline_replay_of_the_runs_own_trace(mixtral, 
     online = [int(e in p.hits) for p in run.plans for e in p.accessed]
     assert online == off.hit.tolist()
     assert run.cache.hits == off.hits and run.cache.evictions == off.evictions
+
+
+def test_moelab_run_writes_trace_plans_and_timeline_and_refuses_bad_configs(tmp_path, capsys):
+    import json
+
+    import pandas as pd
+
+    from moelab.cli import main
+
+    cfg = tmp_path / "h.yaml"
+    cfg.write_text("cache: {capacity: 0.25, policy: mrs}\nplacement: greedy-hss\nhardware: pcie4-x16\n"
+                   "routing: {deferred: 1, min_immediate: 1}\nexecutor: real\n")
+    out = tmp_path / "run"
+    rc = main(["run", "--model", "tiny-random-mixtral", "--hybrid", str(cfg), "--task", "demo", "--limit", "2",
+               "--max-new-tokens", "3", "--out", str(out), "--json"])
+    assert rc == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "events.parquet", "plans.jsonl", "summary.json",
+                                                     "trace"]
+    assert moelab.open_trace(out / "trace").num_rows == summary["trace_rows"] > 0
+    ev = pd.read_parquet(out / "events.parquet")
+    assert {"expert-deferred", "dense"} <= set(ev["kind"]) and summary["plans"] > 0
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("cache: {capacity: 0.25}\nplacment: host-misses\n")
+    assert main(["run", "--model", "tiny-random-mixtral", "--hybrid", str(bad), "--task", "demo",
+                 "--out", str(tmp_path / "x")]) == 2
+    assert "unknown key 'placment'" in capsys.readouterr().err and not (tmp_path / "x").exists()

@@ -7,6 +7,7 @@ is claimed first and appears only when complete.
 
 from __future__ import annotations
 
+import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -42,10 +43,14 @@ def run_prompts(
         run = HybridRun(model, config)
         t0 = time.perf_counter()
         with run:
-            trace = trace_prompts(model, tokenizer, prompts, res.staging / "trace", max_new_tokens=max_new_tokens,
+            # recorded into a temporary directory first: the claim of OUT locks OUT's staging
+            # directory, where a second claim (the recorder's own) would wait on it
+            trace = trace_prompts(model, tokenizer, prompts, None, max_new_tokens=max_new_tokens,
                                   batch_size=batch_size, progress=progress, model_name=model_name,
                                   metadata={"hybrid": run.config.to_dict()})
         wall = time.perf_counter() - t0
+        shutil.move(str(trace.path), res.staging / "trace")
+        shutil.rmtree(Path(trace.path).parent, ignore_errors=True)
         run.write(res.staging)
         summary = {**run.summary(), "wall_s": wall, "prompts": len(prompts), "max_new_tokens": max_new_tokens,
                    "trace_rows": trace.num_rows, "plans": len(run.plans),
