@@ -238,3 +238,20 @@ def test_a_cache_attached_through_the_forward_seam_equals_offline_replay_of_the_
     for (policy, scope), c in caches.items():
         off = simulate(rec.trace, policy, c.capacity, scope, include_prefill=prefill)
         assert (c.hits, c.misses, c.evictions) == (off.hits, off.accesses - off.hits, off.evictions), (policy, scope)
+
+
+def test_forward_experts_small_and_large_paths_agree():
+    from moelab.caches import online
+
+    g = np.random.default_rng(0)
+    for T in (1, 3, 40):
+        ex = g.integers(-1, 12, size=(T, 4))
+        w = g.random((T, 4)).astype(np.float32)
+        w[:, 1] = w[:, 0]  # ties
+        small = online.forward_experts(ex, w)[0]
+        saved, online._SMALL = online._SMALL, -1
+        try:
+            large = online.forward_experts(ex, w)[0]
+        finally:
+            online._SMALL = saved
+        assert small.tolist() == large.tolist(), T

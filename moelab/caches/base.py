@@ -237,6 +237,16 @@ class ExpertCache:
             k - off for part in self._resident for k in part if self._key_layer[k] == layer
         )
 
+    def partition_keys(self, layer: int) -> set[int]:
+        """A copy of the keys cached in ``layer``'s partition (its own slots, or the global pool):
+        what an insertion into ``layer`` can evict. O(slots), for per-step bookkeeping."""
+        return set(self._resident[self._key_layer[self.key_offset_[layer]] if self.scope == "layer" else 0])
+
+    def layer_expert(self, key: int) -> tuple[int, int]:
+        """``(MoE layer, expert)`` of a global key (the inverse of :meth:`key`)."""
+        layer = self._key_layer[key]
+        return layer, int(key - self.key_offset_[layer])
+
     def resident_keys(self) -> np.ndarray:
         """(num_keys,) bool: which keys are cached now."""
         out = np.zeros(self.key_offset_[-1], dtype=bool)

@@ -45,8 +45,18 @@ def forward_experts(experts: Any, weights: Any, valid: Any = None) -> tuple[np.n
     if valid is not None and len(_host(valid, bool).reshape(-1)) != len(ex):
         raise MoelabError(f"valid must have one entry per token ({len(ex)}), got {len(_host(valid, bool).reshape(-1))}.")
     ex, w = ex[rows], w[rows]
+    if ex.size <= _SMALL and len(ex) > 1:  # ordered_union's rule in plain Python (numpy's per-call cost dominates)
+        best: dict[int, float] = {}
+        for e, x in zip(ex.ravel().tolist(), w.ravel().tolist(), strict=True):
+            if e >= 0 and (e not in best or x > best[e]):
+                best[e] = x
+        return np.array(sorted(best, key=lambda e: (-best[e], e)), dtype=np.int64), rows
     _, union = ordered_union(np.zeros(len(ex), dtype=np.int64), ex, w, 1)
     return union, rows
+
+
+#: Selections up to which :func:`forward_experts` orders in plain Python.
+_SMALL = 64
 
 
 def access_forward(

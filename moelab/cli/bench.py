@@ -16,7 +16,7 @@ BASELINES: tuple[str, ...] = ("eager", "grouped_mm")
 
 
 def register(subparsers) -> None:
-    p = subparsers.add_parser("bench", help="benchmarks (kernels)", description="Benchmarks on this machine.")
+    p = subparsers.add_parser("bench", help="benchmarks (kernels, hybrid)", description="Benchmarks on this machine.")
     sub = p.add_subparsers(dest="bench_command", metavar="BENCHMARK")
     k = sub.add_parser(
         "kernels",
@@ -37,7 +37,25 @@ def register(subparsers) -> None:
     k.add_argument("--quick", action="store_true", help="T=1 and 256 only, first shape, 3 repetitions")
     k.add_argument("--json", action="store_true", help="print the results as JSON instead of a table")
     k.set_defaults(func=run_kernels)
+    h = sub.add_parser(
+        "hybrid",
+        help="hybrid runtime: planner cost, functional overhead, real executor on realistic shapes",
+        description="Planner cost per MoE layer and step on the bundled models, the functional executor "
+        "against the plain model, and the real executor's decode step on DeepSeek-V2-Lite-shaped layers for "
+        "deferral 0..4 and device capacity 0/25/50 % (moelab.hybrid.bench).",
+    )
+    h.add_argument("--layers", type=positive_int, default=3, help="MoE layers of the realistic model (default 3)")
+    h.add_argument("--steps", type=positive_int, default=8, help="decode steps per realistic point (default 8)")
+    h.add_argument("--skip-realistic", action="store_true", help="only the planner and functional checks")
+    h.set_defaults(func=run_hybrid)
     p.set_defaults(func=lambda args: (p.print_help(), 2)[1])
+
+
+def run_hybrid(args) -> int:
+    from moelab.hybrid.bench import run
+
+    run(["moelab-tiny-mixtral", "moelab-tiny-qwen2moe"], args.layers, args.steps, not args.skip_realistic)
+    return 0
 
 
 def run_kernels(args) -> int:

@@ -131,16 +131,35 @@ class GreedyHSS(Placement):
     needs_cost_model = True
 
     def place(self, hits, misses, cost):
-        hits_sorted = sorted(hits, key=lambda p: (-p[1], p[0]))  # device: heaviest first
-        host = sorted(misses, key=lambda p: (p[1], p[0]))  # host: lightest first
-        fetch: list[tuple[int, int]] = []
-        best = max(lanes_us(hits_sorted, fetch, host, cost))
-        for cand in sorted(misses, key=lambda p: (-p[1], p[0])):  # the link moves the heaviest first
-            trial_host = [p for p in host if p != cand]
-            t = max(lanes_us(hits_sorted, [*fetch, cand], trial_host, cost))
-            if t < best:
-                best, host, fetch = t, trial_host, [*fetch, cand]
-        return {e: (FETCH if (e, n) in fetch else HOST) for e, n in misses}
+        # incremental form of: start with every miss on the host; take uncached experts heaviest
+        # first and fetch one while that lowers max(device finish, host finish) (lanes_us)
+        dcost, hcost = _memo(cost.device_us), _memo(cost.host_us)
+        fetch_us = cost.fetch_us()
+        dev = sum(dcost(n) for _, n in hits)
+        host = sum(hcost(n) for _, n in misses)
+        link = 0.0
+        best = max(dev, host)
+        fetched: set[int] = set()
+        for e, n in sorted(misses, key=lambda p: (-p[1], p[0])):
+            nl = link + fetch_us
+            nd = max(dev, nl) + dcost(n)
+            nh = host - hcost(n)
+            if max(nd, nh) < best:
+                link, dev, host, best = nl, nd, nh, max(nd, nh)
+                fetched.add(e)
+        return {e: (FETCH if e in fetched else HOST) for e, _ in misses}
+
+
+def _memo(fn):
+    seen: dict[int, float] = {}
+
+    def f(n: int) -> float:
+        v = seen.get(n)
+        if v is None:
+            v = seen[n] = fn(n)
+        return v
+
+    return f
 
 
 @PLACEMENTS.register("min-cost")

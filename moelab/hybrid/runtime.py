@@ -34,6 +34,7 @@ model's own experts implementation on both sides).
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -119,9 +120,14 @@ class HybridRun:
         self.model = _unwrap(model)
         self.config = _as_config(config)
         self.plans: list[LayerPlan] = []
+        self.timing_reset()
         self._handles: list[Handle] = []
         self._policies: list = []
         self.active_ = False
+
+    def timing_reset(self) -> None:
+        """Zero the planner's own time counters (``self.timing``: ns in the planner and the predictor)."""
+        self.timing = {"planner_ns": 0, "predictor_ns": 0, "plans": 0}
 
     # ------------------------------------------------------------------ lifecycle
     def __enter__(self) -> HybridRun:
@@ -290,6 +296,13 @@ class HybridRun:
         ctx.scratch[("hybrid-logits", layer.index)] = call.logits
 
     def _on_router_predict(self, ctx: ForwardContext, layer, call: RouterCall) -> None:
+        t0 = time.perf_counter_ns()
+        try:
+            self._predict(ctx, layer, call)
+        finally:
+            self.timing["predictor_ns"] += time.perf_counter_ns() - t0
+
+    def _predict(self, ctx: ForwardContext, layer, call: RouterCall) -> None:
         hidden = call.hidden.reshape(-1, call.hidden.shape[-1])
         valid = ctx.valid(hidden.device)
         if valid is not None and valid.numel() == hidden.shape[0]:
@@ -302,47 +315,60 @@ class HybridRun:
         ctx.scratch[("hybrid-prefetch", layer.index + self.predictor.distance)] = union_predictions(pred).tolist()
 
     def _on_plan(self, ctx: ForwardContext, layer, call: ExpertsCall) -> None:
-        plan = call.plan
-        valid = plan.valid
-        state = plan.state[valid]
-        ids = plan.experts[valid]
-        w = plan.weights[valid].float()
-        run = state != DROPPED
-        lp = LayerPlan(forward=ctx.index, step=ctx.step, phase=ctx.phase, layer=layer.index,
-                       tokens=int(valid.sum()), skipped=int((~run).sum()))
-        needed, tokens = _needed(torch.where(run, ids, torch.full_like(ids, -1)), w)
-        deferred_ids = ids[state == DEFERRED]
-        if deferred_ids.numel():
-            e, n = torch.unique(deferred_ids, return_counts=True)
-            lp.deferred = list(zip(e.tolist(), n.tolist(), strict=True))
+        t0 = time.perf_counter_ns()
+        try:
+            self._plan_layer(ctx, layer, call)
+        finally:
+            self.timing["planner_ns"] += time.perf_counter_ns() - t0
+            self.timing["plans"] += 1
+
+    def _plan_layer(self, ctx: ForwardContext, layer, call: ExpertsCall) -> None:
+        # one host copy of the layer's routing, then plain numpy/Python on a few dozen values
+        plan = call._plan
+        K = call.experts.shape[-1]
+        ids = call.experts.reshape(-1, K).cpu().numpy()
+        w = (plan.weights if plan is not None else call.weights).reshape(-1, K).float().cpu().numpy()
+        mask = ctx.mask_cpu
+        valid = mask.reshape(-1) if mask is not None and mask.size == ids.shape[0] else None
+        state = plan.state.cpu().numpy() if plan is not None else None
+        if valid is not None:
+            ids, w = ids[valid], w[valid]
+            state = state[valid] if state is not None else None
+        lp = LayerPlan(forward=ctx.index, step=ctx.step, phase=ctx.phase, layer=layer.index, tokens=len(ids))
+        if state is not None:
+            run = state != DROPPED
+            lp.skipped = int((~run).sum())
+            ids_run = np.where(run, ids, -1)
+            d = ids[state == DEFERRED]
+            if d.size:
+                e, n = np.unique(d, return_counts=True)
+                lp.deferred = list(zip(e.tolist(), n.tolist(), strict=True))
+        else:
+            ids_run = ids
+        needed, tokens = _needed(ids_run, w)
         cache = self.cache
         nbytes = self.expert_bytes[layer.index]
         if cache is None:
             hits = [False] * len(needed)
         else:
             scores = self._scores(ctx, layer, valid)
-            before = set(cache.contents(layer.index)) if cache.scope == "layer" else None
-            before_all = cache.resident_keys() if before is None else None
+            before = cache.partition_keys(layer.index)
             hits = cache.access(layer.index, needed, scores)
-            lp.evictions = self._evicted(layer.index, before, before_all)
+            after = cache.partition_keys(layer.index)
+            lp.evictions = [cache.layer_expert(k) for k in sorted(before - after)]
         hit_pairs = [(e, tokens[e]) for e, h in zip(needed, hits, strict=True) if h]
         miss_pairs = [(e, tokens[e]) for e, h in zip(needed, hits, strict=True) if not h]
         where = self.placement.place(hit_pairs, miss_pairs, self.cost) if miss_pairs else {}
-        lp.accessed = list(needed)
+        lp.accessed = needed
         lp.hits = [e for e, _ in hit_pairs]
         lp.misses = [e for e, _ in miss_pairs]
-        lp.device = list(hit_pairs) + [(e, n) for e, n in miss_pairs if where[e] == FETCH]
+        lp.device = hit_pairs + [(e, n) for e, n in miss_pairs if where[e] == FETCH]
         lp.host = [(e, n) for e, n in miss_pairs if where[e] == HOST]
-        if cache is not None:
-            resident = set(cache.contents(layer.index)) if cache.scope == "layer" else None
-            for e, _ in miss_pairs:
-                inserted = resident is None or e in resident
-                if where[e] == FETCH:
-                    lp.transfers.append(Transfer(layer.index, e, nbytes, "demand"))
-                elif inserted:
-                    lp.transfers.append(Transfer(layer.index, e, nbytes, "insert"))
-        else:
-            lp.transfers = [Transfer(layer.index, e, nbytes, "demand") for e, n in miss_pairs if where[e] == FETCH]
+        for e, _ in miss_pairs:
+            if where[e] == FETCH:
+                lp.transfers.append(Transfer(layer.index, e, nbytes, "demand"))
+            elif cache is not None and cache.key(layer.index, e) in after:
+                lp.transfers.append(Transfer(layer.index, e, nbytes, "insert"))
         self._prefetch(ctx, layer.index, lp)
         self.plans.append(lp)
         ctx.scratch[("hybrid-plan", layer.index)] = lp
@@ -355,35 +381,22 @@ class HybridRun:
         if experts is None or target >= len(self.layers):
             return
         cache = self.cache
-        before = set(cache.contents(target)) if cache.scope == "layer" else None
-        before_all = cache.resident_keys() if before is None else None
-        moved_before = cache.prefetched
-        cache.prefetch(target, experts, self.config.prefetch.budget)
-        if cache.prefetched > moved_before:
-            now = set(cache.contents(target))
-            for e in experts:
-                if e in now and (before is None or e not in before):
-                    lp.transfers.append(Transfer(target, e, self.expert_bytes[target], "prefetch"))
-        lp.evictions += self._evicted(target, before, before_all)
+        before = cache.partition_keys(target)
+        if cache.prefetch(target, experts, self.config.prefetch.budget):
+            after = cache.partition_keys(target)
+            for k in sorted(after - before, key=lambda k: experts.index(cache.layer_expert(k)[1])):
+                lp.transfers.append(Transfer(target, cache.layer_expert(k)[1], self.expert_bytes[target], "prefetch"))
+            lp.evictions += [cache.layer_expert(k) for k in sorted(before - after)]
 
-    def _scores(self, ctx: ForwardContext, layer, valid: torch.Tensor) -> np.ndarray | None:
+    def _scores(self, ctx: ForwardContext, layer, valid: np.ndarray | None) -> np.ndarray | None:
         logits = ctx.scratch.pop(("hybrid-logits", layer.index), None)
         if logits is None:
             return None
         logits = logits.reshape(-1, logits.shape[-1])
-        if logits.shape[0] == valid.numel():
-            logits = logits[valid.to(logits.device)]
+        if valid is not None and logits.shape[0] == valid.size:
+            logits = logits[torch.from_numpy(valid).to(logits.device)]
         s = logits.float().softmax(-1) if layer.spec.scoring == "softmax" else logits.float().sigmoid()
         return s.detach().cpu().numpy()
-
-    def _evicted(self, layer: int, before: set[int] | None, before_all: np.ndarray | None) -> list[tuple[int, int]]:
-        cache = self.cache
-        if before is not None:
-            return [(layer, e) for e in sorted(before - set(cache.contents(layer)))]
-        gone = np.flatnonzero(before_all & ~cache.resident_keys())
-        off = cache.key_offset_
-        return [(int(np.searchsorted(off, k, side="right") - 1), int(k - off[np.searchsorted(off, k, side="right") - 1]))
-                for k in gone]
 
     # ------------------------------------------------------------------ results
     def plan_table(self):
@@ -445,19 +458,18 @@ class HybridRun:
         }, indent=2))
 
 
-def _needed(ids: torch.Tensor, w: torch.Tensor) -> tuple[list[int], dict[int, int]]:
+def _needed(ids: np.ndarray, w: np.ndarray) -> tuple[list[int], dict[int, int]]:
     """The experts of the slots that run (``-1`` elsewhere), in the caches' access order
     (:func:`moelab.caches.online.forward_experts`: descending largest router weight, ties by
     lower id), and how many slots (tokens) each has."""
     from moelab.caches.online import forward_experts
 
-    if ids.numel() == 0:
+    if ids.size == 0:
         return [], {}
     union, _ = forward_experts(ids, w)
-    flat = ids.reshape(-1).cpu().numpy()
-    flat = flat[flat >= 0]
-    counts = np.bincount(flat, minlength=int(flat.max()) + 1 if flat.size else 0)
-    return union.tolist(), {int(e): int(counts[e]) for e in union.tolist()}
+    flat = ids[ids >= 0]
+    counts = np.bincount(flat) if flat.size else np.zeros(0, dtype=np.int64)
+    return union.tolist(), {e: int(counts[e]) for e in union.tolist()}
 
 
 def hybrid(model: Any, config: HybridConfig | dict | str | Path | None = None) -> HybridRun:
