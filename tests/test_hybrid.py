@@ -230,3 +230,18 @@ def test_moelab_run_writes_trace_plans_and_timeline_and_refuses_bad_configs(tmp_
     assert main(["run", "--model", "tiny-random-mixtral", "--hybrid", str(bad), "--task", "demo",
                  "--out", str(tmp_path / "x")]) == 2
     assert "unknown key 'placment'" in capsys.readouterr().err and not (tmp_path / "x").exists()
+
+
+def test_eval_under_a_hybrid_config_scores_what_the_policy_scores_and_records_the_config():
+    from moelab.evals import EvalConfig, evaluate
+
+    model, tok = moelab.load("tiny-random-mixtral")
+    cfg = EvalConfig(tasks=["arith"], limit=4, max_gen_toks=8)
+    with ExpertDeferral(model, 1, min_immediate=1):
+        want = evaluate(model, tok, config=cfg)
+    with moelab.hybrid(model, {"cache": {"capacity": 0.25, "policy": "lru"}, "placement": "fetch-misses",
+                               "routing": {"deferred": 1, "min_immediate": 1}}):
+        got = evaluate(model, tok, config=cfg)
+    assert got.tasks["arith"].metrics == want.tasks["arith"].metrics
+    assert got.hybrid["placement"] == "fetch-misses" and want.hybrid is None
+    assert [p["policy"] for p in got.policies] == ["ExpertDeferral"]

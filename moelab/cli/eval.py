@@ -86,6 +86,8 @@ def register(subparsers) -> None:
         "--out", metavar="DIR", help="write results.json and per-sample logs to this new directory"
     )
     p.add_argument("--overwrite", action="store_true", help="replace an existing --out directory")
+    p.add_argument("--hybrid", metavar="CONFIG", help="score the model under a hybrid configuration (YAML; the "
+                   "same file `moelab run` times); not together with --deferred/--skipped")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.set_defaults(func=run)
 
@@ -108,6 +110,15 @@ def model_context(args, model: Any) -> Iterator[Any]:
     """The model as it should be scored: with the routing policy the flags ask for, if any."""
     from moelab.cli.policy_args import policy_context
 
+    if getattr(args, "hybrid", None):
+        from moelab.errors import MoelabError
+        from moelab.hybrid.runtime import HybridRun
+
+        if getattr(args, "deferred", None) or getattr(args, "skipped", None):
+            raise MoelabError("--hybrid already names its routing (routing: in the YAML); drop --deferred/--skipped.")
+        with HybridRun(model, args.hybrid):
+            yield model
+        return
     with policy_context(args, model) as scored:
         yield scored
 
@@ -131,6 +142,10 @@ def run(args) -> int:
         sandbox_isolation=args.sandbox_isolation,
     )
     _, _, out = preflight(config, args.out, args.overwrite)  # bad tasks, data, output: fail before loading
+    if args.hybrid:
+        from moelab.hybrid.config import HybridConfig
+
+        HybridConfig.from_yaml(args.hybrid)  # a bad configuration fails before the model loads
     # claim --out before loading the model: a second `moelab eval` to it is refused now
     claim = None
     if out is not None:

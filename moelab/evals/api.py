@@ -51,6 +51,21 @@ def _active_policies(model: Any) -> list[dict[str, Any]]:
     return out
 
 
+def _active_hybrid(model: Any) -> dict[str, Any] | None:
+    """The hybrid configuration applied to ``model`` (as data), or None."""
+    import sys
+
+    if "moelab.hybrid.runtime" not in sys.modules:  # never applied in this process
+        return None
+    import torch
+
+    from moelab.hybrid.runtime import active_hybrid
+
+    target = getattr(model, "model", model) if _is_lm_eval_lm(model) else model
+    run = active_hybrid(target) if isinstance(target, torch.nn.Module) else None
+    return run.config.to_dict() if run is not None else None
+
+
 def evaluate(
     model: Any,
     tokenizer: Any = None,
@@ -119,6 +134,7 @@ def _evaluate(
     if not _is_lm_eval_lm(model):
         _check_generative(model, tokenizer)
     policies = _active_policies(model)
+    hybrid = _active_hybrid(model)
     results: dict[str, TaskResult] = {}
     samples: dict[str, list[dict]] = {}
     sandbox = _sandbox_config(config)
@@ -145,6 +161,7 @@ def _evaluate(
         versions=versions(),
         samples_dir=str(out_dir) if out_dir is not None else None,
         policies=policies,
+        hybrid=hybrid,
         code_isolation=code_isolation,
     )
     if reservation is not None:

@@ -104,6 +104,8 @@ class EvalResult:
     policies: list[dict[str, Any]] = field(default_factory=list)
     """Routing policies active on the model while it was scored (class and settings), in
     the order applied; empty for the unmodified model."""
+    hybrid: dict[str, Any] | None = None
+    """The hybrid configuration (``moelab.hybrid``) the model was scored under, or None."""
     code_isolation: str | None = None
     """The isolation level of the sandbox that ran model-generated code (``namespaces``,
     ``rlimits``); None when no task ran generated code."""

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import logging
 import time
+import weakref
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -111,6 +112,16 @@ def _as_config(config: HybridConfig | dict | str | Path | None) -> HybridConfig:
     raise MoelabError(f"config must be a HybridConfig, a dict or a YAML path, got {type(config).__name__}.")
 
 
+_ACTIVE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def active_hybrid(model: Any) -> HybridRun | None:
+    """The hybrid run applied to ``model`` now, if any."""
+    from moelab.adapters import _unwrap
+
+    return _ACTIVE.get(_unwrap(model))
+
+
 class HybridRun:
     """A hybrid configuration applied to a model; a reversible context manager."""
 
@@ -140,6 +151,8 @@ class HybridRun:
     def apply(self) -> HybridRun:
         if self.active_:
             raise MoelabError("this hybrid run is already applied; exit it first or create another.")
+        if _ACTIVE.get(self.model) is not None:
+            raise MoelabError("another hybrid configuration is applied to this model; exit it first.")
         from moelab.adapters import expert_bytes, moe_layers
 
         cfg = self.config
@@ -164,6 +177,7 @@ class HybridRun:
         except BaseException:
             self.remove()
             raise
+        _ACTIVE[self.model] = self
         self.active_ = True
         return self
 
@@ -214,6 +228,8 @@ class HybridRun:
                                                                                            weights)
 
     def remove(self) -> None:
+        if _ACTIVE.get(self.model) is self:
+            del _ACTIVE[self.model]
         ex = getattr(self, "_executor", None)
         if ex is not None:
             ex.close()
