@@ -148,6 +148,8 @@ def workdir(tmp_path_factory):
         '{"text": "Question: Tom has 3 apples and buys 4 more. How many apples does he have?\\nAnswer:"}\n'
         '{"text": "def add(a, b):"}\n'
     )
+    # the bundled predictors, where a reader in the repository finds them (predictors/...)
+    (work / "predictors").symlink_to(ROOT / "predictors", target_is_directory=True)
     env = dict(os.environ)
     env["PATH"] = f"{bin_dir}{os.pathsep}{env.get('PATH', '')}"
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [env.get("PYTHONPATH")])])
