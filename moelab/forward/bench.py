@@ -29,7 +29,8 @@ from moelab.forward.points import hooks
 
 
 @torch.no_grad()
-def _loop(model, ids, steps: int) -> float:
+def decode_loop(model, ids, steps: int) -> float:
+    """Seconds per greedy decode step of a KV-cache loop after a prefill of ``ids`` (batch 1)."""
     from transformers import DynamicCache
 
     cache = DynamicCache(config=model.config)
@@ -54,14 +55,14 @@ def run(model_name: str | None = None, steps: int = 256, repeats: int = 7) -> di
         _ = call.plan
 
     settings = {
-        "plain": lambda: _loop(model, ids, steps),
-        "after": lambda: _loop(model, ids, steps),
+        "plain": lambda: decode_loop(model, ids, steps),
+        "after": lambda: decode_loop(model, ids, steps),
         "context": lambda: _scoped(model, ids, steps, forward=lambda ctx: None),
         "experts": lambda: _scoped(model, ids, steps, plan=plan_noop),
     }
     with hooks(model, forward=lambda ctx: None, plan=plan_noop):
-        _loop(model, ids, 4)  # register, run and remove once: "after" measures what is left
-    _loop(model, ids, 8)  # warm-up
+        decode_loop(model, ids, 4)  # register, run and remove once: "after" measures what is left
+    decode_loop(model, ids, 8)  # warm-up
     times: dict[str, list[float]] = {k: [] for k in settings}
     for _ in range(repeats):
         for k, fn in settings.items():
@@ -79,7 +80,7 @@ def run(model_name: str | None = None, steps: int = 256, repeats: int = 7) -> di
 
 def _scoped(model, ids, steps: int, **handlers) -> float:
     with hooks(model, **handlers):
-        return _loop(model, ids, steps)
+        return decode_loop(model, ids, steps)
 
 
 def main(argv: list[str] | None = None) -> int:

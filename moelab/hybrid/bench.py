@@ -21,24 +21,12 @@ Three measurements, printed as tables:
 from __future__ import annotations
 
 import statistics
-import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
-
-@torch.no_grad()
-def _decode(model, ids, steps: int) -> float:
-    from transformers import DynamicCache
-
-    out = model(input_ids=ids, past_key_values=DynamicCache(config=model.config), use_cache=True)
-    nxt = out.logits[:, -1:].argmax(-1)
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        out = model(input_ids=nxt, past_key_values=out.past_key_values, use_cache=True)
-        nxt = out.logits[:, -1:].argmax(-1)
-    return (time.perf_counter() - t0) / steps
+from moelab.forward.bench import decode_loop as _decode
 
 
 def planner_cost(model_name: str, steps: int = 64) -> dict[str, Any]:
