@@ -45,7 +45,10 @@ def forward_experts(experts: Any, weights: Any, valid: Any = None) -> tuple[np.n
     if valid is not None and len(_host(valid, bool).reshape(-1)) != len(ex):
         raise MoelabError(f"valid must have one entry per token ({len(ex)}), got {len(_host(valid, bool).reshape(-1))}.")
     ex, w = ex[rows], w[rows]
-    if ex.size <= _SMALL and len(ex) > 1:  # ordered_union's rule in plain Python (numpy's per-call cost dominates)
+    if len(ex) == 1:  # one token: its experts in router order (ordered_union's one-row rule)
+        row = ex[0]
+        return row[row >= 0].astype(np.int64), rows
+    if ex.size <= _SMALL:  # ordered_union's rule in plain Python (numpy's per-call cost dominates)
         best: dict[int, float] = {}
         for e, x in zip(ex.ravel().tolist(), w.ravel().tolist(), strict=True):
             if e >= 0 and (e not in best or x > best[e]):
