@@ -247,7 +247,8 @@ def test_eval_under_a_hybrid_config_scores_what_the_policy_scores_and_records_th
     assert [p["policy"] for p in got.policies] == ["ExpertDeferral"]
 
 
-def test_cache_and_prefetch_decisions_equal_an_offline_replay_with_the_same_predictor(tmp_path):
+@pytest.mark.parametrize("batch", [1, 3])
+def test_cache_and_prefetch_decisions_equal_an_offline_replay_with_the_same_predictor(tmp_path, batch):
     from pathlib import Path
 
     from moelab.caches import simulate
@@ -260,9 +261,11 @@ def test_cache_and_prefetch_decisions_equal_an_offline_replay_with_the_same_pred
     cfg = {"cache": {"capacity": 0.25, "policy": "lru"}, "prefetch": {"predictor": str(pred_dir), "distance": 1}}
     with (moelab.record(model, tmp_path / "t", hidden_states=True, hidden_dtype="float32") as rec,
           moelab.hybrid(model, cfg) as run):
-        for p in ["Question: Tom has 3 apples and 4 more?\nAnswer:", "Question: 7 + 8 =?\nAnswer:"]:
-            model.generate(**tok([p], return_tensors="pt"), max_new_tokens=6, do_sample=False,
-                           pad_token_id=tok.pad_token_id)
+        prompts = ["Question: Tom has 3 apples and 4 more?\nAnswer:", "Question: 7 + 8 =?\nAnswer:",
+                   "Question: 12 - 5?\nAnswer:"]
+        for i in range(0, 3, batch):
+            enc = tok(prompts[i:i + batch], return_tensors="pt", padding=True, padding_side="left")
+            model.generate(**enc, max_new_tokens=6, do_sample=False, pad_token_id=tok.pad_token_id)
     off = simulate(rec.trace, "lru", 0.25, "layer", include_prefill=True, keep_hits=True,
                    prefetch=PrefetchConfig(as_prefetcher(predictor, rec.trace), 1))
     assert [int(e in p.hits) for p in run.plans for e in p.accessed] == off.hit.tolist()

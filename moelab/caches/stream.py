@@ -60,7 +60,8 @@ class AccessStream:
     """(G,) int64 ordinal of the group's pass (a forward, or one sequence's step), 0..P-1 in
     stream order."""
     score_rows: np.ndarray | None = None
-    """(R,) int64 indices into ``scores`` of the tokens of each group, in group order."""
+    """(R,) int64 trace rows (= rows of ``scores``) of the tokens of each group, in group order;
+    set for every stream built from a trace, with or without scores."""
     row_ptr: np.ndarray | None = None
     """(G+1,) int64: the token rows of group g are ``score_rows[row_ptr[g]:row_ptr[g+1]]``."""
     scores: np.ndarray | None = None
@@ -256,8 +257,8 @@ def build_stream(
         group_seq=gs.astype(np.int64),
         group_step=gt.astype(np.int32),
         group_pass=group_pass.astype(np.int64),
-        score_rows=order.astype(np.int64) if scores is not None else None,
-        row_ptr=row_ptr if scores is not None else None,
+        score_rows=order.astype(np.int64),  # also without scores: prefetchers map groups to trace rows
+        row_ptr=row_ptr,
         scores=scores,
         model_name=model_name,
         replay=replay,

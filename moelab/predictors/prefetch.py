@@ -40,10 +40,15 @@ class PredictorPrefetcher:
         self.distance = int(predictor.distance)
         idx = data.index
         self._table: dict[tuple[int, int, int], list[int]] = {}
+        # per trace row (the source layer's row of each token): its own prediction, so a group of
+        # any shape (a batch's rows in per-forward replay) gets exactly its tokens' union
+        self._row_pred: dict[int, np.ndarray] = {}
         for layer in predictor.source_layers():
             tok, pred = predictor.predict_trace(data, layer, m=m)
             if len(tok) == 0:
                 continue
+            for r, row in zip(idx.rows[tok, layer].tolist(), pred, strict=True):
+                self._row_pred[r] = row
             seq, step = idx.seq[tok].astype(np.int64), idx.step[tok].astype(np.int64)
             order = np.lexsort((step, seq))
             seq, step, pred = seq[order], step[order], pred[order]
@@ -73,11 +78,17 @@ class PredictorPrefetcher:
         ptr = np.zeros(G + 1, dtype=np.int64)
         keys: list[int] = []
         L = stream.num_layers
+        rows, row_ptr = getattr(stream, "score_rows", None), getattr(stream, "row_ptr", None)
         for g in range(G):
             layer = int(stream.group_layer[g])
             if layer + distance < L:
                 off = int(stream.key_offset[layer + distance])
-                keys.extend(off + e for e in self.lookup(stream.group_seq[g], stream.group_step[g], layer))
+                if rows is not None and row_ptr is not None:
+                    preds = [self._row_pred[r] for r in rows[row_ptr[g]:row_ptr[g + 1]].tolist() if r in self._row_pred]
+                    experts = union_predictions(np.stack(preds)).tolist() if preds else []
+                else:  # no row map (a stream built without it): the (seq, step) of the group
+                    experts = self.lookup(stream.group_seq[g], stream.group_step[g], layer)
+                keys.extend(off + e for e in experts)
             ptr[g + 1] = len(keys)
         return ptr, np.asarray(keys, dtype=np.int64)
 
