@@ -136,9 +136,7 @@ class TraceRecorder:
     def _reset_state(self) -> None:
         self._fwd: _Forward | None = None
         self._next_seq = 0
-        self._cur_seq: np.ndarray | None = None
-        self._row_len: np.ndarray | None = None
-        self._step = 0
+        self._seq_base: int | None = None
         self._buf: dict[str, list] = {k: [] for k in ("seq", "step", "pos", "phase", "token_id", "layer", "moe_layer")}
         self._buf_lists: dict[str, list] = {"experts": [], "weights": [], "scores": [], "k": []}
         self._buf_hidden: list[torch.Tensor] = []
@@ -230,43 +228,28 @@ class TraceRecorder:
 
     # ------------------------------------------------------------------ handlers
     def _on_forward(self, ctx: ForwardContext) -> None:
-        """Start of a forward: which sequences, steps and positions its real tokens have."""
-        B, S = ctx.batch, ctx.seq_len
-        continuing = not ctx.starts_sequences and self._cur_seq is not None and len(self._cur_seq) == B
-        if not ctx.starts_sequences and not continuing or ctx.unknown_cache:
+        """Start of a forward: the context's sequences, step and positions of its real tokens.
+
+        Sequence ids count from 0 at the first sequence this recorder sees (the forward context
+        numbers them per model); positions count each row's real tokens since its sequence began.
+        """
+        if ctx.unknown_cache:
             log.warning("forward continues a KV cache of an unknown sequence; recording it as new sequences")
-        if not continuing:
-            self._cur_seq = np.arange(self._next_seq, self._next_seq + B, dtype=np.int64)
-            self._next_seq += B
-            self._row_len = np.zeros(B, dtype=np.int64)
-            self._step = 0
-        else:
-            self._step += 1
-        token_id = ctx.token_ids
+        if self._seq_base is None:
+            self._seq_base = int(ctx.seq.min())
+        S = ctx.seq_len
+        seq = ctx.seq - self._seq_base
+        self._next_seq = max(self._next_seq, int(seq.max()) + 1)
+        token_id = ctx.token_ids.reshape(-1)
+        pos = ctx.positions.reshape(-1).astype(np.int32)
         mask = ctx.mask_cpu
         if mask is None:  # every token real (the usual decode step): no masking
-            pos = self._row_len[:, None] + np.arange(S)
-            self._row_len = self._row_len + S
-            self._fwd = _Forward(
-                valid=None,
-                seq=np.repeat(self._cur_seq, S),
-                pos=pos.reshape(-1).astype(np.int32),
-                token_id=token_id.reshape(-1),
-                step=self._step,
-                phase=ctx.phase,
-            )
+            self._fwd = _Forward(valid=None, seq=np.repeat(seq, S), pos=pos, token_id=token_id, step=ctx.step,
+                                 phase=ctx.phase)
             return
-        pos = self._row_len[:, None] + np.cumsum(mask, axis=1) - 1
-        self._row_len = self._row_len + mask.sum(axis=1)
         valid = mask.reshape(-1)
-        self._fwd = _Forward(
-            valid=torch.from_numpy(valid),
-            seq=np.repeat(self._cur_seq, S)[valid],
-            pos=pos.reshape(-1)[valid].astype(np.int32),
-            token_id=token_id.reshape(-1)[valid],
-            step=self._step,
-            phase=ctx.phase,
-        )
+        self._fwd = _Forward(valid=torch.from_numpy(valid), seq=np.repeat(seq, S)[valid], pos=pos[valid],
+                             token_id=token_id[valid], step=ctx.step, phase=ctx.phase)
 
     def _on_router(self, ctx: ForwardContext, layer: MoELayer, call: RouterCall) -> None:
         fwd = self._fwd
