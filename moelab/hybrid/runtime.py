@@ -483,9 +483,11 @@ def _needed(ids: np.ndarray, w: np.ndarray) -> tuple[list[int], dict[int, int]]:
     if ids.size == 0:
         return [], {}
     union, _ = forward_experts(ids, w)
-    flat = ids[ids >= 0]
-    counts = np.bincount(flat) if flat.size else np.zeros(0, dtype=np.int64)
-    return union.tolist(), {e: int(counts[e]) for e in union.tolist()}
+    counts: dict[int, int] = {}
+    for e in ids.ravel().tolist():
+        if e >= 0:
+            counts[e] = counts.get(e, 0) + 1
+    return union.tolist(), counts
 
 
 def hybrid(model: Any, config: HybridConfig | dict | str | Path | None = None) -> HybridRun:
