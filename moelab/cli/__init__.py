@@ -23,6 +23,7 @@ COMMAND_MODULES: list[str] = [
     "eval",
     "generate",
     "compare_policies",
+    "sweep",
     "predict",
     "cache",
     "demo",
