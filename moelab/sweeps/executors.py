@@ -102,6 +102,11 @@ class RayExecutor:
         except ConnectionError as exc:
             raise MoelabError(f"cannot connect to the Ray cluster at {self.address!r} ({exc}); check the "
                               "address (ray start --head prints it) or leave --address out for a local cluster.") from None
+        except Exception as exc:  # Ray raises a bare Exception when its processes start too slowly
+            if self.address or "timed out during startup" not in str(exc):
+                raise
+            raise MoelabError(f"Ray local cluster did not start ({exc}); the machine may be overloaded: "
+                              "run again, or start one with `ray start --head` and pass --address.") from None
         return True
 
     def run(self, cells: list[Cell], retries: int, on_start: OnStart, on_done: OnDone,

@@ -55,6 +55,8 @@ class PolicySpec:
     """Fixed settings (the policy config's fields), as sorted pairs."""
     grid: tuple[tuple[str, tuple[Any, ...]], ...] = ()
     """Settings to sweep: each name with its values."""
+    models: tuple[str, ...] = ()
+    """The models this entry applies to (empty: all), e.g. to sweep D = 1..top-k per model."""
 
     def expand(self) -> list[dict[str, Any]]:
         """One settings dict per grid point (fixed settings included)."""
@@ -207,6 +209,8 @@ def expand(spec: SweepSpec, fingerprints: dict[str, str]) -> list[Cell]:
     seen: set[str] = set()
     for m in spec.models:
         for p in spec.policies:
+            if p.models and m.name not in p.models:
+                continue
             for settings in p.expand():
                 full = pol.full_settings(p.name, settings)
                 for t in spec.tasks:
@@ -278,7 +282,7 @@ def parse_spec(data: Any, lines: dict[tuple, int], source: str) -> SweepSpec:
         raise r.fail(("name",), f"name={name!r}: expected a plain name (letters, digits, '-', '_').")
 
     models = [_model(r, m, ("models", i)) for i, m in enumerate(r.listed(data["models"], ("models",), "models"))]
-    policies = [_policy(r, p, ("policies", i))
+    policies = [_policy(r, p, ("policies", i), [m.name for m in models])
                 for i, p in enumerate(r.listed(data["policies"], ("policies",), "policies"))]
     tasks = [_task(r, t, ("tasks", i)) for i, t in enumerate(r.listed(data["tasks"], ("tasks",), "tasks"))]
     for what, items in (("models", models), ("policies", policies), ("tasks", tasks)):
@@ -335,7 +339,7 @@ def _model(r: _Reader, m: Any, path: tuple) -> ModelSpec:
     return ModelSpec(name=name, dtype=dtype)
 
 
-def _policy(r: _Reader, p: Any, path: tuple) -> PolicySpec:
+def _policy(r: _Reader, p: Any, path: tuple, model_names: list[str]) -> PolicySpec:
     if isinstance(p, str):
         p = {"policy": p}
     if not isinstance(p, dict) or "policy" not in p:
@@ -345,7 +349,7 @@ def _policy(r: _Reader, p: Any, path: tuple) -> PolicySpec:
         pol.check_policy_name(name)
     except MoelabError as exc:
         raise r.fail((*path, "policy"), str(exc)) from None
-    allowed = ["policy", "grid", *pol.setting_names(name)]
+    allowed = ["policy", "grid", "models", *pol.setting_names(name)]
     r.keys(p, path, allowed, f"policy {name!r}")
     grid = p.get("grid") or {}
     r.keys(grid, (*path, "grid"), pol.setting_names(name), f"the grid of policy {name!r}")
@@ -354,9 +358,18 @@ def _policy(r: _Reader, p: Any, path: tuple) -> PolicySpec:
             raise r.fail((*path, "grid", k), f"grid {k}={vals!r}: expected a non-empty list of values to sweep.")
         if k in p:
             raise r.fail((*path, "grid", k), f"{k!r} is both a fixed setting and in the grid; keep one.")
-    fixed = {k: v for k, v in p.items() if k not in ("policy", "grid")}
+    fixed = {k: v for k, v in p.items() if k not in ("policy", "grid", "models")}
+    only = p.get("models") or []
+    if not isinstance(only, list):
+        only = [only]
+    for i, m in enumerate(only):
+        if m not in model_names:
+            raise r.fail((*path, "models", i) if (*path, "models", i) in r.lines else (*path, "models"),
+                         f"policy {name!r} names model {m!r}, which is not in the spec's models."
+                         f"{did_you_mean(str(m), model_names)} Spec models: {', '.join(model_names)}.")
     spec = PolicySpec(name=name, settings=tuple(sorted((k, _freeze(v)) for k, v in fixed.items())),
-                      grid=tuple((k, tuple(_freeze(v) for v in vals)) for k, vals in grid.items()))
+                      grid=tuple((k, tuple(_freeze(v) for v in vals)) for k, vals in grid.items()),
+                      models=tuple(only))
     for settings in spec.expand():  # every grid point is a valid config (values checked by the policy)
         try:
             pol.full_settings(name, settings)
