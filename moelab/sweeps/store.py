@@ -105,7 +105,11 @@ class Store:
             self.db = None
             if db.is_file():
                 self.db = sqlite3.connect(f"file:{db}?mode=ro", uri=True, isolation_level=None, timeout=30)
-                self._check_version(create=False)
+                if not self._has_tables():  # a driver is creating it this moment: nothing in it yet
+                    self.db.close()
+                    self.db = None
+                else:
+                    self._check_version(create=False)
 
     # ------------------------------------------------------------------ open/close
     def _create_dir(self) -> None:
@@ -139,6 +143,14 @@ class Store:
             return f"pid {info['pid']} on {info['host']}, started {info['started_at']}"
         except (OSError, ValueError, KeyError):
             return "holder unknown"
+
+    def _has_tables(self) -> bool:
+        try:
+            names = {n for (n,) in self.db.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+        except sqlite3.DatabaseError as exc:
+            raise MoelabError(f"{str(self.path / DB_NAME)!r} is not a readable sweep store ({exc}); "
+                              "move it away to start a new store.") from None
+        return {"meta", "cells"} <= names
 
     def _check_version(self, create: bool) -> None:
         if create:
