@@ -13,6 +13,7 @@ Both call ``on_done(cell, output)`` for each finished cell (in the driver's proc
 from __future__ import annotations
 
 import logging
+import time
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -80,6 +81,7 @@ class RayExecutor:
         self.address = address
         self.threads = threads
         self.ray = import_ray()
+        self.actors_start_s: float | None = None
 
     def _init(self) -> bool:
         """Connect to (or start) a cluster; True when this call started it."""
@@ -90,9 +92,13 @@ class RayExecutor:
 
         kwargs: dict[str, Any] = {"include_dashboard": False, "log_to_driver": False,
                                   "configure_logging": False}
-        # actors import moelab from where the driver does (a checkout on PYTHONPATH included)
-        pythonpath = os.pathsep.join(p for p in [_moelab_root(), os.environ.get("PYTHONPATH", "")] if p)
-        kwargs["runtime_env"] = {"env_vars": {"PYTHONPATH": pythonpath}}
+        if not self.address:
+            # local actors import moelab from where the driver does (a checkout on sys.path included);
+            # they inherit this environment (a runtime_env would start a slower, separate worker pool)
+            root = _moelab_root()
+            paths = os.environ.get("PYTHONPATH", "").split(os.pathsep)
+            if root not in paths:
+                os.environ["PYTHONPATH"] = os.pathsep.join(p for p in [root, *paths] if p)
         if self.address:
             kwargs["address"] = self.address
         else:
@@ -120,7 +126,12 @@ class RayExecutor:
         threads = self.threads or 1
         Actor = ray.remote(num_cpus=threads, max_restarts=0)(CellRunner)
         n = min(self.workers, len(cells))
+        t0 = time.perf_counter()
         actors: list[Any] = [Actor.remote(threads, f"ray-{i}") for i in range(n)]
+        for info in ray.get([a.info.remote() for a in actors]):  # up (torch imported) before timing cells
+            log.info("worker %s: pid %s on %s, %s torch thread(s)", info["worker"], info["pid"], info["host"],
+                     info["threads"])
+        self.actors_start_s = time.perf_counter() - t0
         loaded: list[tuple | None] = [None] * n
         queue: list[tuple[Cell, int]] = [(c, 1) for c in cells]
         pending: dict[Any, tuple[int, Cell, int]] = {}
