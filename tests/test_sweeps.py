@@ -276,3 +276,52 @@ def test_ray_executor_equals_local_cell_for_cell(baseline, tmp_path):
         workers = {r["worker"]["worker"] for r in st.records()[0].values()}
         threads = {r["worker"]["threads"] for r in st.records()[0].values()}
     assert workers == {"ray-0", "ray-1"} and threads == {1}
+
+
+def test_failed_cells_are_retried_then_reported(tmp_path, monkeypatch):
+    """A transient error is retried; an error that stays is reported (status 'failed') and
+    leaves no record; the store's other records are untouched."""
+    from moelab.sweeps import worker
+    from moelab.sweeps.driver import run_sweep
+    from moelab.sweeps.report import collect
+    from moelab.sweeps.spec import load_spec
+
+    calls: dict[str, int] = {}
+
+    class Flaky:
+        def __init__(self, threads=None, name="local"):
+            pass
+
+        def run(self, cell):
+            calls[cell.hash] = calls.get(cell.hash, 0) + 1
+            if cell.policy == "skipping" or calls[cell.hash] == 1:
+                raise RuntimeError(f"boom {cell.policy}")
+            return {"record": {"cell": cell.to_dict(), "metrics": {"m": 0.5}, "score": 0.5, "score_stderr": 0.1,
+                               "n_docs": 2, "finished_at": "t"}, "samples": {"samples_arith.jsonl": "{}\n"}}
+
+    monkeypatch.setattr(worker, "CellRunner", Flaky)
+    monkeypatch.setattr("moelab.sweeps.fingerprints.resolve", lambda models, store: FP)
+    spec = load_spec(_spec(tmp_path))
+    summary = run_sweep(spec, store=tmp_path / "s", progress=False)
+    assert summary.done == 4 and len(summary.failed) == 2
+    assert all("boom skipping" in e for e in summary.failed.values())
+    assert sorted(calls.values()) == [2] * N_CELLS  # retries: 1 (the spec's default)
+    states = {x.cell.policy: x.state for x in collect(spec, tmp_path / "s")}
+    assert states == {"none": "done", "deferral": "done", "skipping": "failed"}
+
+
+@pytest.mark.slow
+def test_status_and_report_cli(baseline, capsys):
+    from moelab.cli import main
+
+    src, expected = baseline
+    spec, store = str(src / "spec.yaml"), str(src / "store")
+    assert main(["sweep", "status", spec, "--store", store]) == 0
+    assert f"{N_CELLS}/{N_CELLS} cells done, 0 to do, 0 failed" in capsys.readouterr().out
+    out = src / "report.html"
+    assert main(["sweep", "report", spec, "--store", store, "--html", str(out), "--markdown"]) == 0
+    md = capsys.readouterr().out
+    assert "| deferral · seed 1 |" in md and "| skipping · seed 2 |" in md and "n=1" in md
+    page = out.read_text()
+    assert "plotly" in page and "experts affected per token" in page and "No simulated latency" in page
+    assert main(["sweep", "report", spec, "--store", store, "--html", str(out)]) == 2  # exists: refused

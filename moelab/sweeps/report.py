@@ -83,22 +83,31 @@ def table_rows(statuses: list[CellStatus]) -> list[dict[str, Any]]:
     return rows
 
 
-def grid_table(statuses: list[CellStatus], model: str, task: str) -> tuple[list[int], dict[str, dict[int, str]]]:
-    """Per policy, ``affected n → "score±se (n=…)"`` for one model and task (n=0: unmodified)."""
+def _series(statuses: list[CellStatus], model: str, task: str) -> dict[str, dict[int, CellStatus]]:
+    """Per curve (``deferral``, ``skipping``; ``… · seed S`` when the sweep has several seeds),
+    ``experts affected → cell``, the unmodified model's cell being n = 0."""
     done = [x for x in statuses if x.state == "done" and x.cell.model == model and x.cell.task == task]
-    base = [x for x in done if x.cell.policy == "none"]
-    rows: dict[str, dict[int, str]] = {}
-    ns: set[int] = set()
+    seeds = sorted({x.cell.seed for x in done})
+    out: dict[str, dict[int, CellStatus]] = {}
     for policy in ("deferral", "skipping"):
-        pts = {x.cell.affected: x for x in done if x.cell.policy == policy and x.cell.affected is not None}
-        if not pts:
-            continue
-        if base and 0 not in pts:
-            pts[0] = base[0]
-        rows[policy] = {n: score_text(x.record["score"], x.record["score_stderr"], x.record["n_docs"])
-                        for n, x in pts.items()}
-        ns |= set(pts)
-    return sorted(ns), rows
+        for seed in seeds:
+            mine = [x for x in done if x.cell.seed == seed]
+            pts = {x.cell.affected: x for x in mine if x.cell.policy == policy and x.cell.affected is not None}
+            if not pts:
+                continue
+            base = next((x for x in mine if x.cell.policy == "none"), None)
+            if base is not None and 0 not in pts:
+                pts[0] = base
+            out[policy if len(seeds) == 1 else f"{policy} · seed {seed}"] = pts
+    return out
+
+
+def grid_table(statuses: list[CellStatus], model: str, task: str) -> tuple[list[int], dict[str, dict[int, str]]]:
+    """Per curve, ``affected n → "score±se (n=…)"`` for one model and task (n=0: unmodified)."""
+    series = _series(statuses, model, task)
+    rows = {name: {n: score_text(x.record["score"], x.record["score_stderr"], x.record["n_docs"])
+                   for n, x in pts.items()} for name, pts in series.items()}
+    return sorted({n for pts in series.values() for n in pts}), rows
 
 
 def markdown_tables(spec: SweepSpec, statuses: list[CellStatus]) -> str:
@@ -132,24 +141,18 @@ def curves_figure(statuses: list[CellStatus], model: str, task: str):
     """Accuracy vs experts deferred or skipped, with error bars (the shape of KTransformers Fig. 13)."""
     import plotly.graph_objects as go
 
-    done = [x for x in statuses if x.state == "done" and x.cell.model == model and x.cell.task == task]
-    base = next((x for x in done if x.cell.policy == "none"), None)
     fig = go.Figure()
-    for policy, dash in (("deferral", "solid"), ("skipping", "dash")):
-        pts = {x.cell.affected: x for x in done if x.cell.policy == policy and x.cell.affected is not None}
-        if not pts:
-            continue
-        if base is not None and 0 not in pts:
-            pts[0] = base
+    for name, pts in _series(statuses, model, task).items():
+        dash = "dash" if name.startswith("skipping") else "solid"
         xs = sorted(pts)
         recs = [pts[n].record for n in xs]
         bars = [_bar(r["score"], r["score_stderr"], r["n_docs"]) for r in recs]
         fig.add_trace(go.Scatter(
-            x=xs, y=[r["score"] for r in recs], mode="lines+markers", name=policy, line={"dash": dash},
+            x=xs, y=[r["score"] for r in recs], mode="lines+markers", name=name, line={"dash": dash},
             error_y={"type": "data", "symmetric": False, "array": [b[1] for b in bars],
                      "arrayminus": [b[0] for b in bars], "visible": True},
             text=[score_text(r["score"], r["score_stderr"], r["n_docs"]) for r in recs],
-            hovertemplate="n=%{x}: %{text}<extra>" + policy + "</extra>",
+            hovertemplate="n=%{x}: %{text}<extra>" + name + "</extra>",
         ))
     fig.update_layout(title=f"{model} · {task}: accuracy vs experts deferred or skipped per token "
                             "(± 1 standard error; Wilson 95% where every document scored the same)",
