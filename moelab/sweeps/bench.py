@@ -97,6 +97,10 @@ def main(argv: list[str] | None = None) -> int:
             continue
         print(f"speed-up vs {name}: {res['wall'] / ray_total:.2f}× end to end, "
               f"{res['wall'] / r['wall']:.2f}× with the cluster already up")
+    means = {name: statistics.mean(res["cell_walls"]) for name, res in results.items()}
+    print("mean time per cell, as the worker measured it: " + ", ".join(f"{k} {v:.2f} s" for k, v in means.items())
+          + " (Ray cells slower than local 1-thread cells: the workers did not get a core each)")
+    print(f"load average after: {os.getloadavg()[0]:.1f}")
     ov = r["overhead"]
     print(f"ray scheduling overhead per cell: median {statistics.median(ov):.3f} s, max {max(ov):.3f} s "
           f"(submit→result in the driver minus the actor's run time)")

@@ -128,7 +128,7 @@ class RayExecutor:
         n = min(self.workers, len(cells))
         t0 = time.perf_counter()
         actors: list[Any] = [Actor.remote(threads, f"ray-{i}") for i in range(n)]
-        for info in ray.get([a.info.remote() for a in actors]):  # up (torch imported) before timing cells
+        for info in ray.get([a.warm.remote() for a in actors]):  # up, lm-eval imported, before any cell
             log.info("worker %s: pid %s on %s, %s torch thread(s)", info["worker"], info["pid"], info["host"],
                      info["threads"])
         self.actors_start_s = time.perf_counter() - t0
@@ -152,6 +152,7 @@ class RayExecutor:
                         out = ray.get(ref)
                     except ray.exceptions.RayActorError as exc:  # the worker died: a new one
                         actors[i], loaded[i] = Actor.remote(threads, f"ray-{i}"), None
+                        actors[i].warm.remote()
                         self._failed(cell, attempt, f"worker died: {exc}", retries, queue, on_failed)
                     except ray.exceptions.RayTaskError as exc:
                         cause = getattr(exc, "cause", None)

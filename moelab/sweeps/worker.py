@@ -36,6 +36,14 @@ class CellRunner:
         self._model: Any = None
         self._tokenizer: Any = None
 
+    def warm(self) -> dict[str, Any]:
+        """Import the evaluation stack (lm-eval: seconds) now, at the worker's start, not in its first cell."""
+        import lm_eval.tasks  # noqa: F401
+
+        import moelab.evals.api  # noqa: F401
+
+        return self.info()
+
     def info(self) -> dict[str, Any]:
         return {"worker": self.name, "pid": os.getpid(), "host": socket.gethostname(), "threads": self.threads}
 
