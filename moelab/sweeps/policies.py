@@ -5,9 +5,11 @@ module checks the settings against the policy's config dataclass (unknown settin
 closest names), fills in the defaults (so the cell hash covers every setting that decides
 the result) and applies the policy to a loaded model.
 
-The adapter is the one place that knows the policy classes: when ``moelab.policies`` gains
-its registry (``make_policy(name, **params)``, issue #11), ``_BUILTIN`` and :func:`make_policy`
-are to be pointed at it; nothing else in ``moelab.sweeps`` names a policy class.
+The adapter is the one place that knows the policy classes: where ``moelab.policies`` has its
+registry (``moelab.policies.registry``: ``make_policy(name, model, **params)``, issue #11) the
+names, settings and classes come from it, so a registered policy can be swept; otherwise from
+the built-in table below. ``_BUILTIN`` also names each policy's "experts affected" setting (the
+x axis of deferral-vs-skipping curves). Nothing else in ``moelab.sweeps`` names a policy class.
 """
 
 from __future__ import annotations
@@ -28,11 +30,25 @@ _BUILTIN: dict[str, tuple[str, str, str, str]] = {
 }
 
 
+def _registry() -> Any:
+    """``moelab.policies.registry`` where this moelab has it (issue #11), else None."""
+    try:
+        from moelab.policies import registry
+    except ImportError:
+        return None
+    return registry
+
+
 def policy_names() -> list[str]:
-    return [NONE, *_BUILTIN]
+    reg = _registry()
+    return [NONE, *(reg.available_policies() if reg is not None else _BUILTIN)]
 
 
 def _classes(name: str) -> tuple[type, type]:
+    reg = _registry()
+    if reg is not None:
+        cls = reg.POLICIES.get(name)
+        return cls, cls.config_class
     import importlib
 
     module, policy_cls, config_cls, _ = _BUILTIN[name]
@@ -85,5 +101,8 @@ def make_policy(name: str, model: Any, settings: dict[str, Any]) -> Any:
     check_policy_name(name)
     if name == NONE:
         return contextlib.nullcontext()
+    reg = _registry()
+    if reg is not None:
+        return reg.make_policy(name, model, **settings)
     policy_cls, config_cls = _classes(name)
     return policy_cls(model, config=config_cls(**settings))
