@@ -24,6 +24,7 @@ COMMAND_MODULES: list[str] = [
     "generate",
     "run",
     "compare_policies",
+    "sweep",
     "predict",
     "cache",
     "demo",

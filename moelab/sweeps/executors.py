@@ -1,0 +1,199 @@
+"""Executors: where cells run. The driver stays the single writer of the store.
+
+* :class:`LocalExecutor` runs cells one after another in the driver's process.
+* :class:`RayExecutor` runs them on Ray actors (one per worker, each keeping its model
+  loaded across cells and its torch threads pinned); a local cluster by default, an
+  existing one with ``address``. ``ray`` is imported only here, when it is used.
+
+Both call ``on_done(cell, output)`` for each finished cell (in the driver's process) and
+``on_failed(cell, attempt, error, final)`` for each failed attempt; a cell is tried
+``1 + retries`` times before it is reported as failed.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+from moelab.errors import MoelabError
+from moelab.sweeps.spec import Cell
+
+log = logging.getLogger(__name__)
+
+OnDone = Callable[[Cell, dict[str, Any]], None]
+OnFailed = Callable[[Cell, int, str, bool], None]
+OnStart = Callable[[Cell], None]
+
+RAY_INSTALL = 'pip install "moelab[ray]"  (or: pip install ray==2.60.0)'
+EXECUTORS = ("local", "ray")
+
+
+class LocalExecutor:
+    """Cells in order, in this process, on one :class:`~moelab.sweeps.worker.CellRunner`."""
+
+    name = "local"
+
+    def __init__(self, threads: int | None = None) -> None:
+        self.threads = threads
+        self.workers = 1
+
+    def run(self, cells: list[Cell], retries: int, on_start: OnStart, on_done: OnDone,
+            on_failed: OnFailed) -> None:
+        from moelab.sweeps.worker import CellRunner
+
+        runner = CellRunner(self.threads, name="local")
+        for cell in cells:
+            for attempt in range(1, retries + 2):
+                on_start(cell)
+                try:
+                    out = runner.run(cell)
+                except MoelabError as exc:  # bad settings for this model: retrying cannot help
+                    on_failed(cell, attempt, str(exc), True)
+                    break
+                except Exception:  # noqa: BLE001 - reported per cell, the sweep goes on
+                    on_failed(cell, attempt, traceback.format_exc(), attempt > retries)
+                    continue
+                on_done(cell, out)
+                break
+
+
+def import_ray():
+    try:
+        import ray
+    except ImportError:
+        raise MoelabError(f"--executor ray needs the 'ray' package, which is not installed; install it with: "
+                          f"{RAY_INSTALL}") from None
+    return ray
+
+
+class RayExecutor:
+    """Cells on ``workers`` Ray actors (see the module docstring)."""
+
+    name = "ray"
+
+    def __init__(self, workers: int = 2, address: str | None = None, threads: int | None = None) -> None:
+        if workers < 1:
+            raise MoelabError(f"workers={workers}: expected at least 1.")
+        self.workers = workers
+        self.address = address
+        self.threads = threads
+        self.ray = import_ray()
+        self.actors_start_s: float | None = None
+
+    def _init(self) -> bool:
+        """Connect to (or start) a cluster; True when this call started it."""
+        ray = self.ray
+        if ray.is_initialized():
+            return False
+        import os
+
+        kwargs: dict[str, Any] = {"include_dashboard": False, "log_to_driver": False,
+                                  "configure_logging": False}
+        if not self.address:
+            # local actors import moelab from where the driver does (a checkout on sys.path included);
+            # they inherit this environment (a runtime_env would start a slower, separate worker pool)
+            root = _moelab_root()
+            paths = os.environ.get("PYTHONPATH", "").split(os.pathsep)
+            if root not in paths:
+                os.environ["PYTHONPATH"] = os.pathsep.join(p for p in [root, *paths] if p)
+        if self.address:
+            kwargs["address"] = self.address
+        else:
+            kwargs["num_cpus"] = self.workers * (self.threads or 1)
+        try:
+            ray.init(**kwargs)
+        except ConnectionError as exc:
+            raise MoelabError(f"cannot connect to the Ray cluster at {self.address!r} ({exc}); check the "
+                              "address (ray start --head prints it) or leave --address out for a local cluster.") from None
+        except Exception as exc:  # Ray raises a bare Exception when its processes start too slowly
+            if self.address or "timed out during startup" not in str(exc):
+                raise
+            raise MoelabError(f"Ray local cluster did not start ({exc}); the machine may be overloaded: "
+                              "run again, or start one with `ray start --head` and pass --address.") from None
+        return True
+
+    def run(self, cells: list[Cell], retries: int, on_start: OnStart, on_done: OnDone,
+            on_failed: OnFailed) -> None:
+        if not cells:
+            return
+        from moelab.sweeps.worker import CellRunner
+
+        ray = self.ray
+        started = self._init()
+        threads = self.threads or 1
+        Actor = ray.remote(num_cpus=threads, max_restarts=0)(CellRunner)
+        n = min(self.workers, len(cells))
+        t0 = time.perf_counter()
+        actors: list[Any] = [Actor.remote(threads, f"ray-{i}") for i in range(n)]
+        for info in ray.get([a.warm.remote() for a in actors]):  # up, lm-eval imported, before any cell
+            log.info("worker %s: pid %s on %s, %s torch thread(s)", info["worker"], info["pid"], info["host"],
+                     info["threads"])
+        self.actors_start_s = time.perf_counter() - t0
+        loaded: list[tuple | None] = [None] * n
+        queue: list[tuple[Cell, int]] = [(c, 1) for c in cells]
+        pending: dict[Any, tuple[int, Cell, int]] = {}
+        try:
+            while queue or pending:
+                for i in range(n):
+                    if queue and all(slot != i for slot, _, _ in pending.values()):
+                        # prefer a cell whose model this actor already holds
+                        j = next((k for k, (c, _) in enumerate(queue) if (c.model, c.dtype) == loaded[i]), 0)
+                        cell, attempt = queue.pop(j)
+                        on_start(cell)
+                        pending[actors[i].run.remote(cell.to_dict())] = (i, cell, attempt)
+                        loaded[i] = (cell.model, cell.dtype)
+                ready, _ = ray.wait(list(pending), num_returns=1)
+                for ref in ready:
+                    i, cell, attempt = pending.pop(ref)
+                    try:
+                        out = ray.get(ref)
+                    except ray.exceptions.RayActorError as exc:  # the worker died: a new one
+                        actors[i], loaded[i] = Actor.remote(threads, f"ray-{i}"), None
+                        actors[i].warm.remote()
+                        self._failed(cell, attempt, f"worker died: {exc}", retries, queue, on_failed)
+                    except ray.exceptions.RayTaskError as exc:
+                        cause = getattr(exc, "cause", None)
+                        if isinstance(cause, MoelabError):
+                            on_failed(cell, attempt, str(cause), True)
+                        else:
+                            self._failed(cell, attempt, str(exc), retries, queue, on_failed)
+                    else:
+                        on_done(cell, out)
+        finally:
+            for a in actors:
+                ray.kill(a)
+            if started:
+                ray.shutdown()
+
+    @staticmethod
+    def _failed(cell: Cell, attempt: int, error: str, retries: int, queue: list, on_failed: OnFailed) -> None:
+        final = attempt > retries
+        on_failed(cell, attempt, error, final)
+        if not final:
+            queue.insert(0, (cell, attempt + 1))
+
+
+def _moelab_root() -> str:
+    from pathlib import Path
+
+    import moelab
+
+    return str(Path(moelab.__file__).resolve().parent.parent)
+
+
+def make_executor(name: str, workers: int = 1, address: str | None = None,
+                  threads: int | None = None) -> LocalExecutor | RayExecutor:
+    if name == "local":
+        if workers != 1:
+            raise MoelabError(f"--workers {workers} needs --executor ray; the local executor runs one cell at a time.")
+        if address:
+            raise MoelabError("--address is for --executor ray.")
+        return LocalExecutor(threads)
+    if name == "ray":
+        return RayExecutor(workers, address, threads)
+    from moelab.errors import unknown_name
+
+    raise unknown_name("executor", name, EXECUTORS)

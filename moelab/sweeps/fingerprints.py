@@ -1,0 +1,65 @@
+"""Model fingerprints for cell hashes, without reloading every model on every resume.
+
+A cell's hash covers :func:`moelab.adapters.model_fingerprint` (MoE structure, config and
+router weights). Computing it needs the model loaded, so the store remembers it under a
+*source signature*: for a checkpoint directory the names, sizes and modification times of
+its files; for ``tiny-random-*`` the name and moelab's version (the builder is seeded). A
+changed checkpoint gets a new signature, is loaded again and, if its weights changed, new
+cell hashes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from pathlib import Path
+
+from moelab.sweeps.spec import ModelSpec
+
+log = logging.getLogger(__name__)
+
+
+def source_signature(model: ModelSpec) -> str:
+    import moelab
+    from moelab.models.bundled import TINY_RANDOM_PREFIX, bundled_path
+
+    parts: dict = {"name": model.name, "dtype": model.dtype}
+    if model.name.startswith(TINY_RANDOM_PREFIX):
+        parts["moelab"] = moelab.__version__
+    else:
+        path = bundled_path(model.name) or Path(model.name).expanduser()
+        root = Path(path).resolve()
+        parts["path"] = str(root)
+        parts["files"] = sorted(
+            (str(p.relative_to(root)), p.stat().st_size, p.stat().st_mtime_ns)
+            for p in root.rglob("*") if p.is_file()
+        )
+    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:24]
+
+
+def compute(model: ModelSpec) -> str:
+    """Load ``model`` and return its fingerprint."""
+    from moelab import load
+    from moelab.adapters import model_fingerprint
+
+    log.info("fingerprinting %s", model.name)
+    m, _ = load(model.name, dtype=model.dtype)
+    try:
+        return model_fingerprint(m)
+    finally:
+        del m
+
+
+def resolve(models: list[ModelSpec], store) -> dict[str, str]:
+    """``{model name: fingerprint}``, from ``store``'s cache where the source is unchanged."""
+    out: dict[str, str] = {}
+    for m in models:
+        sig = source_signature(m)
+        fp = store.cached_fingerprint(sig) if store is not None else None
+        if fp is None:
+            fp = compute(m)
+            if store is not None and store.writable:
+                store.cache_fingerprint(sig, m.name, fp)
+        out[m.name] = fp
+    return out

@@ -1,0 +1,221 @@
+"""Read a sweep's results: status, tables with standard errors, and the HTML report.
+
+The report has, per model and task, a table of accuracy ± standard error for every policy
+setting, and the KTransformers-Fig.-13-style curves: accuracy against experts deferred or
+skipped per token, with error bars (± 1 standard error; the Wilson 95 % interval where every
+document scored the same and the standard error is 0). The unmodified model is the n = 0
+point of both curves. Simulated latency (and the accuracy-vs-tokens/s Pareto front) appears
+once a simulator fills the cells' ``latency``; until then the report says it is absent.
+"""
+
+from __future__ import annotations
+
+import html
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from moelab.sweeps.spec import Cell, SweepSpec
+
+
+@dataclass
+class CellStatus:
+    cell: Cell
+    state: str
+    """``done``, ``failed`` (attempted, no good record), ``bad`` (record rejected) or ``todo``."""
+    record: dict[str, Any] | None = None
+    error: str | None = None
+
+
+def collect(spec: SweepSpec, store: str | os.PathLike | None = None) -> list[CellStatus]:
+    """Every cell of ``spec`` with its state in the store (read-only; no lock taken)."""
+    from moelab.sweeps.driver import plan, store_path
+    from moelab.sweeps.store import open_store
+
+    with open_store(store_path(spec, store), writable=False) as st:
+        cells = plan(spec, st)
+        good, bad = st.records()
+        failures = st.failures()
+    out = []
+    for c in cells:
+        if c.hash in good:
+            out.append(CellStatus(c, "done", good[c.hash]))
+        elif c.hash in bad:
+            out.append(CellStatus(c, "bad", error=bad[c.hash]))
+        elif c.hash in failures:
+            out.append(CellStatus(c, "failed", error=failures[c.hash].strip().splitlines()[-1]))
+        else:
+            out.append(CellStatus(c, "todo"))
+    return out
+
+
+def status_text(spec: SweepSpec, statuses: list[CellStatus], store: str) -> str:
+    counts = {s: sum(1 for x in statuses if x.state == s) for s in ("done", "todo", "failed", "bad")}
+    lines = [f"sweep {spec.name}: {counts['done']}/{len(statuses)} cells done, {counts['todo']} to do, "
+             f"{counts['failed']} failed, {counts['bad']} bad record(s) (recomputed on the next run); "
+             f"store {store}"]
+    for x in statuses:
+        if x.state in ("failed", "bad"):
+            lines.append(f"  {x.state}: {x.cell.hash} {x.cell.label()}: {x.error}")
+    return "\n".join(lines)
+
+
+def score_text(score: float, se: float | None, n: int) -> str:
+    from moelab.stats import format_score
+
+    return format_score(score, se, n)
+
+
+def table_rows(statuses: list[CellStatus]) -> list[dict[str, Any]]:
+    """One row per cell: model, task, policy, settings, affected, score, stderr, n, wall time."""
+    rows = []
+    for x in statuses:
+        r = x.record or {}
+        settings = {k: v for k, v in x.cell.settings.items() if k in ("deferred", "immediate", "skipped")}
+        rows.append({
+            "model": x.cell.model, "task": x.cell.task, "policy": x.cell.policy,
+            "settings": ", ".join(f"{k}={v}" for k, v in settings.items()) or "-",
+            "affected": x.cell.affected, "seed": x.cell.seed, "state": x.state,
+            "score": r.get("score"), "stderr": r.get("score_stderr"), "n": r.get("n_docs"),
+            "wall_s": r.get("wall_s"), "hash": x.cell.hash,
+        })
+    return rows
+
+
+def _series(statuses: list[CellStatus], model: str, task: str) -> dict[str, dict[int, CellStatus]]:
+    """Per curve (``deferral``, ``skipping``; ``… · seed S`` when the sweep has several seeds),
+    ``experts affected → cell``, the unmodified model's cell being n = 0."""
+    done = [x for x in statuses if x.state == "done" and x.cell.model == model and x.cell.task == task]
+    seeds = sorted({x.cell.seed for x in done})
+    out: dict[str, dict[int, CellStatus]] = {}
+    for policy in ("deferral", "skipping"):
+        for seed in seeds:
+            mine = [x for x in done if x.cell.seed == seed]
+            pts = {x.cell.affected: x for x in mine if x.cell.policy == policy and x.cell.affected is not None}
+            if not pts:
+                continue
+            base = next((x for x in mine if x.cell.policy == "none"), None)
+            if base is not None and 0 not in pts:
+                pts[0] = base
+            out[policy if len(seeds) == 1 else f"{policy} · seed {seed}"] = pts
+    return out
+
+
+def grid_table(statuses: list[CellStatus], model: str, task: str) -> tuple[list[int], dict[str, dict[int, str]]]:
+    """Per curve, ``affected n → "score±se (n=…)"`` for one model and task (n=0: unmodified)."""
+    series = _series(statuses, model, task)
+    rows = {name: {n: score_text(x.record["score"], x.record["score_stderr"], x.record["n_docs"])
+                   for n, x in pts.items()} for name, pts in series.items()}
+    return sorted({n for pts in series.values() for n in pts}), rows
+
+
+def markdown_tables(spec: SweepSpec, statuses: list[CellStatus]) -> str:
+    """Markdown: per model and task, a row per policy and a column per experts affected."""
+    out = []
+    for m in spec.models:
+        for t in spec.tasks:
+            ns, rows = grid_table(statuses, m.name, t.name)
+            if not rows:
+                continue
+            out.append(f"**{m.name} · {t.name}** (accuracy ± standard error; n = experts deferred/skipped "
+                       "per token, 0 = unmodified)\n")
+            out.append("| policy | " + " | ".join(f"n={n}" for n in ns) + " |")
+            out.append("|---|" + "---|" * len(ns))
+            for policy, cells in rows.items():
+                out.append(f"| {policy} | " + " | ".join(cells.get(n, "") for n in ns) + " |")
+            out.append("")
+    return "\n".join(out)
+
+
+def _bar(score: float, se: float | None, n: int) -> tuple[float, float]:
+    from moelab.stats import degenerate, wilson_interval
+
+    if degenerate(score, se):
+        lo, hi = wilson_interval(score, n)
+        return score - lo, hi - score
+    return (se or 0.0), (se or 0.0)
+
+
+def curves_figure(statuses: list[CellStatus], model: str, task: str):
+    """Accuracy vs experts deferred or skipped, with error bars (the shape of KTransformers Fig. 13)."""
+    import plotly.graph_objects as go
+
+    fig = go.Figure()
+    for name, pts in _series(statuses, model, task).items():
+        dash = "dash" if name.startswith("skipping") else "solid"
+        xs = sorted(pts)
+        recs = [pts[n].record for n in xs]
+        bars = [_bar(r["score"], r["score_stderr"], r["n_docs"]) for r in recs]
+        fig.add_trace(go.Scatter(
+            x=xs, y=[r["score"] for r in recs], mode="lines+markers", name=name, line={"dash": dash},
+            error_y={"type": "data", "symmetric": False, "array": [b[1] for b in bars],
+                     "arrayminus": [b[0] for b in bars], "visible": True},
+            text=[score_text(r["score"], r["score_stderr"], r["n_docs"]) for r in recs],
+            hovertemplate="n=%{x}: %{text}<extra>" + name + "</extra>",
+        ))
+    fig.update_layout(title=f"{model} · {task}: accuracy vs experts deferred or skipped per token "
+                            "(± 1 standard error; Wilson 95% where every document scored the same)",
+                      xaxis_title="experts affected per token", yaxis_title="accuracy", height=420)
+    return fig
+
+
+def write_html(spec: SweepSpec, statuses: list[CellStatus], out: str | os.PathLike, *,
+               overwrite: bool = False) -> Path:
+    """The sweep's report as one self-contained HTML file (plotly embedded), written atomically."""
+    from moelab._output import reserve_output
+
+    parts = [f"<h1>Sweep {html.escape(spec.name)}</h1>"]
+    if spec.description:
+        parts.append(f"<p>{html.escape(spec.description)}</p>")
+    n_done = sum(x.state == "done" for x in statuses)
+    parts.append(f"<p>{n_done} of {len(statuses)} cells done.</p>")
+    first = True
+    for m in spec.models:
+        for t in spec.tasks:
+            ns, rows = grid_table(statuses, m.name, t.name)
+            if not rows:
+                continue
+            parts.append(f"<h2>{html.escape(m.name)} · {html.escape(t.name)}</h2>")
+            head = "".join(f"<th>n={n}</th>" for n in ns)
+            body = "".join(f"<tr><th>{html.escape(p)}</th>" + "".join(
+                f"<td>{html.escape(cells.get(n, ''))}</td>" for n in ns) + "</tr>" for p, cells in rows.items())
+            parts.append(f"<table><tr><th>policy</th>{head}</tr>{body}</table>")
+            fig = curves_figure(statuses, m.name, t.name)
+            parts.append(fig.to_html(full_html=False, include_plotlyjs=first))
+            first = False
+    latency = [x for x in statuses if x.record and any(v is not None for v in (x.record.get("latency") or {}).values())]
+    if not latency:
+        parts.append("<h2>Simulated latency</h2><p>No simulated latency: "
+                     + ("the spec lists hardware profiles, but " if spec.hardware else "the spec lists no hardware "
+                        "profiles, and ")
+                     + "no latency simulator is registered in this moelab yet, so cells carry no latency "
+                       "and there is no accuracy-vs-tokens/s Pareto front.</p>")
+    parts.append("<h2>All cells</h2>")
+    rows = table_rows(statuses)
+    keys = list(rows[0]) if rows else []
+
+    def fmt(v: Any) -> str:
+        if v is None:
+            return ""
+        return f"{v:.4f}" if isinstance(v, float) else html.escape(str(v))
+
+    parts.append("<table><tr>" + "".join(f"<th>{k}</th>" for k in keys) + "</tr>" + "".join(
+        "<tr>" + "".join(f"<td>{fmt(r[k])}</td>" for k in keys) + "</tr>" for r in rows) + "</table>")
+    page = _TEMPLATE.format(title=html.escape(f"moelab sweep — {spec.name}"), body="\n".join(parts))
+    target = Path(out).expanduser()
+    with reserve_output(target, overwrite=overwrite, what="report", kind="file",
+                        hint="pass --overwrite or choose another path") as res:
+        res.staging.write_text(page, encoding="utf-8")
+        res.commit()
+    return target
+
+
+_TEMPLATE = """<!doctype html>
+<html lang="en"><head><meta charset="utf-8"><title>{title}</title>
+<style>body{{font-family:system-ui,sans-serif;max-width:1100px;margin:2em auto;padding:0 1em}}
+table{{border-collapse:collapse;margin:1em 0;font-size:90%}}td,th{{border:1px solid #ccc;padding:3px 8px}}
+th{{background:#f4f4f4}}</style></head><body>
+{body}
+</body></html>
+"""

@@ -1,0 +1,284 @@
+"""The results store of a sweep: one SQLite database, one record per finished cell.
+
+Layout of a store directory::
+
+    results.sqlite          the records (readable with any SQLite client; schema below)
+    lock                    held (flock) by the one driver writing the store; says who
+    cells/<hash>/           per cell: samples_<task>.jsonl (lm-eval's per-document logs)
+
+Guarantees:
+
+* **A cell is absent or complete.** The cell's files are written first (atomically, see
+  :mod:`moelab._output`), then its record in one SQLite transaction; a ``kill -9`` at any
+  moment leaves either no record (the cell runs again) or a complete one.
+* **Corrupt records are never counted.** Each record stores the sha256 of its JSON; a record
+  whose checksum, JSON, key or files do not check out is reported and recomputed.
+* **One writer.** A driver holds ``lock`` (``flock``) while it runs; a second driver on the
+  same store is refused with the holder's pid, host and start time. A killed driver's lock
+  is released by the kernel.
+* **Versioned.** ``meta.schema_version``; a store written by a newer moelab is refused.
+* **Failed runs change nothing.** A failed cell is logged in ``failures`` only; existing
+  records are never rewritten except to replace one that failed its check.
+
+Schema (``SCHEMA_VERSION`` 1)::
+
+    meta(key TEXT PRIMARY KEY, value TEXT)            -- schema_version, created_by, ...
+    cells(hash TEXT PRIMARY KEY, record TEXT, checksum TEXT, finished_at TEXT,
+          model TEXT, policy TEXT, affected INTEGER, task TEXT, seed INTEGER,
+          score REAL, score_stderr REAL, n_docs INTEGER)  -- record: the JSON of the cell
+    failures(hash TEXT, attempt INTEGER, error TEXT, at TEXT, run_id TEXT)
+    runs(run_id TEXT PRIMARY KEY, pid INTEGER, host TEXT, executor TEXT,
+         started_at TEXT, ended_at TEXT, cells_done INTEGER, cells_failed INTEGER)
+    fingerprints(signature TEXT PRIMARY KEY, model TEXT, fingerprint TEXT)
+
+The columns beside ``record`` copy its headline fields for plain SQL; ``record`` (JSON) is
+the truth: ``cell`` (the cell's settings and ``key``), ``metrics``/``stderr`` (lm-eval's
+``metric,filter`` keys), ``primary_metric``, ``score``, ``score_stderr``, ``n_docs``,
+``n_available``, ``notes``, ``versions``, ``wall_s``, ``worker``, ``started_at``,
+``finished_at``, ``run_id``, ``samples_path`` (relative to the store), ``trace_path`` and
+``timeline_path`` (None until cells record routing traces), ``latency`` (``{hardware
+profile: simulated figures}``; empty until a simulator is registered).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as _dt
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import socket
+import sqlite3
+from pathlib import Path
+from typing import Any
+
+from moelab.errors import MoelabError
+
+log = logging.getLogger(__name__)
+
+SCHEMA_VERSION = 1
+DB_NAME = "results.sqlite"
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS meta(key TEXT PRIMARY KEY, value TEXT);
+CREATE TABLE IF NOT EXISTS cells(hash TEXT PRIMARY KEY, record TEXT NOT NULL, checksum TEXT NOT NULL,
+    finished_at TEXT, model TEXT, policy TEXT, affected INTEGER, task TEXT, seed INTEGER,
+    score REAL, score_stderr REAL, n_docs INTEGER);
+CREATE TABLE IF NOT EXISTS failures(hash TEXT, attempt INTEGER, error TEXT, at TEXT, run_id TEXT);
+CREATE TABLE IF NOT EXISTS runs(run_id TEXT PRIMARY KEY, pid INTEGER, host TEXT, executor TEXT,
+    started_at TEXT, ended_at TEXT, cells_done INTEGER, cells_failed INTEGER);
+CREATE TABLE IF NOT EXISTS fingerprints(signature TEXT PRIMARY KEY, model TEXT, fingerprint TEXT);
+"""
+
+
+def now() -> str:
+    return _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds")
+
+
+def checksum(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+class Store:
+    """A sweep's results store (see the module docstring). Open with :func:`open_store`."""
+
+    def __init__(self, path: str | os.PathLike, *, writable: bool) -> None:
+        self.path = Path(path).expanduser()
+        self.writable = writable
+        self._lock_fd: int | None = None
+        self.run_id: str | None = None
+        db = self.path / DB_NAME
+        if writable:
+            self._create_dir()
+            self._acquire_lock()
+            try:
+                self.db = sqlite3.connect(db, isolation_level=None, timeout=30)
+                self.db.execute("PRAGMA journal_mode=WAL")
+                self.db.execute("PRAGMA synchronous=FULL")
+                self._check_version(create=True)
+            except BaseException:
+                self.close()
+                raise
+        else:
+            self.db = None
+            if db.is_file():
+                self.db = sqlite3.connect(f"file:{db}?mode=ro", uri=True, isolation_level=None, timeout=30)
+                if not self._has_tables():  # a driver is creating it this moment: nothing in it yet
+                    self.db.close()
+                    self.db = None
+                else:
+                    self._check_version(create=False)
+
+    # ------------------------------------------------------------------ open/close
+    def _create_dir(self) -> None:
+        if self.path.exists() and not self.path.is_dir():
+            raise MoelabError(f"sweep store {str(self.path)!r} is a file; a store is a directory. "
+                              "Choose another store path (spec key 'store' or --store).")
+        try:
+            (self.path / "cells").mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise MoelabError(f"cannot create sweep store {str(self.path)!r}: {exc.strerror}.") from None
+
+    def _acquire_lock(self) -> None:
+        lock = self.path / "lock"
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise MoelabError(
+                f"sweep store {str(self.path)!r} is in use by another driver ({self.lock_holder()}); "
+                "wait for it to finish (or stop it), or use another store."
+            ) from None
+        holder = json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "started_at": now()})
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, holder.encode(), 0)
+        self._lock_fd = fd
+
+    def lock_holder(self) -> str:
+        try:
+            info = json.loads((self.path / "lock").read_text())
+            return f"pid {info['pid']} on {info['host']}, started {info['started_at']}"
+        except (OSError, ValueError, KeyError):
+            return "holder unknown"
+
+    def _has_tables(self) -> bool:
+        try:
+            names = {n for (n,) in self.db.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+        except sqlite3.DatabaseError as exc:
+            raise MoelabError(f"{str(self.path / DB_NAME)!r} is not a readable sweep store ({exc}); "
+                              "move it away to start a new store.") from None
+        return {"meta", "cells"} <= names
+
+    def _check_version(self, create: bool) -> None:
+        if create:
+            self.db.executescript(_SCHEMA)
+            self.db.execute("INSERT OR IGNORE INTO meta VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
+            import moelab
+
+            self.db.execute("INSERT OR IGNORE INTO meta VALUES ('created_by', ?)", (f"moelab {moelab.__version__}",))
+        try:
+            row = self.db.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()
+        except sqlite3.DatabaseError as exc:
+            raise MoelabError(f"{str(self.path / DB_NAME)!r} is not a readable sweep store ({exc}); "
+                              "move it away to start a new store.") from None
+        version = int(row[0]) if row else 0
+        if version > SCHEMA_VERSION:
+            raise MoelabError(
+                f"sweep store {str(self.path)!r} has schema version {version}, written by a newer moelab "
+                f"(this one reads up to {SCHEMA_VERSION}); upgrade moelab (pip install -U moelab) or use another store."
+            )
+
+    def close(self) -> None:
+        if self.db is not None:
+            self.db.close()
+            self.db = None
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
+
+    def __enter__(self) -> Store:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ runs
+    def begin_run(self, executor: str) -> str:
+        import uuid
+
+        self.run_id = uuid.uuid4().hex[:12]
+        self.db.execute("INSERT INTO runs VALUES (?,?,?,?,?,NULL,0,0)",
+                        (self.run_id, os.getpid(), socket.gethostname(), executor, now()))
+        return self.run_id
+
+    def end_run(self, done: int, failed: int) -> None:
+        self.db.execute("UPDATE runs SET ended_at=?, cells_done=?, cells_failed=? WHERE run_id=?",
+                        (now(), done, failed, self.run_id))
+
+    # ------------------------------------------------------------------ fingerprints
+    def cached_fingerprint(self, signature: str) -> str | None:
+        if self.db is None:
+            return None
+        row = self.db.execute("SELECT fingerprint FROM fingerprints WHERE signature=?", (signature,)).fetchone()
+        return row[0] if row else None
+
+    def cache_fingerprint(self, signature: str, model: str, fingerprint: str) -> None:
+        self.db.execute("INSERT OR REPLACE INTO fingerprints VALUES (?,?,?)", (signature, model, fingerprint))
+
+    # ------------------------------------------------------------------ cells
+    def cell_dir(self, cell_hash: str) -> Path:
+        return self.path / "cells" / cell_hash
+
+    def records(self) -> tuple[dict[str, dict[str, Any]], dict[str, str]]:
+        """``(good, bad)``: the records that check out by hash, and why each bad one does not."""
+        good: dict[str, dict[str, Any]] = {}
+        bad: dict[str, str] = {}
+        if self.db is None:
+            return good, bad
+        for cell_hash, text, digest in self.db.execute("SELECT hash, record, checksum FROM cells"):
+            problem = self._problem(cell_hash, text, digest)
+            if problem:
+                bad[cell_hash] = problem
+            else:
+                good[cell_hash] = json.loads(text)
+        return good, bad
+
+    def _problem(self, cell_hash: str, text: Any, digest: Any) -> str | None:
+        if not isinstance(text, str) or checksum(text) != digest:
+            return "checksum mismatch"
+        try:
+            record = json.loads(text)
+        except ValueError:
+            return "record is not JSON"
+        if not isinstance(record, dict) or record.get("cell", {}).get("hash") != cell_hash:
+            return "record does not belong to its key"
+        for key in ("metrics", "score", "n_docs", "finished_at"):
+            if key not in record:
+                return f"record lacks {key!r}"
+        samples = record.get("samples_path")
+        if samples and not (self.path / samples).is_dir():
+            return f"its samples {samples!r} are missing"
+        return None
+
+    def put(self, record: dict[str, Any], samples: dict[str, str]) -> None:
+        """Write one finished cell: its samples files (atomically), then its record."""
+        from moelab._output import reserve_output
+
+        cell = record["cell"]
+        cell_hash = cell["hash"]
+        if samples:
+            target = self.cell_dir(cell_hash)
+            with reserve_output(target, overwrite=True, what="cell samples") as out:
+                for name, text in samples.items():
+                    if "/" in name or name.startswith("."):
+                        raise MoelabError(f"unexpected samples file name {name!r} from a worker.")
+                    (out.staging / name).write_text(text, encoding="utf-8")
+                out.commit()
+            record["samples_path"] = str(target.relative_to(self.path))
+        record["run_id"] = self.run_id
+        text = json.dumps(record, sort_keys=True, default=str)
+        self.db.execute(
+            "INSERT OR REPLACE INTO cells VALUES (?,?,?,?,?,?,?,?,?,?,?,?)",
+            (cell_hash, text, checksum(text), record["finished_at"], cell["model"], cell["policy"],
+             record.get("affected"), cell["task"], cell["seed"], record["score"], record.get("score_stderr"),
+             record["n_docs"]),
+        )
+
+    def record_failure(self, cell_hash: str, attempt: int, error: str) -> None:
+        with contextlib.suppress(sqlite3.Error):
+            self.db.execute("INSERT INTO failures VALUES (?,?,?,?,?)", (cell_hash, attempt, error[-4000:], now(),
+                                                                         self.run_id))
+
+    def failures(self) -> dict[str, str]:
+        """The last error of each cell that failed and has no good record."""
+        if self.db is None:
+            return {}
+        return {h: e for h, e in self.db.execute("SELECT hash, error FROM failures ORDER BY rowid")}
+
+
+def open_store(path: str | os.PathLike, *, writable: bool) -> Store:
+    """Open a store to write (takes the lock, creates it) or to read (no lock; may not exist)."""
+    return Store(path, writable=writable)
