@@ -25,6 +25,8 @@ LAYERS: list[set[str]] = [
     {"hybrid"},
     # what is built on the components: evaluation, plots, reports, training, the demo
     {"evals", "viz", "report", "training", "demo"},
+    # experiments over evaluations (sweeps run evals over models, policies and tasks)
+    {"sweeps"},
     # entry points
     {"cli", "__main__"},
 ]
