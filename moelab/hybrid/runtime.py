@@ -339,29 +339,45 @@ class HybridRun:
             self.timing["plans"] += 1
 
     def _plan_layer(self, ctx: ForwardContext, layer, call: ExpertsCall) -> None:
-        # one host copy of the layer's routing, then plain numpy/Python on a few dozen values
+        # one host copy of the layer's routing as Python lists: a decode step has a few values,
+        # for which list code is several times faster than numpy's per-call overhead
+        from moelab.caches.online import union_small
+
         plan = call._plan
         K = call.experts.shape[-1]
-        ids = call.experts.reshape(-1, K).cpu().numpy()
-        w = (plan.weights if plan is not None else call.weights).reshape(-1, K).float().cpu().numpy()
+        ids = call.experts.reshape(-1, K).tolist()
+        w = (plan.weights if plan is not None else call.weights).reshape(-1, K).float().tolist()
+        state = plan.state.reshape(-1, K).tolist() if plan is not None else None
         mask = ctx.mask_cpu
-        valid = mask.reshape(-1) if mask is not None and mask.size == ids.shape[0] else None
-        state = plan.state.cpu().numpy() if plan is not None else None
+        valid = mask.reshape(-1) if mask is not None and mask.size == len(ids) else None
         if valid is not None:
-            ids, w = ids[valid], w[valid]
-            state = state[valid] if state is not None else None
+            keep = valid.tolist()
+            ids = [r for r, k in zip(ids, keep, strict=True) if k]
+            w = [r for r, k in zip(w, keep, strict=True) if k]
+            state = [r for r, k in zip(state, keep, strict=True) if k] if state is not None else None
         lp = LayerPlan(forward=ctx.index, step=ctx.step, phase=ctx.phase, layer=layer.index, tokens=len(ids))
         if state is not None:
-            run = state != DROPPED
-            lp.skipped = int((~run).sum())
-            ids_run = np.where(run, ids, -1)
-            d = ids[state == DEFERRED]
-            if d.size:
-                e, n = np.unique(d, return_counts=True)
-                lp.deferred = list(zip(e.tolist(), n.tolist(), strict=True))
-        else:
-            ids_run = ids
-        needed, tokens = _needed(ids_run, w)
+            deferred: dict[int, int] = {}
+            run_ids = []
+            for row, srow in zip(ids, state, strict=True):
+                run_row = []
+                for e, st in zip(row, srow, strict=True):
+                    if st == DROPPED:
+                        lp.skipped += 1
+                        run_row.append(-1)
+                        continue
+                    run_row.append(e)
+                    if st == DEFERRED:
+                        deferred[e] = deferred.get(e, 0) + 1
+                run_ids.append(run_row)
+            lp.deferred = sorted(deferred.items())
+            ids = run_ids
+        needed = union_small(ids, w) if ids else []
+        tokens: dict[int, int] = {}
+        for row in ids:
+            for e in row:
+                if e >= 0:
+                    tokens[e] = tokens.get(e, 0) + 1
         cache = self.cache
         nbytes = self.expert_bytes[layer.index]
         if cache is None:
@@ -472,22 +488,6 @@ class HybridRun:
             "versions": {"moelab": __version__, "torch": torch.__version__,
                          "transformers": transformers.__version__, "python": platform.python_version()},
         }, indent=2))
-
-
-def _needed(ids: np.ndarray, w: np.ndarray) -> tuple[list[int], dict[int, int]]:
-    """The experts of the slots that run (``-1`` elsewhere), in the caches' access order
-    (:func:`moelab.caches.online.forward_experts`: descending largest router weight, ties by
-    lower id), and how many slots (tokens) each has."""
-    from moelab.caches.online import forward_experts
-
-    if ids.size == 0:
-        return [], {}
-    union, _ = forward_experts(ids, w)
-    counts: dict[int, int] = {}
-    for e in ids.ravel().tolist():
-        if e >= 0:
-            counts[e] = counts.get(e, 0) + 1
-    return union.tolist(), counts
 
 
 def hybrid(model: Any, config: HybridConfig | dict | str | Path | None = None) -> HybridRun:
