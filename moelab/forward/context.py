@@ -46,7 +46,6 @@ class ForwardInputs:
     was passed (every token is real)."""
     input_ids: torch.Tensor | None
     """(B, S) token ids, or None when the forward was called with ``inputs_embeds``."""
-    device: torch.device = torch.device("cpu")
 
     @property
     def all_real(self) -> bool:
@@ -65,10 +64,8 @@ def inspect_forward(args: tuple, kwargs: dict[str, Any]) -> ForwardInputs | None
     embeds = kwargs.get("inputs_embeds")
     if isinstance(input_ids, torch.Tensor):
         B, S = input_ids.shape[:2]
-        device = input_ids.device
     elif isinstance(embeds, torch.Tensor):
         B, S = embeds.shape[:2]
-        device = embeds.device
         input_ids = None
     else:
         return None
@@ -80,7 +77,6 @@ def inspect_forward(args: tuple, kwargs: dict[str, Any]) -> ForwardInputs | None
         past_len=past_length(kwargs.get("past_key_values")),
         mask=cur,
         input_ids=input_ids,
-        device=device,
     )
 
 

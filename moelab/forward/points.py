@@ -136,11 +136,6 @@ class ExpertsCall:
             )
         return self._plan
 
-    @property
-    def planned(self) -> bool:
-        """Whether some handler looked at the plan."""
-        return self._plan is not None
-
 
 @dataclass(eq=False)
 class Handle:
@@ -156,10 +151,6 @@ class Handle:
 
     def remove(self) -> None:
         self.manager._remove(self)
-
-    @property
-    def active(self) -> bool:
-        return self in self.manager._handles[self.point]
 
 
 _MANAGERS: weakref.WeakKeyDictionary[nn.Module, ForwardHooks] = weakref.WeakKeyDictionary()
