@@ -223,6 +223,8 @@ def test_moelab_run_writes_trace_plans_and_timeline_and_refuses_bad_configs(tmp_
     assert sorted(p.name for p in out.iterdir()) == ["config.json", "events.parquet", "plans.jsonl", "summary.json",
                                                      "trace"]
     assert moelab.open_trace(out / "trace").num_rows == summary["trace_rows"] > 0
+    assert 2 <= summary["generated_tokens"] <= 2 * 3  # 2 prompts, at most 3 new tokens each
+    assert json.loads((out / "summary.json").read_text()) == summary
     ev = pd.read_parquet(out / "events.parquet")
     assert {"expert-deferred", "dense"} <= set(ev["kind"]) and summary["plans"] > 0
     bad = tmp_path / "bad.yaml"

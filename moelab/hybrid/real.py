@@ -190,32 +190,32 @@ class RealExecutor:
         return demand
 
     def _immediate(self, ctx, layer, lp):
+        from moelab.hybrid.runtime import split_maps
+
         E = layer.num_experts
         device = sorted({e for e, _ in lp.device})
-        # the host computes its misses, and padding rows' experts (not planned: no real token needs them)
-        host_planned = sorted({e for e, _ in lp.host})
+        n_host = len({e for e, _ in lp.host})
         dev_backend, host_backend, lanes, log = self.device_backend, self.host_backend, self.lanes, self.log
         ebytes = self.run.expert_bytes[layer.index]
 
         def backend(module, hidden, ids, weights, expert_map=None):
             demand = self._submit_transfers(ctx, lp)
             t_wait = log.now_us()
+            # everything not on the device runs on the host: its misses, and padding rows' experts
+            dmap, hmap = split_maps(E, device, ids.device)
+            active = weights != 0
+            dev_pairs = int((active & (dmap[ids] >= 0)).sum())
+            host_pairs = int(active.sum()) - dev_pairs
             futs = []
-            pairs = int((weights != 0).sum())
-            present = torch.unique(ids[weights != 0]).tolist()
-            host = sorted(set(host_planned) | (set(present) - set(device)))
-            if device:
-                dmap = _map(E, device, ids.device)
-
+            if dev_pairs:
                 futs.append(lanes["device"].submit(
                     lambda: dev_backend(module, hidden, ids, weights, expert_map=dmap), step=ctx.index,
-                    layer=layer.index, kind="expert-device", tokens=pairs, nbytes=ebytes * len(device),
+                    layer=layer.index, kind="expert-device", tokens=dev_pairs, nbytes=ebytes * len(device),
                     cause="hit+fetch", after=list(demand.values())))  # a fetched expert runs after its copy
-            if host:
-                hmap = _map(E, host, ids.device)
+            if host_pairs:
                 futs.append(lanes["host"].submit(
                     lambda: host_backend(module, hidden, ids, weights, expert_map=hmap), step=ctx.index,
-                    layer=layer.index, kind="expert-host", tokens=pairs, nbytes=ebytes * len(host_planned),
+                    layer=layer.index, kind="expert-host", tokens=host_pairs, nbytes=ebytes * n_host,
                     cause="miss"))
             if not futs:
                 return torch.zeros_like(hidden)
@@ -239,11 +239,3 @@ class RealExecutor:
                                cause="deferred")
 
         return backend
-
-
-def _map(E: int, experts: list[int], device) -> torch.Tensor:
-    m = torch.full((E,), -1, dtype=torch.long, device=device)
-    if experts:
-        idx = torch.tensor(experts, dtype=torch.long, device=device)
-        m[idx] = idx
-    return m

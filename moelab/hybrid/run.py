@@ -33,8 +33,6 @@ def run_prompts(
     model_name: str | None = None,
 ) -> dict:
     """Greedy-generate on ``prompts`` under ``config`` while recording; returns the summary."""
-    import json
-
     from moelab._output import reserve_output
     from moelab.trace.run import trace_prompts
 
@@ -51,13 +49,14 @@ def run_prompts(
         wall = time.perf_counter() - t0
         shutil.move(str(trace.path), res.staging / "trace")
         shutil.rmtree(Path(trace.path).parent, ignore_errors=True)
-        run.write(res.staging)
-        summary = {**run.summary(), "wall_s": wall, "prompts": len(prompts), "max_new_tokens": max_new_tokens,
-                   "trace_rows": trace.num_rows, "plans": len(run.plans),
-                   "tokens_per_s": len(prompts) * max_new_tokens / wall if wall > 0 else None}
-        (res.staging / "summary.json").write_text(json.dumps(summary, indent=2))
+        # tokens generated: one from each prompt's forward, one per real token of each decode forward
+        generated = len(prompts) + trace.meta["rows_by_phase"]["decode"] // max(len(run.layers), 1)
+        extra = {"wall_s": wall, "prompts": len(prompts), "max_new_tokens": max_new_tokens,
+                 "generated_tokens": generated, "trace_rows": trace.num_rows, "plans": len(run.plans),
+                 "tokens_per_s": generated / wall if wall > 0 else None}
+        run.write(res.staging, extra)
         res.commit()
     except BaseException:
         res.abort()
         raise
-    return summary
+    return {**run.summary(), **extra}

@@ -198,28 +198,23 @@ class HybridRun:
                 self._handles.append(mgr.add(point, fn, order=Order.OBSERVE, name="real executor"))
             self._handles.append(mgr.add("experts", ex.on_experts, order=Order.BACKEND + 50, name="real executor"))
         elif cfg.device_backend is not None or cfg.host_backend is not None:
+            from moelab.backends import get_backend
+
+            self._backends = (get_backend(cfg.device_backend or "reference"), get_backend(cfg.host_backend or "reference"))
             self._handles.append(mgr.add("experts", self._functional_split, order=Order.BACKEND + 50,
                                          name="functional executor"))
 
     def _functional_split(self, ctx: ForwardContext, layer, call: ExpertsCall) -> None:
         """Device experts through the device backend, the rest through the host backend, summed."""
-        from moelab.backends import get_backend
-
         lp = ctx.scratch.get(("hybrid-plan", layer.index))
         if lp is None:
             return
-        dev_b = get_backend(self.config.device_backend or "reference")
-        host_b = get_backend(self.config.host_backend or "reference")
+        dev_b, host_b = self._backends
         device = sorted({e for e, _ in lp.device})
         E = layer.num_experts
 
         def backend(module, hidden, ids, weights, expert_map=None):
-            dmap = torch.full((E,), -1, dtype=torch.long, device=ids.device)
-            hmap = torch.arange(E, device=ids.device)
-            if device:
-                d = torch.tensor(device, dtype=torch.long, device=ids.device)
-                dmap[d] = d
-                hmap[d] = -1
+            dmap, hmap = split_maps(E, device, ids.device)
             return dev_b(module, hidden, ids, weights, expert_map=dmap) + host_b(module, hidden, ids, weights,
                                                                                expert_map=hmap)
 
@@ -270,11 +265,10 @@ class HybridRun:
             )
         from moelab.timing import get_profile
 
+        # a token through one expert: a multiply and an add per weight (2 FLOPs per parameter)
         layer = self.layers[0]
-        canon_i = getattr(layer.experts, "intermediate_dim", None) or getattr(layer.experts, "intermediate_size", None)
-        hidden = int(self.model.config.hidden_size)
-        inter = int(canon_i) if canon_i else int(self.expert_bytes[0] // (3 * hidden * 2))
-        return CostModel.from_profile(get_profile(self.config.hardware), self.expert_bytes[0], 6.0 * hidden * inter)
+        params = sum(p.numel() for p in layer.experts.parameters()) / max(layer.num_experts, 1)
+        return CostModel.from_profile(get_profile(self.config.hardware), self.expert_bytes[0], 2.0 * params)
 
     def _load_predictor(self):
         p = self.config.prefetch
@@ -465,9 +459,10 @@ class HybridRun:
             raise
         return Path(out)
 
-    def write(self, directory: str | Path) -> None:
+    def write(self, directory: str | Path, summary: dict[str, Any] | None = None) -> None:
         """Write ``plans.jsonl`` (one plan per line), ``events.parquet`` (the timeline),
-        ``summary.json`` and ``config.json`` (settings and versions) into ``directory``."""
+        ``summary.json`` (:meth:`summary`, plus ``summary``'s entries) and ``config.json`` (settings
+        and versions) into ``directory``."""
         import json
         import platform
 
@@ -481,13 +476,25 @@ class HybridRun:
             for p in self.plans:
                 f.write(json.dumps(asdict(p)) + "\n")
         pq.write_table(self.events.table(), d / "events.parquet")
-        (d / "summary.json").write_text(json.dumps(self.summary(), indent=2))
+        (d / "summary.json").write_text(json.dumps({**self.summary(), **(summary or {})}, indent=2))
         (d / "config.json").write_text(json.dumps({
             "config": self.config.to_dict(),
             "run": self.events.run,
             "versions": {"moelab": __version__, "torch": torch.__version__,
                          "transformers": transformers.__version__, "python": platform.python_version()},
         }, indent=2))
+
+
+def split_maps(num_experts: int, device_experts: list[int], device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Expert maps (``-1`` = not here) of the device side (``device_experts``) and the host side
+    (every other expert), as the experts backends take them."""
+    dmap = torch.full((num_experts,), -1, dtype=torch.long, device=device)
+    hmap = torch.arange(num_experts, device=device)
+    if device_experts:
+        d = torch.tensor(device_experts, dtype=torch.long, device=device)
+        dmap[d] = d
+        hmap[d] = -1
+    return dmap, hmap
 
 
 def hybrid(model: Any, config: HybridConfig | dict | str | Path | None = None) -> HybridRun:
