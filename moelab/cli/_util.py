@@ -70,3 +70,21 @@ class DeprecatedAlias(argparse.Action):
             print(f"moelab: warning: {option_string} is deprecated; use {self.option_strings[0]}.",
                   file=sys.stderr)
         setattr(namespace, self.dest, values)
+
+
+def add_prompt_arguments(p) -> None:
+    """``--prompts FILE | --task T``, ``--limit``, ``--max-new-tokens``, ``--batch-size``: the prompts
+    a command greedy-generates on (read them with :func:`prompts_from_args`)."""
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompts", metavar="FILE", help="text file (one prompt per line) or .jsonl with 'prompt'/'question'")
+    src.add_argument("--task", metavar="T", help="built-in prompt source: demo, arith, pycode")
+    p.add_argument("--limit", type=positive_int, help="use at most N prompts")
+    p.add_argument("--max-new-tokens", type=positive_int, default=32, help="tokens to generate per prompt (default 32)")
+    p.add_argument("--batch-size", type=positive_int, default=1, help="prompts per generate call (left padding)")
+
+
+def prompts_from_args(args) -> list[str]:
+    """The prompts :func:`add_prompt_arguments`' flags name."""
+    from moelab.prompts import read_prompts, task_prompts
+
+    return read_prompts(args.prompts, args.limit) if args.prompts else task_prompts(args.task, args.limit)

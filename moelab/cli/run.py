@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from moelab.cli._util import emit_json, positive_int
+from moelab.cli._util import add_prompt_arguments, emit_json, prompts_from_args
 
 
 def register(subparsers) -> None:
@@ -15,12 +15,7 @@ def register(subparsers) -> None:
     )
     p.add_argument("--model", required=True, help="bundled name, tiny-random-<family>, local directory or hub id")
     p.add_argument("--hybrid", required=True, metavar="CONFIG", help="hybrid configuration YAML file")
-    src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--prompts", metavar="FILE", help="text file (one prompt per line) or .jsonl")
-    src.add_argument("--task", metavar="T", help="built-in prompt source: demo, arith, pycode")
-    p.add_argument("--limit", type=positive_int, help="use at most N prompts")
-    p.add_argument("--max-new-tokens", type=positive_int, default=32, help="tokens per prompt (default 32)")
-    p.add_argument("--batch-size", type=positive_int, default=1, help="prompts per generate call (left padding)")
+    add_prompt_arguments(p)
     p.add_argument("--dtype", default=None, help="model dtype (float32, bfloat16, ...)")
     p.add_argument("--out", required=True, help="run directory to create")
     p.add_argument("--overwrite", action="store_true", help="replace an existing run directory")
@@ -32,10 +27,9 @@ def run(args) -> int:
     from moelab.hybrid.config import HybridConfig
     from moelab.hybrid.run import run_prompts
     from moelab.loading import load
-    from moelab.prompts import read_prompts, task_prompts
 
     config = HybridConfig.from_yaml(args.hybrid)  # bad configs fail before the model loads
-    prompts = read_prompts(args.prompts, args.limit) if args.prompts else task_prompts(args.task, args.limit)
+    prompts = prompts_from_args(args)
     model, tokenizer = load(args.model, dtype=args.dtype)
     summary = run_prompts(model, tokenizer, prompts, config, args.out, max_new_tokens=args.max_new_tokens,
                           batch_size=args.batch_size, overwrite=args.overwrite, model_name=args.model)

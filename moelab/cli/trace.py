@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from moelab.cli._util import check_output_path, emit_json, positive_int
+from moelab.cli._util import add_prompt_arguments, check_output_path, emit_json, prompts_from_args
 
 
 def register(subparsers) -> None:
@@ -12,12 +12,7 @@ def register(subparsers) -> None:
         description="Greedy-generate on prompts and record, per token and MoE layer, the routing decisions.",
     )
     p.add_argument("--model", required=True, help="bundled name, tiny-random-<family>, local directory or hub id")
-    src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--prompts", metavar="FILE", help="text file (one prompt per line) or .jsonl with 'prompt'/'question'")
-    src.add_argument("--task", metavar="T", help="built-in prompt source: demo, arith, pycode")
-    p.add_argument("--limit", type=positive_int, help="use at most N prompts")
-    p.add_argument("--max-new-tokens", type=positive_int, default=32, help="tokens to generate per prompt (default 32)")
-    p.add_argument("--batch-size", type=positive_int, default=1, help="prompts per generate call (left padding)")
+    add_prompt_arguments(p)
     p.add_argument("--hidden-states", action="store_true", help="also record router-input hidden states")
     p.add_argument("--hidden-dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     p.add_argument("--no-scores", action="store_true", help="do not record the full router score vectors")
@@ -31,11 +26,10 @@ def register(subparsers) -> None:
 def run(args) -> int:
     from moelab._output import reserve_output
     from moelab.loading import load
-    from moelab.prompts import read_prompts, task_prompts
     from moelab.trace.run import trace_prompts
 
     out = check_output_path(args.out, args.overwrite)
-    prompts = read_prompts(args.prompts, args.limit) if args.prompts else task_prompts(args.task, args.limit)
+    prompts = prompts_from_args(args)
     # claim --out before loading the model: a second writer of it is refused now, not after a load
     with reserve_output(out, args.overwrite, what="trace directory",
                         hint="pass --overwrite to replace it or choose another --out") as claim:
