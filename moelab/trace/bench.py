@@ -38,18 +38,11 @@ def _decode_loop(model, input_ids, steps: int, recorder: TraceRecorder | None = 
     finalisation (remaining conversion, Parquet write, meta.json, fsync, rename, reopen)
     is timed on its own.
     """
-    from transformers import DynamicCache
+    from moelab.forward.bench import decode_loop
 
     if recorder is not None:
         recorder.start()
-    cache = DynamicCache(config=model.config)
-    out = model(input_ids=input_ids, past_key_values=cache, use_cache=True)
-    nxt = out.logits[:, -1:].argmax(-1)
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        out = model(input_ids=nxt, past_key_values=out.past_key_values, use_cache=True)
-        nxt = out.logits[:, -1:].argmax(-1)
-    per_step = (time.perf_counter() - t0) / steps
+    per_step = decode_loop(model, input_ids, steps)
     t1 = time.perf_counter()
     if recorder is not None:
         recorder.close()
