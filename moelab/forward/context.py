@@ -193,6 +193,16 @@ class ForwardContext:
         return got
 
     @property
+    def real_token_ids(self) -> np.ndarray:
+        """(n,) int64 token ids of the real tokens, row-major (padding left out)."""
+        got = self._cache.get("real_token_ids")
+        if got is None:
+            m = self.mask_cpu
+            got = self.token_ids.reshape(-1) if m is None else self.token_ids.reshape(-1)[m.reshape(-1)]
+            self._cache["real_token_ids"] = got
+        return got
+
+    @property
     def positions(self) -> np.ndarray:
         """(B, S) position of each token among its row's real tokens (padding: the next real one's - 1)."""
         got = self._cache.get("positions")

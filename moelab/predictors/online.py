@@ -41,15 +41,10 @@ def attach(model: Any, predictor: Predictor, callback: Callback, *, m: int | Non
     sources = predictor.source_layers()
     mgr = forward_hooks(model)
 
-    def real_token_ids(ctx) -> np.ndarray:
-        ids = ctx.token_ids.reshape(-1)
-        mask = ctx.mask_cpu
-        return ids if mask is None else ids[mask.reshape(-1)]
-
     def on_forward(ctx) -> None:
         if ctx.inputs.input_ids is None:
             return
-        ids = real_token_ids(ctx)
+        ids = ctx.real_token_ids
         if len(ids) == 0:
             return
         for s in sources:
@@ -67,7 +62,7 @@ def attach(model: Any, predictor: Predictor, callback: Callback, *, m: int | Non
             return
         ids = None
         if ctx.inputs.input_ids is not None:
-            ids = real_token_ids(ctx)
+            ids = ctx.real_token_ids
             ids = ids if len(ids) == hidden.shape[0] else None
         s = layer.index
         callback(s, s + predictor.distance, predictor.predict(s, hidden=hidden, token_ids=ids, m=m))

@@ -240,7 +240,7 @@ class TraceRecorder:
         S = ctx.seq_len
         seq = ctx.seq - self._seq_base
         self._next_seq = max(self._next_seq, int(seq.max()) + 1)
-        token_id = ctx.token_ids.reshape(-1)
+        token_id = ctx.real_token_ids
         pos = ctx.positions.reshape(-1).astype(np.int32)
         mask = ctx.mask_cpu
         if mask is None:  # every token real (the usual decode step): no masking
@@ -249,7 +249,7 @@ class TraceRecorder:
             return
         valid = mask.reshape(-1)
         self._fwd = _Forward(valid=torch.from_numpy(valid), seq=np.repeat(seq, S)[valid], pos=pos[valid],
-                             token_id=token_id[valid], step=ctx.step, phase=ctx.phase)
+                             token_id=token_id, step=ctx.step, phase=ctx.phase)
 
     def _on_router(self, ctx: ForwardContext, layer: MoELayer, call: RouterCall) -> None:
         fwd = self._fwd
