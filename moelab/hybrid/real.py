@@ -116,7 +116,9 @@ class ExpertPool:
         with self._lock:
             slot = self.where.get((layer_index, expert))
             if slot is None:
-                slot = self.free.pop() if self.free else next(iter(self.where.values()))
+                # the plan evicts before it inserts, so a slot is free; if not (a prefetch racing a
+                # demand copy), the oldest resident expert gives up its slot
+                slot = self.free.pop() if self.free else self.where.pop(next(iter(self.where)))
                 self.where[(layer_index, expert)] = slot
         self.gu[slot].copy_(layer.experts.gate_up_proj[expert].detach())
         self.dn[slot].copy_(layer.experts.down_proj[expert].detach())

@@ -56,6 +56,7 @@ from moelab.forward import (
     forward_hooks,
 )
 from moelab.hybrid.config import HybridConfig
+from moelab.hybrid.events import EventLog
 from moelab.hybrid.placement import FETCH, HOST, CostModel, get_placement
 
 log = logging.getLogger(__name__)
@@ -131,6 +132,7 @@ class HybridRun:
         self.model = _unwrap(model)
         self.config = _as_config(config)
         self.plans: list[LayerPlan] = []
+        self.events = EventLog("unapplied")  # a fresh log with the run's id on every apply()
         self.timing_reset()
         self._handles: list[Handle] = []
         self._policies: list = []
@@ -183,8 +185,6 @@ class HybridRun:
 
     def _install_executor(self, mgr) -> None:
         import uuid
-
-        from moelab.hybrid.events import EventLog
 
         cfg = self.config
         self.events = EventLog(uuid.uuid4().hex[:12])
