@@ -122,6 +122,19 @@ class Registry(Generic[T]):
         self._add(name, obj, overwrite, _caller_site(1 + stacklevel))
         return obj
 
+    def class_decorator(self, name: str, *, attr: str, overwrite: bool = False,
+                        stacklevel: int = 1) -> Callable[[T], T]:
+        """A class decorator registering its class as ``name`` and setting ``cls.<attr> = name``
+        (what ``register_policy``/``register_predictor`` return; they pass ``stacklevel=2``)."""
+        register = self.register(name, overwrite=overwrite, stacklevel=stacklevel + 1)
+
+        def deco(cls: T) -> T:
+            register(cls)
+            setattr(cls, attr, name)
+            return cls
+
+        return deco
+
     def _add(self, name: str, obj: Any, overwrite: bool, site: str) -> None:
         if not isinstance(name, str) or not name:
             raise MoelabError(f"a {self.kind} name must be a non-empty string, got {name!r}.")

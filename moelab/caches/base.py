@@ -427,14 +427,7 @@ def register_policy(name: str, *, overwrite: bool = False) -> Callable[[type[Exp
 
     A different class under a registered name raises (naming both places) unless ``overwrite=True``.
     """
-    register = POLICIES.register(name, overwrite=overwrite, stacklevel=2)
-
-    def deco(cls: type[ExpertCache]) -> type[ExpertCache]:
-        register(cls)
-        cls.name = name
-        return cls
-
-    return deco
+    return POLICIES.class_decorator(name, attr="name", overwrite=overwrite, stacklevel=2)
 
 
 def available_policies() -> list[str]:

@@ -38,14 +38,7 @@ def register_policy(name: str, *, overwrite: bool = False):
 
     A different class under a registered name raises (naming both places) unless ``overwrite=True``.
     """
-    register = POLICIES.register(name, overwrite=overwrite, stacklevel=2)
-
-    def deco(cls: type[RoutingPolicy]) -> type[RoutingPolicy]:
-        register(cls)
-        cls.kind = name
-        return cls
-
-    return deco
+    return POLICIES.class_decorator(name, attr="kind", overwrite=overwrite, stacklevel=2)
 
 
 def available_policies() -> list[str]:

@@ -28,14 +28,12 @@ def register_predictor(name: str, *, overwrite: bool = False) -> Callable[[type[
 
     A different class under a registered name raises (naming both places) unless ``overwrite=True``.
     """
-    register = PREDICTORS.register(name, overwrite=overwrite, stacklevel=2)
+    register = PREDICTORS.class_decorator(name, attr="kind", overwrite=overwrite, stacklevel=2)
 
     def deco(cls: type[Predictor]) -> type[Predictor]:
         if not (isinstance(cls, type) and issubclass(cls, Predictor)):
             raise MoelabError(f"register_predictor expects a Predictor subclass, got {cls!r}.")
-        register(cls)
-        cls.kind = name
-        return cls
+        return register(cls)
 
     return deco
 
