@@ -157,7 +157,7 @@ def test_real_executor_equals_functional_and_its_events_are_consistent(mixtral, 
     with moelab.hybrid(mixtral, cfg) as f:
         want = _gen(mixtral, ids, mask, n=4)
     before = snapshot(mixtral)
-    with moelab.hybrid(mixtral, {**cfg, "executor": "real", "host_backend": host_backend}) as run:
+    with moelab.hybrid(mixtral, {**cfg, "executor": "real", "host_backend": host_backend, "device": "cpu"}) as run:
         got = _gen(mixtral, ids, mask, n=4)
     assert_same_state(before, snapshot(mixtral))
     assert torch.equal(want[0], got[0])

@@ -79,6 +79,11 @@ class HybridConfig:
     """``functional`` (exact outputs, plans only) or ``real`` (plans run on concurrent lanes with
     measured timestamps: :mod:`moelab.hybrid.real`)."""
     device: str = "auto"
+    """Where the real executor's device lane runs: ``cuda`` (a CUDA stream, a GPU expert pool,
+    the model's dense parts moved to the GPU while the run is applied), ``cpu`` (a CPU worker
+    standing in for the device), or ``auto`` (``cuda`` when a GPU is available and the executor
+    is ``real``, else ``cpu``; :meth:`resolved_device`). The functional executor computes where
+    the model is."""
     hardware: str | None = None
     """Hardware profile (a name of ``moelab.timing.available_profiles()`` or a profile YAML
     file), for placements that need a cost model."""
@@ -96,6 +101,14 @@ class HybridConfig:
 
             if not torch.cuda.is_available():
                 raise MoelabError("device='cuda' but no CUDA GPU is available here; use device='auto' or 'cpu'.")
+
+    def resolved_device(self) -> str:
+        """``cuda`` or ``cpu``: the device this configuration runs its device lane on here."""
+        if self.device == "auto":
+            import torch
+
+            return "cuda" if self.executor == "real" and torch.cuda.is_available() else "cpu"
+        return self.device
 
     # ------------------------------------------------------------------ (de)serialisation
     @classmethod

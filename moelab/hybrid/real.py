@@ -26,10 +26,15 @@ host parts are summed separately (two partial sums instead of one), so the resul
 pool copy (same bytes, so the same memory traffic on a CPU stand-in).
 
 Every unit of work is an event (:mod:`moelab.hybrid.events`).
+
+With ``device: cuda`` (or ``auto`` on a machine with a GPU) :func:`make_executor` builds the
+CUDA version instead (:mod:`moelab.hybrid.cuda`): a CUDA stream for the device lane, a copy
+stream from pinned masters into a GPU pool, host experts on hidden states copied back and forth.
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import queue
 import threading
@@ -38,26 +43,28 @@ from typing import Any
 
 import torch
 
-from moelab.errors import MoelabError
 from moelab.hybrid.events import EventLog
 
 
 class Lane:
-    """One worker thread with a priority queue; every task becomes an event."""
+    """One worker thread with a priority queue; every task becomes an event (with ``timed``; a CUDA
+    lane records its own events from CUDA events instead)."""
 
-    def __init__(self, name: str, log: EventLog) -> None:
+    def __init__(self, name: str, log: EventLog, *, timed: bool = True) -> None:
         self.name = name
         self.log = log
+        self.timed = timed
         self._q: queue.PriorityQueue = queue.PriorityQueue()
         self._seq = itertools.count()
         self._thread = threading.Thread(target=self._work, name=f"moelab-{name}", daemon=True)
         self._thread.start()
 
     def submit(self, fn, *, priority: int = 0, step: int, layer: int, kind: str, expert: int = -1, tokens: int = 0,
-               nbytes: int = 0, cause: str = "", after: list[Future] | None = None) -> Future:
-        """Queue ``fn``; with ``after``, the lane first waits for those futures (a ``wait`` event)."""
+               nbytes: int = 0, cause: str = "", after: list[Future] | None = None, post=None) -> Future:
+        """Queue ``fn``; with ``after``, the lane first waits for those futures (a ``wait`` event);
+        ``post(result)`` runs on the lane after the future is resolved, before the next task."""
         fut: Future = Future()
-        meta = (step, layer, kind, expert, tokens, nbytes, cause, after or [])
+        meta = (step, layer, kind, expert, tokens, nbytes, cause, after or [], post)
         self._q.put((priority, next(self._seq), fut, fn, meta))
         return fut
 
@@ -68,7 +75,7 @@ class Lane:
                 return
             if not fut.set_running_or_notify_cancel():
                 continue
-            step, layer, kind, expert, tokens, nbytes, cause, after = meta
+            step, layer, kind, expert, tokens, nbytes, cause, after, post = meta
             try:
                 if after:
                     tw = self.log.now_us()
@@ -81,9 +88,13 @@ class Lane:
                 fut.set_exception(e)
                 continue
             t1 = self.log.now_us()
-            self.log.add(step, layer, self.name, kind, t0, t1, expert=expert, tokens=tokens, nbytes=nbytes,
-                         cause=cause)
+            if self.timed:
+                self.log.add(step, layer, self.name, kind, t0, t1, expert=expert, tokens=tokens, nbytes=nbytes,
+                             cause=cause)
             fut.set_result(result)
+            if post is not None:
+                with contextlib.suppress(Exception):  # a CUDA failure resurfaces at the result's next use
+                    post(result)
 
     def close(self) -> None:
         self._q.put((float("inf"), next(self._seq), None, None, None))
@@ -130,17 +141,22 @@ class ExpertPool:
                 self.free.append(slot)
 
 
+def make_executor(run: Any, device: str, device_backend: str | None, host_backend: str | None):
+    """The real executor for ``device``: CUDA lanes (:mod:`moelab.hybrid.cuda`) or CPU lanes (this module)."""
+    if device == "cuda":
+        from moelab.hybrid.cuda import CudaExecutor
+
+        return CudaExecutor(run, device_backend, host_backend)
+    return RealExecutor(run, device_backend, host_backend)
+
+
 class RealExecutor:
-    """Handlers that run a :class:`~moelab.hybrid.HybridRun`'s plans on real lanes."""
+    """Handlers that run a :class:`~moelab.hybrid.HybridRun`'s plans on real lanes (the device lane a
+    CPU worker; :mod:`moelab.hybrid.cuda` has the CUDA lanes)."""
 
     def __init__(self, run: Any, device_backend: str | None, host_backend: str | None) -> None:
         from moelab.backends import get_backend
 
-        if run.config.device == "cuda":
-            raise MoelabError(
-                "the real executor runs its device lane on a CPU worker in this version; a CUDA device lane "
-                "(streams, pinned pool) is not built yet. Use device: cpu (or auto on a machine without a GPU)."
-            )
         self.run = run
         self.log: EventLog = run.events
         self.device_backend = get_backend(device_backend or "reference")

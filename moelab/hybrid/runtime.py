@@ -188,10 +188,11 @@ class HybridRun:
 
         cfg = self.config
         self.events = EventLog(uuid.uuid4().hex[:12])
+        self.device_ = cfg.resolved_device()
         if cfg.executor == "real":
-            from moelab.hybrid.real import RealExecutor
+            from moelab.hybrid.real import make_executor
 
-            self._executor = RealExecutor(self, cfg.device_backend, cfg.host_backend)
+            self._executor = make_executor(self, self.device_, cfg.device_backend, cfg.host_backend)
             ex = self._executor
             for point, fn in (("forward", ex.on_forward), ("router", ex.on_router), ("output", ex.on_output),
                               ("forward_end", ex.on_forward_end)):
@@ -479,6 +480,7 @@ class HybridRun:
         (d / "summary.json").write_text(json.dumps({**self.summary(), **(summary or {})}, indent=2))
         (d / "config.json").write_text(json.dumps({
             "config": self.config.to_dict(),
+            "device": getattr(self, "device_", self.config.resolved_device()),
             "run": self.events.run,
             "versions": {"moelab": __version__, "torch": torch.__version__,
                          "transformers": transformers.__version__, "python": platform.python_version()},

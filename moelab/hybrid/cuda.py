@@ -1,0 +1,434 @@
+"""The CUDA lanes of the real executor (``executor: real`` with ``device: cuda``, or ``auto`` on a GPU).
+
+On apply, the model (loaded on the CPU) is split: its non-expert parts (embeddings,
+attention, norms, routers, shared experts, the LM head) move to the GPU, every routed
+expert's weights stay on the host as the *masters*, in pinned memory, and a resident
+expert pool is allocated on the GPU (one slot per device-cache entry plus one layer's
+worth of scratch slots for fetched misses the cache does not keep). Leaving the run puts
+every parameter and buffer back exactly (the same tensors, so the same storage), also on
+exceptions.
+
+Lanes:
+
+* ``device`` — a CUDA stream. A worker thread launches each layer's device experts on it
+  with the device backend, reading the pool through an expert map (expert id → pool
+  slot, :mod:`moelab.backends.base`); the stream waits on the CUDA events of the copies
+  that filled those slots, so a fetched expert's compute starts after its copy.
+* ``copy`` — a second CUDA stream fed by a host-side priority queue: demand copies first,
+  inserts and prefetches behind them. One copy is in flight at a time, so a demand copy
+  pre-empts every prefetch still queued. Each copy is ``copy_(non_blocking=True)`` from the
+  pinned masters into a pool slot, after the last compute that read the slot.
+* ``host`` — a worker thread running host experts (native kernels release the GIL) on the
+  hidden states copied device→host into pinned buffers; results go back on a third small
+  stream. Deferred experts of layer ``l`` run there while the control thread launches
+  layer ``l + 1``'s attention on the GPU; the next MoE layer waits for them.
+
+Device and copy events are timed with CUDA events and put on the run's clock (an event
+recorded at the start, ``elapsed_time`` from it); host and control events use the host
+clock, as on the CPU. The event schema is unchanged (:mod:`moelab.hybrid.events`).
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import threading
+from concurrent.futures import Future
+from typing import Any
+
+import torch
+
+from moelab.errors import MoelabError
+from moelab.hybrid.events import EventLog
+
+
+class DeviceSplit:
+    """Moves a model's non-expert parts to ``device`` and pins its routed experts; :meth:`restore` undoes it."""
+
+    def __init__(self, model: torch.nn.Module, layers, device: torch.device) -> None:
+        self.model, self.layers, self.device = model, layers, device
+        self._params: dict[int, tuple[torch.nn.Parameter, torch.Tensor]] = {}
+        self._buffers: list[tuple[torch.nn.Module, str, torch.Tensor]] = []
+
+    def apply(self) -> None:
+        experts = {id(layer.experts) for layer in self.layers}
+        masters = {id(p) for layer in self.layers for p in layer.experts.parameters()}
+        try:
+            for m in self.model.modules():
+                for p in m._parameters.values():
+                    if p is None or id(p) in self._params:
+                        continue
+                    self._params[id(p)] = (p, p.data)
+                    p.data = p.data.pin_memory() if id(p) in masters else p.data.to(self.device)
+                if id(m) in experts:
+                    continue
+                for name, b in list(m._buffers.items()):
+                    if b is not None:
+                        self._buffers.append((m, name, b))
+                        m._buffers[name] = b.to(self.device)
+        except BaseException:
+            self.restore()
+            raise
+
+    def restore(self) -> None:
+        for p, data in self._params.values():
+            p.data = data
+        for m, name, b in reversed(self._buffers):
+            m._buffers[name] = b
+        self._params.clear()
+        self._buffers.clear()
+
+
+class Pool:
+    """The resident expert pool on the GPU: one stack per expert parameter, ``slots`` deep.
+
+    Slots are assigned on the control thread only (in plan order); ``owner`` lets the copy
+    lane skip a queued copy whose slot was given to another expert meanwhile.
+    """
+
+    def __init__(self, layers, resident: int, device: torch.device) -> None:
+        sig = [_signature(layer) for layer in layers]
+        if len(set(sig)) != 1:
+            raise MoelabError(
+                "the CUDA expert pool needs every MoE layer's routed experts to have the same parameter shapes "
+                "(this model mixes several); use device: cpu."
+            )
+        e0 = layers[0].experts
+        self.size = resident + max(layer.num_experts for layer in layers)
+        self.stacks = {n: torch.empty((self.size, *p.shape[1:]), dtype=p.dtype, device=device)
+                       for n, p in e0._parameters.items()}
+        self.free = list(range(self.size - 1, -1, -1))
+        self.where: dict[tuple[int, int], int] = {}
+        self.owner: dict[int, object] = {}
+        self.ready: dict[int, Future] = {}
+        self.last_read: dict[int, torch.cuda.Event] = {}
+
+    def alloc(self) -> int:
+        if not self.free:
+            raise MoelabError(
+                f"the CUDA expert pool ({self.size} slots) is full; this is a bug in the executor's slot "
+                "bookkeeping (report it with the config), use device: cpu meanwhile."
+            )
+        return self.free.pop()
+
+    def view(self, experts: torch.nn.Module) -> torch.nn.Module:
+        """A shallow copy of ``experts`` whose weight stacks are the pool's (index = slot)."""
+        v = copy.copy(experts)
+        v.__dict__["_parameters"] = {}
+        v.__dict__.update(self.stacks)
+        if "num_experts" in v.__dict__:
+            v.__dict__["num_experts"] = self.size
+        return v
+
+
+def _signature(layer) -> tuple:
+    e = layer.experts
+    params = dict(e._parameters)
+    if any(p is None or p.dim() < 1 or p.shape[0] != layer.num_experts for p in params.values()) or \
+            sum(1 for _ in e.parameters()) != len(params):
+        raise MoelabError(
+            f"{type(e).__name__} holds parameters other than (num_experts, ...) stacks; the CUDA executor copies "
+            "experts stack by stack. Use device: cpu for this model."
+        )
+    return tuple((n, tuple(p.shape[1:]), p.dtype) for n, p in params.items())
+
+
+class _EventDone:
+    """A future-like wait for a CUDA event (what the host lane waits for before reading a copy)."""
+
+    def __init__(self, ev: torch.cuda.Event) -> None:
+        self.ev = ev
+
+    def result(self) -> None:
+        self.ev.synchronize()
+
+
+class _Arrival:
+    """A host lane result as the control thread receives it: on the GPU, ordered after its copy."""
+
+    def __init__(self, fut: Future) -> None:
+        self.fut, self.value = fut, None
+
+    def result(self) -> torch.Tensor:
+        if self.value is None:
+            y, done = self.fut.result()
+            cur = torch.cuda.current_stream()
+            cur.wait_event(done)
+            y.record_stream(cur)
+            self.value = y
+        return self.value
+
+
+def _timed(stream: torch.cuda.Stream) -> torch.cuda.Event:
+    ev = torch.cuda.Event(enable_timing=True)
+    ev.record(stream)
+    return ev
+
+
+class CudaExecutor:
+    """The real executor's handlers with CUDA lanes (see the module docstring)."""
+
+    def __init__(self, run: Any, device_backend: str | None, host_backend: str | None) -> None:
+        from moelab.backends import get_backend
+        from moelab.hybrid.real import Lane
+
+        self.run = run
+        self.log: EventLog = run.events
+        self.device = torch.device("cuda", torch.cuda.current_device())
+        self.device_backend = get_backend(device_backend or "reference")
+        self.host_backend = get_backend(host_backend or "reference")
+        self.split = DeviceSplit(run.model, run.layers, self.device)
+        self.lanes: dict[str, Lane] = {}
+        self._pending: list[tuple] = []
+        self._lock = threading.Lock()
+        self._last_mark: dict[int, float] = {}
+        self._seq = itertools.count()
+        self.split.apply()
+        try:
+            resident = 0 if run.cache is None else int(sum(run.cache.slots_))
+            self.pool = Pool(run.layers, resident, self.device)
+            self.views = {layer.index: self.pool.view(layer.experts) for layer in run.layers}
+            self.streams = {n: torch.cuda.Stream(self.device) for n in ("device", "copy", "back")}
+            torch.cuda.synchronize(self.device)
+            self._t0_host = self.log.now_us()
+            self._t0 = _timed(torch.cuda.current_stream(self.device))
+            self._t0.synchronize()
+            self.lanes = {"device": Lane("device", self.log, timed=False), "host": Lane("host", self.log),
+                          "copy": Lane("copy", self.log, timed=False)}
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        try:
+            for lane in self.lanes.values():
+                lane.close()
+            torch.cuda.synchronize(self.device)
+            self._flush(block=True)
+        finally:
+            self.split.restore()
+
+    # ------------------------------------------------------------------ events
+    def _gpu_event(self, step, layer, lane, kind, a, b, **kw) -> None:
+        with self._lock:
+            self._pending.append((step, layer, lane, kind, a, b, kw))
+
+    def _flush(self, block: bool) -> None:
+        """Put finished GPU events on the run's clock (all of them with ``block``)."""
+        with self._lock:
+            items, self._pending = self._pending, []
+        keep = []
+        for step, layer, lane, kind, a, b, kw in items:
+            if not block and not b.query():
+                keep.append((step, layer, lane, kind, a, b, kw))
+                continue
+            b.synchronize()
+            t = self._t0_host
+            self.log.add(step, layer, lane, kind, t + 1e3 * self._t0.elapsed_time(a), t + 1e3 * self._t0.elapsed_time(b),
+                         **kw)
+        with self._lock:
+            self._pending = keep + self._pending
+
+    # ------------------------------------------------------------------ handlers
+    def on_forward(self, ctx) -> None:
+        self._last_mark[ctx.index] = self.log.now_us()
+
+    def on_router(self, ctx, layer, call) -> None:
+        t = self.log.now_us()
+        self.log.add(ctx.index, layer.index, "control", "dense", self._last_mark.get(ctx.index, t), t,
+                     cause="attention+router")
+
+    def on_output(self, ctx, layer, call, out) -> None:
+        self._last_mark[ctx.index] = self.log.now_us()
+
+    def on_forward_end(self, ctx, ok: bool) -> None:
+        self._last_mark.pop(ctx.index, None)
+        self._flush(block=False)
+
+    def on_experts(self, ctx, layer, call) -> None:
+        lp = ctx.scratch.get(("hybrid-plan", layer.index))
+        if lp is None:
+            return
+        call.backend = self._immediate(ctx, layer, lp)
+        call.deferred_backend = self._deferred(ctx, layer, lp)
+
+    # ------------------------------------------------------------------ slots and copies
+    def _copy(self, step: int, layer: int, expert: int, slot: int, priority: str) -> Future:
+        pool, stream = self.pool, self.streams["copy"]
+        token = object()
+        pool.owner[slot] = token
+        after = pool.last_read.get(slot)
+        masters = self.run.layers[layer].experts._parameters
+        nbytes = self.run.expert_bytes[layer]
+
+        def fn():
+            if pool.owner.get(slot) is not token:  # the slot went to another expert: a cancelled prefetch
+                return None
+            with torch.cuda.stream(stream):
+                if after is not None:
+                    stream.wait_event(after)  # the last compute that read this slot
+                a = _timed(stream)
+                for n, dst in pool.stacks.items():
+                    dst[slot].copy_(masters[n].data[expert], non_blocking=True)
+                b = _timed(stream)
+            self._gpu_event(step, layer, "copy", f"transfer-{priority}", a, b, expert=expert, nbytes=nbytes,
+                            cause=priority)
+            return b
+
+        fut = self.lanes["copy"].submit(fn, priority=0 if priority == "demand" else 1, step=step, layer=layer,
+                                        kind=f"transfer-{priority}", expert=expert, nbytes=nbytes, cause=priority,
+                                        post=lambda ev: ev is not None and ev.synchronize())  # one copy in flight
+        pool.ready[slot] = fut
+        return fut
+
+    def _prepare(self, ctx, lp) -> tuple[dict[int, int], list[Future], list[int]]:
+        """Apply the plan's evictions and transfers to the pool; the device experts' slots, the copies
+        their compute waits for, and the slots to free once it is launched."""
+        pool, cache, L = self.pool, self.run.cache, lp.layer
+        needed = [e for e, _ in lp.device]
+        slot_of = {e: pool.where[(L, e)] for e in needed if (L, e) in pool.where}
+        held, release = set(slot_of.values()), []
+        for key in lp.evictions:
+            s = pool.where.pop((int(key[0]), int(key[1])), None)
+            if s is not None:
+                (release if s in held else pool.free).append(s)
+        keys: dict[int, set[int]] = {}
+
+        def cached(layer: int, expert: int) -> bool:
+            if cache is None:
+                return False
+            if layer not in keys:
+                keys[layer] = cache.partition_keys(layer)
+            return cache.key(layer, expert) in keys[layer]
+
+        def place(layer: int, expert: int, priority: str) -> int:
+            s = pool.alloc()
+            if cached(layer, expert):
+                pool.where[(layer, expert)] = s
+            else:  # a fetched miss the cache does not keep: a scratch slot for this call
+                release.append(s)
+            self._copy(ctx.index, layer, expert, s, priority)
+            return s
+
+        for t in lp.transfers:
+            if (t.layer, t.expert) in pool.where or (t.layer == L and t.expert in slot_of):
+                continue
+            s = place(t.layer, t.expert, t.priority)
+            if t.layer == L and t.expert in needed:
+                slot_of[t.expert] = s
+        for e in needed:  # cached but never copied (a warm cache): a cold demand copy
+            if e not in slot_of:
+                slot_of[e] = place(L, e, "demand")
+        waits = []
+        for s in set(slot_of.values()):
+            f = pool.ready.get(s)
+            if f is None:
+                continue
+            if f.done() and f.exception() is None and (f.result() is None or f.result().query()):
+                del pool.ready[s]  # copied long ago
+                continue
+            waits.append(f)
+        return slot_of, waits, release
+
+    # ------------------------------------------------------------------ work
+    def _host(self, ctx, layer, module, hidden, ids, weights, emap, *, kind: str, cause: str, tokens: int,
+              nbytes: int) -> _Arrival:
+        hb = torch.empty(hidden.shape, dtype=hidden.dtype, pin_memory=True)
+        hb.copy_(hidden, non_blocking=True)
+        ready = torch.cuda.Event()
+        ready.record()
+        backend, back, device = self.host_backend, self.streams["back"], self.device
+
+        def fn():
+            y = backend(module, hb, ids, weights, expert_map=emap)
+            y = y if y.is_pinned() else y.pin_memory()
+            with torch.cuda.stream(back):
+                yd = y.to(device, non_blocking=True)
+                done = torch.cuda.Event()
+                done.record(back)
+            return yd, done
+
+        fut = self.lanes["host"].submit(fn, step=ctx.index, layer=layer.index, kind=kind, tokens=tokens,
+                                        nbytes=nbytes, cause=cause, after=[_EventDone(ready)])
+        return _Arrival(fut)
+
+    def _immediate(self, ctx, layer, lp):
+        from moelab.hybrid.runtime import split_maps
+
+        E, L = layer.num_experts, layer.index
+        ebytes = self.run.expert_bytes[L]
+
+        def backend(module, hidden, ids, weights, expert_map=None):
+            log = self.log
+            t_wait = log.now_us()
+            slot_of, waits, release = self._prepare(ctx, lp)
+            ids_c, w_c = ids.cpu(), weights.cpu()
+            dmap, hmap = split_maps(E, sorted(slot_of), "cpu")
+            active = w_c != 0
+            dev_pairs = int((active & (dmap[ids_c] >= 0)).sum())
+            host_pairs = int(active.sum()) - dev_pairs
+            host = None
+            if host_pairs:
+                host = self._host(ctx, layer, module, hidden, ids_c, w_c, hmap, kind="expert-host", cause="miss",
+                                  tokens=host_pairs, nbytes=ebytes * (E - len(slot_of)))
+            parts = []
+            if dev_pairs:
+                smap = torch.full((E,), -1, dtype=torch.long)
+                for e, s in slot_of.items():
+                    smap[e] = s
+                fut = self.lanes["device"].submit(
+                    self._device_work(ctx.index, L, hidden, ids, weights, smap.to(self.device), waits,
+                                      sorted(set(slot_of.values())), dev_pairs, ebytes * len(slot_of)),
+                    step=ctx.index, layer=L, kind="expert-device")
+                out, done = fut.result()
+                cur = torch.cuda.current_stream()
+                cur.wait_event(done)
+                out.record_stream(cur)
+                parts.append(out)
+            self.pool.free.extend(release)  # the device work that reads them is launched
+            if host is not None:
+                parts.append(host.result())
+            log.add(ctx.index, L, "control", "wait", t_wait, log.now_us(), cause="lanes")
+            if not parts:
+                return torch.zeros_like(hidden)
+            out = parts[0]
+            for p in parts[1:]:
+                out = out + p
+            return out
+
+        return backend
+
+    def _device_work(self, step, L, hidden, ids, weights, smap, waits, slots, tokens, nbytes):
+        inputs = torch.cuda.Event()
+        inputs.record()  # on the control stream: hidden states, ids and weights are ready
+        stream, view, backend, pool = self.streams["device"], self.views[L], self.device_backend, self.pool
+
+        def fn():
+            with torch.cuda.stream(stream):
+                stream.wait_event(inputs)
+                tw = _timed(stream) if waits else None
+                for f in waits:
+                    ev = f.result()
+                    if ev is not None:
+                        stream.wait_event(ev)  # a fetched expert's compute waits for its copy
+                a = _timed(stream)
+                out = backend(view, hidden, ids, weights, expert_map=smap)
+                b = _timed(stream)
+            for s in slots:
+                pool.last_read[s] = b
+            if tw is not None:
+                self._gpu_event(step, L, "device", "wait", tw, a, cause="copy")
+            self._gpu_event(step, L, "device", "expert-device", a, b, tokens=tokens, nbytes=nbytes, cause="hit+fetch")
+            return out, b
+
+        return fn
+
+    def _deferred(self, ctx, layer, lp):
+        ebytes = self.run.expert_bytes[layer.index]
+
+        def backend(module, hidden, ids, weights, expert_map=None):
+            w_c = weights.cpu()
+            return self._host(ctx, layer, module, hidden, ids.cpu(), w_c, None, kind="expert-deferred",
+                              cause="deferred", tokens=int((w_c != 0).sum()), nbytes=ebytes * len(lp.deferred))
+
+        return backend

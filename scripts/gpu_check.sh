@@ -1,0 +1,82 @@
+#!/usr/bin/env bash
+# The CUDA checks of moelab, for a machine with a GPU. From the repository root:
+#
+#     OUT=gpu_out bash scripts/gpu_check.sh        # or: bash scripts/gpu_check.sh gpu_out
+#
+# Uses the machine's python3 (torch, transformers, pandas, pyarrow, pytest) with PYTHONPATH=. (no
+# install). Writes to $OUT: env.txt (versions, GPU, imports), pytest.txt (the CUDA tests and the
+# hybrid tests), bench.txt / bench.json (decode step times of the real executor with CUDA lanes on
+# DeepSeek-V2-Lite MoE shapes). Exit status: non-zero when a test failed. About 3-5 minutes.
+set -uo pipefail
+OUT="${OUT:-${1:-gpu_check_out}}"
+mkdir -p "$OUT"
+export PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 OUT
+PY="${PYTHON:-python3}"
+STEPS="${STEPS:-8}"
+HOST_BACKEND="${HOST_BACKEND:-reference}"   # moelab_bf16 builds the native kernels first (needs ninja)
+export STEPS HOST_BACKEND
+
+echo "== environment" | tee "$OUT/env.txt"
+$PY - <<'PYEOF' 2>&1 | tee -a "$OUT/env.txt"
+import importlib, platform, sys
+import torch, transformers
+print("python", platform.python_version(), "torch", torch.__version__, "transformers", transformers.__version__)
+print("cuda", torch.cuda.is_available(), torch.cuda.get_device_name(0) if torch.cuda.is_available() else "-",
+      "cpu threads", torch.get_num_threads())
+for m in ("plotly", "lm_eval", "ray"):
+    print(m, "installed" if importlib.util.find_spec(m) else "absent")
+bad = []
+for m in ("moelab", "moelab.hybrid", "moelab.hybrid.cuda", "moelab.hybrid.bench", "moelab.models.tiny",
+          "tests.test_hybrid_cuda", "tests.test_hybrid", "tests.test_backends", "tests.test_predictors_protocol"):
+    try:
+        importlib.import_module(m)
+    except Exception as e:  # noqa: BLE001
+        bad.append(m)
+        print("IMPORT FAILED", m, type(e).__name__, e)
+print("imports ok" if not bad else f"imports failed: {bad}")
+PYEOF
+
+echo "== tests" | tee "$OUT/pytest.txt"
+timeout 300 $PY -m pytest -q -rs -p no:cacheprovider -n 4 tests/test_hybrid_cuda.py tests/test_hybrid.py \
+    "tests/test_backends.py::test_torch_backends_run_on_cuda_and_the_kernels_refuse_it" \
+    tests/test_predictors_protocol.py -k "cuda or hybrid" 2>&1 | tee -a "$OUT/pytest.txt"
+rc=${PIPESTATUS[0]}
+
+echo "== bench (real executor, CUDA lanes; DeepSeek-V2-Lite MoE shapes x 3 layers, bf16, host-misses)" \
+    | tee "$OUT/bench.txt"
+timeout 150 $PY - <<'PYEOF' 2>&1 | tee -a "$OUT/bench.txt"
+import json, os, time
+import torch
+from moelab.forward.bench import decode_loop
+from moelab.hybrid.bench import realistic_model
+from moelab.hybrid.runtime import HybridRun
+
+steps, hb = int(os.environ["STEPS"]), os.environ["HOST_BACKEND"]
+t = time.perf_counter()
+model = realistic_model(3)
+print(f"model built in {time.perf_counter() - t:.1f} s; host backend {hb}, {torch.get_num_threads()} threads, "
+      f"{steps} decode steps per point")
+ids = torch.randint(3, 250, (1, 8), generator=torch.Generator().manual_seed(0))
+rows = []
+print("capacity  deferred  step ms  busy device/host/copy/control %  overlap %")
+for cap, d in [(0.0, 0), (0.0, 2), (0.25, 0), (0.25, 2), (0.5, 0), (0.5, 2), (1.0, 0)]:
+    cfg = {"cache": {"capacity": cap, "policy": "lru"}, "placement": "host-misses", "executor": "real",
+           "device_backend": "reference", "host_backend": hb, "device": "cuda",
+           "routing": {"deferred": d, "min_immediate": 0}}
+    run = HybridRun(model, cfg)
+    with run:
+        decode_loop(model, ids.cuda(), 2)  # warm-up: first copies into the pool
+        step = decode_loop(model, ids.cuda(), steps)
+    s = run.summary()
+    r = {"capacity": cap, "deferred": d, "step_ms": step * 1e3, "overlap_pct": s["overlap_pct"],
+         **{f"busy_{k}": v for k, v in s["busy_pct"].items()}}
+    rows.append(r)
+    print(f"{cap:>8.2f}  {d:>8d}  {r['step_ms']:7.1f}  {r.get('busy_device', 0):5.0f}/{r.get('busy_host', 0):4.0f}/"
+          f"{r.get('busy_copy', 0):4.0f}/{r.get('busy_control', 0):4.0f}  {r['overlap_pct']:9.0f}")
+json.dump({"host_backend": hb, "steps": steps, "torch": torch.__version__,
+           "gpu": torch.cuda.get_device_name(0), "rows": rows}, open(os.path.join(os.environ["OUT"], "bench.json"), "w"),
+          indent=2)
+PYEOF
+brc=${PIPESTATUS[0]}
+echo "tests exit $rc, bench exit $brc" | tee -a "$OUT/pytest.txt"
+exit $(( rc != 0 ? rc : brc ))

@@ -1,0 +1,146 @@
+"""The real executor's CUDA lanes: parity with the functional executor on the CPU, consistent
+events, exact reversibility. Needs a GPU (``scripts/gpu_check.sh`` runs them on one)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import moelab
+from moelab.forward import forward_hooks
+from moelab.hybrid.events import COLUMNS
+from moelab.models.tiny import build_tiny
+from tests.test_policies_lifecycle import assert_same_state, snapshot
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
+                                reason="needs a CUDA GPU (the CUDA lanes of the real executor); none here")
+
+CONFIGS = {
+    "cache-fetch": {"cache": {"capacity": 0.25, "policy": "lru"}, "placement": "fetch-misses"},
+    "host-misses": {"cache": {"capacity": 0.5, "policy": "lru"}, "placement": "host-misses"},
+    "nocache-fetch": {"cache": {"capacity": 0}, "placement": "fetch-misses"},
+    "global-greedy": {"cache": {"capacity": 0.25, "policy": "mrs", "scope": "global"}, "placement": "greedy-hss",
+                      "hardware": "pcie4-x16"},
+}
+MODELS = ["moelab-tiny-mixtral", "moelab-tiny-qwen2moe", "gpt_oss", "deepseek_v3", "qwen3_next"]
+
+
+def _model(name):
+    if name.startswith("moelab-"):
+        from moelab.loading import load
+
+        return load(name)[0]
+    return build_tiny(name, seed=0)
+
+
+def _inputs(B, S=5, seed=0):
+    ids = torch.randint(3, 250, (B, S), generator=torch.Generator().manual_seed(seed))
+    mask = torch.ones_like(ids)
+    if B > 1:
+        mask[1, :2] = 0
+        ids[1, :2] = 0
+    return ids, mask
+
+
+def _gen(model, ids, mask, n=4):
+    out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, do_sample=False, pad_token_id=0,
+                         output_logits=True, return_dict_in_generate=True)
+    return out.sequences.cpu(), [x.float().cpu() for x in out.logits]
+
+
+def _tol(dtype):
+    return {torch.float32: (1e-3, 1e-3), torch.bfloat16: (5e-2, 5e-2), torch.float16: (1e-2, 1e-2)}[dtype]
+
+
+def _with_deferral(model, cfg):
+    k = min(layer.top_k for layer in moelab.moe_layers(model))
+    return {**cfg, "routing": {"deferred": min(2, k - 1), "min_immediate": 1}} if k >= 2 else cfg
+
+
+def _check_events(run):
+    ev = run.events_table()
+    assert tuple(ev.columns) == COLUMNS
+    for lane, g in ev[ev["lane"] != "control"].groupby("lane"):  # one stream / worker per lane
+        g = g.sort_values("t_start_us")
+        assert (g["t_start_us"].to_numpy()[1:] >= g["t_end_us"].to_numpy()[:-1] - 1e-6).all(), lane
+        assert (g["t_end_us"] >= g["t_start_us"]).all(), lane
+    dev = ev[ev["kind"] == "expert-device"].groupby(["step", "layer"])["t_start_us"].min()
+    copies = ev[ev["kind"] == "transfer-demand"]
+    for _, t in copies.iterrows():  # a fetched expert's compute starts after its copy ended
+        if (t["step"], t["layer"]) in dev.index:
+            assert dev.loc[(t["step"], t["layer"])] >= t["t_end_us"] - 1e-6
+    return ev
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_cuda_real_executor_equals_functional_on_the_cpu(name):
+    model = _model(name)
+    dtype = next(model.parameters()).dtype
+    rtol, atol = _tol(dtype)
+    before = snapshot(model)
+    for B in (1, 3):
+        ids, mask = _inputs(B)
+        for cname, cfg in CONFIGS.items():
+            cfg = _with_deferral(model, cfg)
+            with moelab.hybrid(model, {**cfg, "executor": "functional", "device": "cpu"}):
+                want = _gen(model, ids, mask)
+            with moelab.hybrid(model, {**cfg, "executor": "real", "device": "cuda"}) as run:
+                assert next(model.parameters()).device.type == "cuda"
+                got = _gen(model, ids.cuda(), mask.cuda())
+            assert torch.equal(want[0], got[0]), (name, B, cname)
+            for a, b in zip(want[1], got[1], strict=True):
+                torch.testing.assert_close(b, a, rtol=rtol, atol=atol, msg=f"{name} B={B} {cname}")
+            ev = _check_events(run)
+            kinds = set(ev["kind"])
+            assert "expert-device" in kinds or "expert-host" in kinds
+            if cfg["placement"] == "fetch-misses":
+                assert "transfer-demand" in kinds
+            if cfg.get("routing"):
+                assert "expert-deferred" in kinds
+    assert_same_state(before, snapshot(model))
+    assert all(p.device.type == "cpu" for p in model.parameters())
+    assert all(b.device.type == "cpu" for b in model.buffers())
+    assert forward_hooks(model, create=False) is None
+
+
+def test_cuda_run_is_reversible_on_exceptions_and_auto_picks_cuda(tmp_path):
+    import json
+
+    model = build_tiny("mixtral", seed=0)
+    before = snapshot(model)
+    ids, mask = _inputs(3)
+    with pytest.raises(RuntimeError, match="boom"), moelab.hybrid(model, {**CONFIGS["cache-fetch"], "executor": "real"}):
+        _gen(model, ids.cuda(), mask.cuda(), n=2)
+        raise RuntimeError("boom")
+    assert_same_state(before, snapshot(model))
+    assert all(p.device.type == "cpu" and not p.is_pinned() for p in model.parameters())
+    assert forward_hooks(model, create=False) is None
+    # a forward with inputs on the wrong device fails inside the run: still restored
+    with pytest.raises(RuntimeError), moelab.hybrid(model, {**CONFIGS["host-misses"], "executor": "real"}):
+        model(input_ids=ids, attention_mask=mask)
+    assert_same_state(before, snapshot(model))
+    run = moelab.hybrid(model, {**CONFIGS["host-misses"], "executor": "real", "routing": {"deferred": 1}})
+    with run:
+        _gen(model, ids.cuda(), mask.cuda(), n=2)
+    run.save(tmp_path / "r")
+    assert json.loads((tmp_path / "r" / "config.json").read_text())["device"] == "cuda"
+    import pandas as pd
+
+    ev = pd.read_parquet(tmp_path / "r" / "events.parquet")
+    assert tuple(ev.columns) == COLUMNS and {"device", "host", "copy", "control"} <= set(ev["lane"])
+    assert_same_state(before, snapshot(model))
+
+
+def test_cuda_lanes_overlap_deferred_host_work_with_the_next_layer():
+    """Deferred host work runs while the control thread launches the next layer: with deferral,
+    some host-lane time overlaps the device side (device lane or the control thread's dense work)."""
+    model = build_tiny("qwen3_moe", seed=0)
+    ids, mask = _inputs(3)
+    cfg = {"cache": {"capacity": 0.5, "policy": "lru"}, "placement": "host-misses", "executor": "real",
+           "device": "cuda", "routing": {"deferred": 1, "min_immediate": 1}}
+    with moelab.hybrid(model, cfg) as run:
+        _gen(model, ids.cuda(), mask.cuda(), n=6)
+    s = run.summary()
+    assert {"device", "host", "copy"} <= set(s["busy_pct"]) and 0 <= s["overlap_pct"] <= 100
+    ev = run.events_table()
+    assert len(ev[ev["kind"] == "expert-deferred"]) == sum(1 for p in run.plans if p.deferred)
