@@ -119,7 +119,8 @@ def test_cuda_run_is_reversible_on_exceptions_and_auto_picks_cuda(tmp_path):
     with pytest.raises(RuntimeError), moelab.hybrid(model, {**CONFIGS["host-misses"], "executor": "real"}):
         model(input_ids=ids, attention_mask=mask)
     assert_same_state(before, snapshot(model))
-    run = moelab.hybrid(model, {**CONFIGS["host-misses"], "executor": "real", "routing": {"deferred": 1}})
+    run = moelab.hybrid(model, {**CONFIGS["host-misses"], "executor": "real",
+                                "routing": {"deferred": 1, "min_immediate": 1}})
     with run:
         _gen(model, ids.cuda(), mask.cuda(), n=2)
     run.save(tmp_path / "r")
