@@ -72,6 +72,18 @@ def _check_events(run):
     return ev
 
 
+def _configs(name):
+    """The shared configurations, and for a bundled model its learned-predictor prefetch (the
+    copy lane's prefetch queue, cancelled prefetches and evictions of another layer's slots)."""
+    from pathlib import Path
+
+    pred = Path(__file__).resolve().parents[1] / "predictors" / name / "learned-d1"
+    if not pred.is_dir():
+        return CONFIGS
+    return {**CONFIGS, "prefetch": {"cache": {"capacity": 0.25, "policy": "mrs"}, "placement": "greedy-hss",
+                                    "hardware": "pcie4-x16", "prefetch": {"predictor": str(pred), "distance": 1}}}
+
+
 @pytest.mark.parametrize("name", MODELS)
 def test_cuda_real_executor_equals_functional_on_the_cpu(name):
     model = _model(name)
@@ -80,7 +92,7 @@ def test_cuda_real_executor_equals_functional_on_the_cpu(name):
     before = snapshot(model)
     for B in (1, 3):
         ids, mask = _inputs(B)
-        for cname, cfg in CONFIGS.items():
+        for cname, cfg in _configs(name).items():
             cfg = _with_deferral(model, cfg)
             with moelab.hybrid(model, {**cfg, "executor": "functional", "device": "cpu"}):
                 want = _gen(model, ids, mask)
@@ -97,6 +109,8 @@ def test_cuda_real_executor_equals_functional_on_the_cpu(name):
                 assert "transfer-demand" in kinds
             if cfg.get("routing"):
                 assert "expert-deferred" in kinds
+            if cname == "prefetch":
+                assert "transfer-prefetch" in kinds
     assert_same_state(before, snapshot(model))
     assert all(p.device.type == "cpu" for p in model.parameters())
     assert all(b.device.type == "cpu" for b in model.buffers())
