@@ -8,7 +8,8 @@
 # hybrid tests), bench.txt / bench.json (decode step times of the real executor with CUDA lanes on
 # DeepSeek-V2-Lite MoE shapes). Exit status: non-zero when a test failed. About 3-4 minutes.
 # STEPS=N decode steps per bench point (8); HOST_BACKEND=moelab_bf16 times the native host kernels
-# (built on first use); SKIP_TESTS=1 runs only the bench.
+# (built on first use); DEVICE_BACKEND=batched_mm the GPU side with transformers' batched_mm;
+# SKIP_TESTS=1 runs only the bench.
 set -uo pipefail
 OUT="${OUT:-${1:-gpu_check_out}}"
 mkdir -p "$OUT"
@@ -16,7 +17,8 @@ export PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 OUT
 PY="${PYTHON:-python3}"
 STEPS="${STEPS:-8}"
 HOST_BACKEND="${HOST_BACKEND:-reference}"
-export STEPS HOST_BACKEND
+DEVICE_BACKEND="${DEVICE_BACKEND:-reference}"
+export STEPS HOST_BACKEND DEVICE_BACKEND
 
 echo "== environment" | tee "$OUT/env.txt"
 $PY - <<'PYEOF' 2>&1 | tee -a "$OUT/env.txt"
@@ -58,17 +60,17 @@ from moelab.forward.bench import decode_loop
 from moelab.hybrid.bench import realistic_model
 from moelab.hybrid.runtime import HybridRun
 
-steps, hb = int(os.environ["STEPS"]), os.environ["HOST_BACKEND"]
+steps, hb, db = int(os.environ["STEPS"]), os.environ["HOST_BACKEND"], os.environ["DEVICE_BACKEND"]
 t = time.perf_counter()
 model = realistic_model(3)
-print(f"model built in {time.perf_counter() - t:.1f} s; host backend {hb}, {torch.get_num_threads()} threads, "
+print(f"model built in {time.perf_counter() - t:.1f} s; host backend {hb}, device backend {db}, {torch.get_num_threads()} threads, "
       f"{steps} decode steps per point")
 ids = torch.randint(3, 250, (1, 8), generator=torch.Generator().manual_seed(0))
 rows = []
 print("capacity  deferred  step ms  busy device/host/copy/control %  overlap %")
 for cap, d in [(0.0, 0), (0.0, 2), (0.25, 0), (0.25, 2), (0.5, 0), (0.5, 2), (1.0, 0)]:
     cfg = {"cache": {"capacity": cap, "policy": "lru"}, "placement": "host-misses", "executor": "real",
-           "device_backend": "reference", "host_backend": hb, "device": "cuda",
+           "device_backend": db, "host_backend": hb, "device": "cuda",
            "routing": {"deferred": d, "min_immediate": 0}}
     run = HybridRun(model, cfg)
     with run:
@@ -80,7 +82,7 @@ for cap, d in [(0.0, 0), (0.0, 2), (0.25, 0), (0.25, 2), (0.5, 0), (0.5, 2), (1.
     rows.append(r)
     print(f"{cap:>8.2f}  {d:>8d}  {r['step_ms']:7.1f}  {r.get('busy_device', 0):5.0f}/{r.get('busy_host', 0):4.0f}/"
           f"{r.get('busy_copy', 0):4.0f}/{r.get('busy_control', 0):4.0f}  {r['overlap_pct']:9.0f}")
-json.dump({"host_backend": hb, "steps": steps, "torch": torch.__version__,
+json.dump({"host_backend": hb, "device_backend": db, "steps": steps, "torch": torch.__version__,
            "gpu": torch.cuda.get_device_name(0), "rows": rows}, open(os.path.join(os.environ["OUT"], "bench.json"), "w"),
           indent=2)
 PYEOF
