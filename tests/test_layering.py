@@ -24,7 +24,7 @@ LAYERS: list[set[str]] = [
     # runtimes composed from the components
     {"hybrid"},
     # what is built on the components: evaluation, plots, reports, training, the demo
-    {"evals", "viz", "report", "training", "demo"},
+    {"evals", "viz", "timeline", "report", "training", "demo"},
     # experiments over evaluations (sweeps run evals over models, policies and tasks)
     {"sweeps"},
     # entry points

@@ -24,7 +24,10 @@ column         type      meaning
                          ``deferred`` …
 =============  ========  ====================================================================
 
-Summaries (lane busy %, overlap, tokens/s) are computed from this table alone.
+Lanes are named by prefix (``copy0``/``copy1`` for several copy engines, ``host0``.. for NUMA
+nodes: any name starting with ``device``, ``host``, ``copy`` or ``control`` keeps its meaning).
+Summaries (lane busy %, overlap, tokens/s) are computed from this table alone: :func:`summarize`
+here, and the rest (stalls, critical path, comparisons) in :mod:`moelab.timeline`.
 """
 
 from __future__ import annotations
@@ -32,6 +35,8 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass
+
+import numpy as np
 
 COLUMNS = ("run", "step", "layer", "lane", "kind", "expert", "tokens", "bytes", "t_start_us", "t_end_us", "cause")
 
@@ -84,41 +89,74 @@ class EventLog:
         return pa.table(cols, schema=schema)
 
 
-def summarize(df) -> dict:
-    """Lane busy %, overlap and wall time from an events DataFrame (pandas).
+#: Lane names keep their meaning by prefix: ``copy0``/``copy1`` are copy engines, ``host0``.. NUMA nodes.
+LANE_GROUPS = ("device", "host", "copy", "control")
 
-    ``overlap_pct``: the share of the host lane's busy time during which the device side
-    (device lane or the control thread's dense work) was busy too.
+
+def lane_group(lane: str) -> str:
+    """``device``, ``host``, ``copy`` or ``control`` for a lane named with that prefix, else the name."""
+    for g in LANE_GROUPS:
+        if lane.startswith(g):
+            return g
+    return lane
+
+
+def union(starts, ends):
+    """The union of intervals ``[starts[i], ends[i])`` as sorted disjoint ``(starts, ends)`` arrays."""
+    s = np.asarray(starts, dtype=np.float64)
+    e = np.asarray(ends, dtype=np.float64)
+    if s.size == 0:
+        return s, e
+    order = np.argsort(s, kind="stable")
+    s, e = s[order], e[order]
+    reach = np.maximum.accumulate(e)
+    new = np.empty(s.size, dtype=bool)
+    new[0] = True
+    new[1:] = s[1:] > reach[:-1]
+    first = np.flatnonzero(new)
+    last = np.r_[first[1:] - 1, s.size - 1]
+    return s[first], reach[last]
+
+
+def length(iv) -> float:
+    """Total length of disjoint intervals ``(starts, ends)``."""
+    return float((iv[1] - iv[0]).sum())
+
+
+def busy_spans(df, lanes=None):
+    """Busy intervals (a union) of the rows of ``df`` on ``lanes`` (all lanes if None), waits excluded.
+
+    A lane is *busy* while it runs work; a ``wait`` event (a lane blocked on another) is idle time.
+    """
+    rows = df[df["kind"] != "wait"]
+    if lanes is not None:
+        rows = rows[rows["lane"].isin(list(lanes))]
+    return union(rows["t_start_us"].to_numpy(), rows["t_end_us"].to_numpy())
+
+
+def summarize(df) -> dict:
+    """Lane busy %, host/device overlap % and wall time from an events DataFrame (pandas).
+
+    * ``wall_us``: first start to last end over all events;
+    * ``busy_pct[lane]``: the union of the lane's events other than ``wait`` over the wall time;
+    * ``overlap_pct``: the share of the host side's busy time (lanes ``host*``) during which the
+      device side (lanes ``device*``, or the control thread's work other than waits) was busy too.
+
+    :class:`moelab.timeline.Timeline` reports these same figures (it calls this function).
     """
     if len(df) == 0:
         return {"wall_us": 0.0, "busy_pct": {}, "overlap_pct": 0.0}
     t0, t1 = float(df["t_start_us"].min()), float(df["t_end_us"].max())
     wall = max(t1 - t0, 1e-9)
-    busy = {}
-    for lane, g in df.groupby("lane"):
-        iv = _merge(list(zip(g["t_start_us"], g["t_end_us"], strict=True)))
-        busy[lane] = 100.0 * sum(b - a for a, b in iv) / wall
-
-    def spans(rows) -> list[tuple[float, float]]:
-        return _merge(list(zip(rows["t_start_us"], rows["t_end_us"], strict=True)))
-
-    host = spans(df[df["lane"] == "host"])
-    # the device side: device-lane compute and the control thread's dense work (not its waits)
-    dev = spans(df[(df["lane"] == "device") | ((df["lane"] == "control") & (df["kind"] != "wait"))])
-    overlap = sum(max(0.0, min(b, d) - max(a, c)) for a, b in host for c, d in dev)
-    host_busy = sum(b - a for a, b in host)
+    busy = {str(lane): 100.0 * length(busy_spans(g)) / wall for lane, g in df.groupby("lane", sort=True)}
+    groups = df["lane"].map(lane_group)
+    host = busy_spans(df[groups == "host"])
+    dev = busy_spans(df[(groups == "device") | (groups == "control")])
+    host_busy = length(host)
+    both = host_busy + length(dev) - length(union(np.concatenate([host[0], dev[0]]),
+                                                  np.concatenate([host[1], dev[1]])))
     return {
         "wall_us": wall,
         "busy_pct": busy,
-        "overlap_pct": 100.0 * overlap / host_busy if host_busy else 0.0,
+        "overlap_pct": 100.0 * both / host_busy if host_busy else 0.0,
     }
-
-
-def _merge(iv: list[tuple[float, float]]) -> list[tuple[float, float]]:
-    out: list[tuple[float, float]] = []
-    for a, b in sorted(iv):
-        if out and a <= out[-1][1]:
-            out[-1] = (out[-1][0], max(out[-1][1], b))
-        else:
-            out.append((a, b))
-    return out
