@@ -352,11 +352,19 @@ class Timeline:
                 raise MoelabError("the timeline has no events; a critical path needs at least one step.")
             step = self.steps[-1]
         df = self.events
-        rows = np.flatnonzero((df["step"] == step).to_numpy() & (df["kind"] != "wait").to_numpy())
-        if rows.size == 0:
+        if "step_rows" not in self._cache:
+            work = df.index[df["kind"] != "wait"].to_numpy()
+            self._cache["step_rows"] = {int(k): work[np.asarray(v)] for k, v in
+                                        pd.Series(work).groupby(df["step"].to_numpy()[work]).groups.items()}
+            f = self.feeds()
+            steps = df["step"].to_numpy()
+            same = steps[f["tr"].to_numpy()] == steps[f["cp"].to_numpy()]
+            self._cache["step_feeds"] = dict(list(f[same].groupby(steps[f["cp"].to_numpy()[same]])))
+        rows = self._cache["step_rows"].get(int(step))
+        if rows is None:
             raise MoelabError(f"the timeline has no step {step}; steps are {_ranges(self.steps)}.")
-        fed = self.feeds()
-        fed = fed[np.isin(fed["cp"].to_numpy(), rows) & np.isin(fed["tr"].to_numpy(), rows)]
+        rows = np.sort(rows)
+        fed = self._cache["step_feeds"].get(int(step), pd.DataFrame({"tr": [], "cp": []}, dtype=np.int64))
         order, length_us, wall = _longest_chain(df, rows, fed)
         ev = df.iloc[order]
         sub = df.iloc[rows]
