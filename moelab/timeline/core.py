@@ -146,7 +146,8 @@ class Timeline:
         check_events(events)
         df = events.loc[:, list(COLUMNS)].copy()
         for c, t in _DTYPES.items():
-            df[c] = df[c].fillna("").astype(t) if t is str else df[c].astype(t)
+            # strings as categories: a few distinct values, and fast to group, compare and map
+            df[c] = _categorical(df[c]) if t is str else df[c].astype(t)
         bad = df["t_end_us"] < df["t_start_us"]
         if bool(bad.any()):
             i = int(np.flatnonzero(bad.to_numpy())[0])
@@ -451,6 +452,19 @@ class Timeline:
         from moelab.timeline.export import to_perfetto
 
         return to_perfetto(self, path)
+
+
+def _categorical(col: pd.Series) -> pd.Categorical:
+    """A string column as a categorical with plain-object categories (``''`` for missing)."""
+    codes, uniques = pd.factorize(col, use_na_sentinel=True)
+    cats = [("" if pd.isna(u) else str(u)) for u in uniques]
+    if (codes < 0).any():
+        cats.append("")
+        codes = np.where(codes < 0, len(cats) - 1, codes)
+    if len(set(cats)) < len(cats):  # '' both present and missing: merge
+        names, inv = np.unique(np.asarray(cats, dtype=object), return_inverse=True)
+        codes, cats = inv[codes], list(names)
+    return pd.Categorical.from_codes(codes, categories=pd.Index(cats, dtype=object))
 
 
 def _member(col: pd.Series, sel) -> np.ndarray:
