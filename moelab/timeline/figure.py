@@ -216,9 +216,13 @@ def _add_bars(fig, cat: str, parts: list[dict], width: float) -> None:
                                opacity=0.5 if cat == "wait" else 1.0), row=1, col=1)
     # hover: an invisible marker in the middle of each bar, one trace per (level, label, cause)
     for p in parts:
-        groups = [(p["cause"] == c, c) for c in pd.unique(p["cause"])] if p["level"] == "event" else [(None, "")]
+        n = len(p["s"])
+        groups = [(p["cause"] == c, c) for c in pd.unique(p["cause"])] if p["level"] == "event" else \
+            [(np.ones(n, dtype=bool), "")]
         for m, cause in groups:
-            sel = (lambda a, m=m: a if m is None else a[m])
+            def sel(a, m=m):
+                return a[m]
+
             mid = (sel(p["s"]) + sel(p["e"])) / 2
             fig.add_trace(go.Scattergl(
                 x=mid.astype(np.float32), y=sel(p["y"]).astype(np.float32), mode="markers", legendgroup=cat,
