@@ -3,9 +3,6 @@ the figure's traces, exports parsed back, and the CLI."""
 
 from __future__ import annotations
 
-import json
-
-import numpy as np
 import pandas as pd
 import pytest
 

@@ -104,7 +104,7 @@ def synthetic_events(*, steps: int | None = None, events: int | None = None, lay
         nbytes=EXPERT_BYTES, cause="demand")
     add(fb, "copy0", "evict", T[fb] + cp_rel[fb, fj, 0], T[fb] + cp_rel[fb, fj, 0], e=(expert[fb, fj] + 1) % 256,
         nbytes=EXPERT_BYTES, cause="evict")
-    # prefetches for block b run on copy1 while block b-1 computes (issued at layer l-1)
+    # prefetches for block b run on copy1 before it starts (issued while layer l-1 computes)
     pb, pj = np.nonzero((fate == 1) & (layer[:, None] > 0))
     order = np.lexsort((pj, pb))
     pb, pj = pb[order], pj[order]
@@ -113,8 +113,9 @@ def synthetic_events(*, steps: int | None = None, events: int | None = None, lay
         first = np.r_[True, pb[1:] != pb[:-1]]
         idx = np.arange(pb.size)
         rank = idx - np.maximum.accumulate(np.where(first, idx, 0))
-    dur = copy_d[pb, pj] * 0.5
-    p0 = T[pb - 1] + dense[pb - 1] + rank * 950.0
+    dur = copy_d[pb, pj] * 0.4  # a prefetch of a layer ahead (a partial copy: the hot part)
+    n_b = np.bincount(pb, minlength=B)[pb]
+    p0 = T[pb] - (n_b - rank) * 760.0  # back to back on copy1, the last one done as the layer starts
     add(pb, "copy1", "transfer-prefetch", p0, p0 + dur, e=expert[pb, pj], nbytes=EXPERT_BYTES, cause="prefetch")
     add(pb, "copy1", "evict", p0, p0, e=(expert[pb, pj] + 7) % 256, nbytes=EXPERT_BYTES, cause="evict")
     df = pd.concat(parts, ignore_index=True)
