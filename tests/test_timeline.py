@@ -3,6 +3,10 @@ the figure's traces, exports parsed back, and the CLI."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
+import numpy as np
 import pandas as pd
 import pytest
 
@@ -143,3 +147,131 @@ def test_bad_input_is_one_line(tmp_path):
     rows = [(0, 0, "host", "expert-host", 1, 1, 0, 10, 5, "")]
     with pytest.raises(MoelabError, match="ends before it starts"):
         Timeline(table(rows))
+
+
+# ---------------------------------------------------------------------------------------------- figure
+def test_figure_traces(tl):
+    fig = tl.figure()
+    names = {d.name for d in fig.data}
+    assert {"hit", "miss-fetch", "miss-host", "deferred", "dense", "transfer-demand", "wait", "copy → compute",
+            "bytes in flight"} <= names
+    bars = next(d for d in fig.data if d.name == "miss-host" and d.mode == "lines")
+    assert np.isnan(np.asarray(bars.y, dtype=float)[2])  # NaN-separated segments, one trace per colour
+    hover = [d for d in fig.data if d.name == "miss-fetch" and d.mode == "markers"]
+    assert hover and "expert" in hover[0].hovertemplate and "cause: hit+fetch" in hover[0].hovertemplate
+    assert list(fig.layout.yaxis.ticktext) == ["control", "device", "copy", "host"]
+    flow = next(d for d in fig.data if d.name == "copy → compute")
+    # from the copy's end (30 µs, copy row 2) to the fed compute's start (30 µs, device row 1)
+    assert np.allclose(np.asarray(flow.x, dtype=float)[:2], [0.030, 0.030])
+    assert list(np.asarray(flow.y, dtype=float)[:2]) == [2, 1]
+
+
+def test_figure_overlay_and_levels():
+    from moelab.timeline.synth import synthetic_events
+
+    a = Timeline(synthetic_events(steps=6, layers=4, seed=1), name="real")
+    b = Timeline(synthetic_events(steps=6, layers=4, seed=2), name="sim")
+    fig = a.figure(b, detail_budget=150, aggregate_budget=40)
+    ticks = list(fig.layout.yaxis.ticktext)
+    assert ticks[:2] == ["real · control", "sim · control"] and len(ticks) == 2 * len(a.lanes)
+    title = fig.layout.title.text
+    assert "single events" in title and "per layer" in title and "per step" in title
+    assert any(d.hovertemplate and "aggregate" in d.hovertemplate for d in fig.data)
+    assert "cache occupancy Δ" in {d.name.split(" · ")[-1] for d in fig.data}
+
+
+def test_counters():
+    from moelab.timeline.figure import counter_series
+
+    rows = [(0, 0, "copy0", "transfer-demand", 1, 0, 100, 0, 10, ""), (0, 0, "copy1", "transfer-prefetch", 2, 0, 50, 5, 20, ""),
+            (0, 0, "copy0", "evict", 7, 0, 100, 12, 12, "")]
+    c = counter_series(Timeline(table(rows)))
+    t, v = c["bytes in flight"]
+    assert list(zip(t, v)) == [(0, 100), (5, 150), (10, 50), (20, 0)]
+    t, v = c["cache occupancy Δ"]
+    assert list(zip(t, v)) == [(10, 100), (12, 0), (20, 50)]
+
+
+# ---------------------------------------------------------------------------------------------- exports
+def test_chrome_export_parses_and_validates(tl, tmp_path):
+    import jsonschema
+
+    from moelab.timeline.export import CHROME_SCHEMA, to_chrome
+
+    path = to_chrome([tl, Timeline(table(), name="other")], tmp_path / "t.json")
+    doc = json.loads(Path(path).read_text())
+    jsonschema.validate(doc, CHROME_SCHEMA)
+    ev = doc["traceEvents"]
+    x = [e for e in ev if e["ph"] == "X" and e["pid"] == 1]
+    assert len(x) == len(tl)
+    e3 = next(e for e in x if e["name"] == "expert-device L0 e3")
+    assert e3["ts"] == 30 and e3["dur"] == 10 and e3["args"]["fate"] == "miss-fetch" and e3["args"]["bytes"] == 50
+    threads = {e["args"]["name"]: e["tid"] for e in ev if e["name"] == "thread_name" and e["pid"] == 1}
+    assert set(threads) == {"control", "device", "copy", "host"}
+    s = [e for e in ev if e["ph"] == "s" and e["pid"] == 1]
+    f = [e for e in ev if e["ph"] == "f" and e["pid"] == 1]
+    assert len(s) == len(f) == 1 and s[0]["id"] == f[0]["id"] and s[0]["tid"] == threads["copy"]
+    assert f[0]["tid"] == threads["device"] and f[0]["ts"] == 30
+    assert {e["pid"] for e in ev} == {1, 2} and any(e["ph"] == "C" for e in ev)
+    with pytest.raises(jsonschema.ValidationError):  # the schema can fail
+        jsonschema.validate({"traceEvents": [{"ph": "X", "pid": 1, "name": "x", "ts": 0}]}, CHROME_SCHEMA)
+
+
+def test_perfetto_export_decodes(tl, tmp_path):
+    pb = pytest.importorskip("perfetto.protos.perfetto.trace.perfetto_trace_pb2",
+                             reason="the `perfetto` package is not installed")
+    from moelab.timeline.export import to_perfetto
+
+    trace = pb.Trace.FromString(Path(to_perfetto(tl, tmp_path / "t.pftrace")).read_bytes())
+    tracks = {p.track_descriptor.uuid: p.track_descriptor for p in trace.packet if p.HasField("track_descriptor")}
+    lanes = {d.thread.thread_name: u for u, d in tracks.items() if d.HasField("thread")}
+    assert set(lanes) == {"control", "device", "copy", "host"}
+    te = [p for p in trace.packet if p.HasField("track_event")]
+    begins = [p for p in te if p.track_event.type == pb.TrackEvent.TYPE_SLICE_BEGIN]
+    ends = [p for p in te if p.track_event.type == pb.TrackEvent.TYPE_SLICE_END]
+    assert len(begins) == len(ends) == len(tl)
+    e3 = next(p for p in begins if p.track_event.name == "expert-device L0 e3")
+    assert e3.timestamp == 30_000 and e3.track_event.track_uuid == lanes["device"]
+    ann = {a.name: a for a in e3.track_event.debug_annotations}
+    assert ann["fate"].string_value == "miss-fetch" and ann["bytes"].int_value == 50
+    copy = next(p for p in begins if p.track_event.name == "transfer-demand L0 e3")
+    assert list(copy.track_event.flow_ids) == list(e3.track_event.terminating_flow_ids) != []
+    counters = [p for p in te if p.track_event.type == pb.TrackEvent.TYPE_COUNTER]
+    assert counters and all(tracks[p.track_event.track_uuid].HasField("counter") for p in counters)
+
+
+# ---------------------------------------------------------------------------------------------- CLI
+def _cli(*argv):
+    from moelab.cli import main
+
+    return main(list(argv))
+
+
+def test_cli(tl, tmp_path, capsys):
+    run = tmp_path / "run"
+    run.mkdir()
+    table().to_parquet(run / "events.parquet")
+    assert _cli("timeline", "summary", str(run)) == 0
+    out = capsys.readouterr().out
+    assert "stalls" in out and "copy 0.02 ms" in out and "critical" in out
+    assert _cli("timeline", "summary", str(run), str(run / "events.parquet"), "--json") == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert any(r["metric"] == "overlap_pct" and r["ratio"] == pytest.approx(1.0) for r in rows)
+    assert _cli("timeline", "show", str(run), "--no-open") == 0
+    html = (run / "timeline.html").read_text()
+    assert "Plotly.newPlot" in html and ("copy → compute" in html or "copy \\u2192 compute" in html)
+    assert _cli("timeline", "export", str(run), "--format", "chrome", "--out", str(tmp_path / "c.json")) == 0
+    assert json.loads((tmp_path / "c.json").read_text())["traceEvents"]
+    assert _cli("timeline", "export", str(run), "--format", "chrome", "--out", str(tmp_path / "c.json")) == 2
+    assert "already exists" in capsys.readouterr().err
+
+
+def test_cli_bad_input(tmp_path, capsys):
+    assert _cli("timeline", "summary", str(tmp_path)) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "no events.parquet" in err and "moelab run" in err
+    bad = tmp_path / "e.parquet"
+    table().drop(columns=["lane"]).to_parquet(bad)
+    assert _cli("timeline", "export", str(bad), "--out", str(tmp_path / "x.json")) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "lane" in err and not (tmp_path / "x.json").exists()
