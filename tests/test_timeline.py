@@ -275,3 +275,21 @@ def test_cli_bad_input(tmp_path, capsys):
     assert _cli("timeline", "export", str(bad), "--out", str(tmp_path / "x.json")) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "lane" in err and not (tmp_path / "x.json").exists()
+
+
+def test_panel_selects_and_overlays():
+    pytest.importorskip("ipywidgets", reason="ipywidgets is not installed")
+    from moelab.timeline.synth import synthetic_events
+    from moelab.timeline.widgets import panel
+
+    p = panel({"real": Timeline(synthetic_events(steps=4, layers=3, seed=1)),
+               "sim": Timeline(synthetic_events(steps=4, layers=3, seed=2))})
+    assert p.run_select.value == ("real", "sim")
+    p.step_range.value = (1, 2)
+    p.layer_range.value = (0, 1)
+    sel = p.selected()
+    assert set(sel["real"].steps) == {1, 2} and set(sel["sim"].layers) == {0, 1}
+    assert list(p.figure().layout.yaxis.ticktext)[:2] == ["real · control", "sim · control"]
+    assert "ratio" in p.summary_html.value
+    p.run_select.value = ("sim",)
+    assert p.summary()["metric"].tolist()[0] == "name" and "real" not in p.figure().layout.title.text
