@@ -371,10 +371,11 @@ class Timeline:
         sub = df.iloc[rows]
         return CriticalPath(int(step), ev, length_us, float(sub["t_end_us"].max() - sub["t_start_us"].min()))
 
-    def critical_paths(self) -> pd.DataFrame:
-        """Per step: the critical path's length, the step's wall and the path's µs per lane group."""
+    def critical_paths(self, steps=None) -> pd.DataFrame:
+        """Per step (all, or ``steps``): the critical path's length, the step's wall and the path's
+        µs per lane group."""
         rows = []
-        for s in self.steps:
+        for s in self.steps if steps is None else steps:
             try:
                 cp = self.critical_path(s)
             except MoelabError:
@@ -396,8 +397,10 @@ class Timeline:
             "tokens_per_s": self._tokens / wall_s if (self._tokens and wall_s > 0) else None,
         }
 
-    def summary(self, *, critical_path: bool = True) -> dict[str, Any]:
-        """Everything above as one flat-ish dict (JSON-serialisable)."""
+    def summary(self, *, critical_path: bool = True, max_path_steps: int = 256) -> dict[str, Any]:
+        """Everything above as one flat-ish dict (JSON-serialisable). The critical path is averaged
+        over every step, or over ``max_path_steps`` evenly spaced ones in longer runs
+        (``critical_path_steps`` says how many)."""
         out: dict[str, Any] = {"name": self.name, "events": len(self), "steps": len(self.steps),
                                "wall_us": self.wall_us, "busy_pct": self.busy_pct(),
                                "group_busy_pct": self.group_busy_pct(), "overlap_pct": self.overlap_pct(),
@@ -407,7 +410,11 @@ class Timeline:
         fates = self.fates()
         out["fates"] = {f: int((fates == f).sum()) for f in FATES}
         if critical_path and len(self):
-            cps = self.critical_paths()
+            steps = self.steps
+            if len(steps) > max_path_steps:
+                steps = [steps[i] for i in np.linspace(0, len(steps) - 1, max_path_steps).round().astype(int)]
+            cps = self.critical_paths(sorted(set(steps)))
+            out["critical_path_steps"] = len(cps)
             out["critical_path_us"] = float(cps["path_us"].mean()) if len(cps) else None
             out["critical_path_share"] = float((cps["path_us"] / cps["wall_us"].clip(lower=1e-9)).mean()) \
                 if len(cps) else None

@@ -246,31 +246,30 @@ def to_perfetto(timelines: Timeline | Sequence[Timeline], path: str | Path | Non
         start = np.rint((ev["t_start_us"].to_numpy() - t0) * 1e3).astype(np.int64).tolist()
         end = np.rint((ev["t_end_us"].to_numpy() - t0) * 1e3).astype(np.int64).tolist()
         ints = {c: ev[c].tolist() for c in ("step", "layer", "expert", "tokens", "bytes")}
-        Ann = pb.DebugAnnotation
         # one packet per slice begin and end: ends sorted by time so every track's slices nest
         ends = sorted(range(len(ev)), key=lambda i: (end[i], -start[i]))
+        add = builder.trace.packet.add
         for i in range(len(ev)):
-            p = builder.add_packet()
-            p.timestamp = start[i]
-            p.trusted_packet_sequence_id = seq
+            p = add(timestamp=start[i], trusted_packet_sequence_id=seq)
             te = p.track_event
             te.type = BEGIN
             te.track_uuid = tracks[i]
             te.name = names[i]
             te.categories.append(kinds[i])
-            te.debug_annotations.extend([
-                Ann(name="step", int_value=ints["step"][i]), Ann(name="layer", int_value=ints["layer"][i]),
-                Ann(name="expert", int_value=ints["expert"][i]), Ann(name="tokens", int_value=ints["tokens"][i]),
-                Ann(name="bytes", int_value=ints["bytes"][i]), Ann(name="cause", string_value=causes[i]),
-                Ann(name="fate", string_value=fates[i])])
+            da = te.debug_annotations
+            da.add(name="step", int_value=ints["step"][i])
+            da.add(name="layer", int_value=ints["layer"][i])
+            da.add(name="expert", int_value=ints["expert"][i])
+            da.add(name="tokens", int_value=ints["tokens"][i])
+            da.add(name="bytes", int_value=ints["bytes"][i])
+            da.add(name="cause", string_value=causes[i])
+            da.add(name="fate", string_value=fates[i])
             if i in out_flow:
                 te.flow_ids.append(out_flow[i])
             if i in in_flow:
                 te.terminating_flow_ids.append(in_flow[i])
         for i in ends:
-            p = builder.add_packet()
-            p.timestamp = end[i]
-            p.trusted_packet_sequence_id = seq
+            p = add(timestamp=end[i], trusted_packet_sequence_id=seq)
             p.track_event.type = END
             p.track_event.track_uuid = tracks[i]
         for name, (x, y) in counter_series(tl).items():
