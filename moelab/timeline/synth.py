@@ -24,8 +24,10 @@ def synthetic_events(*, steps: int | None = None, events: int | None = None, lay
     """An events table of ``steps`` decode steps (or about ``events`` events); ``fates`` are the
     probabilities of hit, prefetch-hit, miss-fetch and miss-host for each non-deferred slot."""
     if steps is None:
-        per_step = layers * (2 + top_k + 2.2)
-        steps = max(1, int(round((events or 100_000) / per_step)))
+        p = np.asarray(fates) / np.sum(fates)
+        slots = top_k - 0.8 * deferred  # slots not deferred, on average
+        per_step = layers * (2 + top_k + 2 * slots * (p[1] + p[2])) - 2 * slots * p[1]  # layer 0: no prefetch
+        steps = max(1, int(np.ceil((events or 100_000) / per_step)) + 1)  # at least ``events``, about
     rng = np.random.default_rng(seed)
     B, K = steps * layers, top_k
     step = np.repeat(np.arange(steps), layers)
