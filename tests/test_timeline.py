@@ -12,7 +12,7 @@ import pytest
 
 from moelab.errors import MoelabError
 from moelab.hybrid.events import COLUMNS, summarize
-from moelab.timeline import Timeline
+from moelab.timeline import FATES, Timeline
 
 # One step, MoE layers 0 and 1 (control work of layer 2 closes it). Times in µs.
 #   control  dense0 [0,10]  wait0 [10,40]  dense1 [40,50]  wait1 [50,54]  (gap: deferred merge)  dense2 [60,70]
@@ -293,3 +293,68 @@ def test_panel_selects_and_overlays():
     assert "ratio" in p.summary_html.value
     p.run_select.value = ("sim",)
     assert p.summary()["metric"].tolist()[0] == "name" and "real" not in p.figure().layout.title.text
+
+
+# ---------------------------------------------------------------------------------------------- a real run
+def test_a_real_executor_run(tmp_path):
+    torch = pytest.importorskip("torch")
+    import moelab
+    from moelab.models.tiny import build_tiny
+
+    model = build_tiny("mixtral", seed=0).eval()
+    ids = torch.randint(3, 250, (1, 5), generator=torch.Generator().manual_seed(0))
+    cfg = {"cache": {"capacity": 0.25, "policy": "lru"}, "placement": "host-misses",
+           "routing": {"deferred": 1, "min_immediate": 1}, "executor": "real"}
+    with moelab.hybrid(model, cfg) as run:
+        model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=3, do_sample=False,
+                       pad_token_id=0)
+    tl = Timeline(run.events_table())
+    s = run.summary()  # the hybrid run's own summary is the timeline's busy/overlap rule
+    assert tl.busy_pct() == pytest.approx(s["busy_pct"]) and tl.overlap_pct() == pytest.approx(s["overlap_pct"])
+    fates = set(tl.fates()) - {""}
+    assert "deferred" in fates and fates <= {"hit", "miss-host", "miss-fetch", "deferred"}
+    # stalls partition the control thread's idle time inside each step
+    ev = tl.events
+    ctl = ev[ev["lane"] == "control"]
+    idle = sum(g["t_end_us"].max() - g["t_start_us"].min() - (g["t_end_us"] - g["t_start_us"])[g["kind"] != "wait"].sum()
+               for _, g in ctl.groupby("step", observed=True))
+    assert sum(tl.stalls().values()) == pytest.approx(idle, rel=1e-6)
+    for step in tl.steps:
+        cp = tl.critical_path(step)
+        e = cp.events
+        assert (e["t_start_us"].to_numpy()[1:] >= e["t_end_us"].to_numpy()[:-1] - 1e-6).all()
+        assert 0 < cp.length_us <= cp.wall_us + 1e-6 and e["lane"].iloc[0] == "control"
+
+
+def test_synthetic_events_structure():
+    from moelab.timeline.synth import synthetic_events
+
+    df = synthetic_events(events=20_000, seed=3)
+    assert len(df) >= 20_000 and list(df.columns) == list(COLUMNS)
+    tl = Timeline(df)
+    assert tl.lanes == ["control", "device", "copy0", "copy1", "host0", "host1"] and tl.layers == list(range(58))
+    # serial lanes (evictions are instants), and every demand copy feeds a device compute
+    for lane, g in tl.events[tl.events["kind"] != "evict"].groupby("lane", observed=True):
+        if lane != "copy1":  # prefetches of consecutive layers may overlap
+            assert (g["t_start_us"].to_numpy()[1:] >= g["t_end_us"].to_numpy()[:-1] - 1e-9).all(), lane
+    demand = int((tl.events["kind"] == "transfer-demand").sum())
+    fed = tl.feeds()
+    assert demand and (tl.events["kind"].to_numpy()[fed["tr"]] == "transfer-demand").sum() == demand
+    assert set(tl.fates()) - {""} == set(FATES)
+
+
+def test_bench_cli_small(capsys):
+    assert _cli("bench", "timeline", "--events", "3000", "--skip-perfetto", "--json") == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r["events"] >= 3000 and r["html_mb"] > 0 and r["chrome_s"] > 0 and set(r["targets"]) == {
+        "figure_s", "html_mb", "chrome_s"}
+
+
+def test_timeline_help_is_light():
+    import subprocess
+    import sys
+
+    code = ("import sys\nfrom moelab.cli import main\ntry:\n    main(['timeline', 'export', '--help'])\n"
+            "except SystemExit:\n    pass\nprint([m for m in ('torch', 'pandas', 'plotly', 'perfetto') if m in sys.modules])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120).stdout
+    assert out.strip().splitlines()[-1] == "[]"

@@ -44,7 +44,7 @@ def synthetic_events(*, steps: int | None = None, events: int | None = None, lay
     copy_d = rng.uniform(1300, 1900, (B, K))  # 44 MB over PCIe 4
     # deferred work of block b runs on host0 from block b's end; the next block's host work queues behind it
     def_len = np.where(fate == 4, host_d, 0).sum(1)
-    carry = np.r_[0.0, def_len[:-1]] * (layer != 0)  # deferred work of a step's last layer: none carried
+    carry = np.r_[0.0, def_len[:-1]]  # merged at the next layer (the last layer's: at the next step's first)
     # relative times inside a block (0 = the block's start)
     t_copy = np.full(B, 0.0) + dense
     t_dev = dense.copy()
