@@ -358,3 +358,11 @@ def test_timeline_help_is_light():
             "except SystemExit:\n    pass\nprint([m for m in ('torch', 'pandas', 'plotly', 'perfetto') if m in sys.modules])")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120).stdout
     assert out.strip().splitlines()[-1] == "[]"
+
+
+def test_figure_draws_the_critical_path(tl):
+    fig = tl.figure(critical_path=0)
+    cp = next(d for d in fig.data if d.name == "critical path, step 0")
+    # dense0 (control, row 0) → host miss (row 3) → deferred (row 3) → dense2 (row 0), in ms
+    assert np.allclose(np.asarray(cp.x, dtype=float), [0, 0.01, 0.01, 0.035, 0.04, 0.06, 0.06, 0.07])
+    assert list(np.asarray(cp.y, dtype=float)) == [0, 0, 3, 3, 3, 3, 0, 0]

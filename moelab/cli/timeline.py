@@ -30,6 +30,7 @@ def register(subparsers) -> None:
     v.add_argument("--steps", metavar="A:B", help="steps to draw, inclusive (default: all)")
     v.add_argument("--layers", metavar="A:B", help="MoE layers to draw, inclusive (default: all)")
     v.add_argument("--color-by", choices=["fate", "kind"], default="fate", help="bar colours (default: fate)")
+    v.add_argument("--critical-path", type=int, metavar="STEP", help="draw this step's critical path")
     v.add_argument("--no-open", action="store_true", help="only write the file (CI, remote machines)")
     v.add_argument("--overwrite", action="store_true", help="replace an existing HTML file")
     v.set_defaults(func=run_show)
@@ -103,7 +104,7 @@ def run_show(args) -> int:
     check_output_path(out, args.overwrite)
     tls = _open(args.runs)
     fig = tls[0].figure(*tls[1:], steps=_range(args.steps, "steps"), layers=_range(args.layers, "layers"),
-                        color_by=args.color_by)
+                        color_by=args.color_by, critical_path=args.critical_path)
     path = write_html(fig, out, open_browser=not args.no_open)
     print(f"wrote {path}" + ("" if args.no_open else " (opened in the browser)"))
     return 0

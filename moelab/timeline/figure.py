@@ -54,12 +54,13 @@ def categories(tl: Timeline, color_by: str = "fate") -> np.ndarray:
 def timeline_figure(timelines: Timeline | Sequence[Timeline], *, labels: Sequence[str] | None = None,
                     steps=None, layers=None, color_by: str = "fate", detail_budget: int = 40_000,
                     aggregate_budget: int = 30_000, flows: bool = True, counters: bool = True,
-                    title: str | None = None) -> Any:
+                    critical_path: int | None = None, title: str | None = None) -> Any:
     """A plotly figure of one or several timelines on one time axis (ms from each one's start).
 
     Several timelines (a real and a simulated run, configurations A and B) are overlaid: each lane
     gets one row per timeline, labelled ``label · lane``. ``steps``/``layers`` select events
-    (lists or inclusive ``(lo, hi)`` ranges)."""
+    (lists or inclusive ``(lo, hi)`` ranges); ``critical_path=STEP`` draws that step's critical path
+    (:meth:`~moelab.timeline.Timeline.critical_path`) as a black chain over its events."""
     from plotly.subplots import make_subplots
 
     tls = [timelines] if isinstance(timelines, Timeline) else list(timelines)
@@ -108,6 +109,8 @@ def timeline_figure(timelines: Timeline | Sequence[Timeline], *, labels: Sequenc
             _add_flows(fig, t, in_detail, lane_row, t0, showlegend=i == 0)
         if has_counters:
             _add_counters(fig, t, t0, labels[i] if len(tls) > 1 else "")
+        if critical_path is not None and critical_path in t.steps:
+            _add_critical_path(fig, t, critical_path, lane_row, t0, labels[i] if len(tls) > 1 else "")
     for c in sorted(per_cat, key=lambda c: ORDER.index(c) if c in ORDER else len(ORDER)):
         _add_bars(fig, c, per_cat[c], width)
     fig.update_yaxes(tickvals=list(range(len(rows))), ticktext=row_names, autorange="reversed",
@@ -251,6 +254,24 @@ def _add_flows(fig, t: Timeline, in_detail: np.ndarray, lane_row: np.ndarray, t0
                                showlegend=showlegend, hoverinfo="skip",
                                line={"color": "rgba(60,60,60,0.45)", "width": 1},
                                marker={"size": 4, "color": "rgba(60,60,60,0.6)"}), row=1, col=1)
+
+
+def _add_critical_path(fig, t: Timeline, step: int, lane_row: np.ndarray, t0: float, label: str) -> None:
+    import plotly.graph_objects as go
+
+    cp = t.critical_path(step)
+    pos = cp.events.index.to_numpy()
+    s = (cp.events["t_start_us"].to_numpy() - t0) / 1e3
+    e = (cp.events["t_end_us"].to_numpy() - t0) / 1e3
+    y = lane_row[pos]
+    # along each event, then from its end to the next one's start (the dependency)
+    x = np.column_stack([s, e]).ravel()
+    yy = np.column_stack([y, y]).ravel()
+    name = f"critical path, step {step}" + (f" ({label})" if label else "")
+    fig.add_trace(go.Scattergl(x=x.astype(np.float32), y=yy.astype(np.float32), mode="lines", name=name,
+                               line={"color": "black", "width": 2},
+                               hovertemplate=f"{name}: {cp.length_us:.1f} µs of a {cp.wall_us:.1f} µs step"
+                                             "<extra></extra>"), row=1, col=1)
 
 
 def counter_series(t: Timeline) -> dict[str, tuple[np.ndarray, np.ndarray]]:
