@@ -366,3 +366,26 @@ def test_figure_draws_the_critical_path(tl):
     # dense0 (control, row 0) → host miss (row 3) → deferred (row 3) → dense2 (row 0), in ms
     assert np.allclose(np.asarray(cp.x, dtype=float), [0, 0.01, 0.01, 0.035, 0.04, 0.06, 0.06, 0.07])
     assert list(np.asarray(cp.y, dtype=float)) == [0, 0, 3, 3, 3, 3, 0, 0]
+
+
+def test_panel_level_of_detail_follows_the_zoom():
+    pytest.importorskip("anywidget", reason="plotly's FigureWidget needs anywidget")
+    from moelab.timeline.synth import synthetic_events
+    from moelab.timeline.widgets import panel
+
+    tl = Timeline(synthetic_events(steps=8, layers=6, seed=4), name="syn")
+    p = panel(tl, steps=(0, 7), detail_budget=200)
+    assert "per layer" in p.fig.layout.title.text  # 8 steps × ~70 events: mostly aggregated
+    ticks = list(p.fig.layout.yaxis.ticktext)
+    sel = tl.select(steps=[5])
+    a = (sel.t0 - tl.t0) / 1e3
+    p.fig.layout.xaxis.range = [a, a + 0.3]  # zoom into a fraction of step 5: single events
+    title = p.fig.layout.title.text
+    assert "single events" in title and "per layer" not in title
+    assert list(p.fig.layout.yaxis.ticktext) == ticks and tuple(p.fig.layout.xaxis.range) == (a, a + 0.3)
+    hover = [d for d in p.fig.data if d.mode == "markers" and d.hovertemplate and "expert %{customdata[2]}" in
+             d.hovertemplate]
+    xs = np.concatenate([np.asarray(d.x, dtype=float) for d in hover])
+    assert xs.min() >= a - 1.0 and xs.max() <= a + 1.3  # drawn on the same time axis
+    p.fig.layout.xaxis.range = None  # back out: the whole selection again
+    assert "per layer" in p.fig.layout.title.text

@@ -54,13 +54,17 @@ def categories(tl: Timeline, color_by: str = "fate") -> np.ndarray:
 def timeline_figure(timelines: Timeline | Sequence[Timeline], *, labels: Sequence[str] | None = None,
                     steps=None, layers=None, color_by: str = "fate", detail_budget: int = 40_000,
                     aggregate_budget: int = 30_000, flows: bool = True, counters: bool = True,
-                    critical_path: int | None = None, title: str | None = None) -> Any:
+                    critical_path: int | None = None, title: str | None = None,
+                    origins: Sequence[float] | None = None, rows: Sequence[tuple[int, str]] | None = None) -> Any:
     """A plotly figure of one or several timelines on one time axis (ms from each one's start).
 
     Several timelines (a real and a simulated run, configurations A and B) are overlaid: each lane
     gets one row per timeline, labelled ``label · lane``. ``steps``/``layers`` select events
     (lists or inclusive ``(lo, hi)`` ranges); ``critical_path=STEP`` draws that step's critical path
-    (:meth:`~moelab.timeline.Timeline.critical_path`) as a black chain over its events."""
+    (:meth:`~moelab.timeline.Timeline.critical_path`) as a black chain over its events.
+    ``origins`` (µs, one per timeline; default each one's first event) and ``rows`` (``(timeline
+    index, lane)`` pairs) pin the axes, so that a redrawn part of a figure lines up with it
+    (``counters="always"`` keeps the counter row even where the part has no copies)."""
     from plotly.subplots import make_subplots
 
     tls = [timelines] if isinstance(timelines, Timeline) else list(timelines)
@@ -70,13 +74,16 @@ def timeline_figure(timelines: Timeline | Sequence[Timeline], *, labels: Sequenc
     if len(set(labels)) < len(labels):
         labels = [f"{n} ({i})" for i, n in enumerate(labels)]
     tls = [t.select(steps=steps, layers=layers) if steps is not None or layers is not None else t for t in tls]
-    lanes = lane_order({lane for t in tls for lane in t.lanes})
-    rows: list[tuple[int, str]] = [(i, lane) for lane in lanes for i, t in enumerate(tls) if lane in t.lanes]
+    if rows is None:
+        lanes = lane_order({lane for t in tls for lane in t.lanes})
+        rows = [(i, lane) for lane in lanes for i, t in enumerate(tls) if lane in t.lanes]
+    rows = [(int(i), str(lane)) for i, lane in rows]
     row_of = {r: k for k, r in enumerate(rows)}
     row_names = [f"{labels[i]} · {lane}" if len(tls) > 1 else lane for i, lane in rows]
     width = float(max(2, min(16, 360 / max(len(rows), 1))))
 
-    has_counters = counters and any(t.events["kind"].str.startswith("transfer").any() for t in tls)
+    has_counters = counters == "always" or (counters and any(t.events["kind"].str.startswith("transfer").any()
+                                                             for t in tls))
     fig = make_subplots(rows=2 if has_counters else 1, cols=1, shared_xaxes=True, vertical_spacing=0.04,
                         row_heights=[0.78, 0.22] if has_counters else [1.0])
     per_cat: dict[str, list[dict[str, np.ndarray]]] = {}
@@ -86,15 +93,17 @@ def timeline_figure(timelines: Timeline | Sequence[Timeline], *, labels: Sequenc
         if not len(t):
             continue
         ev = t.events
-        t0 = t.t0
+        t0 = t.t0 if origins is None else float(origins[i])
         cat = categories(t, color_by)
         codes, names = pd.factorize(cat)
         detail_steps, layer_steps = _levels(ev, share, max(aggregate_budget // len(tls), 1))
         step = ev["step"].to_numpy()
         in_detail = np.isin(step, detail_steps)
         in_layer = np.isin(step, layer_steps)
-        lane_row = np.array([row_of[(i, lane)] for lane in ev["lane"]], dtype=np.float64) if len(ev) < 50_000 else \
-            ev["lane"].map({lane: row_of[(i, lane)] for lane in t.lanes}).to_numpy(dtype=np.float64)
+        missing = [lane for lane in t.lanes if (i, lane) not in row_of]
+        if missing:
+            raise MoelabError(f"rows= has no row for lane(s) {missing} of timeline {i}; include them or leave rows unset.")
+        lane_row = ev["lane"].map({lane: row_of[(i, lane)] for lane in t.lanes}).to_numpy(dtype=np.float64)
         idx = np.flatnonzero(in_detail)
         for c in pd.unique(cat[idx]):
             m = idx[cat[idx] == c]

@@ -2,8 +2,11 @@
 one time axis: real beside simulated, configuration A beside B), the steps and MoE layers, the
 colouring, and read the summary (or the line-by-line comparison) of what is selected.
 
-Zooming into a few steps and layers is how single experts of any part of a long run are seen:
-the figure draws every selected event one by one as long as they fit its detail budget.
+Level of detail follows the zoom: the figure is a plotly ``FigureWidget`` (with ``anywidget``
+installed); zooming in redraws the visible time range, event by event once it holds no more
+than the detail budget (single experts), as per-layer or per-step aggregates before that;
+zooming back out (double click) restores the whole selection. Without ``anywidget`` the figure
+is static and the step and layer sliders do the zooming.
 """
 
 from __future__ import annotations
@@ -19,8 +22,19 @@ class TimelinePanel:
     """Controls, a summary and the figure; display it (``panel`` in a cell) or use ``.widget``."""
 
     def __init__(self, runs: Timeline | Sequence[Timeline] | Mapping[str, Timeline], *,
-                 steps: tuple[int, int] | None = None, detail_budget: int = 40_000) -> None:
+                 steps: tuple[int, int] | None = None, detail_budget: int = 40_000, zoom: bool | None = None) -> None:
         import ipywidgets as w
+
+        if zoom is None:
+            try:
+                import anywidget  # noqa: F401 - plotly's FigureWidget needs it
+
+                zoom = True
+            except ImportError:
+                zoom = False
+        self.zoom = zoom
+        self.fig: Any = None  # the FigureWidget (zoom) or the static figure on display
+        self._redrawing = False
 
         if isinstance(runs, Timeline):
             runs = {runs.name: runs}
@@ -59,12 +73,37 @@ class TimelinePanel:
         return {name: self.runs[name].select(steps=tuple(self.step_range.value), layers=tuple(self.layer_range.value))
                 for name in self.run_select.value}
 
-    def figure(self) -> Any:
+    def figure(self, t_range: tuple[float, float] | None = None) -> Any:
+        """The figure of the selection, or of the part of it in ``t_range`` (ms on the figure's axis)."""
+        from moelab.timeline.figure import timeline_figure
+
         sel = self.selected()
         if not sel:
             return None
-        return list(sel.values())[0].figure(*list(sel.values())[1:], labels=list(sel), color_by=self.color_by.value,
-                                            detail_budget=self.detail_budget)
+        tls = list(sel.values())
+        origins = [t.t0 for t in tls]
+        rows = [(i, lane) for lane in _lanes(tls) for i, t in enumerate(tls) if lane in t.lanes]
+        counters = "always" if any(t.events["kind"].str.startswith("transfer").any() for t in tls) else False
+        if t_range is not None:
+            tls = [t.select(t_range=(o + t_range[0] * 1e3, o + t_range[1] * 1e3)) for t, o in zip(tls, origins,
+                                                                                                 strict=True)]
+        return timeline_figure(tls, labels=list(sel), color_by=self.color_by.value, detail_budget=self.detail_budget,
+                               origins=origins, rows=rows, counters=counters)
+
+    def _on_zoom(self, layout, x_range) -> None:
+        if self._redrawing or self.fig is None:
+            return
+        fig = self.figure(None if x_range is None else (float(x_range[0]), float(x_range[1])))
+        self._redrawing = True
+        try:
+            with self.fig.batch_update():
+                self.fig.data = []
+                self.fig.add_traces(list(fig.data))
+                self.fig.layout.title = fig.layout.title
+                if x_range is not None:
+                    self.fig.layout.xaxis.range = x_range
+        finally:
+            self._redrawing = False
 
     def summary(self):
         """The summary of the selection (one run), or the comparison of the first two selected runs."""
@@ -83,6 +122,12 @@ class TimelinePanel:
         self.summary_html.value = "" if table is None else table.to_html(index=False, float_format=lambda x: f"{x:.4g}",
                                                                         max_rows=60)
         fig = self.figure()
+        if fig is not None and self.zoom:
+            import plotly.graph_objects as go
+
+            fig = go.FigureWidget(fig)
+            fig.layout.on_change(self._on_zoom, "xaxis.range")
+        self.fig = fig
         with self.out:
             self.out.clear_output(wait=True)
             if fig is None:
@@ -94,6 +139,12 @@ class TimelinePanel:
         from IPython.display import display
 
         display(self.widget)
+
+
+def _lanes(tls: list[Timeline]) -> list[str]:
+    from moelab.timeline.core import lane_order
+
+    return lane_order({lane for t in tls for lane in t.lanes})
 
 
 def panel(runs: Timeline | Sequence[Timeline] | Mapping[str, Timeline], **kwargs) -> TimelinePanel:
