@@ -389,3 +389,12 @@ def test_panel_level_of_detail_follows_the_zoom():
     assert xs.min() >= a - 1.0 and xs.max() <= a + 1.3  # drawn on the same time axis
     p.fig.layout.xaxis.range = None  # back out: the whole selection again
     assert "per layer" in p.fig.layout.title.text
+
+
+@pytest.mark.parametrize("argv", [["timeline", "--help"], ["timeline", "summary", "--help"],
+                                  ["timeline", "show", "--help"], ["timeline", "export", "--help"],
+                                  ["bench", "timeline", "--help"]], ids=" ".join)
+def test_help(argv, capsys):
+    with pytest.raises(SystemExit) as e:
+        _cli(*argv)
+    assert e.value.code == 0 and "usage" in capsys.readouterr().out

@@ -17,7 +17,7 @@ def register(subparsers) -> None:
         description="Read the events (events.parquet) of run directories written by `moelab run --hybrid` "
         "(or events Parquet files) and summarise, draw or export them.")
     sub = p.add_subparsers(dest="timeline_command", metavar="ACTION")
-    s = sub.add_parser("summary", help="busy %, overlap, stalls by cause, critical path, tokens/s",
+    s = sub.add_parser("summary", help="busy %%, overlap, stalls by cause, critical path, tokens/s",
                        description="Summaries computed from the events alone; with two runs, compared line by line.")
     s.add_argument("runs", nargs="+", metavar="DIR", help="run directory or events Parquet file (two: compared)")
     s.add_argument("--json", action="store_true", help="print JSON")
