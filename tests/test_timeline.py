@@ -398,3 +398,38 @@ def test_help(argv, capsys):
     with pytest.raises(SystemExit) as e:
         _cli(*argv)
     assert e.value.code == 0 and "usage" in capsys.readouterr().out
+
+
+def test_exports_keep_slices_nested(tmp_path):
+    """Overlapping work on one lane moves to a second thread; nested and instant events stay;
+    replaying the Perfetto begin/end packets per track gives back every event's duration."""
+    pb = pytest.importorskip("perfetto.protos.perfetto.trace.perfetto_trace_pb2",
+                             reason="the `perfetto` package is not installed")
+    from moelab.timeline.export import to_chrome, to_perfetto
+
+    rows = [(0, 0, "copy1", "transfer-prefetch", 1, 0, 8, 0, 10, ""),   # overlaps the next one partially
+            (0, 0, "copy1", "transfer-prefetch", 2, 0, 8, 5, 15, ""),
+            (0, 0, "copy1", "evict", 3, 0, 8, 15, 15, ""),             # an instant where the second ends
+            (0, 0, "copy1", "transfer-prefetch", 4, 0, 8, 15, 20, ""),  # starts as the second ends
+            (0, 0, "copy1", "transfer-insert", 5, 0, 8, 16, 18, "")]    # nested in the third
+    tl = Timeline(table(rows))
+    doc = json.loads(Path(to_chrome(tl, tmp_path / "c.json")).read_text())
+    threads = {e["tid"]: e["args"]["name"] for e in doc["traceEvents"] if e["name"] == "thread_name"}
+    by_expert = {e["args"]["expert"]: threads[e["tid"]] for e in doc["traceEvents"] if e["ph"] == "X"}
+    assert by_expert == {1: "copy1", 2: "copy1 #2", 3: "copy1", 4: "copy1", 5: "copy1"}
+    trace = pb.Trace.FromString(Path(to_perfetto(tl, tmp_path / "p.pftrace")).read_bytes())
+    stacks: dict[int, list] = {}
+    got = {}
+    for p in trace.packet:
+        if not p.HasField("track_event") or p.track_event.type == pb.TrackEvent.TYPE_COUNTER:
+            continue
+        te = p.track_event
+        if te.type == pb.TrackEvent.TYPE_INSTANT:
+            got[te.name] = 0
+        elif te.type == pb.TrackEvent.TYPE_SLICE_BEGIN:
+            stacks.setdefault(te.track_uuid, []).append((te.name, p.timestamp))
+        else:
+            name, t = stacks[te.track_uuid].pop()
+            got[name] = p.timestamp - t
+    assert got == {"transfer-prefetch L0 e1": 10_000, "transfer-prefetch L0 e2": 10_000, "evict L0 e3": 0,
+                   "transfer-prefetch L0 e4": 5_000, "transfer-insert L0 e5": 2_000}

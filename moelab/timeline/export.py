@@ -90,6 +90,39 @@ def _write_atomic(path: str | Path, data: bytes | list[bytes]) -> str:
     return str(p)
 
 
+def _threads(tl: Timeline) -> tuple[list[str], np.ndarray]:
+    """Thread (track) names and each event's thread: its lane, or ``lane #2``.. for events that
+    partially overlap earlier ones on the lane (thread slices must nest; serial lanes get one
+    thread each). An event inside another one nests; a later overlapping one moves on."""
+    ev = tl.events
+    lanes = tl.lanes
+    lane_code = ev["lane"].map({lane: k for k, lane in enumerate(lanes)}).to_numpy(dtype=np.int64)
+    start, end = ev["t_start_us"].to_numpy(), ev["t_end_us"].to_numpy()
+    sub = np.zeros(len(ev), dtype=np.int64)
+    for k in range(len(lanes)):
+        idx = np.flatnonzero(lane_code == k)  # time-sorted (Timeline sorts by start, then end)
+        if idx.size < 2 or (start[idx[1:]] >= np.maximum.accumulate(end[idx])[:-1]).all():
+            continue
+        stacks: list[list[float]] = []  # per sub-thread: the ends of its open slices
+        for i in idx.tolist():
+            for j, st in enumerate(stacks):
+                while st and st[-1] <= start[i]:
+                    st.pop()
+                if not st or end[i] <= st[-1]:  # free, or nests inside the innermost open slice
+                    st.append(end[i])
+                    sub[i] = j
+                    break
+            else:
+                stacks.append([end[i]])
+                sub[i] = len(stacks) - 1
+    pairs = sorted(set(zip(lane_code.tolist(), sub.tolist(), strict=True)))
+    names = [lanes[a] if b == 0 else f"{lanes[a]} #{b + 1}" for a, b in pairs]
+    index = {p: n for n, p in enumerate(pairs)}
+    code = np.fromiter((index[p] for p in zip(lane_code.tolist(), sub.tolist(), strict=True)), dtype=np.int64,
+                       count=len(ev))
+    return names, code
+
+
 def _names(tl: Timeline) -> np.ndarray:
     """Slice names: ``kind``, then `` LN`` for the MoE layer and `` eN`` for single-expert work."""
     return np.asarray(_name_text(tl.events, slice(None)).to_pylist(), dtype=object)
@@ -148,7 +181,8 @@ def to_chrome(timelines: Timeline | Sequence[Timeline], path: str | Path | None 
     for pid, (tl, label) in enumerate(zip(tls, labels, strict=True), start=1):
         ev = tl.events
         t0 = tl.t0
-        tid_of = {lane: k for k, lane in enumerate(tl.lanes, start=1)}
+        threads, code = _threads(tl)
+        tid_of = {name: k for k, name in enumerate(threads, start=1)}
         meta.append(json.dumps({"ph": "M", "pid": pid, "name": "process_name", "args": {"name": label}}))
         meta.append(json.dumps({"ph": "M", "pid": pid, "name": "process_sort_index", "args": {"sort_index": pid}}))
         for lane, tid in tid_of.items():
@@ -157,7 +191,7 @@ def to_chrome(timelines: Timeline | Sequence[Timeline], path: str | Path | None 
                                     "args": {"sort_index": tid}}))
         if not len(ev):
             continue
-        tid = ev["lane"].map(tid_of).to_numpy(dtype=np.int64)
+        tid = code + 1
         ts = ev["t_start_us"].to_numpy() - t0
         dur = ev["t_end_us"].to_numpy() - ev["t_start_us"].to_numpy()
         fates = pd.Series(pd.Categorical(tl.fates().to_numpy()))
@@ -208,6 +242,7 @@ def to_perfetto(timelines: Timeline | Sequence[Timeline], path: str | Path | Non
     builder = TraceProtoBuilder()
     seq = 1
     BEGIN, END, COUNTER = pb.TrackEvent.TYPE_SLICE_BEGIN, pb.TrackEvent.TYPE_SLICE_END, pb.TrackEvent.TYPE_COUNTER
+    INSTANT = pb.TrackEvent.TYPE_INSTANT
     uuid = 0
     flow = 0
     for pid, (tl, label) in enumerate(zip(tls, labels, strict=True), start=1):
@@ -217,10 +252,11 @@ def to_perfetto(timelines: Timeline | Sequence[Timeline], path: str | Path | Non
         p.track_descriptor.uuid = proc
         p.track_descriptor.process.pid = pid
         p.track_descriptor.process.process_name = label
-        track = {}
-        for tid, lane in enumerate(tl.lanes, start=1):
+        track = []
+        threads, code = _threads(tl)
+        for tid, lane in enumerate(threads, start=1):
             uuid += 1
-            track[lane] = uuid
+            track.append(uuid)
             p = builder.add_packet()
             p.track_descriptor.uuid = uuid
             p.track_descriptor.parent_uuid = proc
@@ -242,17 +278,32 @@ def to_perfetto(timelines: Timeline | Sequence[Timeline], path: str | Path | Non
         kinds = ev["kind"].to_numpy().astype(object).tolist()
         causes = ev["cause"].to_numpy().astype(object).tolist()
         fates = tl.fates().tolist()
-        tracks = ev["lane"].map(track).to_numpy(dtype=np.int64).tolist()
-        start = np.rint((ev["t_start_us"].to_numpy() - t0) * 1e3).astype(np.int64).tolist()
-        end = np.rint((ev["t_end_us"].to_numpy() - t0) * 1e3).astype(np.int64).tolist()
+        tracks = np.asarray(track, dtype=np.int64)[code].tolist()
+        s_ns = np.rint((ev["t_start_us"].to_numpy() - t0) * 1e3).astype(np.int64)
+        e_ns = np.rint((ev["t_end_us"].to_numpy() - t0) * 1e3).astype(np.int64)
+        start, end = s_ns.tolist(), e_ns.tolist()
         ints = {c: ev[c].tolist() for c in ("step", "layer", "expert", "tokens", "bytes")}
-        # one packet per slice begin and end: ends sorted by time so every track's slices nest
-        ends = sorted(range(len(ev)), key=lambda i: (end[i], -start[i]))
+        # packets in an order in which every track's slices nest: by time; at one time, ends before
+        # begins, the inner slice's end first and the outer slice's begin first; an event of no
+        # duration is an instant
+        n = len(ev)
+        instant = s_ns == e_ns
+        is_end = np.r_[np.zeros(n, dtype=np.int64), np.ones(n, dtype=np.int64)]
+        ts = np.r_[s_ns, e_ns]
+        tie = np.r_[-e_ns, -s_ns]
+        which = np.r_[np.arange(n), np.arange(n)]
+        keep = np.r_[np.ones(n, dtype=bool), ~instant]
+        order = np.lexsort((tie[keep], 1 - is_end[keep], ts[keep]))
         add = builder.trace.packet.add
-        for i in range(len(ev)):
+        for k, i in zip(is_end[keep][order].tolist(), which[keep][order].tolist(), strict=True):
+            if k:
+                p = add(timestamp=end[i], trusted_packet_sequence_id=seq)
+                p.track_event.type = END
+                p.track_event.track_uuid = tracks[i]
+                continue
             p = add(timestamp=start[i], trusted_packet_sequence_id=seq)
             te = p.track_event
-            te.type = BEGIN
+            te.type = INSTANT if start[i] == end[i] else BEGIN
             te.track_uuid = tracks[i]
             te.name = names[i]
             te.categories.append(kinds[i])
@@ -268,10 +319,6 @@ def to_perfetto(timelines: Timeline | Sequence[Timeline], path: str | Path | Non
                 te.flow_ids.append(out_flow[i])
             if i in in_flow:
                 te.terminating_flow_ids.append(in_flow[i])
-        for i in ends:
-            p = add(timestamp=end[i], trusted_packet_sequence_id=seq)
-            p.track_event.type = END
-            p.track_event.track_uuid = tracks[i]
         for name, (x, y) in counter_series(tl).items():
             uuid += 1
             p = builder.add_packet()
