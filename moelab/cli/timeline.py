@@ -105,8 +105,12 @@ def run_show(args) -> int:
     tls = _open(args.runs)
     fig = tls[0].figure(*tls[1:], steps=_range(args.steps, "steps"), layers=_range(args.layers, "layers"),
                         color_by=args.color_by, critical_path=args.critical_path)
-    path = write_html(fig, out, open_browser=not args.no_open)
-    print(f"wrote {path}" + ("" if args.no_open else " (opened in the browser)"))
+    from moelab.timeline.figure import can_open_browser
+
+    opened = not args.no_open and can_open_browser()
+    path = write_html(fig, out, open_browser=opened)
+    note = " (opened in the browser)" if opened else "" if args.no_open else " (no display here: open it in a browser)"
+    print(f"wrote {path}{note}")
     return 0
 
 

@@ -20,8 +20,9 @@ column         type      meaning
 ``bytes``      int64     bytes moved (copies) or weight bytes read (expert compute)
 ``t_start_us`` float64   start, µs since the run began (``time.perf_counter_ns``)
 ``t_end_us``   float64   end, µs since the run began
-``cause``      string    why: ``hit``, ``miss``, ``demand``, ``prefetch``, ``insert``,
-                         ``deferred`` …
+``cause``      string    why: for expert compute the expert's fate (``hit``, ``prefetch-hit``,
+                         ``miss-host``, ``miss-fetch``, ``deferred``; older runs: ``hit+fetch``,
+                         ``miss``), else ``demand``, ``prefetch``, ``insert``, ``copy`` …
 =============  ========  ====================================================================
 
 Lanes are named by prefix (``copy0``/``copy1`` for several copy engines, ``host0``.. for NUMA

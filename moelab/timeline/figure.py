@@ -342,8 +342,16 @@ def write_html(fig, path, *, open_browser: bool = False) -> str:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
-    if open_browser:
+    if open_browser and can_open_browser():
         import webbrowser
 
         webbrowser.open(p.resolve().as_uri())
     return str(p)
+
+
+def can_open_browser() -> bool:
+    """Whether a graphical browser can be opened here (a terminal browser would block the CLI)."""
+    import os
+    import sys
+
+    return sys.platform in ("darwin", "win32") or bool(os.environ.get("DISPLAY") or os.environ.get("WAYLAND_DISPLAY"))
