@@ -11,7 +11,7 @@ import pandas as pd
 import pytest
 
 from moelab.errors import MoelabError
-from moelab.hybrid.events import COLUMNS, summarize
+from moelab.events import COLUMNS, summarize
 from moelab.timeline import FATES, Timeline
 
 # One step, MoE layers 0 and 1 (control work of layer 2 closes it). Times in µs.
@@ -433,3 +433,12 @@ def test_exports_keep_slices_nested(tmp_path):
             got[name] = p.timestamp - t
     assert got == {"transfer-prefetch L0 e1": 10_000, "transfer-prefetch L0 e2": 10_000, "evict L0 e3": 0,
                    "transfer-prefetch L0 e4": 5_000, "transfer-insert L0 e5": 2_000}
+
+
+def test_reading_a_timeline_imports_no_torch():
+    import subprocess
+    import sys
+
+    code = "import sys, moelab.timeline.core, moelab.timeline.export\nprint('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120).stdout
+    assert out.strip().splitlines()[-1] == "False"

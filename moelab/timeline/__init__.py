@@ -1,5 +1,5 @@
 """Timelines of hybrid runs: summaries, interactive figures and trace exports over the events
-every executor writes (:mod:`moelab.hybrid.events`).
+every executor writes (:mod:`moelab.events`).
 
 ``Timeline.open("runs/h1")`` reads a run directory; ``tl.summary()``, ``tl.stalls()``,
 ``tl.critical_path(step)``, ``tl.compare(other)``; ``tl.figure()`` (plotly),

@@ -1,4 +1,4 @@
-"""A :class:`Timeline` over the events of a hybrid run (:mod:`moelab.hybrid.events`).
+"""A :class:`Timeline` over the events of a hybrid run (:mod:`moelab.events`).
 
 Every figure here is computed from the events table alone, so a real run and a simulated one
 (or two configurations) compare line by line (:meth:`Timeline.compare`). Definitions:
@@ -6,7 +6,7 @@ Every figure here is computed from the events table alone, so a real run and a s
 * **wall**: first start to last end of all events. **busy %** of a lane: the union of its events
   other than ``wait`` over the wall; **overlap %**: the share of the host side's busy time during
   which the device side (device lanes or the control thread's own work) was busy too. Both are
-  :func:`moelab.hybrid.events.summarize` (one rule for the run's ``summary.json`` and here).
+  :func:`moelab.events.summarize` (one rule for the run's ``summary.json`` and here).
 * **stall** (:meth:`Timeline.stalls`): inside each step's control window (first to last control
   event of the step), the time the control thread runs no work of its own (its ``wait`` events,
   and gaps such as the merge of a deferred result). A ``wait`` whose ``cause`` names a stall
@@ -57,7 +57,7 @@ import numpy as np
 import pandas as pd
 
 from moelab.errors import MoelabError
-from moelab.hybrid.events import COLUMNS, lane_group, length, summarize, union
+from moelab.events import COLUMNS, lane_group, length, summarize, union
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +84,7 @@ def check_events(df: pd.DataFrame, where: str = "events") -> None:
     if missing:
         raise MoelabError(
             f"{where} lacks the event column(s) {', '.join(missing)}; an events table needs "
-            f"{', '.join(COLUMNS)} (moelab.hybrid.events.COLUMNS). Write it with a moelab executor "
+            f"{', '.join(COLUMNS)} (moelab.events.COLUMNS). Write it with a moelab executor "
             "(moelab run --hybrid CFG with executor: real) or add the columns."
         )
 
@@ -137,7 +137,7 @@ class CriticalPath:
 class Timeline:
     """The events of one run (real or simulated) with summaries computed from them alone.
 
-    ``Timeline(df)`` over a DataFrame with the columns of :data:`moelab.hybrid.events.COLUMNS`;
+    ``Timeline(df)`` over a DataFrame with the columns of :data:`moelab.events.COLUMNS`;
     :meth:`open` reads a run directory (``events.parquet``) or a Parquet file.
     """
 

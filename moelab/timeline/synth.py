@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from moelab.hybrid.events import COLUMNS
+from moelab.events import COLUMNS
 
 EXPERT_BYTES = 44_040_192  # DeepSeek-V3 routed expert in fp8: 3 × 7168 × 2048 bytes
 
