@@ -257,12 +257,13 @@ def _add_flows(fig, t: Timeline, in_detail: np.ndarray, lane_row: np.ndarray, t0
         return
     x0 = (t.events["t_end_us"].to_numpy()[tr] - t0) / 1e3
     x1 = (t.events["t_start_us"].to_numpy()[cp] - t0) / 1e3
+    alpha = 0.5 if x0.size <= 2_000 else 0.15  # thousands of flows: faint, the bars stay readable
     x = np.column_stack([x0, x1, np.full(x0.size, np.nan)]).ravel().astype(np.float32)
     y = np.column_stack([lane_row[tr], lane_row[cp], np.full(x0.size, np.nan)]).ravel().astype(np.float32)
     fig.add_trace(go.Scattergl(x=x, y=y, mode="lines+markers", name="copy → compute", legendgroup="flow",
                                showlegend=showlegend, hoverinfo="skip",
-                               line={"color": "rgba(60,60,60,0.45)", "width": 1},
-                               marker={"size": 4, "color": "rgba(60,60,60,0.6)"}), row=1, col=1)
+                               line={"color": f"rgba(60,60,60,{alpha})", "width": 1},
+                               marker={"size": 4, "color": f"rgba(60,60,60,{alpha})"}), row=1, col=1)
 
 
 def _add_critical_path(fig, t: Timeline, step: int, lane_row: np.ndarray, t0: float, label: str) -> None:
