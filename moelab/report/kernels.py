@@ -13,7 +13,7 @@ from contextlib import contextmanager
 from moelab.report import ReportContext, Section, SectionUnavailable, html_table, register_section
 
 #: (shape HxIxExK, token counts, dtypes, bandwidth buffer MiB) — full and quick.
-FULL = ("2048x1408x16x6", (1, 4, 16, 64), ("bf16", "int8", "int4", "fp8"), 512)
+FULL = ("1024x1024x8x4", (1, 4, 16), ("bf16", "int8", "int4", "fp8"), 256)
 QUICK = ("1024x704x8x4", (1, 4), ("bf16", "int4"), 128)
 
 
