@@ -21,7 +21,7 @@ def policies_section(ctx: ReportContext) -> Section:
 
     top_k = min(layer.top_k for layer in moe_layers(ctx.model))
     counts = counts_for(top_k, ctx.quick)
-    limit = 3 if ctx.quick else 10
+    limit = 2 if ctx.quick else 10
     cmp = compare_policies(
         ctx.model, ctx.tokenizer, ["arith"], deferred=[0, *counts], skipped=[0, *counts], limit=limit,
         model_name=ctx.model_name, batch_size=16,
