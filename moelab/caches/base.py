@@ -176,6 +176,8 @@ class ExpertCache:
         self.scope = scope
         self.expert_bytes = check_expert_bytes(expert_bytes)
         self.warm = None if warm is None else [int(k) for k in warm]
+        self._evicted_log: list[int] | None = None
+        self._inserted_log: list[int] | None = None
         self.reset()
 
     # ------------------------------------------------------------------ state
@@ -241,6 +243,22 @@ class ExpertCache:
         """A copy of the keys cached in ``layer``'s partition (its own slots, or the global pool):
         what an insertion into ``layer`` can evict. O(slots), for per-step bookkeeping."""
         return set(self._resident[self._key_layer[self.key_offset_[layer]] if self.scope == "layer" else 0])
+
+    def journal(self, evicted: list[int] | None, inserted: list[int] | None) -> None:
+        """Append every key this cache evicts to ``evicted`` and every key it inserts (demand
+        or prefetch, in order) to ``inserted`` from now on (None: stop). The caller owns and
+        clears the lists: a planner reads what one access or prefetch changed without copying
+        the resident set before and after it (:meth:`partition_keys`)."""
+        self._evicted_log, self._inserted_log = evicted, inserted
+
+    @property
+    def speculative(self) -> set[int]:
+        """Keys of the prefetched experts no demand access has used yet (read-only view)."""
+        return self._speculative
+
+    def is_resident(self, key: int) -> bool:
+        """Whether the expert of global ``key`` is cached now."""
+        return key in self._resident[self._partition(key)]
 
     def layer_expert(self, key: int) -> tuple[int, int]:
         """``(MoE layer, expert)`` of a global key (the inverse of :meth:`key`)."""
@@ -369,6 +387,8 @@ class ExpertCache:
             return False
         self._resident[part].discard(victim)
         self.evictions += 1
+        if self._evicted_log is not None:
+            self._evicted_log.append(victim)
         if victim in self._speculative:
             self._speculative.discard(victim)
             self._wasted_evicted += 1
@@ -377,6 +397,8 @@ class ExpertCache:
 
     def _store(self, key: int, speculative: bool) -> None:
         self._resident[self._partition(key)].add(key)
+        if self._inserted_log is not None:
+            self._inserted_log.append(key)
         self._inserted_at[key] = self._clock
         self._last_use[key] = self._clock
         self.transfers += 1
