@@ -92,6 +92,41 @@ def union_order(ids: list[list[int]], weights: list[list[float]]) -> list[int]:
     return union_small(ids, weights) if ids else []
 
 
+def slots_and_union(ids: list[list[int]], weights: list[list[float]], state: list[list[int]] | None = None
+                    ) -> tuple[list[int], dict[int, int], list[tuple[int, int]], int]:
+    """One layer's routing under its slot states: ``(needed, tokens, deferred, skipped)`` —
+    the experts it needs in access order (:func:`union_order` of the slots that run now or
+    deferred), tokens per needed expert, sorted (expert, deferred slots) pairs, dropped slots."""
+    deferred: list[tuple[int, int]] = []
+    skipped = 0
+    if state is not None:
+        dfr: dict[int, int] = {}
+        run_ids = []
+        for row, srow in zip(ids, state, strict=True):
+            run_row = []
+            for e, st in zip(row, srow, strict=True):
+                if st == DROPPED:
+                    skipped += 1
+                    run_row.append(-1)
+                    continue
+                run_row.append(e)
+                if st == DEFERRED:
+                    dfr[e] = dfr.get(e, 0) + 1
+            run_ids.append(run_row)
+        deferred = sorted(dfr.items())
+        ids = run_ids
+    if len(ids) == 1:  # a decode step at batch 1: the token's experts in router order
+        needed = [e for e in ids[0] if e >= 0]
+        return needed, dict.fromkeys(needed, 1), deferred, skipped
+    needed = union_order(ids, weights)
+    tokens: dict[int, int] = {}
+    for row in ids:
+        for e in row:
+            if e >= 0:
+                tokens[e] = tokens.get(e, 0) + 1
+    return needed, tokens, deferred, skipped
+
+
 def make_cache(config: HybridConfig, num_experts: Sequence[int], top_k: Sequence[int], expert_bytes: int,
                **extra: Any):
     """The expert cache of ``config`` for a model with these experts per MoE layer, or None
@@ -213,38 +248,11 @@ class Planner:
                 first), or None for no prefetch.
         """
         lp = LayerPlan(forward, step, phase, layer, len(ids))
-        if state is not None:
-            deferred: dict[int, int] = {}
-            run_ids = []
-            skipped = 0
-            for row, srow in zip(ids, state, strict=True):
-                run_row = []
-                for e, st in zip(row, srow, strict=True):
-                    if st == DROPPED:
-                        skipped += 1
-                        run_row.append(-1)
-                        continue
-                    run_row.append(e)
-                    if st == DEFERRED:
-                        deferred[e] = deferred.get(e, 0) + 1
-                run_ids.append(run_row)
-            lp.skipped = skipped
-            lp.deferred = sorted(deferred.items())
-            ids = run_ids
-        if len(ids) == 1:  # a decode step at batch 1: the token's experts in router order
-            needed = [e for e in ids[0] if e >= 0]
-            tokens = dict.fromkeys(needed, 1)
-        else:
-            needed = union_order(ids, weights)
-            tokens = {}
-            for row in ids:
-                for e in row:
-                    if e >= 0:
-                        tokens[e] = tokens.get(e, 0) + 1
+        needed, tokens, lp.deferred, lp.skipped = slots_and_union(ids, weights, state)
         lp.accessed = needed
         cache = self.cache
         if cache is None:
-            lp.misses = needed
+            lp.misses = list(needed)
             miss_pairs = [(e, tokens[e]) for e in needed]
             hit_pairs = []
         else:
@@ -306,4 +314,4 @@ class Planner:
                 lp.evictions += [cache.layer_expert(k) for k in sorted(evicted)]
 
 
-__all__ = ["LayerPlan", "Planner", "Transfer", "make_cache", "make_cost_model", "union_order"]
+__all__ = ["LayerPlan", "Planner", "Transfer", "make_cache", "make_cost_model", "slots_and_union", "union_order"]

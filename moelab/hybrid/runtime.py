@@ -251,7 +251,11 @@ class HybridRun:
             return
         from moelab.predictors.protocol import union_predictions
 
-        pred = self.predictor.predict(layer.index, hidden=hidden, m=self.config.prefetch.m)
+        ids = None  # token ids too, for predictors that read them (as moelab.predictors.online does)
+        if ctx.inputs.input_ids is not None:
+            ids = ctx.real_token_ids
+            ids = ids if len(ids) == hidden.shape[0] else None
+        pred = self.predictor.predict(layer.index, hidden=hidden, token_ids=ids, m=self.config.prefetch.m)
         ctx.scratch[("hybrid-prefetch", layer.index + self.predictor.distance)] = union_predictions(pred).tolist()
 
     def _on_plan(self, ctx: ForwardContext, layer, call: ExpertsCall) -> None:
