@@ -152,6 +152,8 @@ class ExpertCache:
     #: Policy code of the compiled kernel (:mod:`moelab.caches._fast`), or None. Read from the
     #: class itself only: a subclass that changes behaviour replays through the reference.
     kernel: ClassVar[int | None] = None
+    #: False: serve accesses by the plain reference definitions only (parity tests set it).
+    fast: ClassVar[bool] = True
     #: Former name of ``needs_scores``, kept in step with it for code written against it.
     uses_scores: ClassVar[bool] = False
 
@@ -201,6 +203,11 @@ class ExpertCache:
         self._wasted_evicted = 0
         self.layer_hits = [0] * len(self.num_experts)
         self.layer_misses = [0] * len(self.num_experts)
+        cls = type(self)
+        # the streamlined access inlines _count (and skips the no-op _on_access): only for
+        # classes that keep the base definitions of both, under the "always" rule
+        self._fast_ok = bool(cls.fast) and self.insertion == "always" and cls._count is ExpertCache._count
+        self._has_on_access = cls._on_access is not ExpertCache._on_access
         self._reset_policy()
         for key in self.warm or []:  # initial contents: not misses, not transfers
             part = self._partition(key)
@@ -298,6 +305,71 @@ class ExpertCache:
         is the router score vector (E,) of the step's token, or (tokens, E) for several
         tokens — needed only by score-aware policies (``mrs``). For a batch's (T, K) router
         output use :func:`moelab.caches.online.access_forward`.
+
+        Under ``insertion="always"`` this runs a streamlined copy of :meth:`_access_reference`
+        (the plain definition; a class with ``fast = False`` uses it): the same decisions,
+        counters and hook calls in the same order, with the per-access method calls and key
+        checks inlined (tests/test_caches_fast_path.py checks they agree on random streams).
+        """
+        if not self._fast_ok:
+            return self._access_reference(layer, experts, scores)
+        nums = self.num_experts
+        if type(layer) is not int or not 0 <= layer < len(nums):
+            return self._access_reference(layer, experts, scores)  # raises the reference's error
+        off, E = self.key_offset_[layer], nums[layer]
+        keys = []
+        for e in experts:
+            if type(e) is not int or not 0 <= e < E:
+                return self._access_reference(layer, experts, scores)
+            keys.append(off + e)
+        if len(set(keys)) != len(keys) or (self.needs_scores and scores is None):
+            return self._access_reference(layer, experts, scores)
+        self._begin_group(layer, keys, scores)
+        part = layer if self.scope == "layer" else 0
+        res = self._resident[part]
+        out = [k in res for k in keys]
+        last = self._last_use
+        on_access = self._on_access if self._has_on_access else None
+        clock = self._clock
+        nhit = 0
+        spec = self._speculative
+        for k, hit in zip(keys, out):  # hits first, in access order
+            if hit:
+                clock += 1
+                nhit += 1
+                if k in spec:
+                    spec.discard(k)
+                    self.prefetch_hits += 1
+                last[k] = clock
+                if on_access is not None:
+                    self._clock = clock
+                    on_access(k)
+        self.hits += nhit
+        self.layer_hits[layer] += nhit
+        nmiss = len(keys) - nhit
+        if nmiss:
+            self.misses += nmiss
+            self.layer_misses[layer] += nmiss
+            admit = self._admit
+            for k, hit in zip(keys, out):  # then every miss, in access order
+                if not hit:
+                    clock += 1
+                    self._clock = clock
+                    if admit(k) and self._make_room(part, _NOTHING, k):
+                        self._store(k, speculative=False)
+                    last[k] = clock
+                    if on_access is not None:
+                        on_access(k)
+        self._clock = clock
+        return out
+
+    def _access_reference(self, layer: int, experts: Sequence[int], scores: Any = None) -> list[bool]:
+        """Serve the experts one (forward, MoE layer) needs; returns hit/miss per expert.
+
+        ``experts`` are in access order (descending router weight) and distinct; ``scores``
+        is the router score vector (E,) of the step's token, or (tokens, E) for several
+        tokens — needed only by score-aware policies (``mrs``). For a batch's (T, K) router
+        output use :func:`moelab.caches.online.access_forward`.
         """
         keys = self._keys(layer, experts, scores)
         self._begin_group(layer, keys, scores)
@@ -344,7 +416,12 @@ class ExpertCache:
         Experts already cached are skipped; at most ``budget`` transfers (None: no limit).
         Prefetches never evict an expert of the same batch.
         """
-        keys = list(dict.fromkeys(self.key(layer, e) for e in experts))
+        self._check_layer(layer)
+        off, E = self.key_offset_[layer], self.num_experts[layer]
+        for e in experts:
+            if not 0 <= e < E:
+                self.key(layer, e)  # raises the error naming the expert
+        keys = list(dict.fromkeys(off + int(e) for e in experts))
         batch = set(keys)
         moved = 0
         for key in keys:
@@ -433,6 +510,10 @@ class ExpertCache:
     def _replace(self, key: int, victim: int) -> bool:
         """Whether inserting ``key`` is worth evicting ``victim`` (a bypassing optimum)."""
         return True
+
+
+#: The empty protected set of the "always" rule (never modified).
+_NOTHING: frozenset[int] = frozenset()
 
 
 # ---------------------------------------------------------------------- registry

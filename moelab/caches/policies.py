@@ -150,6 +150,32 @@ class MRSCache(ExpertCache):
         self._score = [0.0] * self.key_offset_[-1]
 
     def _begin_group(self, layer: int, keys: list[int], scores: Any) -> None:
+        if not self.fast:
+            return self._begin_group_reference(layer, keys, scores)
+        # the reference's arithmetic, on Python floats: the float32 scores as lists (one C call),
+        # top-p by a stable descending sort (ties: lower id, as the reference's (-s, e) key),
+        # then S <- a*s + (1-a)*S on the top-p and (1-a)*S elsewhere (a*0 + x == x exactly)
+        E, off, p = self.num_experts[layer], self.key_offset_[layer], self.p_[layer]
+        rows = np.asarray(scores, dtype=np.float32)
+        rows = (rows[None, :E] if rows.ndim == 1 else rows[:, :E]).tolist()
+        for row in rows:
+            t = sum(row)
+            if t - t != 0:  # NaN or ±inf somewhere (a sum of finite float32 values is finite)
+                raise MoelabError(nan_scores_message(None, layer))
+        a = self.alpha
+        b = 1 - a
+        seg = self._score[off : off + E]
+        rng = range(E)
+        for row in rows:
+            top = sorted(rng, key=row.__getitem__, reverse=True)[:p] if p < E else rng
+            new = [b * x for x in seg]
+            for e in top:
+                new[e] = a * row[e] + b * seg[e]
+            seg = new
+        self._score[off : off + E] = seg
+        return None
+
+    def _begin_group_reference(self, layer: int, keys: list[int], scores: Any) -> None:
         rows = np.atleast_2d(np.asarray(scores, dtype=np.float32))
         E, off, p = self.num_experts[layer], self.key_offset_[layer], self.p_[layer]
         a = self.alpha
