@@ -210,3 +210,31 @@ def test_offline_planning_refuses_what_it_cannot_do(mixtral):
         moelab.hybrid(mixtral, {"cache": {"capacity": 0.25, "policy": "belady"}}).apply()
     with pytest.raises(MoelabError, match="budget_scope"):
         plan_routing(_routing([[[0], [3]]]), {"prefetch": {"predictor": "oracle", "budget_scope": "step"}}, **SHAPE2)
+
+
+def test_slots_and_union_follows_its_definition_on_random_routing():
+    from moelab.forward.plan import DEFERRED, DROPPED, IMMEDIATE
+    from moelab.hybrid.planner import slots_and_union
+
+    rng = np.random.default_rng(0)
+    for _ in range(400):
+        T, K, E = int(rng.integers(1, 4)), int(rng.integers(1, 5)), 10
+        ids = [rng.permutation(E)[:K].tolist() for _ in range(T)]
+        w = [sorted(np.round(rng.random(K), 1).tolist(), reverse=True) for _ in range(T)]
+        state = None if rng.random() < 0.3 else [
+            rng.choice([IMMEDIATE, DEFERRED, DROPPED], K, p=[0.6, 0.25, 0.15]).tolist() for _ in range(T)]
+        needed, tokens, deferred, skipped = slots_and_union(ids, w, state)
+        st = state or [[IMMEDIATE] * K for _ in range(T)]
+        run = [(e, x) for r, wr, sr in zip(ids, w, st) for e, x, s in zip(r, wr, sr) if s != DROPPED]
+        best = {}
+        for e, x in run:
+            best[e] = max(best.get(e, -1.0), x)
+        if T == 1:  # one token: its own (router) order
+            want = [e for e, _ in run]
+        else:  # by descending largest weight, ties lower id
+            want = sorted(best, key=lambda e: (-best[e], e))
+        assert needed == want
+        assert tokens == {e: sum(1 for f, _ in run if f == e) for e in want}
+        dfr = [e for r, sr in zip(ids, st) for e, s in zip(r, sr) if s == DEFERRED]
+        assert deferred == sorted((e, dfr.count(e)) for e in set(dfr))
+        assert skipped == sum(s == DROPPED for sr in st for s in sr)

@@ -154,6 +154,9 @@ class ExpertCache:
     kernel: ClassVar[int | None] = None
     #: False: serve accesses by the plain reference definitions only (parity tests set it).
     fast: ClassVar[bool] = True
+    #: Names of the per-key lists :meth:`_priority` returns, in order (e.g. ``("_last_use",)``),
+    #: for the fast victim search; None: victims by :meth:`_rank` only.
+    victim_order: ClassVar[tuple[str, ...] | None] = None
     #: Former name of ``needs_scores``, kept in step with it for code written against it.
     uses_scores: ClassVar[bool] = False
 
@@ -208,7 +211,16 @@ class ExpertCache:
         # classes that keep the base definitions of both, under the "always" rule
         self._fast_ok = bool(cls.fast) and self.insertion == "always" and cls._count is ExpertCache._count
         self._has_on_access = cls._on_access is not ExpertCache._on_access
+        self._has_on_evict = cls._on_evict is not ExpertCache._on_evict
+        self._has_replace = cls._replace is not ExpertCache._replace  # the base's always agrees
         self._reset_policy()
+        # victims by _fast_victim where the class states its _priority as lists (victim_order)
+        # and keeps the _priority and _rank that order was written for
+        owner = next((c for c in cls.__mro__ if "victim_order" in c.__dict__), None)
+        self._victim_by = None
+        if (cls.fast and owner is not None and owner.victim_order and cls._priority is owner._priority
+                and cls._rank is ExpertCache._rank):
+            self._victim_by = tuple(getattr(self, name) for name in owner.victim_order)
         for key in self.warm or []:  # initial contents: not misses, not transfers
             part = self._partition(key)
             if len(self._resident[part]) < self.slots_[part]:
@@ -424,9 +436,10 @@ class ExpertCache:
         keys = list(dict.fromkeys(off + int(e) for e in experts))
         batch = set(keys)
         moved = 0
+        part = self._partition(off)  # every key of one layer lies in the same partition
+        res = self._resident[part]
         for key in keys:
-            part = self._partition(key)
-            if key in self._resident[part]:
+            if key in res:
                 continue
             if budget is not None and moved >= budget:
                 break
@@ -456,11 +469,11 @@ class ExpertCache:
         """Evict the policy's victim if ``part`` is full; False if ``key`` must bypass."""
         if len(self._resident[part]) < self.slots_[part]:
             return True
-        candidates = [k for k in self._resident[part] if k not in protected]
+        candidates = self._resident[part].difference(protected) if protected else self._resident[part]
         if not candidates:
             return False
-        victim = min(candidates, key=self._rank)
-        if not self._replace(key, victim):
+        victim = min(candidates, key=self._rank) if self._victim_by is None else self._fast_victim(candidates)
+        if self._has_replace and not self._replace(key, victim):
             return False
         self._resident[part].discard(victim)
         self.evictions += 1
@@ -469,8 +482,28 @@ class ExpertCache:
         if victim in self._speculative:
             self._speculative.discard(victim)
             self._wasted_evicted += 1
-        self._on_evict(victim)
+        if self._has_on_evict:
+            self._on_evict(victim)
         return True
+
+    def _fast_victim(self, candidates) -> int:
+        """``min(candidates, key=self._rank)`` for a rank ``(speculative?, a[key], b[key], key)``
+        stated by ``victim_order = ("a", "b")`` (names of per-key lists): unused prefetches
+        first, then the least ``a``; ties (rare) by ``b``, then the key — with the comparisons
+        in C (``map``/``min``/``count``) rather than a Python tuple per candidate."""
+        spec = self._speculative
+        pool = spec.intersection(candidates) if spec else None
+        pool = list(pool or candidates)
+        first = self._victim_by[0]
+        vals = list(map(first.__getitem__, pool))
+        v = min(vals)
+        if vals.count(v) == 1:
+            return pool[vals.index(v)]
+        ties = [k for k, x in zip(pool, vals) if x == v]
+        if len(self._victim_by) == 1:
+            return min(ties)
+        second = self._victim_by[1]
+        return min(ties, key=lambda k: (second[k], k))
 
     def _store(self, key: int, speculative: bool) -> None:
         self._resident[self._partition(key)].add(key)

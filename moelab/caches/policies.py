@@ -57,9 +57,11 @@ class LRUCache(ExpertCache):
 
     params = frozenset()
     kernel = _codes.LRU
+    victim_order = ("_last_use",)
 
     def _priority(self, key: int) -> tuple:
         return (self._last_use[key],)
+
 
 
 @register_policy("fifo")
@@ -69,9 +71,11 @@ class FIFOCache(ExpertCache):
 
     params = frozenset()
     kernel = _codes.FIFO
+    victim_order = ("_inserted_at",)
 
     def _priority(self, key: int) -> tuple:
         return (self._inserted_at[key],)
+
 
 
 @register_policy("lfu")
@@ -86,6 +90,7 @@ class LFUCache(ExpertCache):
 
     params = frozenset({"reset_on_evict"})
     kernel = _codes.LFU
+    victim_order = ("_freq", "_last_use")
 
     def __init__(self, *args: Any, reset_on_evict: bool = False, **kwargs: Any) -> None:
         self.reset_on_evict = reset_on_evict
@@ -103,6 +108,7 @@ class LFUCache(ExpertCache):
 
     def _priority(self, key: int) -> tuple:
         return (self._freq[key], self._last_use[key])
+
 
 
 @register_policy("mrs")
@@ -129,6 +135,7 @@ class MRSCache(ExpertCache):
     needs_scores = True
     params = frozenset({"alpha", "p"})
     kernel = _codes.MRS
+    victim_order = ("_score", "_last_use")
 
     def __init__(
         self,
@@ -190,6 +197,7 @@ class MRSCache(ExpertCache):
 
     def _priority(self, key: int) -> tuple:
         return (self._score[key], self._last_use[key])
+
 
 
 def nan_scores_message(row: int | None = None, layer: int | None = None) -> str:

@@ -97,6 +97,19 @@ def slots_and_union(ids: list[list[int]], weights: list[list[float]], state: lis
     """One layer's routing under its slot states: ``(needed, tokens, deferred, skipped)`` —
     the experts it needs in access order (:func:`union_order` of the slots that run now or
     deferred), tokens per needed expert, sorted (expert, deferred slots) pairs, dropped slots."""
+    if len(ids) == 1:  # a decode step at batch 1: the token's experts in router order
+        row = ids[0]
+        if state is None:
+            needed = [e for e in row if e >= 0]
+            return needed, dict.fromkeys(needed, 1), [], 0
+        srow = state[0]
+        if DROPPED in srow:
+            needed = [e for e, st in zip(row, srow, strict=True) if st != DROPPED and e >= 0]
+        else:
+            needed = [e for e in row if e >= 0]
+        deferred = sorted((e, 1) for e, st in zip(row, srow, strict=True) if st == DEFERRED) if DEFERRED in srow \
+            else []
+        return needed, dict.fromkeys(needed, 1), deferred, srow.count(DROPPED)
     deferred: list[tuple[int, int]] = []
     skipped = 0
     if state is not None:
@@ -115,9 +128,6 @@ def slots_and_union(ids: list[list[int]], weights: list[list[float]], state: lis
             run_ids.append(run_row)
         deferred = sorted(dfr.items())
         ids = run_ids
-    if len(ids) == 1:  # a decode step at batch 1: the token's experts in router order
-        needed = [e for e in ids[0] if e >= 0]
-        return needed, dict.fromkeys(needed, 1), deferred, skipped
     needed = union_order(ids, weights)
     tokens: dict[int, int] = {}
     for row in ids:
@@ -217,6 +227,7 @@ class Planner:
             # insertions without copying the resident set before and after every access
             cache.journal(self._evicted, self._inserted)
             self._offsets = [int(cache.key_offset_[i]) for i in range(self.num_layers)]
+            self._key_pair = [cache.layer_expert(k) for k in range(cache.key_offset_[-1])]
 
     @classmethod
     def build(cls, config: HybridConfig, *, num_experts: Sequence[int], top_k: Sequence[int],
@@ -265,7 +276,8 @@ class Planner:
             hits = cache.access(layer, needed, scores)
             if evicted:  # resident before and not after: evicted, and not inserted by this access
                 gone = set(evicted).difference(inserted)
-                lp.evictions = [cache.layer_expert(k) for k in sorted(gone)]
+                pair = self._key_pair
+                lp.evictions = [pair[k] for k in sorted(gone)]
             hit_pairs, miss_pairs = [], []
             for e, h in zip(needed, hits):
                 (hit_pairs if h else miss_pairs).append((e, tokens[e]))
@@ -311,7 +323,8 @@ class Planner:
             for k in inserted:  # in proposal order; a prefetch batch never evicts its own entries
                 lp.transfers.append(Transfer(target, k - off, nbytes, "prefetch"))
             if evicted:
-                lp.evictions += [cache.layer_expert(k) for k in sorted(evicted)]
+                pair = self._key_pair
+                lp.evictions += [pair[k] for k in sorted(evicted)]
 
 
 __all__ = ["LayerPlan", "Planner", "Transfer", "make_cache", "make_cost_model", "slots_and_union", "union_order"]
