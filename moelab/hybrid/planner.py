@@ -92,7 +92,7 @@ def union_order(ids: list[list[int]], weights: list[list[float]]) -> list[int]:
     return union_small(ids, weights) if ids else []
 
 
-def slots_and_union(ids: list[list[int]], weights: list[list[float]], state: list[list[int]] | None = None
+def slots_and_union(ids: list[list[int]], weights: list[list[float]] | None, state: list[list[int]] | None = None
                     ) -> tuple[list[int], dict[int, int], list[tuple[int, int]], int]:
     """One layer's routing under its slot states: ``(needed, tokens, deferred, skipped)`` —
     the experts it needs in access order (:func:`union_order` of the slots that run now or
@@ -243,7 +243,7 @@ class Planner:
 
     # ------------------------------------------------------------------ planning
     def plan_layer(self, forward: int, step: int, phase: str, layer: int, ids: list[list[int]],
-                   weights: list[list[float]], state: list[list[int]] | None = None, scores: Any = None,
+                   weights: list[list[float]] | None, state: list[list[int]] | None = None, scores: Any = None,
                    prefetch: list[int] | None = None) -> LayerPlan:
         """The plan of MoE layer ``layer`` of one forward.
 
@@ -251,7 +251,8 @@ class Planner:
             forward, step, phase: the forward's ordinal, step and phase (recorded on the plan).
             layer: the MoE layer's ordinal.
             ids, weights: per real token, its top-k expert ids (router order, ``-1`` = none)
-                and combine weights, as lists.
+                and combine weights, as lists (the weights may be None for one token: they
+                only order a union of several tokens' experts).
             state: per real token, its slots' states (``IMMEDIATE``/``DEFERRED``/``DROPPED`` of
                 :mod:`moelab.forward.plan`), or None (every slot immediate).
             scores: (tokens, E) router scores of the real tokens (numpy), for score-aware caches.

@@ -100,8 +100,12 @@ class HybridRun:
         self.active_ = False
 
     def timing_reset(self) -> None:
-        """Zero the planner's own time counters (``self.timing``: ns in the planner and the predictor)."""
+        """Zero the planner's own time counters (``self.timing``: ns in the planner and the predictor).
+
+        Set ``self.planner_samples = []`` to also keep the ns of every decode-step layer plan
+        (``moelab bench hybrid`` reports their median, robust to a shared machine's stalls)."""
         self.timing = {"planner_ns": 0, "predictor_ns": 0, "plans": 0}
+        self.planner_samples: list[int] | None = None
 
     # ------------------------------------------------------------------ lifecycle
     def __enter__(self) -> HybridRun:
@@ -263,8 +267,11 @@ class HybridRun:
         try:
             self._plan_layer(ctx, layer, call)
         finally:
-            self.timing["planner_ns"] += time.perf_counter_ns() - t0
+            dt = time.perf_counter_ns() - t0
+            self.timing["planner_ns"] += dt
             self.timing["plans"] += 1
+            if self.planner_samples is not None and ctx.phase == "decode":
+                self.planner_samples.append(dt)
 
     def _plan_layer(self, ctx: ForwardContext, layer, call: ExpertsCall) -> None:
         # a thin adapter: the layer's routing as Python lists for the real tokens (one host copy;
@@ -273,14 +280,16 @@ class HybridRun:
         plan = call._plan
         K = call.experts.shape[-1]
         ids = call.experts.reshape(-1, K).tolist()
-        w = (plan.weights if plan is not None else call.weights).reshape(-1, K).float().tolist()
+        # the weights order only a union of several tokens' experts: one token's keep router order
+        w = (plan.weights if plan is not None else call.weights).reshape(-1, K).float().tolist() \
+            if len(ids) > 1 else None
         state = plan.state.reshape(-1, K).tolist() if plan is not None else None
         mask = ctx.mask_cpu
         valid = mask.reshape(-1) if mask is not None and mask.size == len(ids) else None
         if valid is not None:
             keep = valid.tolist()
             ids = [r for r, k in zip(ids, keep, strict=True) if k]
-            w = [r for r, k in zip(w, keep, strict=True) if k]
+            w = [r for r, k in zip(w, keep, strict=True) if k] if w is not None else None
             state = [r for r, k in zip(state, keep, strict=True) if k] if state is not None else None
         scores = self._scores(ctx, layer, valid) if self.cache is not None else None
         proposal = None
