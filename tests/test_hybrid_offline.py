@@ -229,12 +229,27 @@ def test_slots_and_union_follows_its_definition_on_random_routing():
         best = {}
         for e, x in run:
             best[e] = max(best.get(e, -1.0), x)
-        if T == 1:  # one token: its own (router) order
-            want = [e for e, _ in run]
-        else:  # by descending largest weight, ties lower id
-            want = sorted(best, key=lambda e: (-best[e], e))
+        # one token: its own (router) order; several: by descending largest weight, ties lower id
+        want = [e for e, _ in run] if T == 1 else sorted(best, key=lambda e: (-best[e], e))
         assert needed == want
         assert tokens == {e: sum(1 for f, _ in run if f == e) for e in want}
         dfr = [e for r, sr in zip(ids, st) for e, s in zip(r, sr) if s == DEFERRED]
         assert deferred == sorted((e, dfr.count(e)) for e in set(dfr))
         assert skipped == sum(s == DROPPED for sr in st for s in sr)
+
+
+@pytest.mark.parametrize("scope", ["layer", "forward"])
+def test_the_planners_prefetch_budget_is_the_cache_simulations(mixtral, tmp_path, scope):
+    from moelab.caches import PrefetchConfig, simulate
+
+    ids, mask = _inputs(3)
+    with moelab.record(mixtral, tmp_path / "t") as rec:
+        mixtral.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    cfg = {"cache": {"capacity": 0.25, "policy": "lru"},
+           "prefetch": {"predictor": "oracle", "budget": 1, "budget_scope": scope}}
+    plans = plan_routing(routing_from_trace(rec.trace), cfg, **_shape(mixtral), expert_bytes=1)
+    off = simulate(rec.trace, "lru", 0.25, include_prefill=True, keep_hits=True,
+                   prefetch=PrefetchConfig("oracle", 1, budget=1, budget_scope=scope))
+    assert [int(e in p.hits) for p in plans for e in p.accessed] == off.hit.tolist()
+    assert sum(1 for p in plans for t in p.transfers if t.priority == "prefetch") == off.prefetched > 0
+    assert sum(len(p.prefetch_hits) for p in plans) == off.prefetch_hits
