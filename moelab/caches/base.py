@@ -213,6 +213,7 @@ class ExpertCache:
         self._has_on_access = cls._on_access is not ExpertCache._on_access
         self._has_on_evict = cls._on_evict is not ExpertCache._on_evict
         self._has_replace = cls._replace is not ExpertCache._replace  # the base's always agrees
+        self._plain_admit = cls._admit_prefetch is ExpertCache._admit_prefetch and cls._admit is ExpertCache._admit
         self._reset_policy()
         # victims by _fast_victim where the class states its _priority as lists (victim_order)
         # and keeps the _priority and _rank that order was written for
@@ -433,17 +434,21 @@ class ExpertCache:
         for e in experts:
             if not 0 <= e < E:
                 self.key(layer, e)  # raises the error naming the expert
-        keys = list(dict.fromkeys(off + int(e) for e in experts))
-        batch = set(keys)
-        moved = 0
+        keys = list(dict.fromkeys([off + int(e) for e in experts]))
         part = self._partition(off)  # every key of one layer lies in the same partition
         res = self._resident[part]
-        for key in keys:
-            if key in res:
-                continue
+        # the batch's keys are never evicted by the batch, and distinct: those cached now stay
+        # cached and are skipped, the others are not cached by an earlier one of the batch
+        new = [k for k in keys if k not in res]
+        if not new:
+            return 0
+        batch = set(keys)
+        moved = 0
+        admit = None if self._plain_admit else self._admit_prefetch
+        for key in new:
             if budget is not None and moved >= budget:
                 break
-            if not self._admit_prefetch(key) or not self._make_room(part, batch, key):
+            if (admit is not None and not admit(key)) or not self._make_room(part, batch, key):
                 continue
             self._clock += 1
             self._store(key, speculative=True)
