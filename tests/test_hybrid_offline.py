@@ -253,3 +253,16 @@ def test_the_planners_prefetch_budget_is_the_cache_simulations(mixtral, tmp_path
     assert [int(e in p.hits) for p in plans for e in p.accessed] == off.hit.tolist()
     assert sum(1 for p in plans for t in p.transfers if t.priority == "prefetch") == off.prefetched > 0
     assert sum(len(p.prefetch_hits) for p in plans) == off.prefetch_hits
+
+
+def test_any_object_with_the_routing_attributes_is_a_routing_source():
+    from types import SimpleNamespace
+
+    fw = [[[0], [3]], [[1], [2]]]
+    want = plan_routing(_routing(fw), {"cache": {"capacity": 0.5, "policy": "mrs"},
+                                       "prefetch": {"predictor": "oracle"}}, **SHAPE2)
+    bare = [SimpleNamespace(forward=r.forward, step=r.step, phase=r.phase, tokens=r.tokens, ids=r.ids,
+                            weights=r.weights, scores=r.scores) for r in _routing(fw)]
+    got = plan_routing(iter(bare), {"cache": {"capacity": 0.5, "policy": "mrs"},
+                                    "prefetch": {"predictor": "oracle"}}, **SHAPE2)
+    assert [asdict(p) for p in got] == [asdict(p) for p in want] and len(got) == 4

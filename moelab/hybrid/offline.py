@@ -182,13 +182,15 @@ class _PredictorProposals:
         from moelab.predictors.protocol import union_predictions
 
         p = self.predictor
-        h = r.hidden[layer] if r.hidden is not None else None
+        hidden = getattr(r, "hidden", None)  # optional: routing sources may not carry them
+        h = hidden[layer] if hidden is not None else None
         if h is None and p.needs_hidden:
             raise MoelabError(
                 f"the {p.kind!r} predictor reads the router inputs, but the routing source has none; "
                 "record the trace with hidden_states=True (CLI: --hidden-states), or prefetch with 'oracle'."
             )
-        ids = r.token_ids if r.token_ids is not None and len(r.token_ids) == r.tokens else None
+        ids = getattr(r, "token_ids", None)
+        ids = ids if ids is not None and len(ids) == r.tokens else None
         return union_predictions(p.predict(layer, hidden=h, token_ids=ids, m=self.m)).tolist()
 
 
@@ -304,7 +306,7 @@ def plan_routing(
     need_scores = planner.cache is not None and planner.cache.needs_scores
     plans: list[LayerPlan] = []
     for r, layers in source:
-        if need_scores and r.scores is None:
+        if need_scores and getattr(r, "scores", None) is None:
             raise MoelabError(
                 f"cache policy {cfg.cache.policy!r} reads the router scores, but forward {r.forward} of the routing "
                 "has none; record the trace with scores (the default), or use lru, lfu or fifo."
