@@ -278,12 +278,16 @@ class HybridRun:
         # a decode step has a few values, for which list code beats numpy's per-call cost), then
         # the one planner (moelab.hybrid.planner), the same object offline planning runs
         plan = call._plan
-        K = call.experts.shape[-1]
-        ids = call.experts.reshape(-1, K).tolist()
+        experts = call.experts
+        K = experts.shape[-1]
+        ids = (experts if experts.dim() == 2 else experts.reshape(-1, K)).tolist()
         # the weights order only a union of several tokens' experts: one token's keep router order
         w = (plan.weights if plan is not None else call.weights).reshape(-1, K).float().tolist() \
             if len(ids) > 1 else None
-        state = plan.state.reshape(-1, K).tolist() if plan is not None else None
+        state = None
+        if plan is not None:
+            st = plan.state
+            state = (st if st.dim() == 2 else st.reshape(-1, K)).tolist()
         mask = ctx.mask_cpu
         valid = mask.reshape(-1) if mask is not None and mask.size == len(ids) else None
         if valid is not None:
@@ -303,11 +307,15 @@ class HybridRun:
         logits = ctx.scratch.pop(("hybrid-logits", layer.index), None)
         if logits is None:
             return None
-        logits = logits.reshape(-1, logits.shape[-1])
+        if logits.dim() != 2:
+            logits = logits.reshape(-1, logits.shape[-1])
         if valid is not None and logits.shape[0] == valid.size:
             logits = logits[torch.from_numpy(valid).to(logits.device)]
-        s = logits.float().softmax(-1) if layer.spec.scoring == "softmax" else logits.float().sigmoid()
-        return s.detach().cpu().numpy()
+        if logits.dtype != torch.float32:
+            logits = logits.float()
+        # few torch calls: each costs microseconds on a decode step's tiny tensors
+        s = torch.softmax(logits, -1) if layer.spec.scoring == "softmax" else torch.sigmoid(logits)
+        return s.numpy(force=True)
 
     # ------------------------------------------------------------------ results
     def plan_table(self):
