@@ -185,6 +185,11 @@ def test_belady_offline_equals_the_cache_simulation_and_bounds_the_online_polici
     with moelab.record(mixtral, tmp_path / "t") as rec:
         mixtral.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
     shape = {**_shape(mixtral), "expert_bytes": 1}
+    from moelab.adapters import expert_bytes
+    from moelab.hybrid.offline import trace_shape
+
+    assert trace_shape(rec.trace) == {**_shape(mixtral),
+                                      "expert_bytes": max(expert_bytes(ly) for ly in moelab.moe_layers(mixtral))}
     hits = {}
     for policy in ("lru", "lfu", "fifo", "mrs", "belady", "belady-bypass"):
         plans = plan_routing(routing_from_trace(rec.trace), {"cache": {"capacity": 0.25, "policy": policy}}, **shape)

@@ -1,9 +1,8 @@
 """Offline planning: the hybrid planner over recorded or synthetic routing, with no model.
 
->>> from moelab.hybrid.offline import plan_routing, routing_from_trace
+>>> from moelab.hybrid.offline import plan_routing, routing_from_trace, trace_shape
 >>> trace = moelab.open_trace("runs/r1/trace")
->>> plans = plan_routing(routing_from_trace(trace), cfg, num_experts=trace.num_experts_per_layer,
-...                      top_k=trace.top_k_per_layer, expert_bytes=trace.meta["model"]["expert_bytes"])
+>>> plans = plan_routing(routing_from_trace(trace), cfg, **trace_shape(trace))
 
 A *routing source* is an iterable of :class:`ForwardRouting`: one per forward pass, with the
 real tokens' top-k ids and combine weights per MoE layer (and optionally the router scores,
@@ -156,6 +155,24 @@ def routing_from_trace(trace: Any, *, hidden: bool | None = None) -> Iterator[Fo
             hidden=None if hid_all is None else [hid_all[torch_index(r)] for r in rows],
             token_ids=tok_all[rows[0]].astype(np.int64),
         )
+
+
+_DTYPE_BYTES = {"float32": 4, "float64": 8, "bfloat16": 2, "float16": 2}
+
+
+def trace_shape(trace: Any) -> dict[str, Any]:
+    """The model shape :func:`plan_routing` needs, from a trace's metadata: ``num_experts``,
+    ``top_k``, ``expert_bytes`` (the largest layer's) and ``expert_params`` (bytes over the
+    recorded dtype's size; None where it is unknown)."""
+    from moelab.trace import open_trace
+
+    tr = open_trace(trace) if isinstance(trace, (str, Path)) else trace
+    m = tr.meta["model"]
+    sizes = m.get("expert_bytes")
+    eb = int(max(sizes)) if sizes else 1
+    per = _DTYPE_BYTES.get(str(m.get("dtype")))
+    return {"num_experts": list(tr.num_experts_per_layer), "top_k": list(tr.top_k_per_layer), "expert_bytes": eb,
+            "expert_params": eb / per if per and sizes else None}
 
 
 def torch_index(rows: np.ndarray):
@@ -322,4 +339,4 @@ def plan_routing(
     return plans
 
 
-__all__ = ["ForwardRouting", "OfflineRouting", "plan_routing", "routing_from_trace"]
+__all__ = ["ForwardRouting", "OfflineRouting", "plan_routing", "routing_from_trace", "trace_shape"]
