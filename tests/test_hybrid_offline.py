@@ -243,18 +243,18 @@ def test_slots_and_union_follows_its_definition_on_random_routing():
         assert skipped == sum(s == DROPPED for sr in st for s in sr)
 
 
-@pytest.mark.parametrize("scope", ["layer", "forward"])
-def test_the_planners_prefetch_budget_is_the_cache_simulations(mixtral, tmp_path, scope):
+@pytest.mark.parametrize("scope,predictor", [("layer", "oracle"), ("forward", "oracle"), ("layer", "repeat")])
+def test_the_planners_prefetch_budget_is_the_cache_simulations(mixtral, tmp_path, scope, predictor):
     from moelab.caches import PrefetchConfig, simulate
 
     ids, mask = _inputs(3)
     with moelab.record(mixtral, tmp_path / "t") as rec:
         mixtral.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
-    cfg = {"cache": {"capacity": 0.25, "policy": "lru"},
-           "prefetch": {"predictor": "oracle", "budget": 1, "budget_scope": scope}}
+    cfg = {"cache": {"capacity": 0.5, "policy": "mrs"},  # under lru, 'repeat' proposes only cached experts
+           "prefetch": {"predictor": predictor, "budget": 1, "budget_scope": scope}}
     plans = plan_routing(routing_from_trace(rec.trace), cfg, **_shape(mixtral), expert_bytes=1)
-    off = simulate(rec.trace, "lru", 0.25, include_prefill=True, keep_hits=True,
-                   prefetch=PrefetchConfig("oracle", 1, budget=1, budget_scope=scope))
+    off = simulate(rec.trace, "mrs", 0.5, include_prefill=True, keep_hits=True,
+                   prefetch=PrefetchConfig(predictor, 1, budget=1, budget_scope=scope))
     assert [int(e in p.hits) for p in plans for e in p.accessed] == off.hit.tolist()
     assert sum(1 for p in plans for t in p.transfers if t.priority == "prefetch") == off.prefetched > 0
     assert sum(len(p.prefetch_hits) for p in plans) == off.prefetch_hits

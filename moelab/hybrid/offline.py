@@ -18,7 +18,8 @@ plans of its own trace field by field (tests/test_hybrid_offline.py).
   skipping drops them.
 * **Prefetch** (``predictor=`` or ``config.prefetch.predictor``): ``"oracle"`` proposes the
   experts MoE layer ``l + d`` of the same forward actually needs (the upper bound a
-  what-if grid shows beside every policy); a fitted online predictor (a
+  what-if grid shows beside every policy); ``"repeat"`` what layer ``l + d`` needed at the
+  previous step of the same sequences (the caches' training-free baseline); a fitted online predictor (a
   :class:`~moelab.predictors.Predictor` or a saved directory) predicts from the forward's
   router inputs (``ForwardRouting.hidden``, from a trace recorded with hidden states) and
   token ids, exactly as the running model calls it; an object with
@@ -216,13 +217,14 @@ def _proposer(predictor: Any, config: HybridConfig, num_experts: Sequence[int]) 
         predictor = config.prefetch.predictor
     if predictor is None:
         return None
-    if isinstance(predictor, str) and predictor == "oracle":
-        return "oracle"
+    if isinstance(predictor, str) and predictor in ("oracle", "repeat"):
+        return predictor
     if isinstance(predictor, (str, Path)):
         if not Path(predictor).is_dir():
             raise MoelabError(
-                f"prefetch predictor {str(predictor)!r} is neither 'oracle' nor a saved predictor directory; "
-                "pass 'oracle', a directory written by `moelab predict fit --out DIR`, or a fitted predictor."
+                f"prefetch predictor {str(predictor)!r} is neither 'oracle', 'repeat' nor a saved predictor "
+                "directory; pass one of those, a directory written by `moelab predict fit --out DIR`, or a "
+                "fitted predictor."
             )
         from moelab.predictors import load_predictor
 
@@ -296,7 +298,7 @@ def plan_routing(
     if proposer is not None and cap == 0:
         raise MoelabError("prefetch needs a device cache to prefetch into; set cache.capacity > 0.")
     d = int(cfg.prefetch.distance)
-    want_needed = future or proposer == "oracle"
+    want_needed = future or proposer in ("oracle", "repeat")
 
     def prepared() -> Iterator[tuple[Any, list]]:
         for r in routing:
@@ -322,6 +324,7 @@ def plan_routing(
                             expert_params=expert_params, **extra)
     need_scores = planner.cache is not None and planner.cache.needs_scores
     plans: list[LayerPlan] = []
+    prev: tuple[int, list] | None = None  # (step, layers) of the previous forward, for "repeat"
     for r, layers in source:
         if need_scores and getattr(r, "scores", None) is None:
             raise MoelabError(
@@ -332,10 +335,14 @@ def plan_routing(
             proposal = None
             if proposer == "oracle":
                 proposal = layers[ly + d][3] if ly + d < L else None
+            elif proposer == "repeat":  # what layer l + d needed at the sequences' previous step
+                ok = prev is not None and prev[0] == r.step - 1 and r.step > 0 and ly + d < L
+                proposal = prev[1][ly + d][3] if ok else None
             elif proposer is not None:
                 proposal = proposer.propose(r, ly)
             scores = r.scores[ly] if need_scores else None
             plans.append(planner.plan_layer(r.forward, r.step, r.phase, ly, il, wl, sl, scores, proposal))
+        prev = (r.step, layers)
     return plans
 
 
