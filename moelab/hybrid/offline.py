@@ -34,6 +34,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from itertools import islice
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -107,6 +108,27 @@ class OfflineRouting:
         for p in acting:
             p._plan(plan)
         return plan.state.numpy()
+
+    @property
+    def per_token(self) -> bool:
+        """Whether every policy decides each token's slots from that token alone (skipping, and
+        deferral's ``per_token`` rule), so several forwards' rows may share one slot plan."""
+        return all(getattr(p.config, "batch_rule", "per_token") == "per_token" for p in self.policies)
+
+    def states_many(self, layer: int, phase: str, ids: list[np.ndarray], weights: list[np.ndarray]
+                    ) -> list[np.ndarray | None]:
+        """:meth:`states` of several forwards' routing of one layer and phase: one slot plan for
+        all their rows when the policies are :attr:`per_token` (the same states, row by row)."""
+        if not any(p.acts_in(phase) for p in self.policies):
+            return [None] * len(ids)
+        if not self.per_token or len(ids) == 1:
+            return [self.states(layer, phase, i, w) for i, w in zip(ids, weights, strict=True)]
+        sizes = [len(i) for i in ids]
+        st = self.states(layer, phase, np.concatenate(ids), np.concatenate(weights))
+        if st is None:
+            return [None] * len(ids)
+        cut = np.cumsum(sizes)[:-1]
+        return [part if len(part) else None for part in np.split(st, cut)]
 
 
 # ---------------------------------------------------------------------- routing sources
@@ -252,6 +274,10 @@ def _proposer(predictor: Any, config: HybridConfig, num_experts: Sequence[int]) 
 
 
 # ---------------------------------------------------------------------- planning
+#: Forwards whose routing-policy slot states are computed together.
+_CHUNK = 256
+
+
 def _as_config(config: HybridConfig | dict | str | Path | None) -> HybridConfig:
     from moelab.hybrid.runtime import _as_config as as_config
 
@@ -301,16 +327,30 @@ def plan_routing(
     want_needed = future or proposer in ("oracle", "repeat")
 
     def prepared() -> Iterator[tuple[Any, list]]:
-        for r in routing:
-            _check(r, L)
-            layers = []
-            for ly in range(L):
-                ids, w = r.ids[ly], r.weights[ly]
-                st = routing_policy.states(ly, r.phase, ids, w)
-                il, wl = ids.tolist(), np.asarray(w, dtype=np.float32).tolist()
-                sl = st.tolist() if st is not None else None
-                layers.append((il, wl, sl, slots_and_union(il, wl, sl)[0] if want_needed else None))
-            yield r, layers
+        # the routing policy runs on chunks of forwards at once (one slot plan per layer and
+        # phase: its per-call cost dominated), then each forward's layers become lists
+        it = iter(routing)
+        while chunk := list(islice(it, _CHUNK)):
+            states: list[list] = [[None] * L for _ in chunk]
+            if routing_policy.policies:
+                for r in chunk:
+                    _check(r, L)
+                for phase in {r.phase for r in chunk}:
+                    idx = [i for i, r in enumerate(chunk) if r.phase == phase]
+                    for ly in range(L):
+                        got = routing_policy.states_many(ly, phase, [chunk[i].ids[ly] for i in idx],
+                                                         [chunk[i].weights[ly] for i in idx])
+                        for i, st in zip(idx, got, strict=True):
+                            states[i][ly] = st
+            for r, sts in zip(chunk, states, strict=True):
+                _check(r, L)
+                layers = []
+                for ly in range(L):
+                    st = sts[ly]
+                    il, wl = r.ids[ly].tolist(), np.asarray(r.weights[ly], dtype=np.float32).tolist()
+                    sl = st.tolist() if st is not None else None
+                    layers.append((il, wl, sl, slots_and_union(il, wl, sl)[0] if want_needed else None))
+                yield r, layers
 
     source: Iterable = prepared()
     extra: dict[str, Any] = {}
