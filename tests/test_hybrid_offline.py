@@ -271,3 +271,19 @@ def test_any_object_with_the_routing_attributes_is_a_routing_source():
     got = plan_routing(iter(bare), {"cache": {"capacity": 0.5, "policy": "mrs"},
                                     "prefetch": {"predictor": "oracle"}}, **SHAPE2)
     assert [asdict(p) for p in got] == [asdict(p) for p in want] and len(got) == 4
+
+
+@pytest.mark.parametrize("routing", [{"deferred": 2, "min_immediate": 1}, {"skipped": 1}, {"deferred": 1, "phase": "all"}])
+def test_slot_states_of_many_forwards_at_once_equal_one_forward_at_a_time(routing):
+    from moelab.hybrid.config import RoutingConfig
+    from moelab.hybrid.offline import OfflineRouting
+
+    rng = np.random.default_rng(1)
+    pol = OfflineRouting(RoutingConfig(**routing), [4, 4, 4])
+    ids = [np.stack([rng.permutation(8)[:4] for _ in range(int(rng.integers(1, 4)))]) for _ in range(20)]
+    w = [np.sort(np.round(rng.random(i.shape), 1).astype(np.float32), axis=1)[:, ::-1].copy() for i in ids]
+    for phase in ("decode", "prefill"):
+        many = pol.states_many(0, phase, ids, w)
+        one = [pol.states(0, phase, i, x) for i, x in zip(ids, w)]
+        assert all((a is None and b is None) or np.array_equal(a, b) for a, b in zip(many, one, strict=True))
+        assert (phase == "decode" or routing.get("phase") == "all") == (many[0] is not None)
