@@ -47,7 +47,13 @@ class PrefetchConfig:
     distance: int = 1
     """Predict for MoE layer ``l + distance`` at layer ``l`` (must match the predictor's)."""
     budget: int | None = None
-    """At most this many prefetched experts per layer and forward (None: as many as predicted)."""
+    """At most this many prefetched experts per MoE layer and forward (None: as many as
+    predicted): ProMoE's per-layer link budget, what the link moves while one layer computes.
+    See :attr:`budget_scope`."""
+    budget_scope: str = "layer"
+    """``layer`` (default): :attr:`budget` applies after each MoE layer of each forward;
+    ``forward``: one budget per forward pass shared by its MoE layers in order (the offline
+    cache simulation's ``PrefetchConfig(budget_scope="forward")``)."""
     m: int | None = None
     """Experts proposed per token (default: the target layer's top-k)."""
 
