@@ -252,7 +252,7 @@ def test_cli_link_latency_needs_the_link(tmp_path, capsys):
 def test_a_zero_or_negative_bandwidth_is_one_line_naming_field_and_fix(tmp_path, field, value):
     data = _good()
     data[field] = {"value": value, "assumed": "x"}
-    with pytest.raises(MoelabError, match=rf"HardwareProfile\.{field} must be > 0, got {value}; .*set it to") as info:
+    with pytest.raises(MoelabError, match=rf"HardwareProfile\.{field} must be > 0, got {float(value)}; .*set it to") as info:
         load_profile(_write(tmp_path, data))
     assert "\n" not in str(info.value)
 

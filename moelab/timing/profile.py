@@ -167,7 +167,7 @@ class HardwareProfile:
             else:  # pragma: no cover - a FIELDS entry with a constraint this check does not know
                 raise AssertionError(constraint)
             if not ok:
-                fix = ("a bandwidth of zero makes every transfer or read take forever; set it to the measured "
+                fix = ("a bandwidth ≤ 0 makes every transfer or read take forever; set it to the measured "
                        "or stated GB/s" if f.endswith("_gbs") else f"set a value {constraint}")
                 raise MoelabError(f"HardwareProfile.{f} must be {constraint}, got {v!r}; {fix}.")
 
