@@ -23,6 +23,8 @@ LAYERS: list[set[str]] = [
      "trace", "caches", "policies", "predictors"},
     # runtimes composed from the components
     {"hybrid"},
+    # the simulator: the planner's plans on hardware profiles (uses hybrid and timing)
+    {"simulate"},
     # what is built on the components: evaluation, plots, reports, training, the demo
     {"evals", "viz", "report", "training", "demo"},
     # experiments over evaluations (sweeps run evals over models, policies and tasks)
