@@ -329,7 +329,8 @@ def test_fast_path_events_equal_the_reference_over_random_plans():
                           device_shares_host_memory=bool(seed % 3 == 0))
         plans = random_plans(steps=int(rng.integers(1, 6)), layers=4, experts=16, top_k=4, expert_bytes=shape.expert_bytes(),
                              capacity=float(rng.choice([0.0, 0.25, 0.5])), deferred=int(rng.integers(0, 3)),
-                             fetch_share=float(rng.uniform(0, 1)), prefetch=int(rng.integers(0, 3)), seed=seed)
+                             fetch_share=float(rng.uniform(0, 1)), prefetch=int(rng.integers(0, 3)), seed=seed,
+                             insert=bool(seed % 2), tokens=int(rng.integers(1, 3)))
         ref = simulate_plans(plans, shape, hw, engine="reference", reference_graph=True)
         fast = simulate_plans(plans, shape, hw, engine="fast")
         assert events_equal(ref.events, fast.events), seed

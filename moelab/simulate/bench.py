@@ -99,37 +99,52 @@ def deepseek_v3_shape() -> Any:
 
 
 def random_plans(*, steps: int, layers: int, experts: int, top_k: int, expert_bytes: int, capacity: float = 0.25,
-                 deferred: int = 2, fetch_share: float = 0.2, prefetch: int = 2, tokens: int = 1, seed: int = 0,
-                 skew: float = 1.0) -> list:
-    """Decode plans of a simple planner over random routing (see the module docstring)."""
+                 deferred: int = 2, fetch_share: float = 0.05, insert: bool = False, prefetch: int = 2,
+                 tokens: int = 1, seed: int = 0, skew: float = 1.0) -> list:
+    """Decode plans of a simple planner over random routing (see the module docstring).
+
+    Routing: each token picks ``top_k`` distinct experts with Zipf(``skew``) popularity (a
+    random permutation per layer); the lowest-ranked ``deferred`` run deferred (not in the last
+    layer). Device cache: ``capacity`` × experts per layer, LRU, filled at the start (a
+    KTransformers-style static set when ``insert`` is False). A miss is fetched (a demand copy,
+    then cached) with probability ``fetch_share``, else it runs on the host (and is cached with
+    an ``insert`` copy if ``insert``). ``prefetch`` guesses per layer are copied for the next one.
+    """
     from collections import OrderedDict
 
     from moelab.hybrid.runtime import LayerPlan, Transfer
 
     rng = np.random.default_rng(seed)
-    pop = 1.0 / np.arange(1, experts + 1) ** skew
-    perms = [rng.permutation(experts) for _ in range(layers)]
-    probs = pop / pop.sum()
-    slots = max(int(round(capacity * experts)), 0)
-    caches = [OrderedDict() for _ in range(layers)]
+    logp = -skew * np.log(np.arange(1, experts + 1))
+    perms = np.stack([rng.permutation(experts) for _ in range(layers)])
+    slots = min(max(int(round(capacity * experts)), 0), experts)
+    # Gumbel top-k: the top_k of logp + Gumbel noise are a draw without replacement (sorted by rank)
+    noise = logp + rng.gumbel(size=(steps, layers, tokens, experts))
+    ranked = np.argsort(-noise, axis=-1)[..., :top_k]
+    chosen = perms[np.arange(layers)[None, :, None, None], ranked].tolist()
+    caches = [OrderedDict((int(e), True) for e in perms[layer][:slots]) for layer in range(layers)]
+    fetch_draw = rng.random((steps, layers, top_k * tokens)).tolist()
+    guesses_all = perms[np.arange(layers)[None, :, None], np.argsort(-(logp + rng.gumbel(
+        size=(steps, layers, experts))), axis=-1)[..., :prefetch]].tolist() if prefetch else None
     plans = []
-    pending_prefetch: dict[int, list[int]] = {}
+    pending_prefetch: dict[int, set[int]] = {}
     for step in range(steps):
         for layer in range(layers):
             lp = LayerPlan(forward=step, step=step, phase="decode", layer=layer, tokens=tokens)
             counts: dict[int, int] = {}
             deferred_counts: dict[int, int] = {}
-            for _ in range(tokens):
-                chosen = perms[layer][rng.choice(experts, size=top_k, replace=False, p=probs)]
-                for j, e in enumerate(chosen.tolist()):
-                    if deferred and j >= top_k - deferred and layer < layers - 1:
+            d = deferred if layer < layers - 1 else 0
+            for row in chosen[step][layer]:
+                for j, e in enumerate(row):
+                    if j >= top_k - d:
                         deferred_counts[e] = deferred_counts.get(e, 0) + 1
                     else:
                         counts[e] = counts.get(e, 0) + 1
             lp.deferred = sorted(deferred_counts.items())
             cache = caches[layer]
-            pf = set(pending_prefetch.pop(layer, []))
-            for e, n in counts.items():
+            pf = pending_prefetch.pop(layer, set())
+            draws = fetch_draw[step][layer]
+            for k, (e, n) in enumerate(counts.items()):
                 lp.accessed.append(e)
                 if e in cache:
                     cache.move_to_end(e)
@@ -137,8 +152,8 @@ def random_plans(*, steps: int, layers: int, experts: int, top_k: int, expert_by
                     lp.device.append((e, n))
                     continue
                 lp.misses.append(e)
-                fetch = slots > 0 and rng.random() < fetch_share
-                if slots:
+                fetch = slots > 0 and draws[k] < fetch_share
+                if fetch or (insert and slots):
                     if len(cache) >= slots:
                         victim, _ = cache.popitem(last=False)
                         lp.evictions.append((layer, victim))
@@ -146,18 +161,19 @@ def random_plans(*, steps: int, layers: int, experts: int, top_k: int, expert_by
                     lp.transfers.append(Transfer(layer, e, expert_bytes, "demand" if fetch else "insert"))
                 (lp.device if fetch else lp.host).append((e, n))
             lp.prefetch_hits = [e for e in lp.hits if e in pf]  # type: ignore[attr-defined]
-            if prefetch and slots and layer + 1 < layers:
+            if guesses_all is not None and slots and layer + 1 < layers:
                 nxt = caches[layer + 1]
-                guesses = perms[layer + 1][rng.choice(experts, size=prefetch, replace=False, p=probs)].tolist()
-                for e in guesses:
+                new = set()
+                for e in guesses_all[step][layer + 1]:
                     if e in nxt:
                         continue
                     if len(nxt) >= slots:
                         victim, _ = nxt.popitem(last=False)
                         lp.evictions.append((layer + 1, victim))
                     nxt[e] = True
+                    new.add(e)
                     lp.transfers.append(Transfer(layer + 1, e, expert_bytes, "prefetch"))
-                pending_prefetch[layer + 1] = guesses
+                pending_prefetch[layer + 1] = new
             plans.append(lp)
     return plans
 
