@@ -359,3 +359,33 @@ def test_events_table_has_the_parquet_schema():
 
     res = simulate_plans([plan(0, host=[(2, 1)]), plan(1, device=[(1, 1)], hits=[1])], HandShape(), hand_profile())
     assert res.table().schema == EventLog("x").table().schema
+
+
+# ---------------------------------------------------------------------- online, beside a running model
+def test_online_simulated_executor_writes_simulated_events_for_every_forward():
+    import torch
+
+    import moelab
+    from moelab.models.tiny import build_tiny
+
+    model = build_tiny("mixtral", seed=0)
+    ids = torch.randint(0, model.config.vocab_size, (1, 6), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ref = model(ids).logits
+    cfg = {"executor": "simulated", "hardware": "ktransformers-a100", "cache": {"capacity": 0.5}}
+    with moelab.hybrid(model, cfg) as run, torch.no_grad():
+        out = model(ids).logits
+        model(ids[:, :1])
+    assert torch.equal(out, ref)  # the model computes as the functional executor does
+    ev = run.events_table()
+    assert list(ev.columns) == list(COLUMNS) and len(ev)
+    assert set(ev["step"]) == {0, 1}
+    assert {"dense", "wait"} <= set(ev["kind"]) and set(ev["lane"]) <= {"control", "device", "copy", "host", "host0",
+                                                                          "host1"}
+    n_moe = len({p.layer for p in run.plans})
+    assert len(ev[(ev["kind"] == "dense") & (ev["layer"] >= 0)]) == 2 * n_moe
+    # the second forward starts where the first ended (one clock)
+    first_end = ev[ev["step"] == 0]["t_end_us"].max()
+    assert ev[ev["step"] == 1]["t_start_us"].min() == pytest.approx(first_end)
+    with pytest.raises(MoelabError, match="needs a hardware profile"):
+        moelab.hybrid(model, {"executor": "simulated"}).apply()

@@ -19,7 +19,7 @@ from typing import Any
 
 from moelab.errors import MoelabError, did_you_mean
 
-EXECUTORS = ("functional", "real")
+EXECUTORS = ("functional", "real", "simulated")
 DEVICES = ("auto", "cpu", "cuda")
 
 
@@ -76,8 +76,10 @@ class HybridConfig:
     host_backend: str | None = None
     """Experts backend of the host side (None: the model's own experts implementation)."""
     executor: str = "functional"
-    """``functional`` (exact outputs, plans only) or ``real`` (plans run on concurrent lanes with
-    measured timestamps: :mod:`moelab.hybrid.real`)."""
+    """``functional`` (exact outputs, plans only), ``real`` (plans run on concurrent lanes with
+    measured timestamps: :mod:`moelab.hybrid.real`) or ``simulated`` (functional outputs; each
+    forward's plans simulated on ``hardware`` with the live model's shape, the simulated events
+    written to the run's event log: :mod:`moelab.simulate.online`)."""
     device: str = "auto"
     hardware: str | None = None
     """Hardware profile (a name of ``moelab.timing.available_profiles()`` or a profile YAML
