@@ -389,3 +389,25 @@ def test_online_simulated_executor_writes_simulated_events_for_every_forward():
     assert ev[ev["step"] == 1]["t_start_us"].min() == pytest.approx(first_end)
     with pytest.raises(MoelabError, match="needs a hardware profile"):
         moelab.hybrid(model, {"executor": "simulated"}).apply()
+
+
+# ---------------------------------------------------------------------- calibrate
+def test_calibrate_writes_a_profile_that_loads_with_every_number_stated(tmp_path):
+    from moelab.simulate.calibrate import CalibrateConfig, calibrate, write_profile
+    from moelab.timing import load_profile
+
+    cfg = CalibrateConfig(repeat=1, experts=8, host_backend="reference", device_backend="reference", memory_mib=8,
+                          batches=(1,), dtypes=("fp32",), contexts=(16, 64), device_batches=(1,),
+                          attention_hidden=256, expert_hidden=256, expert_intermediate=128)
+    profile, raw = calibrate(cfg, progress=False)
+    out = write_profile(profile, raw, tmp_path / "box.yaml")
+    hw = load_profile(out)
+    assert hw.name == "box" and hw.device_shares_host_memory and hw.copy_engines == 1
+    assert all(v.startswith("stated: measured by moelab calibrate on ") for k, v in hw.provenance.items()
+               if k not in ("decode_layer_time_us", "attention_fraction"))
+    assert "(1 repeats, median)" in hw.provenance["link_bandwidth_gbs"]
+    assert (tmp_path / "box.raw.json").is_file() and not list(tmp_path.glob(".*partial"))
+    with pytest.raises(MoelabError, match="exists; pass --overwrite"):
+        write_profile(profile, raw, out)
+    with pytest.raises(MoelabError, match="give a .yaml file name"):
+        write_profile(profile, raw, tmp_path / "box.txt")
