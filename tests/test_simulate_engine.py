@@ -411,3 +411,12 @@ def test_calibrate_writes_a_profile_that_loads_with_every_number_stated(tmp_path
         write_profile(profile, raw, out)
     with pytest.raises(MoelabError, match="give a .yaml file name"):
         write_profile(profile, raw, tmp_path / "box.txt")
+
+
+def test_the_c_engine_source_is_package_data():
+    import tomllib
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    globs = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["moelab"]
+    assert "simulate/*.c" in globs and (root / "moelab" / "simulate" / "_engine.c").is_file()

@@ -131,7 +131,8 @@ class _Routing:
         self.w = torch.rand(self.t, self.k, generator=self.gen).softmax(-1)
 
 
-def _kernel_points(backend_name: str, cfg: CalibrateConfig, tick, batches: tuple[int, ...]) -> list[dict]:
+def _kernel_points(backend_name: str, cfg: CalibrateConfig, tick, batches: tuple[int, ...],
+                   repeat: int) -> list[dict]:
     """GB/s and FLOP/s of an experts backend by dtype and batch (distinct experts' bytes / time)."""
     import torch
 
@@ -154,7 +155,7 @@ def _kernel_points(backend_name: str, cfg: CalibrateConfig, tick, batches: tuple
                 with torch.no_grad():
                     backend(mod, x, r.ids, r.w)
 
-            sec = _median(fn, cfg.repeat, r.redraw)
+            sec = _median(fn, repeat, r.redraw)
             distinct = statistics.median(used)
             out.append({"backend": backend_name, "dtype": dname, "batch": t, "seconds": sec,
                         "distinct_experts": distinct, "expert_bytes": ebytes,
@@ -295,8 +296,10 @@ def calibrate(cfg: CalibrateConfig | None = None, *, progress: bool = True) -> t
         tick("lane")
         copy = _copy_points(cfg)
         tick("copy")
-        host = _kernel_points(cfg.host_backend, cfg, lambda: tick("host kernels"), cfg.batches)
-        device = _kernel_points(cfg.device_backend, cfg, lambda: tick("device kernels"), cfg.device_batches)
+        host = _kernel_points(cfg.host_backend, cfg, lambda: tick("host kernels"), cfg.batches, cfg.repeat)
+        # the device stand-in's torch reference backend takes ~0.1-1 s a call: at most 3 repeats
+        device = _kernel_points(cfg.device_backend, cfg, lambda: tick("device kernels"), cfg.device_batches,
+                                min(cfg.repeat, 3))
         tiny_dev = _tiny_expert_call(cfg.device_backend, cfg.repeat)
         tick("overheads")
         attn, attn_weight_bytes = _attention_points(cfg, lambda: tick("attention"))
