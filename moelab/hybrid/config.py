@@ -19,7 +19,7 @@ from typing import Any
 
 from moelab.errors import MoelabError, did_you_mean
 
-EXECUTORS = ("functional", "real")
+EXECUTORS = ("functional", "real", "simulated")
 DEVICES = ("auto", "cpu", "cuda")
 
 
@@ -82,8 +82,10 @@ class HybridConfig:
     host_backend: str | None = None
     """Experts backend of the host side (None: the model's own experts implementation)."""
     executor: str = "functional"
-    """``functional`` (exact outputs, plans only) or ``real`` (plans run on concurrent lanes with
-    measured timestamps: :mod:`moelab.hybrid.real`)."""
+    """``functional`` (exact outputs, plans only), ``real`` (plans run on concurrent lanes with
+    measured timestamps: :mod:`moelab.hybrid.real`) or ``simulated`` (functional outputs; each
+    forward's plans simulated on ``hardware`` with the live model's shape, the simulated events
+    written to the run's event log: :mod:`moelab.simulate.online`)."""
     device: str = "auto"
     """Where the real executor's device lane runs: ``cuda`` (a CUDA stream, a GPU expert pool,
     the model's dense parts moved to the GPU while the run is applied), ``cpu`` (a CPU worker

@@ -74,9 +74,9 @@ class CostModel:
             expert_bytes=int(expert_bytes),
             flops_per_token=float(flops_per_token),
             device_bandwidth_gbs=float(profile.gpu_memory_bandwidth_gbs),
-            device_tflops=float(getattr(profile, "gpu_tflops", 100.0)),
+            device_tflops=float(getattr(profile, "gpu_peak_tflops", 100.0)),
             host_bandwidth_gbs=float(profile.cpu_memory_bandwidth_gbs),
-            host_tflops=float(getattr(profile, "cpu_tflops", 1.0)),
+            host_tflops=float(getattr(profile, "cpu_peak_tflops", 1.0)),
             link_bandwidth_gbs=float(profile.link_bandwidth_gbs),
             link_latency_us=float(profile.link_latency_us),
         )

@@ -166,7 +166,13 @@ class HybridRun:
                               ("forward_end", ex.on_forward_end)):
                 self._handles.append(mgr.add(point, fn, order=Order.OBSERVE, name="real executor"))
             self._handles.append(mgr.add("experts", ex.on_experts, order=Order.BACKEND + 50, name="real executor"))
-        elif cfg.device_backend is not None or cfg.host_backend is not None:
+        elif cfg.executor == "simulated":
+            from moelab.simulate.online import SimulatedExecutor
+
+            self._executor = SimulatedExecutor(self)
+            self._handles.append(mgr.add("forward_end", self._executor.on_forward_end, order=Order.OBSERVE,
+                                         name="simulated executor"))
+        if cfg.executor != "real" and (cfg.device_backend is not None or cfg.host_backend is not None):
             from moelab.backends import get_backend
 
             self._backends = (get_backend(cfg.device_backend or "reference"), get_backend(cfg.host_backend or "reference"))
