@@ -22,7 +22,7 @@ LAYERS: list[set[str]] = [
     {"adapters", "kernels", "backends", "models", "tasks", "prompts", "loading", "forward", "hardware", "timing",
      "trace", "caches", "policies", "predictors"},
     # runtimes composed from the components
-    {"hybrid"},
+    {"hybrid", "simulate"},
     # what is built on the components: evaluation, plots, reports, training, the demo
     {"evals", "viz", "report", "training", "demo"},
     # experiments over evaluations (sweeps run evals over models, policies and tasks)
