@@ -49,6 +49,7 @@ With the same E, K and layers the statistics are used as measured.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import math
@@ -63,23 +64,31 @@ from moelab.errors import MoelabError
 
 log = logging.getLogger(__name__)
 
-try:  # the planner's own type once moelab.hybrid.offline exists (same attributes)
-    from moelab.hybrid.offline import ForwardRouting  # type: ignore[attr-defined]
-except ImportError:  # pragma: no cover - until the offline planner is merged
 
-    @dataclass
-    class ForwardRouting:  # type: ignore[no-redef]
-        """One forward pass's routing (the interface of ``moelab.hybrid.offline``)."""
+def _one_blas_thread():
+    """The matrices here are small: BLAS threads only contend (10× slower on a busy machine)."""
+    try:
+        from threadpoolctl import threadpool_limits
+    except ImportError:  # pragma: no cover - scikit-learn brings it
+        return contextlib.nullcontext()
+    return threadpool_limits(1)
 
-        forward: int
-        step: int
-        phase: str
-        tokens: int
-        ids: list[np.ndarray]
-        """Per MoE layer, int64 [tokens, K] expert ids by descending weight (-1 = none)."""
-        weights: list[np.ndarray]
-        """Per MoE layer, float32 [tokens, K] combine weights, descending per row."""
-        scores: list[np.ndarray] | None = None
+@dataclass
+class ForwardRouting:
+    """One forward pass's routing: the attributes of ``moelab.hybrid.offline.ForwardRouting``
+    (the offline planner's type; when both are merged this class should become an import of
+    that one — the attributes are the same, and the planner only reads them)."""
+
+    forward: int
+    step: int
+    phase: str
+    """``prefill`` or ``decode``."""
+    tokens: int
+    ids: list[np.ndarray]
+    """Per MoE layer, int64 [tokens, K] expert ids by descending weight (-1 = none)."""
+    weights: list[np.ndarray]
+    """Per MoE layer, float32 [tokens, K] combine weights, descending per row."""
+    scores: list[np.ndarray] | None = None
 
 
 # ---------------------------------------------------------------------- the statistics
@@ -449,7 +458,8 @@ def fit_routing_stats(source: Any, *, num_experts: int | None = None, seed: int 
     table = _table_from_trace(source) if isinstance(source, RoutingTrace) else _table_from_forwards(source, num_experts)
     if len(np.unique(table.step)) < 2:
         log.warning("%s has fewer than two decode steps: reuse across steps cannot be measured", table.source)
-    return _measure(table, seed)
+    with _one_blas_thread():
+        return _measure(table, seed)
 
 
 # ---------------------------------------------------------------------- generating
@@ -525,7 +535,7 @@ def _lifts(stats: RoutingStats) -> tuple[np.ndarray, np.ndarray]:
 _MAX_BONUS = 12.0
 
 
-def _calibrate(stats: RoutingStats, seed: int, iterations: int = 7) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _calibrate(stats: RoutingStats, seed: int, iterations: int = 8) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Per layer, the Zipf exponent and the logit bonuses (alpha: previous step, beta: previous
     layer's successors) that reproduce ``stats``' skew and reuse/adjacency lifts.
 
@@ -548,7 +558,9 @@ def _calibrate(stats: RoutingStats, seed: int, iterations: int = 7) -> tuple[np.
     prev_m: np.ndarray | None = None
 
     def pilot(li: int, it: int) -> tuple[list[np.ndarray], np.ndarray, float, float]:
-        gen = _Generator(E, K, skew, alpha, beta, stats, np.random.default_rng([seed, li, it]), seed)
+        # common random numbers: every pilot of a layer draws the same noise, so the measured
+        # lifts move smoothly with the bonuses and the bisection is not misled by noise
+        gen = _Generator(E, K, skew, alpha, beta, stats, np.random.default_rng([seed, li]), seed)
         col, last = [], None
         for t in range(steps):
             last = gen.token(batch, li, last, prev_col[t] if prev_col is not None else None)
@@ -562,14 +574,14 @@ def _calibrate(stats: RoutingStats, seed: int, iterations: int = 7) -> tuple[np.
         it = 0
         # coordinate rounds: the reuse bonus (with the exponent corrected), then the adjacency
         # bonus, then both again in narrower brackets (each lift grows with its own bonus)
-        for rnd, n_iter in enumerate((iterations, iterations, iterations // 2, iterations // 2)):
+        for rnd, n_iter in enumerate((iterations, iterations, iterations - 2, iterations - 2)):
             which = "alpha" if rnd % 2 == 0 else "beta"
             want = want_r[li] if which == "alpha" else want_a[li]
             vec = alpha if which == "alpha" else beta
             if want <= 0 or (which == "beta" and prev_m is None):
                 vec[li] = 0.0
                 continue
-            lo, hi = (0.0, _MAX_BONUS) if rnd < 2 else (0.0, 2 * vec[li] + 1.0)
+            lo, hi = (0.0, _MAX_BONUS) if rnd < 2 else (0.5 * vec[li], 1.5 * vec[li] + 0.25)
             for _ in range(n_iter):
                 vec[li] = (lo + hi) / 2
                 _, m, got_r, got_a = pilot(li, it)
@@ -578,7 +590,7 @@ def _calibrate(stats: RoutingStats, seed: int, iterations: int = 7) -> tuple[np.
                     lo = vec[li]
                 else:
                     hi = vec[li]
-                if want_s[li] > 0:
+                if rnd < 2 and want_s[li] > 0:
                     got_s = _fit_zipf(m.sum(0), K, len(m), seed + li)
                     skew[li] = float(np.clip(skew[li] + 0.7 * (want_s[li] - got_s), 0.0, 6.0))
             vec[li] = (lo + hi) / 2
@@ -603,13 +615,21 @@ def synthetic_routing(shape: Any, stats: RoutingStats, steps: int = 64, batch: i
     if not isinstance(stats, RoutingStats):
         raise MoelabError(f"synthetic_routing: stats must be RoutingStats (fit_routing_stats(trace)), got "
                           f"{type(stats).__name__}.")
-    target = stats.for_shape(shape.num_experts, shape.top_k, shape.num_moe_layers, seed=seed)
+    E, K, L = shape.num_experts, shape.top_k, shape.num_moe_layers
+    target = stats.for_shape(E, K, L, seed=seed)
+    # calibrate on the source's layers (carried to E, K), then map them to the target's layers
+    # by relative depth like the statistics themselves (58 DeepSeek-V3 layers cost 6 pilots)
+    per_src = stats.for_shape(E, K, stats.num_layers, seed=seed)
     if calibrate:
-        skew, alpha, beta = _calibrate(target, seed)
+        with _one_blas_thread():
+            skew, alpha, beta = _calibrate(per_src, seed)
     else:  # the lifts as logit bonuses: a rough first guess
-        skew = target.skew
-        alpha, beta = (-np.log1p(-np.clip(x, 0, 0.99)) * 4 for x in _lifts(target))
-    gen = _Generator(shape.num_experts, shape.top_k, skew, alpha, beta, target, np.random.default_rng(seed), seed)
+        skew = np.asarray(per_src.skew, dtype=float)
+        alpha, beta = (-np.log1p(-np.clip(x, 0, 0.99)) * 4 for x in _lifts(per_src))
+    idx = _layer_map(stats.num_layers, L)
+    skew, alpha, beta = skew[idx], alpha[idx], beta[idx]
+    beta[0] = 0.0
+    gen = _Generator(E, K, skew, alpha, beta, target, np.random.default_rng(seed), seed)
     out = []
     for i, (phase, step, ids) in enumerate(gen.run(steps, batch, prompt_len)):
         n = len(ids[0])
