@@ -260,7 +260,8 @@ def _pl_inclusion(s: float, E: int, K: int, seed: int = 0, draws: int = 4000) ->
     return _topk_counts(_zipf_logp(s, E)[None] + g, K) / draws
 
 
-def _fit_zipf(counts: np.ndarray, K: int, n_tokens: int, seed: int = 0) -> float:
+def _fit_zipf(counts: np.ndarray, K: int, n_tokens: int, seed: int = 0,
+              bracket: tuple[float, float] = (0.0, 6.0)) -> float:
     """The Zipf exponent whose Gumbel-top-K draws, at the same number of tokens, give sorted
     selection shares closest (least squares) to the observed ``counts``."""
     E = len(counts)
@@ -276,7 +277,7 @@ def _fit_zipf(counts: np.ndarray, K: int, n_tokens: int, seed: int = 0) -> float
         c = np.sort(_topk_counts(-s * ranks[None] + g, K))[::-1]
         return float(np.sum((c / c.sum() - obs) ** 2))
 
-    lo, hi = 0.0, 6.0
+    lo, hi = bracket
     invphi = (math.sqrt(5) - 1) / 2
     a, b = hi - invphi * (hi - lo), lo + invphi * (hi - lo)
     fa, fb = err(a), err(b)
@@ -292,7 +293,7 @@ def _fit_zipf(counts: np.ndarray, K: int, n_tokens: int, seed: int = 0) -> float
         if hi - lo < 2e-3:
             break
     s = (lo + hi) / 2
-    return s if err(s) <= err(0.0) else 0.0
+    return s if bracket[0] > 0 or err(s) <= err(0.0) else 0.0
 
 
 # ---------------------------------------------------------------------- measuring
@@ -402,6 +403,29 @@ def _adjacent(prev: np.ndarray, cur: np.ndarray, folds: np.ndarray, K: int) -> t
     return hits / (n * K), chance / (n * K)
 
 
+#: The adjacency statistic is measured on subsamples of ``_ADJ_USES × E / K`` tokens (each
+#: expert used ~100 times): a predictor learnt from co-occurrences gets better with more tokens,
+#: so the statistic is defined at one data size per expert, whatever the source's size.
+_ADJ_USES = 100
+_ADJ_SUBSAMPLES = 8
+
+
+def _adjacent_at_reference(prev: np.ndarray, cur: np.ndarray, folds: np.ndarray, K: int,
+                           seed: int) -> tuple[float, float]:
+    """:func:`_adjacent` averaged over up to 8 disjoint random subsamples of the reference size
+    (all tokens when there are fewer; the statistic is then underestimated — logged)."""
+    n, E = prev.shape
+    ref = int(math.ceil(_ADJ_USES * E / K))
+    if n < ref:
+        log.info("adjacency measured on %d tokens, fewer than the reference %d (E=%d, K=%d): "
+                 "it is underestimated", n, ref, E, K)
+        return _adjacent(prev, cur, folds, K)
+    order = np.random.default_rng(seed).permutation(n)
+    out = [_adjacent(prev[rows], cur[rows], folds[rows], K)
+           for rows in (np.sort(order[i * ref:(i + 1) * ref]) for i in range(min(_ADJ_SUBSAMPLES, n // ref)))]
+    return float(np.mean([h for h, _ in out])), float(np.mean([c for _, c in out]))
+
+
 def _measure(t: _Table, seed: int = 0, *, fit_skew: bool = True) -> RoutingStats:
     E, L = t.num_experts, t.num_layers
     K = t.ids.shape[1]
@@ -427,7 +451,7 @@ def _measure(t: _Table, seed: int = 0, *, fit_skew: bool = True) -> RoutingStats
         seqs = common >> 32
         folds = (np.unique(seqs, return_inverse=True)[1] % 2) if len(np.unique(seqs)) > 1 else (
             np.arange(len(common)) % 2)
-        h, c = _adjacent(members[li - 1][a], members[li][b], folds, K)
+        h, c = _adjacent_at_reference(members[li - 1][a], members[li][b], folds, K, seed + li)
         adj.append(h)
         adj_c.append(c)
     w = np.abs(t.weights)
@@ -535,21 +559,25 @@ def _lifts(stats: RoutingStats) -> tuple[np.ndarray, np.ndarray]:
 _MAX_BONUS = 12.0
 
 
-def _calibrate(stats: RoutingStats, seed: int, iterations: int = 8) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _calibrate(stats: RoutingStats, seed: int, *, reuse_params: Sequence[bool] | None = None,
+               iterations: int = 7) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Per layer, the Zipf exponent and the logit bonuses (alpha: previous step, beta: previous
     layer's successors) that reproduce ``stats``' skew and reuse/adjacency lifts.
 
     Layer by layer on one pilot (layer l's routing depends only on its own previous step and on
     layer l−1, which is already calibrated and kept): bisection on one bonus at a time (each
-    lift grows with its own bonus), with a damped fixed-point correction of the exponent while
-    the reuse bonus is searched, each iteration measured on the pilot's column of layer l."""
+    lift grows with its own bonus; the reuse bonus, the adjacency bonus, then both again in
+    narrower brackets), with a damped fixed-point correction of the exponent during the first
+    evaluations. ``reuse_params[l]``: layer l takes layer l−1's parameters without a search
+    (deep inside a run of layers carrying the same statistics, where the chain has settled)."""
     E, K, L = stats.num_experts, stats.top_k, stats.num_layers
     want_r, want_a = _lifts(stats)
     want_s = np.asarray(stats.skew, dtype=float)
-    # pilot tokens: ~200 uses per expert (the adjacency estimate grows with the tokens it sees
-    # until the conditional frequencies settle), at least 2048, at most 8192
+    reuse_params = list(reuse_params or [False] * L)
+    # pilot tokens: up to 8 adjacency reference subsamples (_ADJ_USES uses per expert each), at
+    # least 2048 tokens for the reuse estimate, at most 8192
     batch = 64
-    steps = int(np.clip(200 * E // K, 2048, 8192)) // batch
+    steps = int(np.clip(_ADJ_SUBSAMPLES * _ADJ_USES * E // K, 2048, 8192)) // batch
     skew, alpha, beta = want_s.copy(), np.zeros(L), np.zeros(L)
     seq = np.repeat(np.arange(batch)[None], steps, 0).ravel()
     step = np.repeat(np.arange(steps), batch)
@@ -557,7 +585,7 @@ def _calibrate(stats: RoutingStats, seed: int, iterations: int = 8) -> tuple[np.
     prev_col: list[np.ndarray] | None = None  # layer l−1's pilot ids per step
     prev_m: np.ndarray | None = None
 
-    def pilot(li: int, it: int) -> tuple[list[np.ndarray], np.ndarray, float, float]:
+    def pilot(li: int) -> tuple[list[np.ndarray], np.ndarray]:
         # common random numbers: every pilot of a layer draws the same noise, so the measured
         # lifts move smoothly with the bonuses and the bisection is not misled by noise
         gen = _Generator(E, K, skew, alpha, beta, stats, np.random.default_rng([seed, li]), seed)
@@ -565,16 +593,14 @@ def _calibrate(stats: RoutingStats, seed: int, iterations: int = 8) -> tuple[np.
         for t in range(steps):
             last = gen.token(batch, li, last, prev_col[t] if prev_col is not None else None)
             col.append(last)
-        m = _membership(np.concatenate(col), E)
-        got_r = _lift(_reuse(seq, step, m, K), float(np.sum(m.mean(0) ** 2) / K))
-        got_a = _lift(*_adjacent(prev_m, m, folds, K)) if prev_m is not None else 0.0
-        return col, m, got_r, got_a
+        return col, _membership(np.concatenate(col), E)
 
     for li in range(L):
-        it = 0
-        # coordinate rounds: the reuse bonus (with the exponent corrected), then the adjacency
-        # bonus, then both again in narrower brackets (each lift grows with its own bonus)
-        for rnd, n_iter in enumerate((iterations, iterations, iterations - 2, iterations - 2)):
+        if li and reuse_params[li]:
+            skew[li], alpha[li], beta[li] = skew[li - 1], alpha[li - 1], beta[li - 1]
+            prev_col, prev_m = pilot(li)
+            continue
+        for rnd, n_iter in enumerate((iterations, iterations, iterations // 2, iterations // 2)):
             which = "alpha" if rnd % 2 == 0 else "beta"
             want = want_r[li] if which == "alpha" else want_a[li]
             vec = alpha if which == "alpha" else beta
@@ -582,19 +608,25 @@ def _calibrate(stats: RoutingStats, seed: int, iterations: int = 8) -> tuple[np.
                 vec[li] = 0.0
                 continue
             lo, hi = (0.0, _MAX_BONUS) if rnd < 2 else (0.5 * vec[li], 1.5 * vec[li] + 0.25)
-            for _ in range(n_iter):
+            for i in range(n_iter):
                 vec[li] = (lo + hi) / 2
-                _, m, got_r, got_a = pilot(li, it)
-                it += 1
-                if (got_r if which == "alpha" else got_a) < want:
+                _, m = pilot(li)
+                if which == "alpha":
+                    got = _lift(_reuse(seq, step, m, K), float(np.sum(m.mean(0) ** 2) / K))
+                else:
+                    got = _lift(*_adjacent_at_reference(prev_m, m, folds, K, seed + li))
+                if got < want:
                     lo = vec[li]
                 else:
                     hi = vec[li]
-                if rnd < 2 and want_s[li] > 0:
-                    got_s = _fit_zipf(m.sum(0), K, len(m), seed + li)
+                if rnd < 2 and i < 4 and want_s[li] > 0:
+                    got_s = _fit_zipf(m.sum(0), K, len(m), seed + li,
+                                      (max(0.0, skew[li] - 1.0), skew[li] + 1.0))
                     skew[li] = float(np.clip(skew[li] + 0.7 * (want_s[li] - got_s), 0.0, 6.0))
+                if abs(got - want) < 0.003 and (rnd >= 2 or i >= 4):
+                    break
             vec[li] = (lo + hi) / 2
-        prev_col, prev_m, _, _ = pilot(li, it)
+        prev_col, prev_m = pilot(li)
     return skew, alpha, beta
 
 
@@ -617,18 +649,17 @@ def synthetic_routing(shape: Any, stats: RoutingStats, steps: int = 64, batch: i
                           f"{type(stats).__name__}.")
     E, K, L = shape.num_experts, shape.top_k, shape.num_moe_layers
     target = stats.for_shape(E, K, L, seed=seed)
-    # calibrate on the source's layers (carried to E, K), then map them to the target's layers
-    # by relative depth like the statistics themselves (58 DeepSeek-V3 layers cost 6 pilots)
-    per_src = stats.for_shape(E, K, stats.num_layers, seed=seed)
     if calibrate:
+        # deep inside a run of target layers that carry one source layer's statistics, a layer
+        # takes its predecessor's parameters (58 DeepSeek-V3 layers from 6 source layers: ~12
+        # searches)
+        src = _layer_map(stats.num_layers, L)
+        same = [j >= 2 and src[j] == src[j - 1] == src[j - 2] for j in range(L)]
         with _one_blas_thread():
-            skew, alpha, beta = _calibrate(per_src, seed)
+            skew, alpha, beta = _calibrate(target, seed, reuse_params=same)
     else:  # the lifts as logit bonuses: a rough first guess
-        skew = np.asarray(per_src.skew, dtype=float)
-        alpha, beta = (-np.log1p(-np.clip(x, 0, 0.99)) * 4 for x in _lifts(per_src))
-    idx = _layer_map(stats.num_layers, L)
-    skew, alpha, beta = skew[idx], alpha[idx], beta[idx]
-    beta[0] = 0.0
+        skew = np.asarray(target.skew, dtype=float)
+        alpha, beta = (-np.log1p(-np.clip(x, 0, 0.99)) * 4 for x in _lifts(target))
     gen = _Generator(E, K, skew, alpha, beta, target, np.random.default_rng(seed), seed)
     out = []
     for i, (phase, step, ids) in enumerate(gen.run(steps, batch, prompt_len)):
