@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import logging
 import math
 from collections.abc import Iterable, Sequence
@@ -178,6 +179,35 @@ class RoutingStats:
         kw = {k: tuple(float(x) for x in v) if isinstance(v, list) else v for k, v in data.items()}
         return cls(**kw)
 
+    @classmethod
+    def from_lifts(cls, num_experts: int, top_k: int, skew: Sequence[float], reuse_lift: Sequence[float],
+                   adjacent_lift: Sequence[float], weight_profile: Sequence[float] | None = None, *,
+                   weight_sum: float = 1.0, weight_spread: float = 0.0, seed: int = 0,
+                   source: str = "chosen by hand") -> RoutingStats:
+        """Statistics stated by hand (what-if studies): the Zipf exponent and the reuse and
+        adjacency lifts per layer (adjacent_lift[0] is ignored); chance levels are those of the
+        Zipf popularity at this E and K."""
+        L = len(skew)
+        if len(reuse_lift) != L or len(adjacent_lift) != L:
+            raise MoelabError(f"from_lifts: skew, reuse_lift and adjacent_lift need one value per layer "
+                              f"(got {L}, {len(reuse_lift)}, {len(adjacent_lift)}).")
+        for name, xs in (("reuse_lift", reuse_lift), ("adjacent_lift", list(adjacent_lift)[1:])):
+            bad = [x for x in xs if not 0.0 <= x < 1.0]
+            if bad:
+                raise MoelabError(f"from_lifts: {name} values {bad} are outside [0, 1).")
+        rc, ac = [], []
+        for s in skew:
+            pi = _pl_inclusion(float(s), num_experts, top_k, seed)
+            rc.append(float(np.sum(pi**2) / top_k))
+            ac.append(float(np.sort(pi)[::-1][:top_k].sum() / top_k))
+        reuse = [c + x * (1 - c) for c, x in zip(rc, reuse_lift)]
+        adj = [float("nan")] + [c + x * (1 - c) for c, x in zip(ac[1:], list(adjacent_lift)[1:])]
+        ac[0] = float("nan")
+        profile = _rescale_profile(weight_profile if weight_profile is not None else [1.0] * top_k, top_k)
+        return cls(num_experts=num_experts, top_k=top_k, skew=tuple(float(x) for x in skew), reuse=tuple(reuse),
+                   reuse_chance=tuple(rc), adjacent=tuple(adj), adjacent_chance=tuple(ac),
+                   weight_profile=profile, weight_sum=weight_sum, weight_spread=weight_spread, source=source)
+
     # ------------------------------------------------------------------ rescaling
     def for_shape(self, num_experts: int, top_k: int, num_layers: int, *, seed: int = 0) -> RoutingStats:
         """These statistics carried to E, K and MoE layers of another model (module docstring)."""
@@ -194,16 +224,22 @@ class RoutingStats:
             pick = lambda xs: tuple(xs[j] for j in src)  # noqa: E731
             reuse, reuse_c = pick(self.reuse), pick(self.reuse_chance)
             adj, adj_c = list(pick(self.adjacent)), list(pick(self.adjacent_chance))
+            if self.num_layers > 1:  # as below: layers mapped to source layer 0 take layer 1's
+                for n, j in enumerate(src):
+                    if n and j == 0:
+                        adj[n], adj_c[n] = self.adjacent[1], self.adjacent_chance[1]
         else:
             reuse, reuse_c, adj, adj_c = [], [], [], []
-            for j, s in zip(src, skew):
+            for n, (j, s) in enumerate(zip(src, skew)):
                 pi = _pl_inclusion(s, num_experts, top_k, seed)
                 rc = float(np.sum(pi**2) / top_k)
                 ac = float(np.sort(pi)[::-1][:top_k].sum() / top_k)
                 reuse_c.append(rc)
                 reuse.append(rc + self.reuse_lift[j] * (1 - rc))
                 adj_c.append(ac)
-                lift = self.adjacent_lift[j]
+                # a target layer after the first that maps to source layer 0 (which has no
+                # previous layer) takes source layer 1's adjacency
+                lift = self.adjacent_lift[1 if n and j == 0 and self.num_layers > 1 else j]
                 adj.append(ac + (lift if not math.isnan(lift) else 0.0) * (1 - ac))
         adj[0] = adj_c[0] = float("nan")
         if num_layers > 1 and math.isnan(adj[1]):  # the source had one layer: no adjacency measured
@@ -566,9 +602,9 @@ def _calibrate(stats: RoutingStats, seed: int, *, reuse_params: Sequence[bool] |
 
     Layer by layer on one pilot (layer l's routing depends only on its own previous step and on
     layer l−1, which is already calibrated and kept): bisection on one bonus at a time (each
-    lift grows with its own bonus; the reuse bonus, the adjacency bonus, then both again in
-    narrower brackets), with a damped fixed-point correction of the exponent during the first
-    evaluations. ``reuse_params[l]``: layer l takes layer l−1's parameters without a search
+    lift grows with its own bonus; the reuse bonus, then the adjacency bonus), then fixed-point
+    (secant) steps on the exponent with the bonuses fixed; then all three again, the bonuses in
+    narrower brackets. ``reuse_params[l]``: layer l takes layer l−1's parameters without a search
     (deep inside a run of layers carrying the same statistics, where the chain has settled)."""
     E, K, L = stats.num_experts, stats.top_k, stats.num_layers
     want_r, want_a = _lifts(stats)
@@ -595,13 +631,39 @@ def _calibrate(stats: RoutingStats, seed: int, *, reuse_params: Sequence[bool] |
             col.append(last)
         return col, _membership(np.concatenate(col), E)
 
+    from tqdm.auto import tqdm
+
+    bar = tqdm(total=L, desc="calibrating synthetic routing", unit="layer", leave=False,
+               disable=L * E < 2048)
     for li in range(L):
         if li and reuse_params[li]:
-            skew[li], alpha[li], beta[li] = skew[li - 1], alpha[li - 1], beta[li - 1]
+            # the bonuses of the predecessor; the exponent re-corrected (copies along a run of
+            # alike layers would otherwise drift the popularity)
+            alpha[li], beta[li] = alpha[li - 1], beta[li - 1]
+            for _ in range(2):
+                _, m = pilot(li)
+                got_s = _fit_zipf(m.sum(0), K, len(m), seed + li, (max(0.0, skew[li] - 1.0), skew[li] + 1.0))
+                skew[li] = float(np.clip(skew[li] + 0.7 * (want_s[li] - got_s), 0.0, 6.0))
             prev_col, prev_m = pilot(li)
+            bar.update()
             continue
-        for rnd, n_iter in enumerate((iterations, iterations, iterations // 2, iterations // 2)):
-            which = "alpha" if rnd % 2 == 0 else "beta"
+        # the reuse bonus, the adjacency bonus, the exponent (bonuses fixed), then the three
+        # again, the bonuses in narrower brackets (each lift grows with its own bonus)
+        for rnd, n_iter in enumerate((iterations, iterations, 4, iterations // 2, iterations // 2, 2)):
+            if rnd in (2, 5):
+                if want_s[li] > 0:  # secant steps on (exponent → fitted exponent)
+                    last: tuple[float, float] | None = None
+                    for _ in range(n_iter):
+                        _, m = pilot(li)
+                        got_s = _fit_zipf(m.sum(0), K, len(m), seed + li,
+                                          (max(0.0, skew[li] - 1.0), skew[li] + 1.0))
+                        slope = 1.0
+                        if last is not None and abs(skew[li] - last[0]) > 1e-3:
+                            slope = float(np.clip((got_s - last[1]) / (skew[li] - last[0]), 0.2, 2.0))
+                        last = (skew[li], got_s)
+                        skew[li] = float(np.clip(skew[li] + (want_s[li] - got_s) / slope, 0.0, 6.0))
+                continue
+            which = "alpha" if rnd in (0, 3) else "beta"
             want = want_r[li] if which == "alpha" else want_a[li]
             vec = alpha if which == "alpha" else beta
             if want <= 0 or (which == "beta" and prev_m is None):
@@ -619,15 +681,18 @@ def _calibrate(stats: RoutingStats, seed: int, *, reuse_params: Sequence[bool] |
                     lo = vec[li]
                 else:
                     hi = vec[li]
-                if rnd < 2 and i < 4 and want_s[li] > 0:
-                    got_s = _fit_zipf(m.sum(0), K, len(m), seed + li,
-                                      (max(0.0, skew[li] - 1.0), skew[li] + 1.0))
-                    skew[li] = float(np.clip(skew[li] + 0.7 * (want_s[li] - got_s), 0.0, 6.0))
-                if abs(got - want) < 0.003 and (rnd >= 2 or i >= 4):
+                if abs(got - want) < 0.003 and i >= 3:
                     break
             vec[li] = (lo + hi) / 2
         prev_col, prev_m = pilot(li)
+        bar.update()
+    bar.close()
     return skew, alpha, beta
+
+
+#: Calibrations of this process, by (statistics, E, K, layers, seed): a grid of simulations over
+#: one synthetic workload calibrates once.
+_CALIBRATIONS: dict[tuple, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
 
 
 def synthetic_routing(shape: Any, stats: RoutingStats, steps: int = 64, batch: int = 1, prompt_len: int = 0,
@@ -653,10 +718,15 @@ def synthetic_routing(shape: Any, stats: RoutingStats, steps: int = 64, batch: i
         # deep inside a run of target layers that carry one source layer's statistics, a layer
         # takes its predecessor's parameters (58 DeepSeek-V3 layers from 6 source layers: ~12
         # searches)
-        src = _layer_map(stats.num_layers, L)
-        same = [j >= 2 and src[j] == src[j - 1] == src[j - 2] for j in range(L)]
-        with _one_blas_thread():
-            skew, alpha, beta = _calibrate(target, seed, reuse_params=same)
+        key = (json.dumps(stats.to_dict(), sort_keys=True, default=str), E, K, L, seed)
+        if key not in _CALIBRATIONS:
+            src = _layer_map(stats.num_layers, L)
+            same = [j >= 2 and src[j] == src[j - 1] == src[j - 2] for j in range(L)]
+            with _one_blas_thread():
+                _CALIBRATIONS[key] = _calibrate(target, seed, reuse_params=same)
+            while len(_CALIBRATIONS) > 32:
+                _CALIBRATIONS.pop(next(iter(_CALIBRATIONS)))
+        skew, alpha, beta = (x.copy() for x in _CALIBRATIONS[key])
     else:  # the lifts as logit bonuses: a rough first guess
         skew = np.asarray(target.skew, dtype=float)
         alpha, beta = (-np.log1p(-np.clip(x, 0, 0.99)) * 4 for x in _lifts(target))
