@@ -1,4 +1,5 @@
-"""The simulator's inputs and engine: model shapes without weights, synthetic routing.
+"""The simulator's inputs and engine: model shapes without weights, synthetic routing,
+the published validation cases.
 
 Names are imported on first use (importing ``moelab.simulate`` stays cheap).
 """
@@ -14,6 +15,9 @@ _LAZY = {
     "RoutingStats": "moelab.simulate.synthetic",
     "fit_routing_stats": "moelab.simulate.synthetic",
     "synthetic_routing": "moelab.simulate.synthetic",
+    "ValidationCase": "moelab.simulate.validate_cases",
+    "cases_table": "moelab.simulate.validate_cases",
+    "validation_cases": "moelab.simulate.validate_cases",
 }
 
 __getattr__, __dir__ = lazy_attributes(__name__, _LAZY, globals())
