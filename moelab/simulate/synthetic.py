@@ -621,12 +621,17 @@ def _calibrate(stats: RoutingStats, seed: int, *, reuse_params: Sequence[bool] |
     prev_col: list[np.ndarray] | None = None  # layer l−1's pilot ids per step
     prev_m: np.ndarray | None = None
 
-    def pilot(li: int) -> tuple[list[np.ndarray], np.ndarray]:
-        # common random numbers: every pilot of a layer draws the same noise, so the measured
-        # lifts move smoothly with the bonuses and the bisection is not misled by noise
+    # the reuse search needs only 2048 tokens: a shorter prefix of the same pilot
+    short = min(steps, 2048 // batch)
+    n_short = short * batch
+
+    def pilot(li: int, n_steps: int = steps) -> tuple[list[np.ndarray], np.ndarray]:
+        # common random numbers: every pilot of a layer draws the same noise (a short pilot is a
+        # prefix of the long one), so the measured lifts move smoothly with the bonuses and the
+        # bisection is not misled by noise
         gen = _Generator(E, K, skew, alpha, beta, stats, np.random.default_rng([seed, li]), seed)
         col, last = [], None
-        for t in range(steps):
+        for t in range(n_steps):
             last = gen.token(batch, li, last, prev_col[t] if prev_col is not None else None)
             col.append(last)
         return col, _membership(np.concatenate(col), E)
@@ -641,7 +646,7 @@ def _calibrate(stats: RoutingStats, seed: int, *, reuse_params: Sequence[bool] |
             # alike layers would otherwise drift the popularity)
             alpha[li], beta[li] = alpha[li - 1], beta[li - 1]
             for _ in range(2):
-                _, m = pilot(li)
+                _, m = pilot(li, short)
                 got_s = _fit_zipf(m.sum(0), K, len(m), seed + li, (max(0.0, skew[li] - 1.0), skew[li] + 1.0))
                 skew[li] = float(np.clip(skew[li] + 0.7 * (want_s[li] - got_s), 0.0, 6.0))
             prev_col, prev_m = pilot(li)
@@ -672,9 +677,9 @@ def _calibrate(stats: RoutingStats, seed: int, *, reuse_params: Sequence[bool] |
             lo, hi = (0.0, _MAX_BONUS) if rnd < 2 else (0.5 * vec[li], 1.5 * vec[li] + 0.25)
             for i in range(n_iter):
                 vec[li] = (lo + hi) / 2
-                _, m = pilot(li)
+                _, m = pilot(li, short if which == "alpha" else steps)
                 if which == "alpha":
-                    got = _lift(_reuse(seq, step, m, K), float(np.sum(m.mean(0) ** 2) / K))
+                    got = _lift(_reuse(seq[:n_short], step[:n_short], m, K), float(np.sum(m.mean(0) ** 2) / K))
                 else:
                     got = _lift(*_adjacent_at_reference(prev_m, m, folds, K, seed + li))
                 if got < want:
