@@ -659,6 +659,18 @@ def _calibrate(stats: RoutingStats, seed: int, *, reuse_params: Sequence[bool] |
             col.append(last)
         return col, _membership(np.concatenate(col), E)
 
+    def fix_skew(li: int, n_iter: int, n_steps: int) -> None:
+        """Secant steps on (exponent → fitted exponent), the bonuses fixed."""
+        last: tuple[float, float] | None = None
+        for _ in range(n_iter):
+            _, m = pilot(li, n_steps)
+            got_s = _fit_zipf(m.sum(0), K, len(m), seed + li, (max(0.0, skew[li] - 1.0), skew[li] + 1.0))
+            slope = 1.0
+            if last is not None and abs(skew[li] - last[0]) > 1e-3:
+                slope = float(np.clip((got_s - last[1]) / (skew[li] - last[0]), 0.2, 2.0))
+            last = (skew[li], got_s)
+            skew[li] = float(np.clip(skew[li] + (want_s[li] - got_s) / slope, 0.0, 6.0))
+
     from tqdm.auto import tqdm
 
     bar = tqdm(total=L, desc="calibrating synthetic routing", unit="layer", leave=False,
@@ -667,11 +679,9 @@ def _calibrate(stats: RoutingStats, seed: int, *, reuse_params: Sequence[bool] |
         if li and reuse_params[li]:
             # the bonuses of the predecessor; the exponent re-corrected (copies along a run of
             # alike layers would otherwise drift the popularity)
-            alpha[li], beta[li] = alpha[li - 1], beta[li - 1]
-            for _ in range(2):
-                _, m = pilot(li, short)
-                got_s = _fit_zipf(m.sum(0), K, len(m), seed + li, (max(0.0, skew[li] - 1.0), skew[li] + 1.0))
-                skew[li] = float(np.clip(skew[li] + 0.7 * (want_s[li] - got_s), 0.0, 6.0))
+            alpha[li], beta[li], skew[li] = alpha[li - 1], beta[li - 1], skew[li - 1]
+            if want_s[li] > 0:
+                fix_skew(li, 4, short)
             prev_col, prev_m = pilot(li)
             bar.update()
             continue
@@ -679,17 +689,8 @@ def _calibrate(stats: RoutingStats, seed: int, *, reuse_params: Sequence[bool] |
         # again, the bonuses in narrower brackets (each lift grows with its own bonus)
         for rnd, n_iter in enumerate((iterations, iterations, 4, iterations // 2, iterations // 2, 2)):
             if rnd in (2, 5):
-                if want_s[li] > 0:  # secant steps on (exponent → fitted exponent)
-                    last: tuple[float, float] | None = None
-                    for _ in range(n_iter):
-                        _, m = pilot(li)
-                        got_s = _fit_zipf(m.sum(0), K, len(m), seed + li,
-                                          (max(0.0, skew[li] - 1.0), skew[li] + 1.0))
-                        slope = 1.0
-                        if last is not None and abs(skew[li] - last[0]) > 1e-3:
-                            slope = float(np.clip((got_s - last[1]) / (skew[li] - last[0]), 0.2, 2.0))
-                        last = (skew[li], got_s)
-                        skew[li] = float(np.clip(skew[li] + (want_s[li] - got_s) / slope, 0.0, 6.0))
+                if want_s[li] > 0:
+                    fix_skew(li, n_iter, steps)
                 continue
             which = "alpha" if rnd in (0, 3) else "beta"
             want = want_r[li] if which == "alpha" else want_a[li]
