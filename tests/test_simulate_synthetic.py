@@ -145,3 +145,15 @@ def test_fit_on_a_recorded_trace(tmp_path):
     assert all(0 <= r <= 1 for r in st.reuse) and all(s >= 0 for s in st.skew)
     assert sum(st.weight_profile) == pytest.approx(1.0)
     assert "moelab" in str(st) or "trace" in str(st)
+
+
+def test_a_deep_model_from_a_shallow_trace_keeps_the_statistics():
+    """Nine layers from two (DeepSeek-V3's 58 from a 6-layer trace works the same way): layers
+    deep in a run of alike layers reuse their predecessor's bonuses, and their statistics must
+    still come out as the targets (the exponent used to drift along such runs)."""
+    two = RoutingStats.from_lifts(16, 4, skew=[0.8, 0.6], reuse_lift=[0.2, 0.15], adjacent_lift=[0.0, 0.3])
+    fw = synthetic_routing(_shape(16, 4, 9), two, steps=64, batch=64, seed=0)
+    got, want = fit_routing_stats(fw, num_experts=16), two.for_shape(16, 4, 9)
+    np.testing.assert_allclose(got.skew, want.skew, atol=0.1)
+    np.testing.assert_allclose(got.reuse_lift, want.reuse_lift, atol=0.04)
+    np.testing.assert_allclose(got.adjacent_lift[1:], want.adjacent_lift[1:], atol=0.05)
