@@ -14,7 +14,10 @@ per MoE layer, on decode tokens:
   fraction of ``S_l`` in the top-K of the naive-Bayes score
   ``log P(e') + Σ_{e ∈ S_{l−1}} log(P(e' | e) / P(e'))`` (frequencies estimated on the other
   half of the sequences, 2-fold, shrunk towards popularity by 8 pseudo-uses), and its chance
-  level (the top-K experts by popularity, also cross-fitted);
+  level (the top-K experts by popularity, also cross-fitted). A predictor learnt from
+  co-occurrences improves with data, so this one is measured on random subsamples of a fixed
+  size, ~100 uses per expert (``100 E / K`` tokens), averaged over up to 8 of them; a source
+  with fewer tokens underestimates it (logged);
 * **weights** — the mean top-k weight profile (each row's weights as fractions of their sum,
   descending), the mean row sum and the log-normal spread of the fractions.
 
@@ -29,9 +32,15 @@ the experts this sequence used at the previous step in this layer (reuse), and o
 successors of the experts this token used in the previous layer (adjacency; ``succ_l`` maps the
 r-th most popular expert of layer l−1 to the r-th of layer l, so the bonus keeps popularity in
 place). The order of the K experts (their weight rank) is the order of their perturbed logits.
-``alpha``, ``beta`` and the exponent are calibrated per layer on short pilot runs (bisection on
-the bonuses, a fixed-point step on the exponent) so that the generated statistics, measured as
-above, match the targets.
+The token's weights are drawn from the weight profile independently of which experts they go
+to. ``alpha``, ``beta`` and the exponent are calibrated layer by layer on pilot runs with common
+random numbers (bisection on the bonuses, secant steps on the exponent) so that the generated
+statistics, measured as above, match the targets; in a deep target stretched from a shallow
+source, layers deep in a run of alike layers start from their predecessor's values. Limits: a
+layer cannot reuse less than it inherits by copying from a previous layer with high reuse (its
+reuse bonus is then 0 and the reuse comes out above the target); calibration costs pilot runs
+(seconds for tens of experts; minutes for DeepSeek-V3's 256 × 58 on a busy 2-core machine;
+cached per process).
 
 Rescaling to another E, K or number of layers (:meth:`RoutingStats.for_shape`), documented
 because a synthetic run is only as good as this assumption:
@@ -41,7 +50,8 @@ because a synthetic run is only as good as this assumption:
   fraction of slots that repeat (or follow the previous layer) beyond what popularity alone
   gives; the chance levels are recomputed for the target E, K and skew;
 * target layer j takes the statistics of source layer ``round(j (L−1) / (L'−1))`` (same
-  relative depth);
+  relative depth; target layers after the first that map to source layer 0, which has no
+  previous layer, take source layer 1's adjacency);
 * the weight profile is interpolated over the relative rank ``k / (K−1)`` and renormalised.
 
 With the same E, K and layers the statistics are used as measured.
