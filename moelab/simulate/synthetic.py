@@ -733,6 +733,67 @@ def _calibrate(stats: RoutingStats, seed: int, *, reuse_params: Sequence[bool] |
 #: one synthetic workload calibrates once.
 _CALIBRATIONS: dict[tuple, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
 
+#: Bumped whenever the generator or the calibration changes (old files are then ignored).
+CALIBRATION_VERSION = 1
+
+
+def calibration_cache_dir() -> Path | None:
+    """Where calibrations are kept between processes: ``$MOELAB_SYNTHETIC_CACHE`` (empty: off),
+    else ``~/.cache/moelab/synthetic``."""
+    import os
+
+    env = os.environ.get("MOELAB_SYNTHETIC_CACHE")
+    if env is not None:
+        return Path(env) if env else None
+    return Path.home() / ".cache" / "moelab" / "synthetic"
+
+
+def _calibration_file(key: tuple) -> Path | None:
+    import hashlib
+
+    root = calibration_cache_dir()
+    if root is None:
+        return None
+    digest = hashlib.sha256(json.dumps([CALIBRATION_VERSION, *key]).encode()).hexdigest()[:24]
+    return root / f"calibration-{digest}.npz"
+
+
+def _load_calibration(key: tuple) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+    path = _calibration_file(key)
+    if path is None or not path.is_file():
+        return None
+    try:
+        with np.load(path, allow_pickle=False) as z:
+            out = (z["skew"], z["alpha"], z["beta"])
+    except Exception:  # noqa: BLE001 - a damaged cache file is recomputed
+        log.warning("ignoring unreadable synthetic-routing calibration %s", path)
+        return None
+    if any(len(x) != key[3] for x in out):
+        return None
+    return tuple(np.asarray(x, dtype=float) for x in out)  # type: ignore[return-value]
+
+
+def _save_calibration(key: tuple, value: tuple[np.ndarray, np.ndarray, np.ndarray]) -> None:
+    """Atomic: a temporary file in the same directory, renamed into place."""
+    import os
+    import tempfile
+
+    path = _calibration_file(key)
+    if path is None:
+        return
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".calibration-", suffix=".npz")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                np.savez(f, skew=value[0], alpha=value[1], beta=value[2])
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+    except OSError as e:  # a read-only home: calibrate again next time
+        log.info("could not keep the synthetic-routing calibration at %s (%s)", path, e)
+
 
 def synthetic_routing(shape: Any, stats: RoutingStats, steps: int = 64, batch: int = 1, prompt_len: int = 0,
                       seed: int = 0, *, calibrate: bool = True) -> list[ForwardRouting]:
@@ -759,10 +820,14 @@ def synthetic_routing(shape: Any, stats: RoutingStats, steps: int = 64, batch: i
         # searches)
         key = (json.dumps(stats.to_dict(), sort_keys=True, default=str), E, K, L, seed)
         if key not in _CALIBRATIONS:
-            src = _layer_map(stats.num_layers, L)
-            same = [j >= 2 and src[j] == src[j - 1] == src[j - 2] for j in range(L)]
-            with _one_blas_thread():
-                _CALIBRATIONS[key] = _calibrate(target, seed, reuse_params=same)
+            found = _load_calibration(key)
+            if found is None:
+                src = _layer_map(stats.num_layers, L)
+                same = [j >= 2 and src[j] == src[j - 1] == src[j - 2] for j in range(L)]
+                with _one_blas_thread():
+                    found = _calibrate(target, seed, reuse_params=same)
+                _save_calibration(key, found)
+            _CALIBRATIONS[key] = found
             while len(_CALIBRATIONS) > 32:
                 _CALIBRATIONS.pop(next(iter(_CALIBRATIONS)))
         skew, alpha, beta = (x.copy() for x in _CALIBRATIONS[key])
