@@ -800,7 +800,10 @@ def synthetic_routing(shape: Any, stats: RoutingStats, steps: int = 64, batch: i
     """Routing of ``batch`` sequences for ``shape`` (a :class:`ModelShape` or a name): a prompt
     forward of ``prompt_len`` tokens per sequence (if > 0), then ``steps`` decode forwards,
     with ``stats`` carried to the shape's E, K and MoE layers (:meth:`RoutingStats.for_shape`).
-    Deterministic for a seed. ``calibrate=False`` skips the pilot runs and uses a rough
+    A prompt's tokens follow the same chain position by position (the statistics are fitted on
+    decode tokens; a prompt's own are not). Deterministic for a seed (calibrations are cached
+    in the process and on disk: :func:`calibration_cache_dir`). ``calibrate=False`` skips the
+    pilot runs and uses a rough
     lift → bonus guess (reuse and adjacency then miss their targets; for quick experiments)."""
     from moelab.simulate.shapes import ModelShape, get_shape
 
