@@ -296,7 +296,7 @@ def test_failed_cells_are_retried_then_reported(tmp_path, monkeypatch):
     calls: dict[str, int] = {}
 
     class Flaky:
-        def __init__(self, threads=None, name="local"):
+        def __init__(self, threads=None, name="local", **kwargs):
             pass
 
         def run(self, cell):

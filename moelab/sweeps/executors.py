@@ -36,15 +36,17 @@ class LocalExecutor:
 
     name = "local"
 
-    def __init__(self, threads: int | None = None) -> None:
+    def __init__(self, threads: int | None = None, preload: dict[tuple, Any] | None = None) -> None:
         self.threads = threads
         self.workers = 1
+        self.preload = preload
+        """``cell.resource()`` → an object already loaded (see :class:`~moelab.sweeps.worker.CellRunner`)."""
 
     def run(self, cells: list[Cell], retries: int, on_start: OnStart, on_done: OnDone,
             on_failed: OnFailed) -> None:
         from moelab.sweeps.worker import CellRunner
 
-        runner = CellRunner(self.threads, name="local")
+        runner = CellRunner(self.threads, name="local", preload=self.preload)
         for cell in cells:
             for attempt in range(1, retries + 2):
                 on_start(cell)
@@ -140,11 +142,11 @@ class RayExecutor:
                 for i in range(n):
                     if queue and all(slot != i for slot, _, _ in pending.values()):
                         # prefer a cell whose model this actor already holds
-                        j = next((k for k, (c, _) in enumerate(queue) if (c.model, c.dtype) == loaded[i]), 0)
+                        j = next((k for k, (c, _) in enumerate(queue) if c.resource() == loaded[i]), 0)
                         cell, attempt = queue.pop(j)
                         on_start(cell)
                         pending[actors[i].run.remote(cell.to_dict())] = (i, cell, attempt)
-                        loaded[i] = (cell.model, cell.dtype)
+                        loaded[i] = cell.resource()
                 ready, _ = ray.wait(list(pending), num_returns=1)
                 for ref in ready:
                     i, cell, attempt = pending.pop(ref)
