@@ -127,8 +127,19 @@ def predictor_spec(train: str | os.PathLike, test: str | os.PathLike | None = No
                    kinds: list[str], distances: list[int], params: dict[str, dict[str, Any]] | None = None,
                    seed: int = 0, **settings: Any) -> TraceSweepSpec:
     """The cells of ``moelab predict compare`` (:func:`moelab.predictors.compare` as a spec)."""
+    from moelab.errors import unknown_name
+    from moelab.predictors.registry import available_predictors
     from moelab.timing import DEFAULT_PROFILE
 
+    for k in [*kinds, *(params or {})]:
+        if k not in available_predictors():
+            raise unknown_name("predictor kind", k, available_predictors())
+    if not kinds or not distances or any(d < 1 for d in distances):
+        raise MoelabError(f"kinds={kinds!r}, distances={distances!r}: expected at least one kind and distances ≥ 1.")
+    from moelab.predictors.registry import make_predictor
+
+    for k in kinds:  # bad hyperparameters fail before any cell runs
+        make_predictor(k, distance=1, **(params or {}).get(k, {}))
     unknown = set(settings) - set(PREDICTOR_SETTINGS)
     if unknown:
         raise MoelabError(f"unknown predictor comparison setting(s) {', '.join(sorted(unknown))}; known: "
@@ -140,3 +151,11 @@ def predictor_spec(train: str | os.PathLike, test: str | os.PathLike | None = No
         traces=[{"train": str(Path(train).resolve()), "test": str(Path(test).resolve()) if test else None}],
         methods=[(k, dict((params or {}).get(k, {}))) for k in kinds], points=[{"distance": d} for d in distances],
         settings=full, seeds=[seed])
+
+
+def run_predictor_comparison(spec: TraceSweepSpec, store: str | os.PathLike | None = None,
+                             progress: bool = True) -> list[dict[str, Any]]:
+    """Per cell of ``spec`` (:func:`predictor_spec`), in order: ``kind``, ``distance``, ``seed``
+    and the prediction report (:meth:`moelab.predictors.PredictionReport.to_dict`)."""
+    return [{"kind": r["cell"]["method"], "distance": r["cell"]["point"]["distance"], "seed": r["cell"]["seed"],
+             **r["metrics"]} for r in run_shortcut(spec, store, progress=progress)]

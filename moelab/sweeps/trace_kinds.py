@@ -34,6 +34,7 @@ and scored by :func:`moelab.predictors.evaluate`. A trace is identified in cell 
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import logging
 from dataclasses import asdict, dataclass, field, fields
@@ -275,12 +276,15 @@ class CacheKind(CellKind):
         scores = any(get_policy(m).needs_scores for m, _ in spec.methods)
         load = {"include_prefill": spec.settings["include_prefill"], "replay": spec.settings["replay"],
                 "scores": scores}
+        groups: dict[str, list[dict[str, Any]]] = {}  # per (prefetch, scope): its capacities, in order
+        for pt in spec.points:
+            groups.setdefault(json.dumps([pt["prefetch"], pt["scope"]], sort_keys=True), []).append(pt)
         cells, seen = [], set()
         for t in spec.traces:
             sig = {"trace": path_signature(t["train"])}
             model = _trace_model(t["train"])
-            for pt in spec.points:
-                for method, params in spec.methods:
+            for group in groups.values():
+                for (method, params), pt in itertools.product(spec.methods, group):
                     point = dict(pt)
                     if point["prefetch"] is not None and not get_policy(method).accepts_prefetch:
                         point["prefetch"] = None

@@ -25,11 +25,11 @@ class CellRunner:
 
     def __init__(self, threads: int | None = None, name: str = "local",
                  preload: dict[tuple, Any] | None = None) -> None:
-        import torch
+        self._threads = threads
+        if threads:  # pinned now, before any work (trace-only cells never import torch otherwise)
+            import torch
 
-        if threads:
             torch.set_num_threads(threads)
-        self.threads = torch.get_num_threads()
         self.name = name
         self._preload = dict(preload or {})
         self._key: tuple | None = None
@@ -42,6 +42,14 @@ class CellRunner:
         import moelab.evals.api  # noqa: F401
 
         return self.info()
+
+    @property
+    def threads(self) -> int | None:
+        """Torch's intra-op threads in this worker (None where torch is not imported)."""
+        import sys
+
+        torch = sys.modules.get("torch")
+        return torch.get_num_threads() if torch is not None else self._threads
 
     def info(self) -> dict[str, Any]:
         return {"worker": self.name, "pid": os.getpid(), "host": socket.gethostname(), "threads": self.threads}
