@@ -140,7 +140,8 @@ def _trace_model(path: str) -> str:
 
 
 # --------------------------------------------------------------------------- common parsing
-def _methods(r: Any, items: Any, path: tuple, what: str, known: list[str], key: str) -> list[tuple[str, dict]]:
+def _methods(r: Any, items: Any, path: tuple, what: str, one: str, known: list[str],
+             key: str) -> list[tuple[str, dict]]:
     out = []
     for i, m in enumerate(r.listed(items, path, what)):
         if isinstance(m, str):
@@ -149,7 +150,7 @@ def _methods(r: Any, items: Any, path: tuple, what: str, known: list[str], key: 
             raise r.fail((*path, i), f"{what} entry {m!r}: expected a name or {{{key}: NAME, ...parameters}}.")
         name = m[key]
         if name not in known:
-            raise r.fail((*path, i), f"unknown {what[:-1] if what.endswith('s') else what} {name!r}."
+            raise r.fail((*path, i), f"unknown {one} {name!r}."
                                      f"{did_you_mean(str(name), known)} Known: {', '.join(known)}.")
         out.append((name, {k: v for k, v in m.items() if k != key}))
     if not out:
@@ -237,7 +238,8 @@ class CacheKind(CellKind):
 
         r.required(data, ("traces", "policies"))
         traces = _traces(r, data["traces"], with_test=False)
-        methods = _methods(r, data["policies"], ("policies",), "cache policies", available_policies(), "policy")
+        methods = _methods(r, data["policies"], ("policies",), "cache policies", "cache policy",
+                           available_policies(), "policy")
         caps = r.listed(data.get("capacities", [0.125, 0.25, 0.5, 0.75]), ("capacities",), "capacities")
         for i, c in enumerate(caps):
             if isinstance(c, bool) or not isinstance(c, (int, float)) or c <= 0 or (isinstance(c, float) and c > 1):
@@ -350,7 +352,8 @@ class PredictorKind(CellKind):
 
         r.required(data, ("traces", "predictors"))
         traces = _traces(r, data["traces"], with_test=True)
-        methods = _methods(r, data["predictors"], ("predictors",), "predictors", available_predictors(), "predictor")
+        methods = _methods(r, data["predictors"], ("predictors",), "predictors", "predictor kind",
+                           available_predictors(), "predictor")
         distances = r.listed(data.get("distances", [1]), ("distances",), "distances")
         for i, d in enumerate(distances):
             r.int_or_none(d, ("distances", i), "distance", 1)
