@@ -8,6 +8,7 @@ record and files to the driver, the store's single writer.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import socket
@@ -30,6 +31,8 @@ class CellRunner:
             import torch
 
             torch.set_num_threads(threads)
+            with contextlib.suppress(RuntimeError):  # inter-op too (only before the first parallel work)
+                torch.set_num_interop_threads(threads)
         self.name = name
         self._preload = dict(preload or {})
         self._key: tuple | None = None
@@ -70,7 +73,7 @@ class CellRunner:
         if isinstance(cell, dict):
             cell = cell_from_dict(cell)
         kind = get_kind(cell.kind)
-        started, t0 = now(), time.perf_counter()
+        started, t0, c0 = now(), time.perf_counter(), time.process_time()
         resource = self._load(kind, cell)
         fields, files = kind.run(cell, resource, self)
         record = {
@@ -80,5 +83,8 @@ class CellRunner:
             "started_at": started,
             "finished_at": now(),
             "wall_s": time.perf_counter() - t0,
+            # CPU seconds of this worker process (all its threads) in the cell: cpu_s / wall_s is the
+            # cores it used; below 1 with one thread, it waited for a core (a loaded machine)
+            "cpu_s": time.process_time() - c0,
         }
         return {"record": record, "files": files}
