@@ -37,7 +37,7 @@ The columns beside ``record`` copy its headline fields for plain SQL; ``record``
 the truth: ``cell`` (the cell's settings and ``key``), ``metrics``/``stderr`` (lm-eval's
 ``metric,filter`` keys), ``primary_metric``, ``score``, ``score_stderr``, ``n_docs``,
 ``n_available``, ``notes``, ``versions``, ``wall_s``, ``worker``, ``started_at``,
-``finished_at``, ``run_id``, ``samples_path``, ``trace_path`` and ``timeline_path``
+``finished_at``, ``run_id``, ``cpu_s`` (the worker process's CPU seconds in the cell), ``samples_path``, ``trace_path`` and ``timeline_path``
 (relative to the store; None where the cell has none: traces and timelines are recorded
 when the spec's ``artifacts`` asks), ``latency`` (``{hardware profile: simulated
 figures}``; empty until a simulator is registered). Records of the trace-based kinds
