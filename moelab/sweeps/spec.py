@@ -15,6 +15,13 @@ simulated-latency column)::
     seeds: [1234]
     eval: {max_gen_toks: 64, allow_code_execution: true}
 
+This module is the ``eval`` kind's spec (the default ``kind``); other kinds (``cache``,
+``predictor``: :mod:`moelab.sweeps.trace_kinds`) are registered in
+:mod:`moelab.sweeps.kinds`, and :func:`parse_spec` hands a spec to the kind it names.
+``policies`` may also hold ``{policy: hybrid, config: FILE.yaml}`` (a hybrid configuration,
+inline or a file relative to the spec), and ``artifacts: {trace: true, timeline: true}``
+records each cell's routing trace and a hybrid cell's timeline in the store.
+
 ``grid`` values are lists to sweep (their cartesian product); other policy keys are fixed
 settings (a list there is a per-layer value, as ``ExpertDeferral`` takes it). A cell is one
 (model, policy setting, task, seed); its hash covers everything that decides its result
@@ -471,8 +478,10 @@ def _check_tasks(r: _Reader, spec: SweepSpec) -> None:
                                        "eval: {allow_code_execution: true} to run it in moelab's sandbox.")
 
 
-def load_spec(path: str | os.PathLike) -> SweepSpec:
-    """Read and check a YAML sweep spec (errors name the file's line and the closest names)."""
+def load_spec(path: str | os.PathLike) -> Any:
+    """Read and check a YAML sweep spec (errors name the file's line and the closest names):
+    a :class:`SweepSpec` (``kind: eval``, the default) or a
+    :class:`~moelab.sweeps.trace_kinds.TraceSweepSpec` (``kind: cache`` / ``predictor``)."""
     source = str(path)
     data, lines = load_with_lines(read_text(path), source)
     return parse_spec(data, lines, source)
