@@ -83,6 +83,8 @@ class RayExecutor:
         self.address = address
         self.threads = threads
         self.ray = import_ray()
+        if address:  # before the store is taken; ray.init waits minutes for an address nobody answers at
+            _check_reachable(address)
         self.actors_start_s: float | None = None
         self.keep = False
         """Keep the actors (and cluster) after :meth:`run`; :meth:`close` stops them."""
@@ -204,6 +206,21 @@ class RayExecutor:
         on_failed(cell, attempt, error, final)
         if not final:
             queue.insert(0, (cell, attempt + 1))
+
+
+def _check_reachable(address: str, timeout_s: float = 10.0) -> None:
+    """Refuse a ``HOST:PORT`` address where nothing accepts connections (``auto`` and
+    ``ray://`` addresses are left to Ray)."""
+    import socket
+
+    host, sep, port = address.rpartition(":")
+    if not sep or "://" in address or not port.isdigit():
+        return
+    try:
+        socket.create_connection((host or "127.0.0.1", int(port)), timeout=timeout_s).close()
+    except OSError as exc:
+        raise MoelabError(f"cannot connect to the Ray cluster at {address!r} ({exc.strerror or exc}); check the "
+                          "address (ray start --head prints it) or leave --address out for a local cluster.") from None
 
 
 def _moelab_root() -> str:
