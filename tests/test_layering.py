@@ -21,8 +21,9 @@ LAYERS: list[set[str]] = [
     # components: the model view, kernels, tasks and everything that acts on a forward pass
     {"adapters", "kernels", "backends", "models", "tasks", "prompts", "loading", "forward", "hardware", "timing",
      "trace", "caches", "policies", "predictors"},
-    # runtimes composed from the components
-    {"hybrid"},
+    # runtimes composed from the components; the simulator (plans on hardware profiles) is the
+    # hybrid runtime's third executor, so the two import each other
+    {"hybrid", "simulate"},
     # what is built on the components: evaluation, plots, reports, training, the demo
     {"evals", "viz", "report", "training", "demo"},
     # experiments over evaluations (sweeps run evals over models, policies and tasks)

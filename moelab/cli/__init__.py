@@ -29,6 +29,7 @@ COMMAND_MODULES: list[str] = [
     "cache",
     "demo",
     "bench",
+    "calibrate",
     "train_tiny",
 ]
 
