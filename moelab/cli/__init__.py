@@ -30,6 +30,7 @@ COMMAND_MODULES: list[str] = [
     "demo",
     "bench",
     "calibrate",
+    "simulate",
     "train_tiny",
 ]
 

@@ -16,6 +16,8 @@ _LAZY = {
     "synthetic_routing": "moelab.simulate.synthetic",
     "simulate_plans": "moelab.simulate.executor",
     "SimResult": "moelab.simulate.executor",
+    "whatif": "moelab.simulate.whatif",
+    "run_validation": "moelab.simulate.validate",
 }
 
 __getattr__, __dir__ = lazy_attributes(__name__, _LAZY, globals())
