@@ -185,6 +185,11 @@ def test_belady_offline_equals_the_cache_simulation_and_bounds_the_online_polici
     with moelab.record(mixtral, tmp_path / "t") as rec:
         mixtral.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
     shape = {**_shape(mixtral), "expert_bytes": 1}
+    from moelab.adapters import expert_bytes
+    from moelab.hybrid.offline import trace_shape
+
+    assert trace_shape(rec.trace) == {**_shape(mixtral),
+                                      "expert_bytes": max(expert_bytes(ly) for ly in moelab.moe_layers(mixtral))}
     hits = {}
     for policy in ("lru", "lfu", "fifo", "mrs", "belady", "belady-bypass"):
         plans = plan_routing(routing_from_trace(rec.trace), {"cache": {"capacity": 0.25, "policy": policy}}, **shape)
@@ -204,7 +209,7 @@ def test_offline_planning_refuses_what_it_cannot_do(mixtral):
         plan_routing(_routing([[[0]]]), {}, **SHAPE2)
     with pytest.raises(MoelabError, match="needs the parameters of one expert"):
         plan_routing(_routing([[[0], [3]]]), {"placement": "greedy-hss", "hardware": "pcie4-x16"}, **SHAPE2)
-    with pytest.raises(MoelabError, match="neither 'oracle' nor a saved predictor"):
+    with pytest.raises(MoelabError, match="neither 'oracle', 'repeat' nor a saved predictor"):
         plan_routing(_routing([[[0], [3]]]), {"prefetch": {"predictor": "orcale"}}, **SHAPE2)
     with pytest.raises(MoelabError, match="works only offline"):
         moelab.hybrid(mixtral, {"cache": {"capacity": 0.25, "policy": "belady"}}).apply()
@@ -238,18 +243,18 @@ def test_slots_and_union_follows_its_definition_on_random_routing():
         assert skipped == sum(s == DROPPED for sr in st for s in sr)
 
 
-@pytest.mark.parametrize("scope", ["layer", "forward"])
-def test_the_planners_prefetch_budget_is_the_cache_simulations(mixtral, tmp_path, scope):
+@pytest.mark.parametrize("scope,predictor", [("layer", "oracle"), ("forward", "oracle"), ("layer", "repeat")])
+def test_the_planners_prefetch_budget_is_the_cache_simulations(mixtral, tmp_path, scope, predictor):
     from moelab.caches import PrefetchConfig, simulate
 
     ids, mask = _inputs(3)
     with moelab.record(mixtral, tmp_path / "t") as rec:
         mixtral.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
-    cfg = {"cache": {"capacity": 0.25, "policy": "lru"},
-           "prefetch": {"predictor": "oracle", "budget": 1, "budget_scope": scope}}
+    cfg = {"cache": {"capacity": 0.5, "policy": "mrs"},  # under lru, 'repeat' proposes only cached experts
+           "prefetch": {"predictor": predictor, "budget": 1, "budget_scope": scope}}
     plans = plan_routing(routing_from_trace(rec.trace), cfg, **_shape(mixtral), expert_bytes=1)
-    off = simulate(rec.trace, "lru", 0.25, include_prefill=True, keep_hits=True,
-                   prefetch=PrefetchConfig("oracle", 1, budget=1, budget_scope=scope))
+    off = simulate(rec.trace, "mrs", 0.5, include_prefill=True, keep_hits=True,
+                   prefetch=PrefetchConfig(predictor, 1, budget=1, budget_scope=scope))
     assert [int(e in p.hits) for p in plans for e in p.accessed] == off.hit.tolist()
     assert sum(1 for p in plans for t in p.transfers if t.priority == "prefetch") == off.prefetched > 0
     assert sum(len(p.prefetch_hits) for p in plans) == off.prefetch_hits
@@ -266,3 +271,19 @@ def test_any_object_with_the_routing_attributes_is_a_routing_source():
     got = plan_routing(iter(bare), {"cache": {"capacity": 0.5, "policy": "mrs"},
                                     "prefetch": {"predictor": "oracle"}}, **SHAPE2)
     assert [asdict(p) for p in got] == [asdict(p) for p in want] and len(got) == 4
+
+
+@pytest.mark.parametrize("routing", [{"deferred": 2, "min_immediate": 1}, {"skipped": 1}, {"deferred": 1, "phase": "all"}])
+def test_slot_states_of_many_forwards_at_once_equal_one_forward_at_a_time(routing):
+    from moelab.hybrid.config import RoutingConfig
+    from moelab.hybrid.offline import OfflineRouting
+
+    rng = np.random.default_rng(1)
+    pol = OfflineRouting(RoutingConfig(**routing), [4, 4, 4])
+    ids = [np.stack([rng.permutation(8)[:4] for _ in range(int(rng.integers(1, 4)))]) for _ in range(20)]
+    w = [np.sort(np.round(rng.random(i.shape), 1).astype(np.float32), axis=1)[:, ::-1].copy() for i in ids]
+    for phase in ("decode", "prefill"):
+        many = pol.states_many(0, phase, ids, w)
+        one = [pol.states(0, phase, i, x) for i, x in zip(ids, w)]
+        assert all((a is None and b is None) or np.array_equal(a, b) for a, b in zip(many, one, strict=True))
+        assert (phase == "decode" or routing.get("phase") == "all") == (many[0] is not None)

@@ -1,9 +1,8 @@
 """Offline planning: the hybrid planner over recorded or synthetic routing, with no model.
 
->>> from moelab.hybrid.offline import plan_routing, routing_from_trace
+>>> from moelab.hybrid.offline import plan_routing, routing_from_trace, trace_shape
 >>> trace = moelab.open_trace("runs/r1/trace")
->>> plans = plan_routing(routing_from_trace(trace), cfg, num_experts=trace.num_experts_per_layer,
-...                      top_k=trace.top_k_per_layer, expert_bytes=trace.meta["model"]["expert_bytes"])
+>>> plans = plan_routing(routing_from_trace(trace), cfg, **trace_shape(trace))
 
 A *routing source* is an iterable of :class:`ForwardRouting`: one per forward pass, with the
 real tokens' top-k ids and combine weights per MoE layer (and optionally the router scores,
@@ -19,7 +18,8 @@ plans of its own trace field by field (tests/test_hybrid_offline.py).
   skipping drops them.
 * **Prefetch** (``predictor=`` or ``config.prefetch.predictor``): ``"oracle"`` proposes the
   experts MoE layer ``l + d`` of the same forward actually needs (the upper bound a
-  what-if grid shows beside every policy); a fitted online predictor (a
+  what-if grid shows beside every policy); ``"repeat"`` what layer ``l + d`` needed at the
+  previous step of the same sequences (the caches' training-free baseline); a fitted online predictor (a
   :class:`~moelab.predictors.Predictor` or a saved directory) predicts from the forward's
   router inputs (``ForwardRouting.hidden``, from a trace recorded with hidden states) and
   token ids, exactly as the running model calls it; an object with
@@ -34,6 +34,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from itertools import islice
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -108,6 +109,27 @@ class OfflineRouting:
             p._plan(plan)
         return plan.state.numpy()
 
+    @property
+    def per_token(self) -> bool:
+        """Whether every policy decides each token's slots from that token alone (skipping, and
+        deferral's ``per_token`` rule), so several forwards' rows may share one slot plan."""
+        return all(getattr(p.config, "batch_rule", "per_token") == "per_token" for p in self.policies)
+
+    def states_many(self, layer: int, phase: str, ids: list[np.ndarray], weights: list[np.ndarray]
+                    ) -> list[np.ndarray | None]:
+        """:meth:`states` of several forwards' routing of one layer and phase: one slot plan for
+        all their rows when the policies are :attr:`per_token` (the same states, row by row)."""
+        if not any(p.acts_in(phase) for p in self.policies):
+            return [None] * len(ids)
+        if not self.per_token or len(ids) == 1:
+            return [self.states(layer, phase, i, w) for i, w in zip(ids, weights, strict=True)]
+        sizes = [len(i) for i in ids]
+        st = self.states(layer, phase, np.concatenate(ids), np.concatenate(weights))
+        if st is None:
+            return [None] * len(ids)
+        cut = np.cumsum(sizes)[:-1]
+        return [part if len(part) else None for part in np.split(st, cut)]
+
 
 # ---------------------------------------------------------------------- routing sources
 def routing_from_trace(trace: Any, *, hidden: bool | None = None) -> Iterator[ForwardRouting]:
@@ -158,6 +180,24 @@ def routing_from_trace(trace: Any, *, hidden: bool | None = None) -> Iterator[Fo
         )
 
 
+_DTYPE_BYTES = {"float32": 4, "float64": 8, "bfloat16": 2, "float16": 2}
+
+
+def trace_shape(trace: Any) -> dict[str, Any]:
+    """The model shape :func:`plan_routing` needs, from a trace's metadata: ``num_experts``,
+    ``top_k``, ``expert_bytes`` (the largest layer's) and ``expert_params`` (bytes over the
+    recorded dtype's size; None where it is unknown)."""
+    from moelab.trace import open_trace
+
+    tr = open_trace(trace) if isinstance(trace, (str, Path)) else trace
+    m = tr.meta["model"]
+    sizes = m.get("expert_bytes")
+    eb = int(max(sizes)) if sizes else 1
+    per = _DTYPE_BYTES.get(str(m.get("dtype")))
+    return {"num_experts": list(tr.num_experts_per_layer), "top_k": list(tr.top_k_per_layer), "expert_bytes": eb,
+            "expert_params": eb / per if per and sizes else None}
+
+
 def torch_index(rows: np.ndarray):
     import torch
 
@@ -199,13 +239,14 @@ def _proposer(predictor: Any, config: HybridConfig, num_experts: Sequence[int]) 
         predictor = config.prefetch.predictor
     if predictor is None:
         return None
-    if isinstance(predictor, str) and predictor == "oracle":
-        return "oracle"
+    if isinstance(predictor, str) and predictor in ("oracle", "repeat"):
+        return predictor
     if isinstance(predictor, (str, Path)):
         if not Path(predictor).is_dir():
             raise MoelabError(
-                f"prefetch predictor {str(predictor)!r} is neither 'oracle' nor a saved predictor directory; "
-                "pass 'oracle', a directory written by `moelab predict fit --out DIR`, or a fitted predictor."
+                f"prefetch predictor {str(predictor)!r} is neither 'oracle', 'repeat' nor a saved predictor "
+                "directory; pass one of those, a directory written by `moelab predict fit --out DIR`, or a "
+                "fitted predictor."
             )
         from moelab.predictors import load_predictor
 
@@ -233,6 +274,10 @@ def _proposer(predictor: Any, config: HybridConfig, num_experts: Sequence[int]) 
 
 
 # ---------------------------------------------------------------------- planning
+#: Forwards whose routing-policy slot states are computed together.
+_CHUNK = 256
+
+
 def _as_config(config: HybridConfig | dict | str | Path | None) -> HybridConfig:
     from moelab.hybrid.runtime import _as_config as as_config
 
@@ -279,19 +324,33 @@ def plan_routing(
     if proposer is not None and cap == 0:
         raise MoelabError("prefetch needs a device cache to prefetch into; set cache.capacity > 0.")
     d = int(cfg.prefetch.distance)
-    want_needed = future or proposer == "oracle"
+    want_needed = future or proposer in ("oracle", "repeat")
 
     def prepared() -> Iterator[tuple[Any, list]]:
-        for r in routing:
-            _check(r, L)
-            layers = []
-            for ly in range(L):
-                ids, w = r.ids[ly], r.weights[ly]
-                st = routing_policy.states(ly, r.phase, ids, w)
-                il, wl = ids.tolist(), np.asarray(w, dtype=np.float32).tolist()
-                sl = st.tolist() if st is not None else None
-                layers.append((il, wl, sl, slots_and_union(il, wl, sl)[0] if want_needed else None))
-            yield r, layers
+        # the routing policy runs on chunks of forwards at once (one slot plan per layer and
+        # phase: its per-call cost dominated), then each forward's layers become lists
+        it = iter(routing)
+        while chunk := list(islice(it, _CHUNK)):
+            states: list[list] = [[None] * L for _ in chunk]
+            if routing_policy.policies:
+                for r in chunk:
+                    _check(r, L)
+                for phase in {r.phase for r in chunk}:
+                    idx = [i for i, r in enumerate(chunk) if r.phase == phase]
+                    for ly in range(L):
+                        got = routing_policy.states_many(ly, phase, [chunk[i].ids[ly] for i in idx],
+                                                         [chunk[i].weights[ly] for i in idx])
+                        for i, st in zip(idx, got, strict=True):
+                            states[i][ly] = st
+            for r, sts in zip(chunk, states, strict=True):
+                _check(r, L)
+                layers = []
+                for ly in range(L):
+                    st = sts[ly]
+                    il, wl = r.ids[ly].tolist(), np.asarray(r.weights[ly], dtype=np.float32).tolist()
+                    sl = st.tolist() if st is not None else None
+                    layers.append((il, wl, sl, slots_and_union(il, wl, sl)[0] if want_needed else None))
+                yield r, layers
 
     source: Iterable = prepared()
     extra: dict[str, Any] = {}
@@ -305,6 +364,7 @@ def plan_routing(
                             expert_params=expert_params, **extra)
     need_scores = planner.cache is not None and planner.cache.needs_scores
     plans: list[LayerPlan] = []
+    prev: tuple[int, list] | None = None  # (step, layers) of the previous forward, for "repeat"
     for r, layers in source:
         if need_scores and getattr(r, "scores", None) is None:
             raise MoelabError(
@@ -315,11 +375,15 @@ def plan_routing(
             proposal = None
             if proposer == "oracle":
                 proposal = layers[ly + d][3] if ly + d < L else None
+            elif proposer == "repeat":  # what layer l + d needed at the sequences' previous step
+                ok = prev is not None and prev[0] == r.step - 1 and r.step > 0 and ly + d < L
+                proposal = prev[1][ly + d][3] if ok else None
             elif proposer is not None:
                 proposal = proposer.propose(r, ly)
             scores = r.scores[ly] if need_scores else None
             plans.append(planner.plan_layer(r.forward, r.step, r.phase, ly, il, wl, sl, scores, proposal))
+        prev = (r.step, layers)
     return plans
 
 
-__all__ = ["ForwardRouting", "OfflineRouting", "plan_routing", "routing_from_trace"]
+__all__ = ["ForwardRouting", "OfflineRouting", "plan_routing", "routing_from_trace", "trace_shape"]

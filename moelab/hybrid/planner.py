@@ -234,7 +234,15 @@ class Planner:
               expert_bytes: Sequence[int] | int, expert_params: float | None = None, **cache_extra: Any) -> Planner:
         """A planner with the cache, placement and cost model ``config`` names."""
         L = len(num_experts)
-        eb = [int(expert_bytes)] * L if isinstance(expert_bytes, int) else [int(b) for b in expert_bytes]
+        try:
+            eb = [int(b) for b in expert_bytes]  # one per MoE layer
+        except TypeError:
+            eb = [int(expert_bytes)] * L  # one for all
+        if len(eb) != L or min(eb, default=1) < 1:
+            raise MoelabError(
+                f"expert_bytes={expert_bytes!r}: expected the bytes of one expert (an integer ≥ 1), or one per "
+                f"MoE layer ({L})."
+            )
         placement = get_placement(config.placement)
         cost = make_cost_model(config, eb[0], expert_params) if placement.needs_cost_model else None
         cache = make_cache(config, num_experts, top_k, max(eb), **cache_extra)
