@@ -308,6 +308,8 @@ def test_ktransformers_style_saturation_deferral_cuts_layer_time_to_the_cpu_busy
     t0, t1 = base.summary()["decode_step_us"], dfr.summary()["decode_step_us"]
     cpu_share = base.summary()["busy_pct"]["host"] / 100
     assert cpu_share == pytest.approx(408 / 458, rel=0.01)
+    assert base.summary()["host_side_busy_pct"] == pytest.approx(100 * 408 / 458, rel=0.01)
+    assert base.summary()["device_side_busy_pct"] == pytest.approx(100 * 50 / 458, rel=0.01)
     assert t1 / t0 == pytest.approx(cpu_share, rel=0.03)
     assert dfr.summary()["busy_pct"]["host"] > 97
 
@@ -411,3 +413,12 @@ def test_calibrate_writes_a_profile_that_loads_with_every_number_stated(tmp_path
         write_profile(profile, raw, out)
     with pytest.raises(MoelabError, match="give a .yaml file name"):
         write_profile(profile, raw, tmp_path / "box.txt")
+
+
+def test_the_c_engine_source_is_package_data():
+    import tomllib
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    globs = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["moelab"]
+    assert "simulate/*.c" in globs and (root / "moelab" / "simulate" / "_engine.c").is_file()

@@ -60,6 +60,7 @@ def register(subparsers) -> None:
     sm.add_argument("--reference-tokens", type=positive_int, default=16,
                     help="decode steps run by the reference too, for the parity check (default 16)")
     sm.add_argument("--hardware", default="ktransformers-a100", help="hardware profile (default ktransformers-a100)")
+    sm.add_argument("--repeat", type=positive_int, default=3, help="timed runs of the fast path (best; default 3)")
     sm.add_argument("--json", action="store_true", help="print the results as JSON")
     sm.set_defaults(func=run_simulate)
     p.set_defaults(func=lambda args: (p.print_help(), 2)[1])
@@ -68,7 +69,8 @@ def register(subparsers) -> None:
 def run_simulate(args) -> int:
     from moelab.simulate.bench import format_result, run
 
-    result = run(tokens=args.tokens, hardware=args.hardware, reference_tokens=min(args.reference_tokens, args.tokens))
+    result = run(tokens=args.tokens, hardware=args.hardware, reference_tokens=min(args.reference_tokens, args.tokens),
+                 repeat=args.repeat)
     if args.json:
         emit_json(result)
     else:

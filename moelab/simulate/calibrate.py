@@ -19,9 +19,10 @@ worker standing in for the  (its fixed cost on a tiny expert, in launches)
 device)
 torch op launch (a 1-elem.  ``gpu_launch_us``
 add)
-attention (projections +    ``gpu_kernels_per_attention`` (intercept of time vs context,
-SDPA over a KV cache, by    less the weights' read, in launches)
-context)
+attention (projections +    ``gpu_kernels_per_attention`` (a tiny attention's time, in
+SDPA over a KV cache, by    launches), ``gpu_dense_efficiency`` (the real attention's weight
+context)                    read — intercept of time vs context less that fixed cost —
+                            against the device kernel's rate)
 empty task through a lane   ``cpu_dispatch_us`` and ``sync_us`` (half the round trip each:
 thread (submit → result)    the hand-off and the notification back)
 copy of one expert into a   ``link_bandwidth_gbs`` (large copies), ``link_latency_us``
@@ -131,7 +132,8 @@ class _Routing:
         self.w = torch.rand(self.t, self.k, generator=self.gen).softmax(-1)
 
 
-def _kernel_points(backend_name: str, cfg: CalibrateConfig, tick, batches: tuple[int, ...]) -> list[dict]:
+def _kernel_points(backend_name: str, cfg: CalibrateConfig, tick, batches: tuple[int, ...],
+                   repeat: int) -> list[dict]:
     """GB/s and FLOP/s of an experts backend by dtype and batch (distinct experts' bytes / time)."""
     import torch
 
@@ -154,7 +156,7 @@ def _kernel_points(backend_name: str, cfg: CalibrateConfig, tick, batches: tuple
                 with torch.no_grad():
                     backend(mod, x, r.ids, r.w)
 
-            sec = _median(fn, cfg.repeat, r.redraw)
+            sec = _median(fn, repeat, r.redraw)
             distinct = statistics.median(used)
             out.append({"backend": backend_name, "dtype": dname, "batch": t, "seconds": sec,
                         "distinct_experts": distinct, "expert_bytes": ebytes,
@@ -195,19 +197,19 @@ def _launch_us(repeat: int) -> float:
     return _median(lambda: [torch.add(a, b) for _ in range(n)], repeat) / n * 1e6
 
 
-def _attention_points(cfg: CalibrateConfig, tick) -> tuple[list[dict], int]:
-    """Decode-step attention time by context: q/k/v/o projections (``attention_hidden``, heads of
-    128, bf16) and SDPA over a KV cache of ``context`` tokens."""
+def _attention_points(cfg: CalibrateConfig, tick, hidden: int, contexts: tuple[int, ...]) -> tuple[list[dict], int]:
+    """Decode-step attention time by context: q/k/v/o projections (``hidden``, heads of up to 128,
+    bf16) and SDPA over a KV cache of ``context`` tokens."""
     import torch
 
-    H, hd = cfg.attention_hidden, 128
-    heads = max(H // hd, 1)
+    hd = min(128, hidden)
+    H, heads = hidden, max(hidden // hd, 1)
     gen = torch.Generator().manual_seed(0)
     wq, wk, wv, wo = ((torch.randn(H, H, generator=gen) * 0.02).to(torch.bfloat16) for _ in range(4))
     weight_bytes = 4 * H * H * 2
     x = torch.randn(1, 1, H, generator=gen).to(torch.bfloat16)
     out = []
-    for ctx in cfg.contexts:
+    for ctx in contexts:
         k = torch.randn(1, heads, ctx, hd, generator=gen).to(torch.bfloat16)
         v = torch.randn(1, heads, ctx, hd, generator=gen).to(torch.bfloat16)
 
@@ -222,7 +224,7 @@ def _attention_points(cfg: CalibrateConfig, tick) -> tuple[list[dict], int]:
                 return a.transpose(1, 2).reshape(1, 1, H) @ wo
 
         sec = _median(step, cfg.repeat)
-        out.append({"context": ctx, "seconds": sec, "kv_bytes": 2 * heads * hd * 2 * ctx,
+        out.append({"hidden": H, "context": ctx, "seconds": sec, "kv_bytes": 2 * heads * hd * 2 * ctx,
                     "weight_bytes": weight_bytes})
         tick()
     return out, weight_bytes
@@ -278,7 +280,7 @@ def calibrate(cfg: CalibrateConfig | None = None, *, progress: bool = True) -> t
     cfg = cfg or CalibrateConfig()
     if cfg.repeat < 1:
         raise MoelabError(f"repeat must be ≥ 1, got {cfg.repeat}.")
-    steps = 5 + len(cfg.dtypes) * (len(cfg.batches) + len(cfg.device_batches)) + len(cfg.contexts)
+    steps = 5 + len(cfg.dtypes) * (len(cfg.batches) + len(cfg.device_batches)) + len(cfg.contexts) + 2
     bar = tqdm(total=steps, desc="calibrate", disable=not progress, unit="step")
 
     def tick(what: str = ""):
@@ -295,11 +297,16 @@ def calibrate(cfg: CalibrateConfig | None = None, *, progress: bool = True) -> t
         tick("lane")
         copy = _copy_points(cfg)
         tick("copy")
-        host = _kernel_points(cfg.host_backend, cfg, lambda: tick("host kernels"), cfg.batches)
-        device = _kernel_points(cfg.device_backend, cfg, lambda: tick("device kernels"), cfg.device_batches)
+        host = _kernel_points(cfg.host_backend, cfg, lambda: tick("host kernels"), cfg.batches, cfg.repeat)
+        # the device stand-in's torch reference backend takes ~0.1-1 s a call: at most 3 repeats
+        device = _kernel_points(cfg.device_backend, cfg, lambda: tick("device kernels"), cfg.device_batches,
+                                min(cfg.repeat, 3))
         tiny_dev = _tiny_expert_call(cfg.device_backend, cfg.repeat)
         tick("overheads")
-        attn, attn_weight_bytes = _attention_points(cfg, lambda: tick("attention"))
+        attn, attn_weight_bytes = _attention_points(cfg, lambda: tick("attention"), cfg.attention_hidden,
+                                                    cfg.contexts)
+        # a tiny attention (weights of 128 KiB, short contexts): its time is the fixed cost
+        tiny_attn, _ = _attention_points(cfg, lambda: tick("attention"), 128, (1, 2))
     finally:
         bar.close()
 
@@ -319,9 +326,12 @@ def calibrate(cfg: CalibrateConfig | None = None, *, progress: bool = True) -> t
     xs = [a["context"] for a in attn]
     ys = [a["seconds"] * 1e6 for a in attn]
     slope, intercept = (statistics.linear_regression(xs, ys) if len(xs) > 1 else (0.0, ys[0]))
-    fixed_attn = max(intercept - attn_weight_bytes / (dev_gbs * 1e3), 0.0)
     launch_eff = max(launch, 0.1)
+    fixed_attn = min(a["seconds"] for a in tiny_attn) * 1e6
     k_attn = max(int(round(fixed_attn / launch_eff)), 1)
+    # dense efficiency: the weights' read time of the real attention, against an expert kernel's rate
+    read_us = max(intercept - k_attn * launch, 1e-3)
+    dense_eff = (attn_weight_bytes / (dev_gbs * 1e3)) / read_us
     k_expert = max(int(round(tiny_dev * 1e6 / launch_eff)), 1)
     cpu_eff = min(max(host1["gbps"] / read, 0.01), 1.0)
     cpu_peak = max(r["tflops"] for r in host)
@@ -360,9 +370,13 @@ def calibrate(cfg: CalibrateConfig | None = None, *, progress: bool = True) -> t
                                                                  "FLOP/s over dtypes and batches"),
         "gpu_memory_efficiency": stated(1.0, "the device bandwidth above is what the kernel reaches"),
         "gpu_compute_efficiency": stated(1.0, "the device peak above is what the kernel reaches"),
+        "gpu_dense_efficiency": stated(round(dense_eff, 6), f"bf16 attention of hidden {cfg.attention_hidden}: "
+                                                           f"its weights ({attn_weight_bytes} B) read in "
+                                                           f"{read_us:.1f} µs (intercept of time vs context less "
+                                                           "the fixed cost) against the device kernel's GB/s"),
         "gpu_launch_us": stated(round(launch, 3), "a 1-element torch.add on the CPU"),
-        "gpu_kernels_per_attention": stated(k_attn, f"intercept of attention time vs context ({intercept:.1f} µs) "
-                                                    "less the weights' read, in launches"),
+        "gpu_kernels_per_attention": stated(k_attn, f"a tiny attention (hidden 128) takes {fixed_attn:.1f} µs, "
+                                                    "in launches"),
         "gpu_kernels_per_expert": stated(k_expert, f"a 64×64 one-expert call of {cfg.device_backend} "
                                                    f"({tiny_dev * 1e6:.1f} µs), in launches"),
         "cpu_peak_tflops": stated(round(max(cpu_peak, 1e-6), 6), f"{cfg.host_backend} experts backend, best "
@@ -381,7 +395,7 @@ def calibrate(cfg: CalibrateConfig | None = None, *, progress: bool = True) -> t
         "host": host_name, "date": date, "repeat": cfg.repeat, "torch": torch.__version__,
         "threads": torch.get_num_threads(), "memory_read_gbps": read, "launch_us": launch,
         "lane_roundtrip_us": lane_rt, "copy": copy, "host_kernels": host, "device_kernels": device,
-        "device_tiny_call_us": tiny_dev * 1e6, "attention": attn,
+        "device_tiny_call_us": tiny_dev * 1e6, "attention": attn, "tiny_attention": tiny_attn,
         "attention_fit_us": {"intercept": intercept, "per_context_token": slope},
         "config": {k: (list(v) if isinstance(v, tuple) else v) for k, v in vars(cfg).items()},
         "note": "timings on a machine shared with other work are slower and noisier than on a quiet one",
@@ -438,7 +452,8 @@ def format_summary(profile: dict, raw: dict) -> str:
     fit = raw["attention_fit_us"]
     lines.append(f"  attention: {fit['intercept']:.1f} µs + {fit['per_context_token'] * 1e3:.2f} ns per context "
                  "token (" + ", ".join(f"{a['context']}: {a['seconds'] * 1e6:.0f} µs" for a in raw["attention"]) + ")")
-    keys = ("cpu_memory_efficiency", "cpu_peak_tflops", "gpu_memory_bandwidth_gbs", "gpu_kernels_per_attention",
+    keys = ("cpu_memory_efficiency", "cpu_peak_tflops", "gpu_memory_bandwidth_gbs", "gpu_dense_efficiency",
+            "gpu_kernels_per_attention",
             "gpu_kernels_per_expert", "cpu_dispatch_us")
     lines.append("  fitted: " + ", ".join(f"{k}={profile[k]['value']}" for k in keys))
     return "\n".join(lines)

@@ -129,6 +129,13 @@ class Costs:
         return self._cap(nbytes, flops, hw.gpu_memory_bandwidth_gbs, hw.gpu_memory_efficiency,
                          hw.gpu_peak_tflops, hw.gpu_compute_efficiency)
 
+    def dense_cap(self, nbytes, flops):
+        """Rate of the dense work between MoE blocks (``gpu_dense_efficiency`` × an expert kernel's)."""
+        hw = self.profile
+        return self._cap(nbytes, flops, hw.gpu_memory_bandwidth_gbs,
+                         hw.gpu_memory_efficiency * hw.gpu_dense_efficiency, hw.gpu_peak_tflops,
+                         hw.gpu_compute_efficiency)
+
     def host_cap(self, nbytes, flops):
         hw = self.profile
         return self._cap(nbytes, flops, hw.numa_node_bandwidth_gbs, hw.cpu_memory_efficiency,
@@ -328,7 +335,7 @@ def _task_costs(enc: Encoded, lay: Layout, costs: Costs, context: int):
     res[D], cat[D] = RES_CONTROL, CAT_D
     fixed[D] = n_attn * hw.gpu_kernels_per_attention * hw.gpu_launch_us + hw.sync_us
     nbytes[D] = dense_b
-    cap[D] = costs.device_cap(dense_b, dense_f)
+    cap[D] = costs.dense_cap(dense_b, dense_f)
     if shared_mem:
         pool[D] = 0
 
@@ -343,7 +350,7 @@ def _task_costs(enc: Encoded, lay: Layout, costs: Costs, context: int):
     res[T], cat[T] = RES_CONTROL, CAT_T
     fixed[T] = (n_tail * hw.gpu_kernels_per_attention + 2) * hw.gpu_launch_us + hw.sync_us
     nbytes[T] = tail_b
-    cap[T] = costs.device_cap(tail_b, tail_f)
+    cap[T] = costs.dense_cap(tail_b, tail_f)
     if shared_mem:
         pool[T] = 0
 
@@ -713,6 +720,10 @@ def summarize_sim(df, forwards=None) -> dict:
     dev = spans((lane_s == "device").to_numpy() | (lane_s == "control").to_numpy())
     host_busy = _measure([host], 1)
     out["overlap_pct"] = 100.0 * _measure([host, dev], 2) / host_busy if host_busy else 0.0
+    # KTransformers Fig. 10's "GPU busy" and "CPU busy": the device side (device lane and the control
+    # thread's dense work, which a GPU box runs on the GPU) and the host lanes, as shares of the wall time
+    out["device_side_busy_pct"] = 100.0 * _measure([dev], 1) / wall
+    out["host_side_busy_pct"] = 100.0 * host_busy / wall
     waits = df[(df["kind"] == "wait") & (df["lane"] == "control")]
     st = (waits["t_end_us"] - waits["t_start_us"]).groupby(waits["cause"].astype(str)).sum()
     out["stall_us"] = {str(k): float(v) for k, v in st.items() if v > 0}

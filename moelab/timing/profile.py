@@ -71,6 +71,9 @@ FIELDS: dict[str, tuple[type, str, str]] = {
     "gpu_peak_tflops": (float, "> 0", "dense bf16 peak of the device (tensor cores, no sparsity), TFLOP/s"),
     "gpu_memory_efficiency": (float, "in (0, 1]", "share of gpu_memory_bandwidth_gbs a kernel reaches"),
     "gpu_compute_efficiency": (float, "in (0, 1]", "share of gpu_peak_tflops a kernel reaches"),
+    "gpu_dense_efficiency": (
+        float, "> 0", "bandwidth of the dense work between MoE blocks (attention, dense MLPs, router, LM head) "
+        "relative to an expert kernel's (gpu_memory_bandwidth_gbs × gpu_memory_efficiency × this)"),
     "gpu_launch_us": (float, "≥ 0", "fixed cost of one device kernel launch, µs"),
     "gpu_kernels_per_attention": (
         int, "≥ 1", "device kernels between two MoE blocks (norms, attention, shared expert, router)"),
@@ -122,6 +125,8 @@ class HardwareProfile:
     """Share of the device memory bandwidth a kernel reaches."""
     gpu_compute_efficiency: float = 0.6
     """Share of the device peak a kernel reaches."""
+    gpu_dense_efficiency: float = 1.0
+    """Bandwidth of the dense work between MoE blocks relative to an expert kernel's."""
     gpu_launch_us: float = 5.0
     """Fixed cost of one device kernel launch (µs)."""
     gpu_kernels_per_attention: int = 12
