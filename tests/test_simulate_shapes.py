@@ -128,3 +128,29 @@ def test_bad_configs_name_the_value():
 
 def test_dtypes_table():
     assert set(DTYPES) >= {"bf16", "fp8", "int8", "int4", "fp32"}
+
+
+def test_validation_cases_resolve_and_score():
+    from moelab.hybrid.config import HybridConfig
+    from moelab.simulate.validate_cases import cases_table, get_case, validation_cases
+    from moelab.timing import get_profile
+
+    cases = validation_cases()
+    assert {c.name for c in validation_cases("ktransformers")} >= {
+        "ktransformers-fig10-cpu-busy", "ktransformers-fig10-defer3", "ktransformers-decode"}
+    assert len(validation_cases("osdi26")) == 3
+    for c in cases:
+        HybridConfig.from_dict(c.hybrid)  # every configuration is a valid hybrid config
+        get_profile(c.profile)
+        get_shape(c.shape, dtype=c.dtype)
+        assert c.unstated and all(a.why for a in c.unstated)
+    cpu = get_case("ktransformers-fig10-cpu-busy")
+    assert cpu.error(71.0) == pytest.approx(-3.0) and cpu.within_target(71.0) and not cpu.within_target(80.0)
+    tps = get_case("osdi26-decode")
+    assert tps.error(18.0) == pytest.approx(-0.1) and tps.within_target(18.0) and not tps.within_target(16.0)
+    table = cases_table({"osdi26-decode": 18.0})
+    assert len(table) == len(cases) and table.set_index("case").loc["osdi26-decode", "error"] == "-10.0 %"
+    with pytest.raises(MoelabError, match="unknown validation case"):
+        get_case("ktransformers-fig11")
+    with pytest.raises(MoelabError, match="no validation cases named"):
+        cases_table({"nope": 1.0})

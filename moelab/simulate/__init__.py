@@ -39,6 +39,9 @@ _LAZY = {
     "CalibrateConfig": "moelab.simulate.calibrate",
     "calibrate": "moelab.simulate.calibrate",
     "write_profile": "moelab.simulate.calibrate",
+    "ValidationCase": "moelab.simulate.validate_cases",
+    "cases_table": "moelab.simulate.validate_cases",
+    "validation_cases": "moelab.simulate.validate_cases",
 }
 
 __getattr__, __dir__ = lazy_attributes(__name__, _LAZY, globals())

@@ -51,9 +51,11 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import logging
 import math
+import sys
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -289,29 +291,50 @@ def _topk_counts(logits: np.ndarray, K: int) -> np.ndarray:
     return np.bincount(top.ravel(), minlength=logits.shape[1])
 
 
-def _pl_inclusion(s: float, E: int, K: int, seed: int = 0, draws: int = 4000) -> np.ndarray:
-    """Per-token inclusion probabilities (sum K) of Gumbel-top-K draws from Zipf(s), by rank."""
-    rng = np.random.default_rng(seed)
+#: Zipf exponents at which the Plackett–Luce inclusion probabilities are tabulated.
+_S_GRID = np.linspace(0.0, 6.0, 121)
+
+
+@functools.lru_cache(maxsize=32)
+def _inclusion_table(E: int, K: int) -> np.ndarray:
+    """(len(_S_GRID), E): per-token inclusion probabilities by popularity rank of Gumbel-top-K
+    draws from Zipf(s), one row per grid exponent (common random numbers: smooth in s)."""
+    rng = np.random.default_rng(0x5F1)
+    draws = int(np.clip(400_000 // E, 1000, 8000))
     g = rng.gumbel(size=(draws, E))
-    return _topk_counts(_zipf_logp(s, E)[None] + g, K) / draws
+    ranks = np.log(np.arange(1, E + 1, dtype=np.float64))
+    table = np.stack([_topk_counts(-s * ranks[None] + g, K) / draws for s in _S_GRID])
+    return -np.sort(-table, axis=1)  # by rank: monotone (MC noise aside)
+
+
+def _pl_inclusion(s: float, E: int, K: int, seed: int = 0) -> np.ndarray:
+    """Per-token inclusion probabilities (sum K) of Gumbel-top-K draws from Zipf(s), by rank."""
+    table = _inclusion_table(E, K)
+    x = float(np.clip(s, _S_GRID[0], _S_GRID[-1])) / (_S_GRID[1] - _S_GRID[0])
+    i = min(int(x), len(_S_GRID) - 2)
+    f = x - i
+    return (1 - f) * table[i] + f * table[i + 1]
 
 
 def _fit_zipf(counts: np.ndarray, K: int, n_tokens: int, seed: int = 0,
               bracket: tuple[float, float] = (0.0, 6.0)) -> float:
     """The Zipf exponent whose Gumbel-top-K draws, at the same number of tokens, give sorted
-    selection shares closest (least squares) to the observed ``counts``."""
+    selection shares closest (least squares) to the observed ``counts``. The expected sorted
+    shares at N tokens are those of binomial counts ``Binomial(N, π_r)`` around the tabulated
+    inclusion probabilities, sorted (so sampling noise is not mistaken for skew)."""
     E = len(counts)
     if n_tokens < 1 or K >= E:
         return 0.0
     obs = np.sort(counts)[::-1] / counts.sum()
-    rng = np.random.default_rng(seed)
-    n = int(min(n_tokens, 4000))
-    g = rng.gumbel(size=(n, E))  # common random numbers: a smooth objective in s
-    ranks = np.log(np.arange(1, E + 1, dtype=np.float64))
+    z = np.random.default_rng(seed).standard_normal((32, E))  # common random numbers
+    N = float(n_tokens)
 
     def err(s: float) -> float:
-        c = np.sort(_topk_counts(-s * ranks[None] + g, K))[::-1]
-        return float(np.sum((c / c.sum() - obs) ** 2))
+        pi = _pl_inclusion(s, E, K)
+        c = np.maximum(N * pi + np.sqrt(N * pi * (1 - np.minimum(pi, 1.0))) * z, 0.0)
+        c = -np.sort(-c, axis=1)
+        shares = (c / np.maximum(c.sum(1, keepdims=True), 1e-12)).mean(0)
+        return float(np.sum((shares - obs) ** 2))
 
     lo, hi = bracket
     invphi = (math.sqrt(5) - 1) / 2
@@ -621,12 +644,17 @@ def _calibrate(stats: RoutingStats, seed: int, *, reuse_params: Sequence[bool] |
     prev_col: list[np.ndarray] | None = None  # layer l−1's pilot ids per step
     prev_m: np.ndarray | None = None
 
-    def pilot(li: int) -> tuple[list[np.ndarray], np.ndarray]:
-        # common random numbers: every pilot of a layer draws the same noise, so the measured
-        # lifts move smoothly with the bonuses and the bisection is not misled by noise
+    # the reuse search needs only 2048 tokens: a shorter prefix of the same pilot
+    short = min(steps, 2048 // batch)
+    n_short = short * batch
+
+    def pilot(li: int, n_steps: int = steps) -> tuple[list[np.ndarray], np.ndarray]:
+        # common random numbers: every pilot of a layer draws the same noise (a short pilot is a
+        # prefix of the long one), so the measured lifts move smoothly with the bonuses and the
+        # bisection is not misled by noise
         gen = _Generator(E, K, skew, alpha, beta, stats, np.random.default_rng([seed, li]), seed)
         col, last = [], None
-        for t in range(steps):
+        for t in range(n_steps):
             last = gen.token(batch, li, last, prev_col[t] if prev_col is not None else None)
             col.append(last)
         return col, _membership(np.concatenate(col), E)
@@ -641,7 +669,7 @@ def _calibrate(stats: RoutingStats, seed: int, *, reuse_params: Sequence[bool] |
             # alike layers would otherwise drift the popularity)
             alpha[li], beta[li] = alpha[li - 1], beta[li - 1]
             for _ in range(2):
-                _, m = pilot(li)
+                _, m = pilot(li, short)
                 got_s = _fit_zipf(m.sum(0), K, len(m), seed + li, (max(0.0, skew[li] - 1.0), skew[li] + 1.0))
                 skew[li] = float(np.clip(skew[li] + 0.7 * (want_s[li] - got_s), 0.0, 6.0))
             prev_col, prev_m = pilot(li)
@@ -672,9 +700,9 @@ def _calibrate(stats: RoutingStats, seed: int, *, reuse_params: Sequence[bool] |
             lo, hi = (0.0, _MAX_BONUS) if rnd < 2 else (0.5 * vec[li], 1.5 * vec[li] + 0.25)
             for i in range(n_iter):
                 vec[li] = (lo + hi) / 2
-                _, m = pilot(li)
+                _, m = pilot(li, short if which == "alpha" else steps)
                 if which == "alpha":
-                    got = _lift(_reuse(seq, step, m, K), float(np.sum(m.mean(0) ** 2) / K))
+                    got = _lift(_reuse(seq[:n_short], step[:n_short], m, K), float(np.sum(m.mean(0) ** 2) / K))
                 else:
                     got = _lift(*_adjacent_at_reference(prev_m, m, folds, K, seed + li))
                 if got < want:
@@ -752,4 +780,35 @@ def check_trace_shape(trace: Any, shape: Any) -> None:
         )
 
 
-__all__ = ["ForwardRouting", "RoutingStats", "check_trace_shape", "fit_routing_stats", "synthetic_routing"]
+
+
+
+__all__ = ["ForwardRouting", "RoutingStats", "check_trace_shape", "fit_routing_stats", "main", "synthetic_routing"]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m moelab.simulate.synthetic TRACE [--shape NAME] [--json]``: print the routing
+    statistics fitted from a trace (and, with ``--shape``, carried to that model's E, K, layers)."""
+    import argparse
+
+    from moelab.simulate.shapes import get_shape
+
+    ap = argparse.ArgumentParser(prog="python -m moelab.simulate.synthetic", description=main.__doc__)
+    ap.add_argument("trace", help="a recorded trace directory (moelab trace ... --out DIR)")
+    ap.add_argument("--shape", help="also show the statistics carried to this model shape (e.g. deepseek-v3)")
+    ap.add_argument("--json", action="store_true", help="print the statistics as JSON")
+    args = ap.parse_args(argv)
+    try:
+        stats = fit_routing_stats(args.trace)
+        if args.shape:
+            shape = get_shape(args.shape)
+            stats = stats.for_shape(shape.num_experts, shape.top_k, shape.num_moe_layers)
+    except MoelabError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(stats.to_dict(), default=str) if args.json else stats)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
