@@ -272,7 +272,7 @@ def machine_rows(profile: Any = None, *, quick: bool = False, progress: bool = F
     for kind, label, cfg in tqdm(_machine_cases(quick), desc="real runs", unit="run", disable=not progress):
         if kind not in models:
             if kind == "v2-lite":
-                m = realistic_model(3)
+                m = realistic_model(1 if quick else 3)
                 ids = torch.randint(3, 250, (1, 8), generator=torch.Generator().manual_seed(0))
             else:
                 m, tok = moelab.load(kind)
@@ -327,7 +327,7 @@ def format_rows(rows: list[dict], info: dict) -> str:
     if any(r["group"] == "machine" for r in rows):
         out.append(f"this machine: profile {info.get('profile')}; {info.get('machine_settings', '')}")
     lines = ["  ".join(h.ljust(w) for h, w in zip(head, widths))]
-    for r, b in zip(rows, body):
+    for b in body:
         lines.append("  ".join(v.ljust(w) for v, w in zip(b, widths)))
     out += lines
     if "machine_median_error_pct" in info:
