@@ -266,7 +266,7 @@ def machine_rows(profile: Any = None, *, quick: bool = False, progress: bool = F
     else:
         hw = get_profile(profile)
         info["profile"] = f"{profile} (given)"
-    steps, warmup = (3, 1) if quick else (8, 2)
+    steps, warmup = (3, 1) if quick else (6, 1)
     models: dict[str, tuple] = {}
     rows = []
     for kind, label, cfg in tqdm(_machine_cases(quick), desc="real runs", unit="run", disable=not progress):
