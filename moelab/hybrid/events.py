@@ -102,7 +102,7 @@ def summarize(df) -> dict:
     def spans(rows) -> list[tuple[float, float]]:
         return _merge(list(zip(rows["t_start_us"], rows["t_end_us"], strict=True)))
 
-    host = spans(df[df["lane"] == "host"])
+    host = spans(df[df["lane"].astype(str).str.startswith("host")])  # host, or host0.. per NUMA node
     # the device side: device-lane compute and the control thread's dense work (not its waits)
     dev = spans(df[(df["lane"] == "device") | ((df["lane"] == "control") & (df["kind"] != "wait"))])
     overlap = sum(max(0.0, min(b, d) - max(a, c)) for a, b in host for c, d in dev)
