@@ -146,4 +146,4 @@ def test_validate_machine_rows_from_the_real_runs_plans():
     assert {r["metric"] for r in rows} == {"decode step ms", "host busy %"}
     assert all(r["reference"] > 0 or r["metric"] == "host busy %" for r in rows)
     text = format_rows(rows, info)
-    assert "median |error|" in text and "v2lite-shaped cap 0.25 defer 2" in text
+    assert "median |error|" in text and "moelab-tiny-mixtral cap 0.25 defer 1" in text
