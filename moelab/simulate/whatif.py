@@ -22,7 +22,7 @@ fly from the bundled ``moelab-tiny-mixtral`` (fitted once, cached in
 Grid axes (:data:`AXES`): ``capacity`` (fraction or count of each layer's experts on the
 device), ``deferral`` (deferred experts per token), ``placement`` (``host-misses``,
 ``fetch-misses``, ``greedy-hss``, ``min-cost``), ``policy`` (the cache policy of the policy
-column; default ``lru``), ``skipping``.
+column; default ``lru``), ``skipping``, ``min_immediate`` (experts per token deferral keeps; 2).
 """
 
 from __future__ import annotations
@@ -84,8 +84,10 @@ def _policy(text: str, key: str) -> str:
 
 
 #: Grid axes and how one value of each is parsed.
-AXES = {"capacity": _number, "deferral": _int, "placement": _placement, "policy": _policy, "skipping": _int}
-DEFAULTS = {"capacity": [0.25], "deferral": [0], "placement": ["host-misses"], "policy": ["lru"], "skipping": [0]}
+AXES = {"capacity": _number, "deferral": _int, "placement": _placement, "policy": _policy, "skipping": _int,
+        "min_immediate": _int}
+DEFAULTS = {"capacity": [0.25], "deferral": [0], "placement": ["host-misses"], "policy": ["lru"], "skipping": [0],
+            "min_immediate": [2]}
 
 
 def parse_grid(items: list[str] | dict[str, Any] | None) -> dict[str, list]:
@@ -226,7 +228,8 @@ def _config(cell: dict, hardware: str, *, oracle: bool, prefetch: bool, cache: s
         "cache": {"capacity": cell["capacity"], "policy": cache or ("belady" if oracle else cell["policy"])},
         "placement": cell["placement"],
         "hardware": hardware,
-        "routing": {"deferred": cell["deferral"], "skipped": cell["skipping"]},
+        "routing": {"deferred": cell["deferral"], "skipped": cell["skipping"],
+                    "min_immediate": cell.get("min_immediate", 2)},
         "prefetch": {"predictor": "oracle" if prefetch else None},
     }
 
