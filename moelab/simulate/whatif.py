@@ -11,7 +11,9 @@ the future of the routing) and the oracle prefetch (the experts the next MoE lay
 needs). The bound is the best of :data:`ORACLE_VARIANTS` — Belady inserting every miss or
 Belady with bypass, each without and with the oracle prefetch — because on a slow link
 inserting or prefetching every needed expert congests the copy engine (an oracle would not);
-its ``oracle_variant`` column names the winner.
+its ``oracle_variant`` column names the winner. Belady minimises misses, not time, so the
+bound is empirical, not a theorem: tests/test_simulate_whatif.py checks that it bounds the
+policy column at every cell of a grid, and a cell where it does not would be worth a look.
 
 Routing comes from a recorded trace (``trace=``; its experts, top-k and MoE layers must match
 the shape) or is synthetic (``synthetic=True``): :func:`moelab.simulate.synthetic.synthetic_routing`
