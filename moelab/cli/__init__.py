@@ -31,6 +31,7 @@ COMMAND_MODULES: list[str] = [
     "demo",
     "bench",
     "calibrate",
+    "simulate",
     "train_tiny",
 ]
 

@@ -185,6 +185,20 @@ def _flat_pairs(lists: list) -> np.ndarray:
     return flat.reshape(n, 2)
 
 
+def _immediate_items(devs, hosts, dfrs):
+    """The device and host items less their deferred slots: a LayerPlan's ``device``/``host``
+    count every token routed to the expert, deferred slots included (the cache serves the union),
+    but the immediate call computes only the non-deferred slots — the deferred ones run once, in
+    the deferred task (as in :mod:`moelab.hybrid.real`, whose backends skip zero-weight slots)."""
+    devs, hosts = list(devs), list(hosts)
+    for i, d in enumerate(dfrs):
+        if d:
+            dd = dict(d)
+            devs[i] = [(e, n - dd.get(e, 0)) for e, n in devs[i] if n > dd.get(e, 0)]
+            hosts[i] = [(e, n - dd.get(e, 0)) for e, n in hosts[i] if n > dd.get(e, 0)]
+    return tuple(devs), tuple(hosts)
+
+
 def encode(plans: Sequence[Any], num_experts: int, num_moe_layers: int, *, has_shared: bool) -> Encoded:
     """Flatten plans (LayerPlan-like objects) in order; checks experts and layers against the shape."""
     n = len(plans)
@@ -197,6 +211,8 @@ def encode(plans: Sequence[Any], num_experts: int, num_moe_layers: int, *, has_s
     tokens = np.fromiter(cols_p[3], dtype=np.int64, count=n)
     prefill = np.fromiter(map("prefill".__eq__, cols_p[4]), dtype=bool, count=n)
     devs, hosts, dfrs, trs, hits = cols_p[5:10]
+    if any(dfrs):
+        devs, hosts = _immediate_items(devs, hosts, dfrs)
     phits = [getattr(p, "prefetch_hits", None) or () for p in plans]
     nv = np.fromiter(map(len, devs), dtype=np.int64, count=n)
     v, hh, ff = _flat_pairs(devs), _flat_pairs(hosts), _flat_pairs(dfrs)
