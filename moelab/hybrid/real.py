@@ -34,8 +34,8 @@ stream from pinned masters into a GPU pool, host experts on hidden states copied
 
 from __future__ import annotations
 
-import contextlib
 import itertools
+import logging
 import queue
 import threading
 from concurrent.futures import Future
@@ -44,6 +44,8 @@ from typing import Any
 import torch
 
 from moelab.hybrid.events import EventLog
+
+log = logging.getLogger(__name__)
 
 
 class Lane:
@@ -93,8 +95,11 @@ class Lane:
                              cause=cause)
             fut.set_result(result)
             if post is not None:
-                with contextlib.suppress(Exception):  # a CUDA failure resurfaces at the result's next use
+                try:
                     post(result)
+                except Exception as e:  # noqa: BLE001 - the result is already handed over; say what failed
+                    log.warning("moelab %s lane: after-task step of layer %d failed: %s: %s", self.name, layer,
+                                type(e).__name__, e)
 
     def close(self) -> None:
         self._q.put((float("inf"), next(self._seq), None, None, None))

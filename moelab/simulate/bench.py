@@ -90,12 +90,10 @@ def deepseek_v3_standin() -> SimpleShape:
 
 
 def deepseek_v3_shape() -> Any:
-    try:
-        from moelab.simulate.shapes import get_shape  # type: ignore[import-not-found]
+    """DeepSeek-V3 from the packaged shape catalog (MLA attention, as its config.json says)."""
+    from moelab.simulate.shapes import get_shape
 
-        return get_shape("deepseek-v3")
-    except Exception:  # noqa: BLE001 - the catalog is another package; the stand-in has the same numbers
-        return deepseek_v3_standin()
+    return get_shape("deepseek-v3")
 
 
 def random_plans(*, steps: int, layers: int, experts: int, top_k: int, expert_bytes: int, capacity: float = 0.25,

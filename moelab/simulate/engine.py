@@ -103,6 +103,8 @@ class Graph:
                 raise MoelabError(f"graph: {name} has {len(getattr(self, name))} entries for {n} tasks.")
         if len(self.dep_ptr) != n + 1 or self.dep_ptr[0] != 0 or self.dep_ptr[-1] != len(self.dep_idx):
             raise MoelabError("graph: dep_ptr must have n + 1 entries from 0 to len(dep_idx).")
+        if n and (np.diff(self.dep_ptr) < 0).any():
+            raise MoelabError("graph: dep_ptr must not decrease (task i's dependencies are dep_idx[dep_ptr[i]:dep_ptr[i+1]]).")
         if n and (self.resource.min() < 0 or self.resource.max() >= len(self.servers)):
             raise MoelabError("graph: a task names a resource that does not exist.")
         if (self.servers < 1).any():
