@@ -239,3 +239,21 @@ def reserve_output(path: str | os.PathLike, overwrite: bool = False, *, what: st
     ``kind`` is ``"dir"`` (``staging`` is an empty directory) or ``"file"`` (an empty file).
     """
     return OutputReservation(path, overwrite=overwrite, what=what, hint=hint, kind=kind)
+
+
+def write_file_atomic(path: str | os.PathLike, data: str | bytes) -> Path:
+    """Write one small file atomically: a unique sibling temp file (``0666 & ~umask``), renamed
+    into place when complete (two writers never share a temp name; a failed write leaves none)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".partial")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data.encode("utf-8") if isinstance(data, str) else data)
+        os.chmod(tmp, 0o666 & ~_umask())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+    return path

@@ -81,12 +81,9 @@ def run(args) -> int:
                 progress=sys.stderr.isatty())
     a = df.attrs
     if args.csv:
-        from pathlib import Path
+        from moelab._output import write_file_atomic
 
-        out = Path(args.csv)
-        tmp = out.with_name(f".{out.name}.partial")
-        df.to_csv(tmp, index=False)
-        tmp.replace(out)
+        write_file_atomic(args.csv, df.to_csv(index=False))
     if args.json:
         emit_json({"rows": df.to_dict(orient="records"),
                    **{k: (v.to_dict() if hasattr(v, "to_dict") else v) for k, v in a.items()}})

@@ -159,10 +159,9 @@ def default_routing_stats(model: str = DEFAULT_FIT_MODEL, *, max_new_tokens: int
         tr = trace_prompts(m, tok, list(DEMO_PROMPTS), Path(d) / "trace", max_new_tokens=max_new_tokens,
                            progress=progress, model_name=model)
         stats = fit_routing_stats(tr)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".partial")
-    tmp.write_text(json.dumps(stats.to_dict(), default=str))
-    tmp.replace(path)
+    from moelab._output import write_file_atomic
+
+    write_file_atomic(path, json.dumps(stats.to_dict(), default=str))
     return stats
 
 
