@@ -185,6 +185,21 @@ def _flat_pairs(lists: list) -> np.ndarray:
     return flat.reshape(n, 2)
 
 
+def _immediate_only(lists: Sequence[list], deferred: Sequence[list]) -> list[list]:
+    """Per plan, its (expert, tokens) pairs less the deferred slots: the planner counts a deferred
+    slot among the layer's needed experts (served by the cache, placed), but it runs as deferred
+    work (on the host, as the real executor runs it), not also as immediate work; an expert whose
+    every slot is deferred has no immediate work."""
+    out = []
+    for pairs, dfr in zip(lists, deferred, strict=True):
+        if not dfr:
+            out.append(pairs)
+            continue
+        d = dict(dfr)
+        out.append([(e, t - d.get(e, 0)) for e, t in pairs if t - d.get(e, 0) > 0])
+    return out
+
+
 def encode(plans: Sequence[Any], num_experts: int, num_moe_layers: int, *, has_shared: bool) -> Encoded:
     """Flatten plans (LayerPlan-like objects) in order; checks experts and layers against the shape."""
     n = len(plans)
@@ -197,6 +212,8 @@ def encode(plans: Sequence[Any], num_experts: int, num_moe_layers: int, *, has_s
     tokens = np.fromiter(cols_p[3], dtype=np.int64, count=n)
     prefill = np.fromiter(map("prefill".__eq__, cols_p[4]), dtype=bool, count=n)
     devs, hosts, dfrs, trs, hits = cols_p[5:10]
+    if any(dfrs):  # the planner lists a deferred expert among the layer's device/host experts too
+        devs, hosts = _immediate_only(devs, dfrs), _immediate_only(hosts, dfrs)
     phits = [getattr(p, "prefetch_hits", None) or () for p in plans]
     nv = np.fromiter(map(len, devs), dtype=np.int64, count=n)
     v, hh, ff = _flat_pairs(devs), _flat_pairs(hosts), _flat_pairs(dfrs)
