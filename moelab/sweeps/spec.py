@@ -21,6 +21,9 @@ This module is the ``eval`` kind's spec (the default ``kind``); other kinds (``c
 ``policies`` may also hold ``{policy: hybrid, config: FILE.yaml}`` (a hybrid configuration,
 inline or a file relative to the spec), and ``artifacts: {trace: true, timeline: true}``
 records each cell's routing trace and a hybrid cell's timeline in the store.
+``hardware: [PROFILE, ...]`` (with optional ``simulate: {hybrid: ..., model_shape: ...}``)
+gives every cell a simulated latency of its own routing trace per profile
+(:mod:`moelab.sweeps.latency`); those inputs enter the cell hash.
 
 ``grid`` values are lists to sweep (their cartesian product); other policy keys are fixed
 settings (a list there is a per-layer value, as ``ExpertDeferral`` takes it). A cell is one
