@@ -85,7 +85,7 @@ def _status(args) -> int:
 
 
 def _report(args) -> int:
-    from moelab.sweeps.report import collect, markdown_tables, write_html
+    from moelab.sweeps.report import collect, markdown_latency, markdown_tables, write_html
     from moelab.sweeps.spec import load_spec
 
     spec = load_spec(args.spec)
@@ -93,5 +93,6 @@ def _report(args) -> int:
     out = write_html(spec, statuses, args.html, overwrite=args.overwrite)
     if args.markdown:
         print(markdown_tables(spec, statuses))
+        print(markdown_latency(statuses))
     print(f"wrote {out}")
     return 0

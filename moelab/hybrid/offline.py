@@ -78,16 +78,19 @@ class OfflineRouting:
     recorded ids and weights: the same code as in a running model.
     """
 
-    def __init__(self, routing: RoutingConfig, top_k: Sequence[int]) -> None:
+    def __init__(self, routing: RoutingConfig, top_k: Sequence[int], policies: Sequence[Any] | None = None) -> None:
         from moelab.policies import ExpertDeferral, ExpertSkipping
 
         self.layers = [SimpleNamespace(index=i, top_k=int(k), layer_idx=i) for i, k in enumerate(top_k)]
         self.policies = []
-        if routing.skipped:
-            self.policies.append(ExpertSkipping(None, routing.skipped, phase=routing.phase))
-        if routing.deferred:
-            self.policies.append(ExpertDeferral(None, routing.deferred, phase=routing.phase,
-                                                min_immediate=routing.min_immediate))
+        if policies is not None:  # given policy objects (their own settings and guards), not routing's
+            self.policies = list(policies)
+        else:
+            if routing.skipped:
+                self.policies.append(ExpertSkipping(None, routing.skipped, phase=routing.phase))
+            if routing.deferred:
+                self.policies.append(ExpertDeferral(None, routing.deferred, phase=routing.phase,
+                                                    min_immediate=routing.min_immediate))
         for p in self.policies:
             p._resolve(self.layers)
 
@@ -301,6 +304,7 @@ def plan_routing(
     expert_bytes: int | Sequence[int],
     expert_params: float | None = None,
     predictor: Any = None,
+    routing_policies: Sequence[Any] | None = None,
 ) -> list[LayerPlan]:
     """The plans of every MoE layer of every forward of ``routing`` under ``config``.
 
@@ -312,12 +316,16 @@ def plan_routing(
         expert_params: parameters of one expert (placements with a cost model).
         predictor: prefetch source; default ``config.prefetch.predictor`` (see the module
             docstring: ``"oracle"``, a fitted predictor or its directory, a ``propose`` object).
+        routing_policies: :mod:`moelab.policies` objects applied to no model (e.g.
+            ``ExpertSkipping(None, config=SkippingConfig(skipped=2, min_kept=0))``), run in order
+            instead of ``config.routing``'s: settings a :class:`RoutingConfig` has no field for
+            (``min_kept``, ``last_layer``, ``batch_rule``), or any registered policy.
     """
     cfg = _as_config(config)
     from moelab.caches import get_policy
 
     L = len(num_experts)
-    routing_policy = OfflineRouting(cfg.routing, top_k)
+    routing_policy = OfflineRouting(cfg.routing, top_k, routing_policies)
     proposer = _proposer(predictor, cfg, num_experts)
     cap = cfg.cache.capacity
     future = cap != 0 and get_policy(cfg.cache.policy).needs_future

@@ -4,7 +4,9 @@ scored with lm-eval (:func:`moelab.evals.evaluate`).
 A cell's files are lm-eval's per-document logs (``samples_<task>.jsonl``) and, when the
 spec asks for them (``artifacts: {trace: true, timeline: true}``), the routing trace of the
 cell's evaluation (``trace/``, a :func:`moelab.record` directory) and, for a ``hybrid``
-cell, its timeline (``events.parquet``, the schema of :mod:`moelab.hybrid.events`).
+cell, its timeline (``events.parquet``, the schema of :mod:`moelab.hybrid.events`). A spec
+with ``hardware:`` profiles also records each cell's simulated latency (``latency[profile]``,
+:mod:`moelab.sweeps.latency`) from its own routing trace.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ def read_files(root: Path) -> dict[str, bytes]:
 
 class EvalKind(CellKind):
     name = "eval"
-    spec_keys = ("models", "policies", "tasks", "seeds", "hardware", "eval", "artifacts")
+    spec_keys = ("models", "policies", "tasks", "seeds", "hardware", "simulate", "eval", "artifacts")
 
     def parse(self, reader: Any, data: dict[str, Any], common: dict[str, Any]) -> SweepSpec:
         return parse_eval_spec(reader, data, common)
@@ -59,6 +61,15 @@ class EvalKind(CellKind):
         config = EvalConfig(tasks=[cell.task], limit=cell.limit, num_fewshot=cell.num_fewshot, seed=cell.seed,
                             **cell.eval)
         want_trace = bool(cell.artifacts.get("trace"))
+        shape = None
+        if cell.hardware:  # the shape first: a mismatch fails the cell before its evaluation runs
+            from moelab.simulate.shapes import ModelShape
+            from moelab.sweeps.latency import cell_shape, check_shape
+
+            shape = cell_shape(cell, model)
+            live = ModelShape.from_model(model, name=cell.model)
+            check_shape(shape, [live.num_experts] * live.num_moe_layers, [live.top_k] * live.num_moe_layers,
+                        f"model {cell.model}")
         want_timeline = bool(cell.artifacts.get("timeline")) and cell.policy == HYBRID
         paths: dict[str, str | None] = {"samples_path": ".", "trace_path": None, "timeline_path": None}
         with tempfile.TemporaryDirectory(prefix="moelab-cell-") as tmp:
@@ -67,9 +78,12 @@ class EvalKind(CellKind):
             files_dir.mkdir()
             with contextlib.ExitStack() as stack:
                 policy = stack.enter_context(make_policy(cell.policy, model, cell.settings))
-                if want_trace:
-                    stack.enter_context(moelab.record(model, files_dir / "trace", model_name=cell.model,
+                # the latency needs the trace too: kept in the store if asked for, else a temporary one
+                trace_dir = files_dir / "trace" if want_trace else Path(tmp) / "trace"
+                if want_trace or cell.hardware:
+                    stack.enter_context(moelab.record(model, trace_dir, model_name=cell.model,
                                                       metadata={"sweep_cell": cell.hash}))
+                if want_trace:
                     paths["trace_path"] = "trace"
                 result = evaluate(model, tokenizer, config=config, log_samples_dir=out, model_name=cell.model)
                 if want_timeline:  # the run's events, complete once its last forward ended
@@ -77,6 +91,11 @@ class EvalKind(CellKind):
 
                     pq.write_table(policy.events.table(), files_dir / "events.parquet")
                     paths["timeline_path"] = "events.parquet"
+            latency = {}
+            if cell.hardware:  # the recorder has closed: the trace is complete
+                from moelab.sweeps.latency import cell_latency
+
+                latency = cell_latency(cell, trace_dir, shape)
             for p in sorted(out.glob("samples_*.jsonl")):
                 (files_dir / p.name).write_bytes(p.read_bytes())
             files = read_files(files_dir)
@@ -102,8 +121,8 @@ class EvalKind(CellKind):
             "code_isolation": result.code_isolation,
             "versions": result.versions,
             **paths,
-            # {hardware profile: simulated figures}; None until a simulator is registered (#13)
-            "latency": {h: None for h in cell.hardware},
+            # {hardware profile: simulated figures of the cell's own routing} (moelab.sweeps.latency)
+            "latency": latency,
         }
         return fields, files
 
@@ -116,7 +135,13 @@ class EvalKind(CellKind):
             "affected": cell.affected, "seed": cell.seed,
             "score": r.get("score"), "stderr": r.get("score_stderr"), "n": r.get("n_docs"),
             "wall_s": r.get("wall_s"),
+            **{f"tokens/s {h}": _tps(r, h) for h in cell.hardware},
         }
+
+
+def _tps(record: dict[str, Any], profile: str) -> float | None:
+    figures = (record.get("latency") or {}).get(profile)
+    return figures.get("tokens_per_s") if isinstance(figures, dict) else None
 
 
 EVAL = EvalKind()

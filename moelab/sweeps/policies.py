@@ -123,3 +123,17 @@ def make_policy(name: str, model: Any, settings: dict[str, Any]) -> Any:
         return reg.make_policy(name, model, **settings)
     policy_cls, config_cls = _classes(name)
     return policy_cls(model, config=config_cls(**settings))
+
+
+def offline_policies(name: str, settings: dict[str, Any]) -> list[Any] | None:
+    """Policy ``name`` with ``settings`` as :mod:`moelab.policies` objects applied to no model,
+    for :func:`moelab.hybrid.offline.plan_routing`'s ``routing_policies`` (so the planner runs
+    the cell's own policy, guards included); ``[]`` for ``none``; None for ``hybrid`` (its
+    configuration's own ``routing`` applies)."""
+    check_policy_name(name)
+    if name == NONE:
+        return []
+    if name == HYBRID:
+        return None
+    policy_cls, config_cls = _classes(name)
+    return [policy_cls(None, config=config_cls(**settings))]

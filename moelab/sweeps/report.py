@@ -5,9 +5,10 @@ setting, and the KTransformers-Fig.-13-style curves: accuracy against experts de
 skipped per token, with error bars (± 1 standard error; the Wilson 95 % interval where every
 document scored the same and the standard error is 0). The unmodified model is the n = 0
 point of both curves. Where records carry a speed (``latency[profile]`` with ``tokens_per_s``
-or ``latency_s``, filled by a latency simulator), the report draws accuracy against
-simulated tokens/s per hardware profile with its Pareto front; until then it says it is
-absent. Specs of other kinds (``cache``, ``predictor``) get the table of all cells.
+or ``latency_s``; a spec with ``hardware:`` profiles fills it, :mod:`moelab.sweeps.latency`),
+the report draws one panel per hardware profile: accuracy against simulated tokens/s, with
+the Pareto front of each model and task, and a table of the points; otherwise it says why
+there is none. Specs of other kinds (``cache``, ``predictor``) get the table of all cells.
 """
 
 from __future__ import annotations
@@ -125,31 +126,84 @@ def pareto_front(points: list[SpeedPoint]) -> list[SpeedPoint]:
     return sorted(front, key=lambda p: (p.tokens_per_s, -p.score))
 
 
-def pareto_figure(points: list[SpeedPoint], profile: str):
-    """Accuracy against simulated tokens/s on ``profile``: every cell, and the Pareto front as a line."""
-    import plotly.graph_objects as go
+def speed_groups(points: list[SpeedPoint]) -> dict[tuple[str, str], list[SpeedPoint]]:
+    """Points by (model, task): a Pareto front compares settings of one model on one task."""
+    out: dict[tuple[str, str], list[SpeedPoint]] = {}
+    for p in points:
+        out.setdefault((p.status.cell.model, p.status.cell.task), []).append(p)
+    return out
 
+
+def _label(p: SpeedPoint) -> str:
     from moelab.sweeps.kinds import get_kind
 
-    def label(p: SpeedPoint) -> str:
-        row = get_kind(p.status.cell.kind).row(p.status.cell, p.status.record)
-        return " · ".join(str(row[k]) for k in ("model", "task", "policy", "settings") if k in row)
+    row = get_kind(p.status.cell.kind).row(p.status.cell, p.status.record)
+    return " · ".join(str(row[k]) for k in ("model", "task", "policy", "settings") if k in row)
+
+
+def pareto_figure(points: list[SpeedPoint], profile: str):
+    """Accuracy against simulated tokens/s on ``profile`` (one panel): per model and task, every
+    cell with its error bar and that group's Pareto front as a step line."""
+    import plotly.graph_objects as go
 
     fig = go.Figure()
-    bars = [_bar(p.score, p.stderr, p.status.record["n_docs"]) for p in points]
-    fig.add_trace(go.Scatter(
-        x=[p.tokens_per_s for p in points], y=[p.score for p in points], mode="markers", name="cells",
-        error_y={"type": "data", "symmetric": False, "array": [b[1] for b in bars],
-                 "arrayminus": [b[0] for b in bars], "visible": True},
-        text=[label(p) for p in points], hovertemplate="%{text}<br>%{x:.1f} tokens/s, accuracy %{y:.3f}<extra></extra>",
-    ))
-    front = pareto_front(points)
-    fig.add_trace(go.Scatter(x=[p.tokens_per_s for p in front], y=[p.score for p in front], mode="lines+markers",
-                             name="Pareto front", line={"shape": "hv"}, text=[label(p) for p in front],
-                             hovertemplate="%{text}<extra>Pareto front</extra>"))
-    fig.update_layout(title=f"accuracy vs simulated tokens/s on {profile} (± 1 standard error)",
-                      xaxis_title="simulated tokens/s", yaxis_title="accuracy", height=420)
+    palette = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#e377c2", "#17becf")
+    for i, ((model, task), pts) in enumerate(sorted(speed_groups(points).items())):
+        color = palette[i % len(palette)]
+        name = f"{model} · {task}"
+        bars = [_bar(p.score, p.stderr, p.status.record["n_docs"]) for p in pts]
+        fig.add_trace(go.Scatter(
+            x=[p.tokens_per_s for p in pts], y=[p.score for p in pts], mode="markers", name=name,
+            marker={"color": color}, legendgroup=name,
+            error_y={"type": "data", "symmetric": False, "array": [b[1] for b in bars],
+                     "arrayminus": [b[0] for b in bars], "visible": True},
+            text=[_label(p) for p in pts],
+            hovertemplate="%{text}<br>%{x:.1f} tokens/s, accuracy %{y:.3f}<extra></extra>",
+        ))
+        front = pareto_front(pts)
+        fig.add_trace(go.Scatter(x=[p.tokens_per_s for p in front], y=[p.score for p in front], mode="lines",
+                                 name=f"Pareto front · {name}", line={"shape": "hv", "color": color},
+                                 legendgroup=name, text=[_label(p) for p in front],
+                                 hovertemplate="%{text}<extra>Pareto front</extra>"))
+    fig.update_layout(title=f"accuracy vs simulated tokens/s on {profile} (± 1 standard error; "
+                            "up and right is better)",
+                      xaxis_title="simulated decode tokens/s", yaxis_title="accuracy", height=440)
+    fig.update_xaxes(type="log")
     return fig
+
+
+def latency_rows(points: list[SpeedPoint]) -> list[dict[str, Any]]:
+    """One row per point of one profile: accuracy, tokens/s, decode step, host busy, on the front."""
+    rows = []
+    for (_model, _task), pts in sorted(speed_groups(points).items()):
+        front = {id(p) for p in pareto_front(pts)}
+        for p in sorted(pts, key=lambda q: -q.tokens_per_s):
+            f = p.status.record["latency"][p.profile]
+            rows.append({"cell": _label(p),
+                         "accuracy": score_text(p.score, p.stderr, p.status.record["n_docs"]),
+                         "tokens/s": f"{p.tokens_per_s:.1f}",
+                         "decode step ms": _num(f.get("decode_step_ms")),
+                         "host busy %": _num(f.get("host_side_busy_pct"), 0),
+                         "Pareto": "yes" if id(p) in front else ""})
+    return rows
+
+
+def _num(v: Any, digits: int = 2) -> str:
+    return "" if not isinstance(v, (int, float)) else f"{v:.{digits}f}"
+
+
+def markdown_latency(statuses: list[CellStatus]) -> str:
+    """Markdown: per hardware profile, every cell's accuracy beside its simulated speed."""
+    out = []
+    for profile, points in sorted(speed_points(statuses).items()):
+        rows = latency_rows(points)
+        out.append(f"**simulated on {profile}** (decode tokens/s of each cell's own routing trace; "
+                   "Pareto = on its model and task's accuracy-vs-tokens/s front)\n")
+        out.append("| " + " | ".join(rows[0]) + " |")
+        out.append("|---" * len(rows[0]) + "|")
+        out += ["| " + " | ".join(r.values()) + " |" for r in rows]
+        out.append("")
+    return "\n".join(out)
 
 
 def _series(statuses: list[CellStatus], model: str, task: str) -> dict[str, dict[int, Any]]:
@@ -258,16 +312,21 @@ def write_html(spec: SweepSpec, statuses: list[CellStatus], out: str | os.PathLi
     speed = speed_points(statuses)
     for profile, points in sorted(speed.items()):
         parts.append(f"<h2>Accuracy vs simulated tokens/s · {html.escape(profile)}</h2>")
-        front = pareto_front(points)
-        parts.append(f"<p>{len(points)} cell(s); {len(front)} on the Pareto front.</p>")
+        n_front = sum(len(pareto_front(g)) for g in speed_groups(points).values())
+        parts.append(f"<p>{len(points)} cell(s); {n_front} on a Pareto front (per model and task: no other "
+                     "setting is both more accurate and faster). Speeds are each cell's own routing trace "
+                     "planned and simulated on this profile (moelab.sweeps.latency).</p>")
         parts.append(pareto_figure(points, profile).to_html(full_html=False, include_plotlyjs=first))
         first = False
+        rows = latency_rows(points)
+        parts.append("<table><tr>" + "".join(f"<th>{html.escape(k)}</th>" for k in rows[0]) + "</tr>" + "".join(
+            "<tr>" + "".join(f"<td>{html.escape(v)}</td>" for v in r.values()) + "</tr>" for r in rows)
+            + "</table>")
     if not speed and spec.kind == "eval":
         parts.append("<h2>Simulated latency</h2><p>No simulated latency: "
-                     + ("the spec lists hardware profiles, but " if spec.hardware else "the spec lists no hardware "
-                        "profiles, and ")
-                     + "no latency simulator is registered in this moelab yet, so cells carry no latency "
-                       "and there is no accuracy-vs-tokens/s Pareto front.</p>")
+                     + ("no finished cell carries one yet." if spec.hardware else
+                        "the spec lists no hardware profiles; add hardware: [PROFILE, ...] to simulate each "
+                        "cell's routing and draw accuracy against tokens/s with its Pareto front.") + "</p>")
     parts.append("<h2>All cells</h2>")
     rows = table_rows(statuses)
     keys = list(rows[0]) if rows else []

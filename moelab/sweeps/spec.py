@@ -21,6 +21,9 @@ This module is the ``eval`` kind's spec (the default ``kind``); other kinds (``c
 ``policies`` may also hold ``{policy: hybrid, config: FILE.yaml}`` (a hybrid configuration,
 inline or a file relative to the spec), and ``artifacts: {trace: true, timeline: true}``
 records each cell's routing trace and a hybrid cell's timeline in the store.
+``hardware: [PROFILE, ...]`` (with optional ``simulate: {hybrid: ..., model_shape: ...}``)
+gives every cell a simulated latency of its own routing trace per profile
+(:mod:`moelab.sweeps.latency`); those inputs enter the cell hash.
 
 ``grid`` values are lists to sweep (their cartesian product); other policy keys are fixed
 settings (a list there is a per-layer value, as ``ExpertDeferral`` takes it). A cell is one
@@ -106,8 +109,11 @@ class SweepSpec:
     tasks: list[TaskSpec]
     seeds: list[int] = field(default_factory=lambda: [1234])
     hardware: list[str] = field(default_factory=list)
-    """Hardware profiles to simulate each cell's latency on (needs a registered simulator;
-    until one exists the cells' ``latency`` stays empty)."""
+    """Hardware profiles (names of ``moelab.timing.available_profiles()``) to simulate each
+    cell's own routing trace on (:mod:`moelab.sweeps.latency`): the record's ``latency``."""
+    simulate: dict[str, Any] = field(default_factory=dict)
+    """How cells are costed on ``hardware``: ``hybrid`` (the HybridConfig dict a routing-policy
+    cell is planned under) and ``model_shape`` (model name → ``{shape: NAME, ...}`` override)."""
     eval: EvalSettings = field(default_factory=EvalSettings)
     store: str | None = None
     """The results store directory (None: ``runs/sweeps/<name>``)."""
@@ -149,6 +155,9 @@ class Cell:
     seed: int
     eval: dict[str, Any]
     hardware: list[str] = field(default_factory=list)
+    simulate: dict[str, Any] = field(default_factory=dict)
+    """The latency settings of this cell: ``hybrid`` (a full HybridConfig dict) and
+    ``model_shape`` (this model's shape override, or None); empty without ``hardware``."""
     fingerprint: str = ""
     """:func:`moelab.adapters.model_fingerprint` of the model (filled by :func:`expand`)."""
     task_version: str = ""
@@ -188,8 +197,9 @@ class Cell:
 
 # --------------------------------------------------------------------------- keys
 def cell_key(cell: Cell, moelab_version: str) -> dict[str, Any]:
-    """Everything that decides a cell's result; its sha256 is the cell's hash."""
-    return {
+    """Everything that decides a cell's result; its sha256 is the cell's hash. A cell with
+    hardware profiles adds its latency inputs (profiles' fields, hybrid config, shape)."""
+    key = {
         "key_version": KEY_VERSION,
         "model": {"fingerprint": cell.fingerprint, "name": cell.model, "dtype": cell.dtype},
         "policy": {"name": cell.policy, "settings": cell.settings},
@@ -199,6 +209,11 @@ def cell_key(cell: Cell, moelab_version: str) -> dict[str, Any]:
         "eval": cell.eval,
         "moelab": moelab_version,
     }
+    if cell.hardware:
+        from moelab.sweeps.latency import key as latency_key
+
+        key["latency"] = latency_key(cell.hardware, cell.simulate)
+    return key
 
 
 def cell_hash(cell: Cell, moelab_version: str) -> str:
@@ -246,7 +261,8 @@ def expand(spec: SweepSpec, fingerprints: dict[str, str]) -> list[Cell]:
                     for seed in spec.seeds:
                         cell = Cell(model=m.name, dtype=m.dtype, policy=p.name, settings=full, task=t.name,
                                     limit=t.limit, num_fewshot=t.num_fewshot, seed=seed, eval=ev,
-                                    hardware=list(spec.hardware), fingerprint=fingerprints[m.name],
+                                    hardware=list(spec.hardware), simulate=_cell_simulate(spec, m.name),
+                                    fingerprint=fingerprints[m.name],
                                     task_version=versions[t.name], artifacts=dict(spec.artifacts))
                         cell.hash = cell_hash(cell, moelab.__version__)
                         if cell.hash not in seen:  # the same setting listed twice runs once
@@ -255,10 +271,20 @@ def expand(spec: SweepSpec, fingerprints: dict[str, str]) -> list[Cell]:
     return cells
 
 
+def _cell_simulate(spec: SweepSpec, model: str) -> dict[str, Any]:
+    if not spec.hardware:
+        return {}
+    from moelab.sweeps.latency import hybrid_settings
+
+    return {"hybrid": hybrid_settings(spec.simulate.get("hybrid")),
+            "model_shape": (spec.simulate.get("model_shape") or {}).get(model)}
+
+
 # --------------------------------------------------------------------------- YAML
 #: Keys of every spec, whatever its kind.
 COMMON_KEYS = ("name", "kind", "description", "store", "retries")
-_EVAL_KEYS = ("models", "policies", "tasks", "seeds", "hardware", "eval", "artifacts")
+_EVAL_KEYS = ("models", "policies", "tasks", "seeds", "hardware", "simulate", "eval", "artifacts")
+_SIMULATE_KEYS = ("hybrid", "model_shape")
 _TASK_KEYS = ("task", "limit", "num_fewshot")
 _MODEL_KEYS = ("model", "dtype")
 _ARTIFACTS = ("trace", "timeline")
@@ -357,8 +383,11 @@ def parse_eval_spec(r: _Reader, data: dict, common: dict[str, Any]) -> SweepSpec
         r.int_or_none(s, ("seeds", i), "seed", 0)
     hardware = r.listed(data.get("hardware"), ("hardware",), "hardware")
     for i, h in enumerate(hardware):
-        if not isinstance(h, str):
-            raise r.fail(("hardware", i), f"hardware profile {h!r}: expected a profile name.")
+        hardware[i] = _hardware(r, h, ("hardware", i))
+    simulate = _simulate(r, data.get("simulate"), [m.name for m in models])
+    if simulate and not hardware:
+        raise r.fail(("simulate",), "simulate: settings but no hardware: profiles to simulate on; add "
+                                    "hardware: [PROFILE, ...] or remove simulate:.")
     ev_fields = [f.name for f in fields(EvalSettings)]
     ev_data = r.keys(data.get("eval") or {}, ("eval",), ev_fields, "eval")
     try:
@@ -374,9 +403,60 @@ def parse_eval_spec(r: _Reader, data: dict, common: dict[str, Any]) -> SweepSpec
         if not isinstance(v, bool):
             raise r.fail(("artifacts", k), f"artifacts {k}={v!r}: expected true or false.")
     spec = SweepSpec(models=models, policies=policies, tasks=tasks, seeds=seeds, hardware=hardware, eval=ev,
-                     artifacts=dict(artifacts), **common)
+                     artifacts=dict(artifacts), simulate=simulate, **common)
     _check_tasks(r, spec)
     return spec
+
+
+def _hardware(r: _Reader, h: Any, path: tuple) -> str:
+    """A hardware profile name (unknown: the closest names) or a profile YAML file."""
+    from moelab.timing import available_profiles, get_profile
+
+    if not isinstance(h, str) or not h:
+        raise r.fail(path, f"hardware profile {h!r}: expected a profile name ({', '.join(available_profiles())}).")
+    if h.endswith((".yaml", ".yml")):
+        h = r.path(h, path, "hardware profile")
+    elif h not in available_profiles():
+        raise r.fail(path, f"unknown hardware profile {h!r}.{did_you_mean(h, available_profiles())} "
+                           f"Known: {', '.join(available_profiles())}, or a profile YAML file.")
+    try:
+        get_profile(h)
+    except MoelabError as exc:
+        raise r.fail(path, str(exc)) from None
+    return h
+
+
+def _simulate(r: _Reader, data: Any, model_names: list[str]) -> dict[str, Any]:
+    """The ``simulate:`` block, checked: ``hybrid`` (a mapping or YAML file of HybridConfig
+    fields) and ``model_shape`` (resolved now, so an unknown shape or field names its line)."""
+    from moelab.sweeps import latency
+
+    if data is None:
+        return {}
+    r.keys(data, ("simulate",), _SIMULATE_KEYS, "simulate")
+    out: dict[str, Any] = {}
+    hybrid = data.get("hybrid")
+    if hybrid is not None:
+        try:
+            if isinstance(hybrid, str):
+                from moelab.hybrid.config import HybridConfig
+
+                hybrid = HybridConfig.from_yaml(r.path(hybrid, ("simulate", "hybrid"), "hybrid config")).to_dict()
+            out["hybrid"] = latency.hybrid_settings(hybrid)
+        except MoelabError as exc:
+            raise r.fail(("simulate", "hybrid"), str(exc)) from None
+    if data.get("model_shape") is not None:
+        try:
+            shapes = latency.shape_overrides(data["model_shape"], model_names)
+        except MoelabError as exc:
+            raise r.fail(("simulate", "model_shape"), str(exc)) from None
+        for m, override in shapes.items():
+            try:
+                latency.resolve_shape(override)
+            except MoelabError as exc:
+                raise r.fail(("simulate", "model_shape", m), str(exc)) from None
+        out["model_shape"] = shapes
+    return out
 
 
 def _model(r: _Reader, m: Any, path: tuple) -> ModelSpec:
