@@ -108,6 +108,9 @@ class RayExecutor:
         if self.address:
             kwargs["address"] = self.address
         else:
+            # "local": always a new cluster of our own; without it ray.init joins whatever cluster
+            # /tmp/ray/ray_current_cluster names (a stale one from a killed run included)
+            kwargs["address"] = "local"
             kwargs["num_cpus"] = self.workers * (self.threads or 1)
         try:
             try:
