@@ -24,6 +24,7 @@ from moelab.adapters import moe_layers
 from moelab.backends import use_backend
 from moelab.errors import MoelabError
 from moelab.forward import Order, forward_hooks, hooks
+from moelab.forward.points import router_outputs
 from moelab.models.tiny import FAMILIES, build_tiny
 from moelab.policies import ExpertDeferral
 from moelab.predictors import attach, make_predictor
@@ -72,8 +73,9 @@ class RouterTap:
         self._handles.append(top.register_forward_pre_hook(pre, with_kwargs=True))
         for layer in self.layers:
             def hook(module, args, output, layer=layer):
-                self.calls[-1].append((layer.index, args[0].detach().clone(), output[1].detach().clone(),
-                                       output[2].detach().clone()))
+                _, weights, ids = router_outputs(output)  # either order transformers 5.x emits
+                self.calls[-1].append((layer.index, args[0].detach().clone(), weights.detach().clone(),
+                                       ids.detach().clone()))
             self._handles.append(layer.router.register_forward_hook(hook))
 
     def remove(self):

@@ -3,6 +3,7 @@ corrupt records), resume after ``kill -9`` of the driver, and Ray equal to local
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -296,7 +297,7 @@ def test_failed_cells_are_retried_then_reported(tmp_path, monkeypatch):
     calls: dict[str, int] = {}
 
     class Flaky:
-        def __init__(self, threads=None, name="local"):
+        def __init__(self, threads=None, name="local", **kwargs):
             pass
 
         def run(self, cell):
@@ -332,3 +333,71 @@ def test_status_and_report_cli(baseline, capsys):
     page = out.read_text()
     assert "plotly" in page and "experts affected per token" in page and "No simulated latency" in page
     assert main(["sweep", "report", spec, "--store", store, "--html", str(out)]) == 2  # exists: refused
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_ray_address_connects_to_an_existing_cluster(baseline, tmp_path):
+    """`ray start --head` (2 CPUs, its own process group, stopped by group id at the end), then
+    `--address` to it: the results equal the local executor's cell for cell."""
+    pytest.importorskip("ray", reason="ray is not installed (pip install 'moelab[ray]')")
+    from moelab.sweeps.driver import run_sweep
+    from moelab.sweeps.spec import load_spec
+
+    _, expected = baseline
+    port = _free_port()
+    log = tmp_path / "head.log"
+    env = {**_env(), "RAY_USAGE_STATS_ENABLED": "0"}  # workers the head starts import moelab from here
+    with open(log, "w") as out:
+        # Ray gives a node 30 s to come up; a loaded machine may not make it (then: skip)
+        head = subprocess.Popen(
+            [sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--num-cpus", "2", "--port", str(port),
+             "--node-ip-address", "127.0.0.1", "--include-dashboard", "false", "--disable-usage-stats", "--block"],
+            env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.monotonic() + 180
+        while head.poll() is None and "Ray runtime started" not in log.read_text() and time.monotonic() < deadline:
+            time.sleep(0.5)
+        if head.poll() is not None or "Ray runtime started" not in log.read_text():
+            _stop(head)
+            head = None
+    if head is None:
+        pytest.skip("could not start a Ray head node here (on a loaded machine the raylet gives up when Ray's "
+                    "dashboard agent does not register within 15 s): " + log.read_text().strip().splitlines()[-1])
+    try:
+        spec = load_spec(_spec(tmp_path))
+        summary = run_sweep(spec, executor="ray", workers=2, threads=1, address=f"127.0.0.1:{port}",
+                            store=tmp_path / "store", progress=False)
+        assert (summary.done, summary.failed) == (N_CELLS, {})
+        assert _results(tmp_path / "store") == expected
+    finally:
+        _stop(head)
+
+
+def test_ray_address_where_nothing_listens_is_refused_before_the_store(tmp_path):
+    pytest.importorskip("ray", reason="ray is not installed (pip install 'moelab[ray]')")
+    from moelab.sweeps.driver import run_sweep
+    from moelab.sweeps.spec import load_spec
+
+    spec = load_spec(_spec(tmp_path))
+    with pytest.raises(MoelabError, match=r"cannot connect to the Ray cluster at '127.0.0.1:\d+' \(Connection refused"):
+        run_sweep(spec, executor="ray", address=f"127.0.0.1:{_free_port()}", store=tmp_path / "s", progress=False)
+    assert not (tmp_path / "s").exists()
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """Stop a `ray start --block` and everything it started (its own process group), by group id."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGTERM)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(timeout=60)
+    time.sleep(1)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=30)

@@ -23,6 +23,7 @@ COMMAND_MODULES: list[str] = [
     "eval",
     "generate",
     "run",
+    "timeline",
     "compare_policies",
     "sweep",
     "predict",

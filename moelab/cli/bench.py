@@ -16,7 +16,7 @@ BASELINES: tuple[str, ...] = ("eager", "grouped_mm")
 
 
 def register(subparsers) -> None:
-    p = subparsers.add_parser("bench", help="benchmarks (kernels, hybrid, simulate)", description="Benchmarks on this machine.")
+    p = subparsers.add_parser("bench", help="benchmarks (kernels, hybrid, timeline, simulate)", description="Benchmarks on this machine.")
     sub = p.add_subparsers(dest="bench_command", metavar="BENCHMARK")
     k = sub.add_parser(
         "kernels",
@@ -48,6 +48,18 @@ def register(subparsers) -> None:
     h.add_argument("--steps", type=positive_int, default=8, help="decode steps per realistic point (default 8)")
     h.add_argument("--skip-realistic", action="store_true", help="only the planner and functional checks")
     h.set_defaults(func=run_hybrid)
+    t = sub.add_parser(
+        "timeline",
+        help="timeline figure and exports on 1 M synthetic events",
+        description="Synthesise a DeepSeek-V3-like hybrid decode (58 MoE layers × 8 experts × steps, with copies, "
+        "prefetches, evictions, host and deferred work) and time the timeline's figure, its HTML, the Chrome "
+        "JSON export and the Perfetto export (moelab.timeline.bench). Targets: figure ≤ 3 s and ≤ 20 MB of HTML, "
+        "Chrome JSON ≤ 5 s for 1 M events.",
+    )
+    t.add_argument("--events", type=positive_int, default=1_000_000, help="events to synthesise (default 1000000)")
+    t.add_argument("--skip-perfetto", action="store_true", help="skip the (slow) Perfetto protobuf export")
+    t.add_argument("--json", action="store_true", help="print the results as JSON")
+    t.set_defaults(func=run_timeline)
     sm = sub.add_parser(
         "simulate",
         help="simulator: events/s of the fast path and the reference, and their parity",
@@ -64,6 +76,18 @@ def register(subparsers) -> None:
     sm.add_argument("--json", action="store_true", help="print the results as JSON")
     sm.set_defaults(func=run_simulate)
     p.set_defaults(func=lambda args: (p.print_help(), 2)[1])
+
+
+def run_timeline(args) -> int:
+    from moelab.timeline.bench import format_result, run
+
+    result = run(args.events, perfetto=not args.skip_perfetto,
+                 progress=None if args.json else (lambda s: print(s, file=sys.stderr, flush=True)))
+    if args.json:
+        emit_json(result)
+    else:
+        print(format_result(result))
+    return 0
 
 
 def run_simulate(args) -> int:

@@ -48,6 +48,8 @@ def register(subparsers) -> None:
                    "what a running model's cache sees); sequence: per sequence, step and layer")
     s.add_argument("--warm", action="store_true", help="start with the most popular experts cached")
     s.add_argument("--json", action="store_true", help="machine-readable output")
+    s.add_argument("--store", metavar="DIR", help="keep the simulated cells in this sweep store: a repeated or "
+                   "interrupted sweep resumes from it (default: a temporary store)")
     s.set_defaults(func=run_simulate)
     b = sub.add_parser("bench", help="accesses/s of the compiled simulators on a synthetic stream")
     b.add_argument("--accesses", type=int, default=10_000_000)
@@ -92,7 +94,7 @@ def parse_scopes(text: str) -> list[str]:
 
 def run_simulate(args) -> int:
     from moelab.caches.base import get_policy
-    from moelab.caches.simulation import PrefetchConfig, load_stream, simulate
+    from moelab.caches.simulation import load_stream
 
     policies = [x.strip() for x in args.policy.split(",") if x.strip()]
     for name in policies:
@@ -112,23 +114,23 @@ def run_simulate(args) -> int:
         raise MoelabError("--budget-scope is for --budget/--budget-bytes; a --link-gbps budget is per step (--step-ms).")
     if given and not args.prefetch:
         raise MoelabError(f"{given[0]} is a prefetch budget: add --prefetch PREDICTOR (oracle, repeat or a directory).")
+    pf_setting = None
     if args.prefetch:
-        predictor, distance = _prefetcher(args.prefetch, args.distance, args.trace)
-        if args.link_gbps is not None:
-            prefetch = PrefetchConfig.from_link(predictor, distance, gb_per_s=args.link_gbps, step_ms=args.step_ms,
-                                                latency_us=args.link_latency_us or 0.0)
-        else:
-            prefetch = PrefetchConfig(predictor, distance, args.budget, args.budget_bytes,
-                                      budget_scope=args.budget_scope or "layer")
+        from moelab.sweeps.trace_kinds import prefetch_config
+
+        pf_setting = {"predictor": args.prefetch, "distance": args.distance, "budget": args.budget,
+                      "budget_bytes": args.budget_bytes, "link_gbps": args.link_gbps, "step_ms": args.step_ms,
+                      "link_latency_us": args.link_latency_us, "budget_scope": args.budget_scope}
+        prefetch = prefetch_config(pf_setting, args.trace)  # a bad predictor or distance fails here
     stream = load_stream(args.trace, args.include_prefill, scores=any(get_policy(p).needs_scores for p in policies),
                          replay=args.replay)
-    results = []
-    for sc in scopes:
-        for p in policies:
-            for c in capacities:
-                pf = prefetch if get_policy(p).accepts_prefetch else None
-                results.append(simulate(stream, p, c, sc, prefetch=pf, warm=args.warm, expert_bytes=args.expert_bytes,
-                                        insertion=args.insertion))
+    # the sweep is a spec run by the sweep engine (cells resumable with --store); the stream is handed over
+    from moelab.sweeps.shortcuts import cache_spec, run_cache_sweep
+
+    spec = cache_spec(args.trace, policies, capacities, scopes, prefetch=pf_setting,
+                      include_prefill=args.include_prefill, insertion=args.insertion, replay=args.replay,
+                      warm=args.warm, expert_bytes=args.expert_bytes)
+    results = run_cache_sweep(spec, stream, store=args.store)
     ignoring = [p for p in policies if not get_policy(p).accepts_prefetch]
     if args.json:
         emit_json({"trace": args.trace, "accesses": stream.num_accesses, "insertion": args.insertion,
@@ -157,20 +159,9 @@ def run_simulate(args) -> int:
 
 def _prefetcher(spec: str, distance: int | None, trace_dir: str) -> tuple[object, int]:
     """(predictor, distance) for ``--prefetch``: a registered name, or a saved predictor directory."""
-    from pathlib import Path
+    from moelab.sweeps.trace_kinds import prefetcher
 
-    if not Path(spec).exists():
-        return spec, distance or 1
-    from moelab.predictors.io import load_predictor
-    from moelab.predictors.prefetch import as_prefetcher
-
-    predictor = load_predictor(spec)
-    if distance is not None and distance != predictor.distance:
-        raise MoelabError(
-            f"--distance {distance} does not match the saved predictor {spec!r}, which predicts at distance "
-            f"{predictor.distance}; drop --distance or use a predictor fitted for that distance."
-        )
-    return as_prefetcher(predictor, trace_dir), int(predictor.distance)
+    return prefetcher(spec, distance, trace_dir)
 
 
 def run_bench(args) -> int:

@@ -1,6 +1,7 @@
 """``moelab compare-policies``: accuracy under Expert Deferral versus Expert Skipping.
 
-Scores the model unmodified and with each number of deferred and skipped experts, and
+Scores the model unmodified and with each number of deferred and skipped experts (a sweep
+spec run by :mod:`moelab.sweeps`: ``--store DIR`` keeps the cells and resumes), and
 prints the table of relative accuracy change versus experts affected (the structure of
 KTransformers' Figure 13); ``--html`` writes the plotly heatmap.
 """
@@ -49,14 +50,16 @@ def register(subparsers) -> None:
     p.add_argument("--html", metavar="FILE", help="write the plotly heatmap to this self-contained HTML file")
     p.add_argument("--overwrite", action="store_true", help="replace an existing --html file")
     p.add_argument("--json", action="store_true", help="print the comparison as JSON")
+    p.add_argument("--store", metavar="DIR", help="keep the scored cells in this sweep store: an interrupted or "
+                   "repeated comparison resumes from it (default: a temporary store)")
     p.set_defaults(func=run)
 
 
 def run(args) -> int:
     from moelab.evals import EvalConfig
     from moelab.evals.api import preflight
-    from moelab.evals.compare import compare_policies
     from moelab.loading import load
+    from moelab.sweeps.shortcuts import policy_comparison_spec, run_policy_comparison
 
     html = check_output_path(args.html, args.overwrite) if args.html else None
     settings = dict(
@@ -67,11 +70,14 @@ def run(args) -> int:
         humaneval_path=args.humaneval_dir,
     )
     preflight(EvalConfig(tasks=args.tasks, limit=args.limit, **settings))  # fail before loading
+    tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
+    # the comparison is a sweep spec run by the sweep engine (resumable with --store)
+    spec = policy_comparison_spec(args.model, args.dtype, tasks, deferred=args.deferred, skipped=args.skipped,
+                                  limit=args.limit, phase=args.policy_phase, renormalize=args.renormalize, **settings)
     model, tokenizer = load(args.model, dtype=args.dtype)
-    cmp = compare_policies(
-        model, tokenizer, args.tasks, deferred=args.deferred, skipped=args.skipped, limit=args.limit,
-        phase=args.policy_phase, renormalize=args.renormalize, model_name=args.model, **settings,
-    )
+    cmp = run_policy_comparison(spec, model, tokenizer, deferred=args.deferred, skipped=args.skipped,
+                                phase=args.policy_phase, renormalize=args.renormalize, limit=args.limit,
+                                store=args.store)
     if html is not None:
         cmp.write_html(html)
     if args.json:

@@ -3,6 +3,7 @@
     moelab predict fit  --trace DIR --kind learned --distance 2 --out predictors/m/learned-d2
     moelab predict eval --trace DIR --predictor predictors/m/learned-d2 --json --dump preds.parquet
     moelab predict eval --trace TEST --predictor token --fit-trace TRAIN --distance 1
+    moelab predict compare --trace TRAIN [--test-trace TEST] --kinds frequency,token,learned --distances 1,2
 """
 
 from __future__ import annotations
@@ -46,6 +47,27 @@ def register(subparsers) -> None:
     e.add_argument("--dump", help="write predicted and actual ids per (token, layer) to this Parquet file")
     _common(e)
     e.set_defaults(func=_eval)
+
+    c = sub.add_parser("compare", help="fit and score several kinds at several distances (a sweep spec)",
+                       description="moelab.predictors.compare as a sweep spec run by the sweep engine: every "
+                       "kind × distance is a cell, fitted on --trace and scored on --test-trace (default: the "
+                       "held-out sequences of --trace); --store keeps the cells and resumes.")
+    c.add_argument("--trace", required=True, help="routing trace to fit on (hidden states for skip/learned)")
+    c.add_argument("--test-trace", help="trace to score on (default: the held-out sequences of --trace)")
+    c.add_argument("--kinds", default="frequency,token,skip,learned,oracle", help="comma-separated predictor kinds")
+    c.add_argument("--distances", default="1,2", help="comma-separated distances d (predict layer l+d)")
+    c.add_argument("--set", action="append", default=[], metavar="KIND.KEY=VALUE",
+                   help="hyperparameter of one kind, e.g. --set learned.width=256 (repeatable)")
+    c.add_argument("--seed", type=int, default=0, help="seed of every fit (default 0)")
+    c.add_argument("--m", default="1,2,4,8", help="list lengths m for recall@m (default 1,2,4,8)")
+    c.add_argument("--hardware", default=DEFAULT_PROFILE, help="hardware profile for GoodPred")
+    c.add_argument("--expert-bytes", default=None, help="bytes per expert transfer, or a reference model")
+    c.add_argument("--layer-time-us", type=float, default=None, help="override the profile's decode layer time")
+    c.add_argument("--link-gbps", dest="link_gbs", type=float, default=None, metavar="GBPS",
+                   help="override the profile's link bandwidth (GB/s)")
+    c.add_argument("--store", metavar="DIR", help="sweep store to keep the cells in (default: a temporary one)")
+    c.add_argument("--json", action="store_true", help="print the reports as JSON")
+    c.set_defaults(func=_compare)
 
 
 def _common(p: argparse.ArgumentParser) -> None:
@@ -150,6 +172,38 @@ def _eval(args) -> int:
     if dump is not None:
         report.write_dump(dump)
     _print(report, args, saved=None, dump=dump)
+    return 0
+
+
+def _compare(args) -> int:
+    from moelab.sweeps.shortcuts import predictor_spec, run_predictor_comparison
+
+    params: dict[str, dict[str, Any]] = {}
+    for kind_key, value in _parse_set(args.set).items():
+        kind, dot, key = kind_key.partition(".")
+        if not dot or not key:
+            raise MoelabError(f"--set {kind_key}=...: expected KIND.KEY=VALUE, e.g. learned.width=256.")
+        params.setdefault(kind, {})[key] = value
+    try:
+        distances = [int(x) for x in args.distances.split(",") if x.strip()]
+    except ValueError:
+        raise MoelabError(f"--distances expects comma-separated integers, got {args.distances!r}.") from None
+    spec = predictor_spec(args.trace, args.test_trace, kinds=[k.strip() for k in args.kinds.split(",") if k.strip()],
+                          distances=distances, params=params, seed=args.seed, m=_m_values(args.m),
+                          hardware=args.hardware, expert_bytes=args.expert_bytes, layer_time_us=args.layer_time_us,
+                          link_gbs=args.link_gbs)
+    reports = run_predictor_comparison(spec, store=args.store, progress=not args.json)
+    if args.json:
+        emit_json(reports)
+        return 0
+    print(f"{'kind':12} {'d':>2} {'acc':>6} {'±se':>6} {'decode':>6} {'fetch':>6} {'goodpr':>6} {'µs':>7}  recall@m")
+    for r in reports:
+        o, dec = r["overall"]["all"], r["overall"]["decode"]
+        rec = " ".join(f"R@{m}={_fmt(o.get(f'recall@{m}')).strip()}" for m in r["m_values"])
+        print(f"{r['kind']:12} {r['distance']:>2} {_fmt(o['accuracy'])} {_fmt(o['accuracy_stderr'])} "
+              f"{_fmt(dec['accuracy'])} {_fmt(o['fetch_rate'])} {_fmt(o['goodpred'])} {r['latency_us']:7.1f}  {rec}")
+    print("# acc = mean |predicted ∩ actual| / top-k over all (token, layer) pairs of the scored sequences; "
+          "±se clustered by sequence; decode = decode steps only; µs = predictor latency per layer and token")
     return 0
 
 

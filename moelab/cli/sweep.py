@@ -10,7 +10,8 @@ def register(subparsers) -> None:
         "sweep",
         help="run, inspect and report accuracy sweeps (resumable; local or Ray)",
         description="Accuracy sweeps over models × routing policies × tasks × seeds, from a YAML spec "
-        "(see evals/sweeps/). Finished cells are kept in a results store; running a spec again skips them, "
+        "(see evals/sweeps/); with 'kind: cache' or 'kind: predictor', cache-simulation or predictor sweeps "
+        "over routing traces. Finished cells are kept in a results store; running a spec again skips them, "
         "so an interrupted sweep resumes where it stopped.",
     )
     sub = p.add_subparsers(dest="sweep_command", metavar="ACTION")

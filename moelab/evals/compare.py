@@ -275,15 +275,31 @@ def compare_policies(
 
     log.info("scoring the unmodified model on %s", ", ".join(task_list))
     base = score(None)
+    from tqdm.auto import tqdm
+
+    scored = []
+    for kind, n, policy in tqdm(runs, desc="policies", disable=not runs):
+        log.info("scoring %s n=%d", kind, n)
+        scored.append((kind, n, score(policy)))
+    return comparison_from_scores(cmp, base, scored, deferred, skipped)
+
+
+Scores = dict[str, tuple[float, int, float | None]]
+"""Per task: (score, documents, standard error)."""
+
+
+def comparison_from_scores(cmp: PolicyComparison, base: Scores, runs: list[tuple[str, int, Scores]],
+                           deferred: list[int], skipped: list[int]) -> PolicyComparison:
+    """Fill ``cmp.points`` from the unmodified model's scores (``base``) and each
+    ``(policy, n, scores)`` run: the one place the comparison's points, relative changes and
+    their standard errors are made (:func:`compare_policies`, and ``moelab compare-policies``,
+    which scores the same cells with the sweep engine)."""
     for kind, counts in (("deferral", deferred), ("skipping", skipped)):
         if 0 in counts or any(counts):
             for task, (s, n_docs, se) in base.items():
                 cmp.points.append(PolicyPoint(kind, 0, task, s, 0.0 if s else None, n_docs, se))
-    from tqdm.auto import tqdm
-
-    for kind, n, policy in tqdm(runs, desc="policies", disable=not runs):
-        log.info("scoring %s n=%d", kind, n)
-        for task, (s, n_docs, se) in score(policy).items():
+    for kind, n, scores in runs:
+        for task, (s, n_docs, se) in scores.items():
             b, _, se_b = base[task]
             rel = 100.0 * (s - b) / b if b else None
             cmp.points.append(PolicyPoint(kind, n, task, s, rel, n_docs, se,  # type: ignore[arg-type]

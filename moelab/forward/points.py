@@ -347,9 +347,10 @@ class ForwardHooks:
                 if h.layers is not None and index not in h.layers:
                     continue
                 if call is None:
+                    logits, weights, experts = router_outputs(output)
                     call = RouterCall(
-                        hidden=args[0].detach() if args else None, logits=output[0].detach(),
-                        weights=output[1].detach(), experts=output[2].detach(),
+                        hidden=args[0].detach() if args else None, logits=logits.detach(),
+                        weights=weights.detach(), experts=experts.detach(),
                     )
                 h.fn(ctx, layer, call)
             return None
@@ -499,3 +500,14 @@ def _compact(experts: torch.Tensor, weights: torch.Tensor, keep: torch.Tensor) -
 __all__ = [
     "POINTS", "ExpertsCall", "ForwardHooks", "Handle", "Order", "RouterCall", "forward_hooks", "hooks",
 ]
+
+
+def router_outputs(output) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(logits, weights, expert ids)`` of a router's output triple, in either order transformers
+    5.x uses: ``(logits, weights, ids)`` (most families, granitemoe from 5.2x) or ``(ids, weights,
+    logits)`` (granitemoe in earlier 5.x releases). The ids are the integer tensor."""
+    first, weights, last = output[0], output[1], output[2]
+    if not first.is_floating_point() and last.is_floating_point():
+        return last, weights, first
+    return first, weights, last
+

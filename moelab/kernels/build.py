@@ -39,7 +39,7 @@ _REQUIRED: dict[str, tuple[str, ...]] = {
     "portable": (),
 }
 _EXT_NAME = "moelab_moe_kernels"
-_CFLAGS = ["-O3", "-fopenmp", "-fno-math-errno", "-std=c++17"]
+_CFLAGS = ["-O3", "-fopenmp", "-fno-math-errno"]  # the C++ standard is torch's own (-std=c++20 in torch 2.1x)
 
 _lock = threading.Lock()
 _module: ModuleType | None = None

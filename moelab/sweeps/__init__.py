@@ -8,7 +8,10 @@
 A spec (:mod:`moelab.sweeps.spec`) expands into cells with stable hashes; the results store
 (:mod:`moelab.sweeps.store`, SQLite) keeps one checked record per finished cell; the driver
 (:mod:`moelab.sweeps.driver`) is its single writer; executors (:mod:`moelab.sweeps.executors`)
-run cells locally or on Ray; :mod:`moelab.sweeps.report` reads the results back.
+run cells locally or on Ray; :mod:`moelab.sweeps.report` reads the results back. Cells come
+in registered kinds (:mod:`moelab.sweeps.kinds`: ``eval`` accuracy cells, and the trace-based
+``cache`` and ``predictor`` cells); :mod:`moelab.sweeps.shortcuts` turns ``compare-policies``,
+``cache simulate`` and ``predict compare`` into specs.
 """
 
 from moelab._lazy import lazy_attributes
@@ -23,6 +26,10 @@ _LAZY: dict[str, str] = {
     "SweepSummary": "moelab.sweeps.driver",
     "open_store": "moelab.sweeps.store",
     "collect": "moelab.sweeps.report",
+    "CELL_KINDS": "moelab.sweeps.kinds",
+    "CellKind": "moelab.sweeps.kinds",
+    "TraceSweepSpec": "moelab.sweeps.trace_kinds",
+    "pareto_front": "moelab.sweeps.report",
     "write_html": "moelab.sweeps.report",
 }
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from moelab.sweeps.spec import Cell, SweepSpec, expand
+from moelab.sweeps.spec import Cell, SweepSpec
 from moelab.sweeps.store import Store, open_store
 
 log = logging.getLogger(__name__)
@@ -49,25 +49,36 @@ def store_path(spec: SweepSpec, store: str | os.PathLike | None = None) -> Path:
     return Path(store).expanduser() if store is not None else spec.store_path()
 
 
-def plan(spec: SweepSpec, store: Store) -> list[Cell]:
-    """The spec's cells (model fingerprints from the store's cache, computed where missing)."""
-    from moelab.sweeps import fingerprints
+def plan(spec: Any, store: Store, fingerprints: dict[str, str] | None = None) -> list[Any]:
+    """The spec's cells, expanded by its kind (:mod:`moelab.sweeps.kinds`); for ``eval`` specs
+    model fingerprints come from ``fingerprints``, else the store's cache, else are computed."""
+    from moelab.sweeps.kinds import get_kind
 
-    return expand(spec, fingerprints.resolve(spec.models, store))
+    kind = get_kind(spec.kind)
+    if fingerprints is not None:
+        return kind.expand(spec, store, fingerprints=fingerprints)
+    return kind.expand(spec, store)
 
 
-def run_sweep(spec: SweepSpec, *, executor: str = "local", workers: int = 1, address: str | None = None,
+def run_sweep(spec: Any, *, executor: str | Any = "local", workers: int = 1, address: str | None = None,
               threads: int | None = None, store: str | os.PathLike | None = None,
-              progress: bool = True) -> SweepSummary:
-    """Run every unfinished cell of ``spec`` and record it (see the module docstring)."""
+              progress: bool = True, fingerprints: dict[str, str] | None = None,
+              log_failures: bool = True) -> SweepSummary:
+    """Run every unfinished cell of ``spec`` and record it (see the module docstring).
+
+    ``executor``: ``local``, ``ray``, or an executor object (:mod:`moelab.sweeps.executors`);
+    ``fingerprints``: model fingerprints already known (a shortcut that loaded the model);
+    ``log_failures=False``: failed cells are only returned (a shortcut raises the error itself).
+    """
     from tqdm.auto import tqdm
 
     from moelab.sweeps.executors import make_executor
 
-    runner = make_executor(executor, workers, address, threads)  # refuses before taking the store
+    # refuses before taking the store
+    runner = make_executor(executor, workers, address, threads) if isinstance(executor, str) else executor
     path = store_path(spec, store)
     with open_store(path, writable=True) as st:
-        cells = plan(spec, st)
+        cells = plan(spec, st, fingerprints)
         good, bad = st.records()
         for h, why in bad.items():
             log.warning("cell %s: stored record rejected (%s); it will be recomputed", h, why)
@@ -88,7 +99,7 @@ def run_sweep(spec: SweepSpec, *, executor: str = "local", workers: int = 1, add
 
         def on_done(cell: Cell, out: dict[str, Any]) -> None:
             running.discard(cell.hash)
-            st.put(out["record"], out.get("samples") or {})
+            st.put(out["record"], out.get("files") or out.get("samples") or {})
             summary.done += 1
             summary.failed.pop(cell.hash, None)
             bar.update(1)
@@ -98,7 +109,7 @@ def run_sweep(spec: SweepSpec, *, executor: str = "local", workers: int = 1, add
             running.discard(cell.hash)
             st.record_failure(cell.hash, attempt, error)
             last = error.strip().splitlines()[-1] if error.strip() else "unknown error"
-            log.warning("cell %s (%s) failed, attempt %d%s: %s", cell.hash, cell.label(), attempt,
+            (log.warning if log_failures else log.info)("cell %s (%s) failed, attempt %d%s: %s", cell.hash, cell.label(), attempt,
                         "" if final else ", retrying", last)
             if final:
                 summary.failed[cell.hash] = last

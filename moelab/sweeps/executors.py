@@ -36,15 +36,17 @@ class LocalExecutor:
 
     name = "local"
 
-    def __init__(self, threads: int | None = None) -> None:
+    def __init__(self, threads: int | None = None, preload: dict[tuple, Any] | None = None) -> None:
         self.threads = threads
         self.workers = 1
+        self.preload = preload
+        """``cell.resource()`` → an object already loaded (see :class:`~moelab.sweeps.worker.CellRunner`)."""
 
     def run(self, cells: list[Cell], retries: int, on_start: OnStart, on_done: OnDone,
             on_failed: OnFailed) -> None:
         from moelab.sweeps.worker import CellRunner
 
-        runner = CellRunner(self.threads, name="local")
+        runner = CellRunner(self.threads, name="local", preload=self.preload)
         for cell in cells:
             for attempt in range(1, retries + 2):
                 on_start(cell)
@@ -81,7 +83,11 @@ class RayExecutor:
         self.address = address
         self.threads = threads
         self.ray = import_ray()
+        if address:  # before the store is taken; ray.init waits minutes for an address nobody answers at
+            _check_reachable(address)
         self.actors_start_s: float | None = None
+        self.keep = False
+        """Keep the actors (and cluster) after :meth:`run`; :meth:`close` stops them."""
 
     def _init(self) -> bool:
         """Connect to (or start) a cluster; True when this call started it."""
@@ -104,7 +110,14 @@ class RayExecutor:
         else:
             kwargs["num_cpus"] = self.workers * (self.threads or 1)
         try:
-            ray.init(**kwargs)
+            try:
+                ray.init(**kwargs)
+            except Exception as exc:  # noqa: BLE001 - a local cluster that started too slowly: once more
+                if self.address or "timed out during startup" not in str(exc):
+                    raise
+                log.warning("Ray local cluster did not start within Ray's 30 s (%s); trying once more", exc)
+                ray.shutdown()
+                ray.init(**kwargs)
         except ConnectionError as exc:
             raise MoelabError(f"cannot connect to the Ray cluster at {self.address!r} ({exc}); check the "
                               "address (ray start --head prints it) or leave --address out for a local cluster.") from None
@@ -115,24 +128,44 @@ class RayExecutor:
                               "run again, or start one with `ray start --head` and pass --address.") from None
         return True
 
-    def run(self, cells: list[Cell], retries: int, on_start: OnStart, on_done: OnDone,
-            on_failed: OnFailed) -> None:
-        if not cells:
-            return
+    def start(self, n: int | None = None) -> None:
+        """Connect to (or start) the cluster and start ``n`` (default ``workers``) actors, each
+        importing the evaluation stack before its first cell. :meth:`run` calls it when needed."""
         from moelab.sweeps.worker import CellRunner
 
         ray = self.ray
-        started = self._init()
+        self._started_cluster = self._init() or getattr(self, "_started_cluster", False)
         threads = self.threads or 1
-        Actor = ray.remote(num_cpus=threads, max_restarts=0)(CellRunner)
-        n = min(self.workers, len(cells))
+        self._actor_cls = ray.remote(num_cpus=threads, max_restarts=0)(CellRunner)
+        n = n or self.workers
         t0 = time.perf_counter()
-        actors: list[Any] = [Actor.remote(threads, f"ray-{i}") for i in range(n)]
-        for info in ray.get([a.warm.remote() for a in actors]):  # up, lm-eval imported, before any cell
+        self._actors = [self._actor_cls.remote(threads, f"ray-{i}") for i in range(n)]
+        for info in ray.get([a.warm.remote() for a in self._actors]):  # up, lm-eval imported, before any cell
             log.info("worker %s: pid %s on %s, %s torch thread(s)", info["worker"], info["pid"], info["host"],
                      info["threads"])
         self.actors_start_s = time.perf_counter() - t0
-        loaded: list[tuple | None] = [None] * n
+        self._loaded: list[tuple | None] = [None] * n
+
+    def close(self) -> None:
+        """Stop the actors, and the local cluster if this executor started it."""
+        for a in getattr(self, "_actors", None) or []:
+            self.ray.kill(a)
+        self._actors = None
+        if getattr(self, "_started_cluster", False):
+            self.ray.shutdown()
+            self._started_cluster = False
+
+    def run(self, cells: list[Cell], retries: int, on_start: OnStart, on_done: OnDone,
+            on_failed: OnFailed) -> None:
+        """Run ``cells`` on the actors (started here unless :meth:`start` was called; stopped at
+        the end unless ``keep`` is set, e.g. by a benchmark timing warm actors)."""
+        if not cells:
+            return
+        ray = self.ray
+        if getattr(self, "_actors", None) is None:
+            self.start(min(self.workers, len(cells)))
+        actors, loaded, threads = self._actors, self._loaded, self.threads or 1
+        n = len(actors)
         queue: list[tuple[Cell, int]] = [(c, 1) for c in cells]
         pending: dict[Any, tuple[int, Cell, int]] = {}
         try:
@@ -140,18 +173,19 @@ class RayExecutor:
                 for i in range(n):
                     if queue and all(slot != i for slot, _, _ in pending.values()):
                         # prefer a cell whose model this actor already holds
-                        j = next((k for k, (c, _) in enumerate(queue) if (c.model, c.dtype) == loaded[i]), 0)
+                        j = next((k for k, (c, _) in enumerate(queue) if c.resource() == loaded[i]), 0)
                         cell, attempt = queue.pop(j)
                         on_start(cell)
                         pending[actors[i].run.remote(cell.to_dict())] = (i, cell, attempt)
-                        loaded[i] = (cell.model, cell.dtype)
+                        loaded[i] = cell.resource()
+                # blocks in Ray's C++ core (no polling in Python): the driver idles while cells run
                 ready, _ = ray.wait(list(pending), num_returns=1)
                 for ref in ready:
                     i, cell, attempt = pending.pop(ref)
                     try:
                         out = ray.get(ref)
                     except ray.exceptions.RayActorError as exc:  # the worker died: a new one
-                        actors[i], loaded[i] = Actor.remote(threads, f"ray-{i}"), None
+                        actors[i], loaded[i] = self._actor_cls.remote(threads, f"ray-{i}"), None
                         actors[i].warm.remote()
                         self._failed(cell, attempt, f"worker died: {exc}", retries, queue, on_failed)
                     except ray.exceptions.RayTaskError as exc:
@@ -163,10 +197,8 @@ class RayExecutor:
                     else:
                         on_done(cell, out)
         finally:
-            for a in actors:
-                ray.kill(a)
-            if started:
-                ray.shutdown()
+            if not self.keep:
+                self.close()
 
     @staticmethod
     def _failed(cell: Cell, attempt: int, error: str, retries: int, queue: list, on_failed: OnFailed) -> None:
@@ -174,6 +206,21 @@ class RayExecutor:
         on_failed(cell, attempt, error, final)
         if not final:
             queue.insert(0, (cell, attempt + 1))
+
+
+def _check_reachable(address: str, timeout_s: float = 10.0) -> None:
+    """Refuse a ``HOST:PORT`` address where nothing accepts connections (``auto`` and
+    ``ray://`` addresses are left to Ray)."""
+    import socket
+
+    host, sep, port = address.rpartition(":")
+    if not sep or "://" in address or not port.isdigit():
+        return
+    try:
+        socket.create_connection((host or "127.0.0.1", int(port)), timeout=timeout_s).close()
+    except OSError as exc:
+        raise MoelabError(f"cannot connect to the Ray cluster at {address!r} ({exc.strerror or exc}); check the "
+                          "address (ray start --head prints it) or leave --address out for a local cluster.") from None
 
 
 def _moelab_root() -> str:

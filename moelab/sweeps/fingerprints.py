@@ -63,3 +63,22 @@ def resolve(models: list[ModelSpec], store) -> dict[str, str]:
                 store.cache_fingerprint(sig, m.name, fp)
         out[m.name] = fp
     return out
+
+
+def path_signature(path: str | Path) -> str:
+    """A trace's (or saved predictor's) identity for cell hashes: the names, sizes and
+    modification times of its files and the sha256 of its ``meta.json``/``predictor.json``
+    (a re-recorded trace gets new cells; an untouched one keeps its finished cells)."""
+    root = Path(path).expanduser().resolve()
+    if not root.exists():
+        from moelab.errors import MoelabError
+
+        raise MoelabError(f"{str(path)!r} does not exist; give the path of a routing trace (moelab trace --out) "
+                          "or a saved predictor directory.")
+    files = [root] if root.is_file() else sorted(p for p in root.rglob("*") if p.is_file())
+    parts: dict = {"path": str(root), "files": [
+        (str(p.relative_to(root)) if p != root else p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in files]}
+    for name in ("meta.json", "predictor.json"):
+        if (root / name).is_file():
+            parts[name] = hashlib.sha256((root / name).read_bytes()).hexdigest()
+    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:24]

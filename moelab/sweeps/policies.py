@@ -22,6 +22,9 @@ from moelab.errors import MoelabError, did_you_mean
 
 #: ``none`` is the unmodified model.
 NONE = "none"
+#: ``hybrid`` applies a hybrid configuration (:class:`moelab.hybrid.HybridConfig`; setting
+#: ``config``: its fields as a mapping, or in a spec a YAML file) with :class:`HybridRun`.
+HYBRID = "hybrid"
 
 #: name -> (module, policy class, config class, the setting that counts affected experts)
 _BUILTIN: dict[str, tuple[str, str, str, str]] = {
@@ -41,7 +44,7 @@ def _registry() -> Any:
 
 def policy_names() -> list[str]:
     reg = _registry()
-    return [NONE, *(reg.available_policies() if reg is not None else _BUILTIN)]
+    return [NONE, *(reg.available_policies() if reg is not None else _BUILTIN), HYBRID]
 
 
 def _classes(name: str) -> tuple[type, type]:
@@ -70,6 +73,8 @@ def setting_names(name: str) -> list[str]:
     check_policy_name(name)
     if name == NONE:
         return []
+    if name == HYBRID:
+        return ["config"]
     _, config_cls = _classes(name)
     return [f.name for f in dataclasses.fields(config_cls)]
 
@@ -81,6 +86,13 @@ def full_settings(name: str, params: dict[str, Any]) -> dict[str, Any]:
         if params:
             raise MoelabError(f"policy 'none' takes no settings; got {', '.join(params)}.")
         return {}
+    if name == HYBRID:
+        from moelab.hybrid.config import HybridConfig
+
+        if set(params) != {"config"} or not isinstance(params["config"], dict):
+            raise MoelabError("policy 'hybrid' takes one setting, config: a hybrid configuration (a YAML file "
+                              "or a mapping of HybridConfig fields).")
+        return {"config": HybridConfig.from_dict(params["config"]).to_dict()}
     _, config_cls = _classes(name)
     return dataclasses.asdict(config_cls(**params))
 
@@ -101,6 +113,11 @@ def make_policy(name: str, model: Any, settings: dict[str, Any]) -> Any:
     check_policy_name(name)
     if name == NONE:
         return contextlib.nullcontext()
+    if name == HYBRID:
+        from moelab.hybrid.config import HybridConfig
+        from moelab.hybrid.runtime import HybridRun
+
+        return HybridRun(model, HybridConfig.from_dict(settings["config"]))
     reg = _registry()
     if reg is not None:
         return reg.make_policy(name, model, **settings)

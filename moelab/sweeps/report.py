@@ -4,8 +4,10 @@ The report has, per model and task, a table of accuracy ± standard error for ev
 setting, and the KTransformers-Fig.-13-style curves: accuracy against experts deferred or
 skipped per token, with error bars (± 1 standard error; the Wilson 95 % interval where every
 document scored the same and the standard error is 0). The unmodified model is the n = 0
-point of both curves. Simulated latency (and the accuracy-vs-tokens/s Pareto front) appears
-once a simulator fills the cells' ``latency``; until then the report says it is absent.
+point of both curves. Where records carry a speed (``latency[profile]`` with ``tokens_per_s``
+or ``latency_s``, filled by a latency simulator), the report draws accuracy against
+simulated tokens/s per hardware profile with its Pareto front; until then it says it is
+absent. Specs of other kinds (``cache``, ``predictor``) get the table of all cells.
 """
 
 from __future__ import annotations
@@ -68,22 +70,89 @@ def score_text(score: float, se: float | None, n: int) -> str:
 
 
 def table_rows(statuses: list[CellStatus]) -> list[dict[str, Any]]:
-    """One row per cell: model, task, policy, settings, affected, score, stderr, n, wall time."""
-    rows = []
+    """One row per cell, the columns its kind shows (:meth:`CellKind.row`), its state and hash."""
+    from moelab.sweeps.kinds import get_kind
+
+    return [{**get_kind(x.cell.kind).row(x.cell, x.record), "state": x.state, "hash": x.cell.hash}
+            for x in statuses]
+
+
+# --------------------------------------------------------------------------- accuracy × speed
+@dataclass
+class SpeedPoint:
+    """One cell's accuracy beside its simulated speed on one hardware profile."""
+
+    status: CellStatus
+    profile: str
+    score: float
+    stderr: float | None
+    tokens_per_s: float
+
+
+def tokens_per_s(figures: Any) -> float | None:
+    """Tokens/s from a record's ``latency[profile]`` figures: ``tokens_per_s``, else
+    ``1 / latency_s`` (seconds per token); None where neither is there."""
+    if not isinstance(figures, dict):
+        return None
+    v = figures.get("tokens_per_s")
+    if isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0:
+        return float(v)
+    v = figures.get("latency_s")
+    if isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0:
+        return 1.0 / float(v)
+    return None
+
+
+def speed_points(statuses: list[CellStatus]) -> dict[str, list[SpeedPoint]]:
+    """Per hardware profile, every finished cell whose record carries a speed for it."""
+    out: dict[str, list[SpeedPoint]] = {}
     for x in statuses:
-        r = x.record or {}
-        settings = {k: v for k, v in x.cell.settings.items() if k in ("deferred", "immediate", "skipped")}
-        rows.append({
-            "model": x.cell.model, "task": x.cell.task, "policy": x.cell.policy,
-            "settings": ", ".join(f"{k}={v}" for k, v in settings.items()) or "-",
-            "affected": x.cell.affected, "seed": x.cell.seed, "state": x.state,
-            "score": r.get("score"), "stderr": r.get("score_stderr"), "n": r.get("n_docs"),
-            "wall_s": r.get("wall_s"), "hash": x.cell.hash,
-        })
-    return rows
+        if x.state != "done" or not x.record:
+            continue
+        for profile, figures in (x.record.get("latency") or {}).items():
+            tps = tokens_per_s(figures)
+            if tps is not None:
+                out.setdefault(profile, []).append(
+                    SpeedPoint(x, profile, x.record["score"], x.record.get("score_stderr"), tps))
+    return out
 
 
-def _series(statuses: list[CellStatus], model: str, task: str) -> dict[str, dict[int, CellStatus]]:
+def pareto_front(points: list[SpeedPoint]) -> list[SpeedPoint]:
+    """The points no other point beats on both accuracy and tokens/s (ties kept), by tokens/s."""
+    front = [p for p in points if not any(
+        (q.score >= p.score and q.tokens_per_s >= p.tokens_per_s)
+        and (q.score > p.score or q.tokens_per_s > p.tokens_per_s) for q in points)]
+    return sorted(front, key=lambda p: (p.tokens_per_s, -p.score))
+
+
+def pareto_figure(points: list[SpeedPoint], profile: str):
+    """Accuracy against simulated tokens/s on ``profile``: every cell, and the Pareto front as a line."""
+    import plotly.graph_objects as go
+
+    from moelab.sweeps.kinds import get_kind
+
+    def label(p: SpeedPoint) -> str:
+        row = get_kind(p.status.cell.kind).row(p.status.cell, p.status.record)
+        return " · ".join(str(row[k]) for k in ("model", "task", "policy", "settings") if k in row)
+
+    fig = go.Figure()
+    bars = [_bar(p.score, p.stderr, p.status.record["n_docs"]) for p in points]
+    fig.add_trace(go.Scatter(
+        x=[p.tokens_per_s for p in points], y=[p.score for p in points], mode="markers", name="cells",
+        error_y={"type": "data", "symmetric": False, "array": [b[1] for b in bars],
+                 "arrayminus": [b[0] for b in bars], "visible": True},
+        text=[label(p) for p in points], hovertemplate="%{text}<br>%{x:.1f} tokens/s, accuracy %{y:.3f}<extra></extra>",
+    ))
+    front = pareto_front(points)
+    fig.add_trace(go.Scatter(x=[p.tokens_per_s for p in front], y=[p.score for p in front], mode="lines+markers",
+                             name="Pareto front", line={"shape": "hv"}, text=[label(p) for p in front],
+                             hovertemplate="%{text}<extra>Pareto front</extra>"))
+    fig.update_layout(title=f"accuracy vs simulated tokens/s on {profile} (± 1 standard error)",
+                      xaxis_title="simulated tokens/s", yaxis_title="accuracy", height=420)
+    return fig
+
+
+def _series(statuses: list[CellStatus], model: str, task: str) -> dict[str, dict[int, Any]]:
     """Per curve (``deferral``, ``skipping``; ``… · seed S`` when the sweep has several seeds),
     ``experts affected → cell``, the unmodified model's cell being n = 0."""
     done = [x for x in statuses if x.state == "done" and x.cell.model == model and x.cell.task == task]
@@ -113,6 +182,8 @@ def grid_table(statuses: list[CellStatus], model: str, task: str) -> tuple[list[
 def markdown_tables(spec: SweepSpec, statuses: list[CellStatus]) -> str:
     """Markdown: per model and task, a row per policy and a column per experts affected."""
     out = []
+    if spec.kind != "eval":
+        return ""
     for m in spec.models:
         for t in spec.tasks:
             ns, rows = grid_table(statuses, m.name, t.name)
@@ -171,7 +242,7 @@ def write_html(spec: SweepSpec, statuses: list[CellStatus], out: str | os.PathLi
     n_done = sum(x.state == "done" for x in statuses)
     parts.append(f"<p>{n_done} of {len(statuses)} cells done.</p>")
     first = True
-    for m in spec.models:
+    for m in (spec.models if spec.kind == "eval" else []):
         for t in spec.tasks:
             ns, rows = grid_table(statuses, m.name, t.name)
             if not rows:
@@ -184,8 +255,14 @@ def write_html(spec: SweepSpec, statuses: list[CellStatus], out: str | os.PathLi
             fig = curves_figure(statuses, m.name, t.name)
             parts.append(fig.to_html(full_html=False, include_plotlyjs=first))
             first = False
-    latency = [x for x in statuses if x.record and any(v is not None for v in (x.record.get("latency") or {}).values())]
-    if not latency:
+    speed = speed_points(statuses)
+    for profile, points in sorted(speed.items()):
+        parts.append(f"<h2>Accuracy vs simulated tokens/s · {html.escape(profile)}</h2>")
+        front = pareto_front(points)
+        parts.append(f"<p>{len(points)} cell(s); {len(front)} on the Pareto front.</p>")
+        parts.append(pareto_figure(points, profile).to_html(full_html=False, include_plotlyjs=first))
+        first = False
+    if not speed and spec.kind == "eval":
         parts.append("<h2>Simulated latency</h2><p>No simulated latency: "
                      + ("the spec lists hardware profiles, but " if spec.hardware else "the spec lists no hardware "
                         "profiles, and ")

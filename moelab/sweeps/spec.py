@@ -15,6 +15,13 @@ simulated-latency column)::
     seeds: [1234]
     eval: {max_gen_toks: 64, allow_code_execution: true}
 
+This module is the ``eval`` kind's spec (the default ``kind``); other kinds (``cache``,
+``predictor``: :mod:`moelab.sweeps.trace_kinds`) are registered in
+:mod:`moelab.sweeps.kinds`, and :func:`parse_spec` hands a spec to the kind it names.
+``policies`` may also hold ``{policy: hybrid, config: FILE.yaml}`` (a hybrid configuration,
+inline or a file relative to the spec), and ``artifacts: {trace: true, timeline: true}``
+records each cell's routing trace and a hybrid cell's timeline in the store.
+
 ``grid`` values are lists to sweep (their cartesian product); other policy keys are fixed
 settings (a list there is a per-layer value, as ``ExpertDeferral`` takes it). A cell is one
 (model, policy setting, task, seed); its hash covers everything that decides its result
@@ -109,14 +116,23 @@ class SweepSpec:
     description: str = ""
     source: str | None = None
     """The YAML file this spec was read from."""
+    artifacts: dict[str, bool] = field(default_factory=dict)
+    """Per-cell artifacts: ``{trace: true}`` records each cell's routing trace, ``{timeline:
+    true}`` a hybrid-config cell's timeline (``events.parquet``), in the cell's store folder."""
+    kind = "eval"
 
     def store_path(self) -> Path:
-        if self.store is None:
-            return Path("runs") / "sweeps" / self.name
-        p = Path(self.store).expanduser()
-        if not p.is_absolute() and self.source is not None:
-            p = Path(self.source).resolve().parent / p
-        return p
+        return _store_path(self.name, self.store, self.source)
+
+
+def _store_path(name: str, store: str | None, source: str | None) -> Path:
+    """A spec's results store: ``store`` (relative to the spec file) or ``runs/sweeps/<name>``."""
+    if store is None:
+        return Path("runs") / "sweeps" / name
+    p = Path(store).expanduser()
+    if not p.is_absolute() and source is not None:
+        p = Path(source).resolve().parent / p
+    return p
 
 
 @dataclass
@@ -137,6 +153,19 @@ class Cell:
     """:func:`moelab.adapters.model_fingerprint` of the model (filled by :func:`expand`)."""
     task_version: str = ""
     hash: str = ""
+    artifacts: dict[str, bool] = field(default_factory=dict)
+    """Per-cell artifacts to record (``trace``, ``timeline``); not in the hash (they do not
+    change the result)."""
+    kind: str = "eval"
+
+    def resource(self) -> tuple:
+        """What a worker keeps loaded between cells: the model."""
+        return ("model", self.model, self.dtype)
+
+    def columns(self) -> dict[str, Any]:
+        """The store's headline columns of this cell."""
+        return {"model": self.model, "policy": self.policy, "affected": self.affected, "task": self.task,
+                "seed": self.seed}
 
     def label(self) -> str:
         s = ",".join(f"{k}={v}" for k, v in self.settings.items() if k in self._shown())
@@ -218,7 +247,7 @@ def expand(spec: SweepSpec, fingerprints: dict[str, str]) -> list[Cell]:
                         cell = Cell(model=m.name, dtype=m.dtype, policy=p.name, settings=full, task=t.name,
                                     limit=t.limit, num_fewshot=t.num_fewshot, seed=seed, eval=ev,
                                     hardware=list(spec.hardware), fingerprint=fingerprints[m.name],
-                                    task_version=versions[t.name])
+                                    task_version=versions[t.name], artifacts=dict(spec.artifacts))
                         cell.hash = cell_hash(cell, moelab.__version__)
                         if cell.hash not in seen:  # the same setting listed twice runs once
                             seen.add(cell.hash)
@@ -227,10 +256,12 @@ def expand(spec: SweepSpec, fingerprints: dict[str, str]) -> list[Cell]:
 
 
 # --------------------------------------------------------------------------- YAML
-_TOP_KEYS = ("name", "description", "models", "policies", "tasks", "seeds", "hardware", "eval",
-             "store", "retries")
+#: Keys of every spec, whatever its kind.
+COMMON_KEYS = ("name", "kind", "description", "store", "retries")
+_EVAL_KEYS = ("models", "policies", "tasks", "seeds", "hardware", "eval", "artifacts")
 _TASK_KEYS = ("task", "limit", "num_fewshot")
 _MODEL_KEYS = ("model", "dtype")
+_ARTIFACTS = ("trace", "timeline")
 
 
 class _Reader:
@@ -269,18 +300,51 @@ class _Reader:
             return [v]
         return v
 
+    def required(self, data: dict, names: tuple[str, ...]) -> None:
+        for required in names:
+            if required not in data:
+                raise self.fail((), f"the sweep spec has no {required!r}; add it (see evals/sweeps/*.yaml).")
 
-def parse_spec(data: Any, lines: dict[tuple, int], source: str) -> SweepSpec:
-    """A :class:`SweepSpec` from parsed YAML (``lines``: value path → line, for errors)."""
+    def path(self, v: Any, path: tuple, what: str) -> str:
+        """A file or directory named in the spec, relative to the spec file."""
+        if not isinstance(v, str) or not v:
+            raise self.fail(path, f"{what} {v!r}: expected a path.")
+        p = Path(v).expanduser()
+        if not p.is_absolute() and Path(self.source).is_file():
+            p = Path(self.source).resolve().parent / p
+        return str(p)
+
+
+def parse_spec(data: Any, lines: dict[tuple, int], source: str) -> Any:
+    """A spec from parsed YAML (``lines``: value path → line, for errors); its ``kind``
+    (default ``eval``: a :class:`SweepSpec`) names the cell kind that reads the rest."""
+    from moelab.sweeps.kinds import CELL_KINDS
+
     r = _Reader(source, lines)
-    r.keys(data, (), _TOP_KEYS, "the sweep spec")
-    for required in ("name", "models", "policies", "tasks"):
-        if required not in data:
-            raise r.fail((), f"the sweep spec has no {required!r}; add it (see evals/sweeps/*.yaml).")
+    if not isinstance(data, dict):
+        raise r.fail((), f"a sweep spec is a mapping (name: ..., models: ...), got {type(data).__name__}.")
+    kind_name = data.get("kind", "eval")
+    if kind_name not in CELL_KINDS:
+        raise r.fail(("kind",), f"unknown sweep kind {kind_name!r}.{did_you_mean(str(kind_name), CELL_KINDS.names())} "
+                                f"Known: {', '.join(CELL_KINDS.names())}.")
+    kind = CELL_KINDS.get(kind_name)
+    r.keys(data, (), (*COMMON_KEYS, *kind.spec_keys), "the sweep spec")
+    r.required(data, ("name",))
     name = data["name"]
     if not isinstance(name, str) or not name or any(c in name for c in "/\\") or name.startswith("."):
         raise r.fail(("name",), f"name={name!r}: expected a plain name (letters, digits, '-', '_').")
+    retries = r.int_or_none(data.get("retries", 1), ("retries",), "retries", 0)
+    store = data.get("store")
+    if store is not None and not isinstance(store, str):
+        raise r.fail(("store",), f"store={store!r}: expected a directory path.")
+    common = {"name": name, "store": store, "retries": retries or 0,
+              "description": str(data.get("description") or ""), "source": source}
+    return kind.parse(r, data, common)
 
+
+def parse_eval_spec(r: _Reader, data: dict, common: dict[str, Any]) -> SweepSpec:
+    """The ``eval`` kind's part of a spec: models × policies × tasks × seeds."""
+    r.required(data, ("models", "policies", "tasks"))
     models = [_model(r, m, ("models", i)) for i, m in enumerate(r.listed(data["models"], ("models",), "models"))]
     policies = [_policy(r, p, ("policies", i), [m.name for m in models])
                 for i, p in enumerate(r.listed(data["policies"], ("policies",), "policies"))]
@@ -305,13 +369,12 @@ def parse_spec(data: Any, lines: dict[tuple, int], source: str) -> SweepSpec:
                    **{k: v for k, v in asdict(ev).items()})
     except MoelabError as exc:
         raise r.fail(("eval",), str(exc)) from None
-    retries = r.int_or_none(data.get("retries", 1), ("retries",), "retries", 0)
-    store = data.get("store")
-    if store is not None and not isinstance(store, str):
-        raise r.fail(("store",), f"store={store!r}: expected a directory path.")
-    spec = SweepSpec(name=name, models=models, policies=policies, tasks=tasks, seeds=seeds, hardware=hardware,
-                     eval=ev, store=store, retries=retries or 0, description=str(data.get("description") or ""),
-                     source=source)
+    artifacts = r.keys(data.get("artifacts") or {}, ("artifacts",), _ARTIFACTS, "artifacts")
+    for k, v in artifacts.items():
+        if not isinstance(v, bool):
+            raise r.fail(("artifacts", k), f"artifacts {k}={v!r}: expected true or false.")
+    spec = SweepSpec(models=models, policies=policies, tasks=tasks, seeds=seeds, hardware=hardware, eval=ev,
+                     artifacts=dict(artifacts), **common)
     _check_tasks(r, spec)
     return spec
 
@@ -359,6 +422,14 @@ def _policy(r: _Reader, p: Any, path: tuple, model_names: list[str]) -> PolicySp
         if k in p:
             raise r.fail((*path, "grid", k), f"{k!r} is both a fixed setting and in the grid; keep one.")
     fixed = {k: v for k, v in p.items() if k not in ("policy", "grid", "models")}
+    if name == pol.HYBRID and isinstance(fixed.get("config"), str):  # a YAML file, relative to the spec
+        from moelab.hybrid.config import HybridConfig
+
+        try:
+            fixed["config"] = HybridConfig.from_yaml(r.path(fixed["config"], (*path, "config"), "hybrid config"))\
+                .to_dict()
+        except MoelabError as exc:
+            raise r.fail((*path, "config"), str(exc)) from None
     only = p.get("models") or []
     if not isinstance(only, list):
         only = [only]
@@ -407,8 +478,10 @@ def _check_tasks(r: _Reader, spec: SweepSpec) -> None:
                                        "eval: {allow_code_execution: true} to run it in moelab's sandbox.")
 
 
-def load_spec(path: str | os.PathLike) -> SweepSpec:
-    """Read and check a YAML sweep spec (errors name the file's line and the closest names)."""
+def load_spec(path: str | os.PathLike) -> Any:
+    """Read and check a YAML sweep spec (errors name the file's line and the closest names):
+    a :class:`SweepSpec` (``kind: eval``, the default) or a
+    :class:`~moelab.sweeps.trace_kinds.TraceSweepSpec` (``kind: cache`` / ``predictor``)."""
     source = str(path)
     data, lines = load_with_lines(read_text(path), source)
     return parse_spec(data, lines, source)

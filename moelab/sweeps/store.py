@@ -4,7 +4,9 @@ Layout of a store directory::
 
     results.sqlite          the records (readable with any SQLite client; schema below)
     lock                    held (flock) by the one driver writing the store; says who
-    cells/<hash>/           per cell: samples_<task>.jsonl (lm-eval's per-document logs)
+    cells/<hash>/           per cell: its files -- for eval cells samples_<task>.jsonl (lm-eval's
+                            per-document logs), trace/ (routing trace, on request) and
+                            events.parquet (a hybrid cell's timeline, on request)
 
 Guarantees:
 
@@ -35,9 +37,14 @@ The columns beside ``record`` copy its headline fields for plain SQL; ``record``
 the truth: ``cell`` (the cell's settings and ``key``), ``metrics``/``stderr`` (lm-eval's
 ``metric,filter`` keys), ``primary_metric``, ``score``, ``score_stderr``, ``n_docs``,
 ``n_available``, ``notes``, ``versions``, ``wall_s``, ``worker``, ``started_at``,
-``finished_at``, ``run_id``, ``samples_path`` (relative to the store), ``trace_path`` and
-``timeline_path`` (None until cells record routing traces), ``latency`` (``{hardware
-profile: simulated figures}``; empty until a simulator is registered).
+``finished_at``, ``run_id``, ``cpu_s`` (the worker process's CPU seconds in the cell), ``samples_path``, ``trace_path`` and ``timeline_path``
+(relative to the store; None where the cell has none: traces and timelines are recorded
+when the spec's ``artifacts`` asks), ``latency`` (``{hardware profile: simulated
+figures}``; empty until a simulator is registered). Records of the trace-based kinds
+(``kind`` in ``cell``: ``cache``, ``predictor``) have the same headline fields: ``score`` is
+the hit rate or the prediction accuracy, ``n_docs`` the accesses or (token, layer) pairs,
+``metrics`` the full :class:`~moelab.caches.CacheResult` or prediction report; their
+``model`` column is the trace's model, ``task`` the trace's directory name.
 """
 
 from __future__ import annotations
@@ -238,32 +245,46 @@ class Store:
         for key in ("metrics", "score", "n_docs", "finished_at"):
             if key not in record:
                 return f"record lacks {key!r}"
-        samples = record.get("samples_path")
-        if samples and not (self.path / samples).is_dir():
-            return f"its samples {samples!r} are missing"
+        for name, rel in record.items():
+            if name.endswith("_path") and rel and not (self.path / rel).exists():
+                return f"its {name[:-5]} {rel!r} is missing"
         return None
 
-    def put(self, record: dict[str, Any], samples: dict[str, str]) -> None:
-        """Write one finished cell: its samples files (atomically), then its record."""
+    def put(self, record: dict[str, Any], files: dict[str, bytes | str]) -> None:
+        """Write one finished cell: its files (atomically, into ``cells/<hash>/``), then its record.
+
+        The record's ``*_path`` fields name files or folders relative to the cell's folder
+        (``.`` for the folder itself; None: absent); they are stored relative to the store."""
         from moelab._output import reserve_output
+        from moelab.sweeps.kinds import cell_from_dict
 
         cell = record["cell"]
         cell_hash = cell["hash"]
-        if samples:
-            target = self.cell_dir(cell_hash)
-            with reserve_output(target, overwrite=True, what="cell samples") as out:
-                for name, text in samples.items():
-                    if "/" in name or name.startswith("."):
-                        raise MoelabError(f"unexpected samples file name {name!r} from a worker.")
-                    (out.staging / name).write_text(text, encoding="utf-8")
+        target = self.cell_dir(cell_hash)
+        if files:
+            with reserve_output(target, overwrite=True, what="cell files") as out:
+                for name, data in files.items():
+                    rel = Path(name)
+                    if rel.is_absolute() or ".." in rel.parts or not rel.parts or rel.parts[0].startswith("."):
+                        raise MoelabError(f"unexpected cell file name {name!r} from a worker.")
+                    (out.staging / rel).parent.mkdir(parents=True, exist_ok=True)
+                    (out.staging / rel).write_bytes(data.encode() if isinstance(data, str) else data)
                 out.commit()
-            record["samples_path"] = str(target.relative_to(self.path))
+            record.setdefault("samples_path", ".")
+        for name in [k for k in record if k.endswith("_path")]:
+            rel = record[name]
+            if rel and files:
+                record[name] = str((target / rel).relative_to(self.path)) if rel != "." else \
+                    str(target.relative_to(self.path))
+            elif rel:
+                record[name] = None
         record["run_id"] = self.run_id
+        cols = cell_from_dict(cell).columns()
         text = json.dumps(record, sort_keys=True, default=str)
         self.db.execute(
             "INSERT OR REPLACE INTO cells VALUES (?,?,?,?,?,?,?,?,?,?,?,?)",
-            (cell_hash, text, checksum(text), record["finished_at"], cell["model"], cell["policy"],
-             record.get("affected"), cell["task"], cell["seed"], record["score"], record.get("score_stderr"),
+            (cell_hash, text, checksum(text), record["finished_at"], cols["model"], cols["policy"],
+             cols.get("affected"), cols["task"], cols.get("seed"), record["score"], record.get("score_stderr"),
              record["n_docs"]),
         )
 
