@@ -31,7 +31,9 @@ lane's idle time before a copied expert is a ``wait`` event on ``device`` (cause
 
 **Costs** (:class:`Costs`): a roofline ``max(bytes / (bandwidth × efficiency), FLOPs /
 (peak × efficiency))`` per kernel, plus launch (``gpu_launch_us`` × kernels), dispatch
-(``cpu_dispatch_us``), copy latency and synchronisation (``sync_us``). Host experts and
+(``cpu_dispatch_us`` per host expert), a fixed cost per experts call (``gpu_call_us`` once per
+layer on the device, ``cpu_call_us`` once per layer and host lane — the real executor makes one
+backend call per layer and lane), copy latency and synchronisation (``sync_us``). Host experts and
 copies read their NUMA node's memory and share its bandwidth (:mod:`moelab.simulate.engine`);
 so do device kernels when ``device_shares_host_memory`` (a CPU worker standing in for a GPU).
 
@@ -402,6 +404,9 @@ def _task_costs(enc: Encoded, lay: Layout, costs: Costs, context: int):
     cap[V] = costs.device_cap(np.full(len(V), costs.expert_bytes), costs.expert_flops_per_token * enc.v[:, 1])
     if shared_mem:
         pool[V] = enc.v[:, 0] % N
+    # one experts call per layer on the device: its fixed cost is paid by the layer's first device task
+    first_dev = np.where(enc.ns > 0, lay.S0, lay.V0)[(enc.nv + enc.ns) > 0]
+    fixed[first_dev] += hw.gpu_call_us
 
     # ---- host and deferred experts
     for cat_id, starts, counts, items in ((CAT_H, lay.H0, enc.nh, enc.h), (CAT_F, lay.F0, enc.nf, enc.f)):
@@ -409,6 +414,17 @@ def _task_costs(enc: Encoded, lay: Layout, costs: Costs, context: int):
         node = items[:, 0] % N if len(items) else np.zeros(0, np.int64)
         res[idx], cat[idx] = 3 + node, cat_id
         fixed[idx] = hw.cpu_dispatch_us
+        # one experts call per layer and host lane: its fixed cost is paid by the first task of each lane
+        if len(idx):
+            owner = np.repeat(np.arange(len(counts)), counts)
+            key = owner * N + node
+            first = np.ones(len(idx), dtype=bool)
+            first[1:] = key[1:] != key[:-1]
+            if N > 1:  # items of one plan are not sorted by node: mark the first of each (plan, node)
+                _, firsts = np.unique(key, return_index=True)
+                first = np.zeros(len(idx), dtype=bool)
+                first[firsts] = True
+            fixed[idx[first]] += hw.cpu_call_us
         nbytes[idx] = costs.expert_bytes
         cap[idx] = costs.host_cap(np.full(len(idx), costs.expert_bytes), costs.expert_flops_per_token * items[:, 1])
         pool[idx] = node

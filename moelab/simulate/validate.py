@@ -239,11 +239,11 @@ def calibrated_profile(*, quick: bool = True, progress: bool = False):
     from moelab.simulate.calibrate import CalibrateConfig, calibrate, write_profile
     from moelab.timing import load_profile
 
-    cfg = CalibrateConfig()
+    # the backends the real runs use (see _machine_cases): calibration measures those kernels on
+    # microbenchmarks, never the runs themselves
+    cfg = CalibrateConfig(host_backend="moelab_bf16", device_backend="reference")
     if quick:
-        cfg.repeat = 2
-        cfg.batches, cfg.dtypes, cfg.contexts, cfg.memory_mib = (1, 16), ("bf16",), (64, 2048), 128
-        cfg.device_batches = (1,)
+        cfg.quick()
     prof, raw = calibrate(cfg, progress=progress)
     d = tempfile.mkdtemp(prefix="moelab-validate-")
     path = write_profile(prof, raw, Path(d) / "this-machine.yaml", overwrite=True)
