@@ -304,6 +304,22 @@ def test_an_experts_call_pays_its_fixed_cost_once_per_layer_and_lane(engine):
     assert (host1["t_end_us"] - host1["t_start_us"]).tolist() == pytest.approx([108, 101], abs=1e-3)
 
 
+@pytest.mark.parametrize("engine", ENGINES)
+def test_on_a_cpu_only_machine_busy_lanes_share_the_cores(engine):
+    from moelab.simulate.executor import simulate_plans
+
+    # every lane is a CPU thread on 2 cores: dense 0-50 alone; then the device expert (10 µs alone) and the
+    # host expert (100 µs alone) run together at half speed each: the device one ends at 70 (10 µs of work
+    # in 20), the host one has done 10 of its 100 µs by then and ends alone at 70 + 90 = 160
+    hw = hand_profile(device_shares_host_memory=True, cpu_cores=2)
+    res = simulate_plans([plan(0, device=[(1, 1)], hits=[1], host=[(3, 1)])], HandShape(num_layers=1), hw,
+                         engine=engine)
+    dev, host = rows(res, kind="expert-device"), rows(res, kind="expert-host")
+    assert (dev["t_start_us"].item(), dev["t_end_us"].item()) == pytest.approx((50, 70), abs=1e-3)
+    assert (host["t_start_us"].item(), host["t_end_us"].item()) == pytest.approx((50, 160), abs=1e-3)
+    assert host["bytes"].item() == 1_000_000  # the events keep the bytes read, not the core-µs of work
+
+
 def test_ktransformers_style_saturation_deferral_cuts_layer_time_to_the_cpu_busy_share():
     from moelab.simulate.executor import simulate_plans
 

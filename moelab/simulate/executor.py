@@ -48,6 +48,7 @@ The graph is built twice — :func:`build_graph_reference` (a loop, the definiti
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from itertools import chain
@@ -430,6 +431,23 @@ def _task_costs(enc: Encoded, lay: Layout, costs: Costs, context: int):
         pool[idx] = node
     servers = np.array([1, 1, hw.copy_engines] + [1] * N, dtype=np.int32)
     pool_bw = np.full(N, hw.numa_node_bandwidth_gbs * 1e3)
+    if shared_mem:
+        # a CPU-only machine: every lane (control, device stand-in, copies, host) is a CPU thread whose
+        # work (Python dispatch, torch ops and native kernels over all their threads) wants every core, and
+        # the lanes time-share the cores. Each task's work becomes its time alone × cpu_cores core-µs,
+        # run at up to cpu_cores (all of them when alone) from one pool of cpu_cores shared max-min fair:
+        # two busy lanes take twice as long each (memory bandwidth, saturated by one kernel here, goes
+        # with the cores)
+        work = cat != CAT_W
+        with np.errstate(divide="ignore", invalid="ignore"):
+            alone = fixed + np.where(nbytes > 0, nbytes / np.where(cap > 0, cap, 1.0), 0.0)
+        c = float(hw.cpu_cores)
+        nbytes = nbytes.copy()
+        nbytes[work] = alone[work] * c
+        cap[work] = c
+        fixed[work] = 0.0
+        pool[work] = 0
+        pool_bw = np.full(N, c)
     return res, prio, fixed, nbytes, cap, pool, cat, servers, pool_bw
 
 
@@ -540,12 +558,20 @@ def _deps_reference(enc: Encoded, lay: Layout, E: int) -> tuple[np.ndarray, np.n
     return ptr, idx
 
 
+def _task_bytes(enc: Encoded, lay: Layout, costs: Costs, context: int) -> np.ndarray:
+    """The bytes each task reads (as :func:`_task_costs` computes them on a profile whose work is bytes)."""
+    hw = costs.profile.with_changes(device_shares_host_memory=False)
+    return _task_costs(enc, lay, dataclasses.replace(costs, profile=hw), context)[3]
+
+
 def build_graph(enc: Encoded, costs: Costs, *, context: int = 0, reference: bool = False) -> tuple[Graph, Layout, Any]:
     """The task graph of encoded plans (numpy; ``reference=True``: the plain-loop dependencies)."""
     lay = layout(enc)
     res, prio, fixed, nbytes, cap, pool, cat, servers, pool_bw = _task_costs(enc, lay, costs, context)
+    event_bytes = _task_bytes(enc, lay, costs, context) if costs.profile.device_shares_host_memory else None
     ptr, idx = (_deps_reference if reference else _deps_vectorized)(enc, lay, costs.num_experts)
     g = Graph(res, prio, fixed, nbytes, cap, pool, ptr, idx, servers, pool_bw)
+    g.event_bytes = event_bytes  # the bytes each task reads, when its work is in core-µs (see _task_costs)
     return g, lay, cat
 
 
@@ -614,7 +640,8 @@ def _events(enc: Encoded, lay: Layout, cat: np.ndarray, g: Graph, s: Schedule, h
     cause = np.full(n, CAUSES.index(""), np.int64)
     expert = np.full(n, -1, np.int64)
     tokens = np.zeros(n, np.int64)
-    nbytes = g.nbytes.astype(np.int64)
+    eb = getattr(g, "event_bytes", None)
+    nbytes = (g.nbytes if eb is None else eb).astype(np.int64)
     t0, t1 = s.start.copy(), s.end.copy()
 
     D, T, W = lay.D, lay.T[enc.last], lay.W
