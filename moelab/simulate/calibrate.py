@@ -1,44 +1,54 @@
 """``moelab calibrate --out PROFILE``: measure this machine and write a hardware profile for the simulator.
 
-What is measured (each a median of ``repeat`` timed runs after a warm-up), and the profile
-fields it sets:
+Every timed call is **warm**: ``WARMUP`` untimed calls first (the first calls of a fresh module
+were 10^2-10^4× slower: allocation, packing, page faults), then the median of at least ``repeat``
+timed calls (cheap ones repeated for ~0.3 s). Fixed per-call costs are not read off one tiny call
+but **fitted**: ``time = fixed [+ per expert × experts] + bytes / rate`` by least squares weighted
+by 1/time (every point's relative error counts alike) with no negative term, over calls of the
+kinds the real executor makes, at sizes from a tiny model's to DeepSeek-V2-Lite's; each point's
+residual is kept in the raw measurements and the fit's median and largest residual in the
+provenance.
 
 ==========================  ===============================================================
 measurement                 fields
 ==========================  ===============================================================
 memory read (``sum`` over   ``numa_node_bandwidth_gbs``, ``cpu_memory_bandwidth_gbs``
-256 MiB, all threads)
-host experts kernel         ``cpu_memory_efficiency`` (GB/s of the distinct experts read at
-(``--host-backend``, the    batch 1, bf16, over the read bandwidth), ``cpu_peak_tflops``
-native kernels by default)  (best FLOP/s over the batches); per dtype (fp32, bf16) × batch
-                            (1, 4, 16, 64), on DeepSeek-V2-Lite-shaped experts
-device experts kernel       ``gpu_memory_bandwidth_gbs`` (its GB/s at batch 1, bf16;
-(``--device-backend``, the  efficiency 1: the figure is already what the kernel reaches),
-reference backend: the CPU  ``gpu_peak_tflops`` (best FLOP/s), ``gpu_kernels_per_expert``
-worker standing in for the  (its fixed cost on a tiny expert, in launches)
-device)
+``memory_mib``, all threads)
+host experts calls          ``cpu_call_us`` (intercept + half a lane round trip),
+(``--host-backend``) on a   ``cpu_dispatch_us`` (per expert), ``cpu_memory_efficiency``
+lane thread, bf16, sizes ×  (per-byte rate over the read bandwidth); ``cpu_peak_tflops``
+batches 1 and 4             (best FLOP/s, with the kernel table at ``batches``)
+device experts calls        ``gpu_call_us`` (intercept + half a lane round trip),
+(``--device-backend``, the  ``gpu_kernels_per_expert`` (per-expert term, in launches),
+CPU worker standing in for  ``gpu_memory_bandwidth_gbs`` (per-byte rate; efficiency 1),
+the device) on a lane       ``gpu_peak_tflops``
+thread
+the control thread's dense  ``gpu_kernels_per_attention`` (intercept, in launches),
+work: a transformers        ``gpu_dense_efficiency`` (its per-byte rate over the device
+decoder layer at decode     experts' rate)
+(norms, attention over a
+KV cache, router), hidden ×
+context
 torch op launch (a 1-elem.  ``gpu_launch_us``
 add)
-attention (projections +    ``gpu_kernels_per_attention`` (a tiny attention's time, in
-SDPA over a KV cache, by    launches), ``gpu_dense_efficiency`` (the real attention's weight
-context)                    read — intercept of time vs context less that fixed cost —
-                            against the device kernel's rate)
-empty task through a lane   ``cpu_dispatch_us`` and ``sync_us`` (half the round trip each:
-thread (submit → result)    the hand-off and the notification back)
+empty task through a lane   ``sync_us`` (half the round trip: the result back)
+thread (submit → result)
 copy of one expert into a   ``link_bandwidth_gbs`` (large copies), ``link_latency_us``
 preallocated pool (as the   (a 4 KiB copy)
 real executor's copy lane)
 ==========================  ===============================================================
 
 Fixed by what this machine is: ``device_shares_host_memory: true`` (no GPU: a CPU worker
-stands in for the device), ``copy_engines: 1`` (one copy lane), ``numa_nodes`` and
-``cpu_cores`` from the OS. Every field's provenance says ``stated: measured by moelab
-calibrate on HOST at DATE (N repeats, median)`` with what was measured, or ``assumed:`` with
-why for the two fields it cannot measure (``decode_layer_time_us`` and
-``attention_fraction``, estimated from the measured kernels for a DeepSeek-V2-Lite layer).
+stands in for the device, and the simulator has the lanes time-share ``cpu_cores``),
+``copy_engines: 1`` (one copy lane), ``numa_nodes`` and ``cpu_cores`` from the OS. Every
+field's provenance says ``stated: measured by moelab calibrate on HOST at DATE (...)`` with
+what was measured, or ``assumed:`` with why for the two fields it cannot measure
+(``decode_layer_time_us`` and ``attention_fraction``, estimated from the fits for a
+DeepSeek-V2-Lite layer).
 
 The profile YAML is written atomically (a temporary file renamed into place), and the raw
-measurements beside it (``PROFILE.raw.json``).
+measurements beside it (``PROFILE.raw.json``: every point, the fits and their residuals, the
+load average).
 """
 
 from __future__ import annotations

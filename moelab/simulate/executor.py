@@ -34,8 +34,11 @@ lane's idle time before a copied expert is a ``wait`` event on ``device`` (cause
 (``cpu_dispatch_us`` per host expert), a fixed cost per experts call (``gpu_call_us`` once per
 layer on the device, ``cpu_call_us`` once per layer and host lane — the real executor makes one
 backend call per layer and lane), copy latency and synchronisation (``sync_us``). Host experts and
-copies read their NUMA node's memory and share its bandwidth (:mod:`moelab.simulate.engine`);
-so do device kernels when ``device_shares_host_memory`` (a CPU worker standing in for a GPU).
+copies read their NUMA node's memory and share its bandwidth (:mod:`moelab.simulate.engine`).
+With ``device_shares_host_memory`` (a CPU-only machine: a CPU worker stands in for the GPU) every
+lane is a CPU thread, and what they share is the cores: each task's whole work (fixed + bytes
+at its rate, alone) becomes core-µs in one pool of ``cpu_cores``, shared max-min fair (two busy
+lanes each run at half speed); the events still report the bytes read.
 
 **Context.** Attention cost grows with the context: a prefill of ``T`` tokens adds ``T``
 (its attention is costed at half the context, the causal average); each decode forward

@@ -94,8 +94,8 @@ FIELDS: dict[str, tuple[type, str, str]] = {
     "copy_engines": (int, "≥ 1", "host→device copies that run at once (DMA engines)"),
     "device_shares_host_memory": (
         bool, "true/false",
-        "the 'device' is a CPU worker on the host (a CPU-only machine): its reads contend for host "
-        "memory bandwidth and copies are memcpy by a CPU thread",
+        "the 'device' is a CPU worker on the host (a CPU-only machine): every lane (control, device, "
+        "copies, host) is a CPU thread and the simulator has them time-share cpu_cores",
     ),
 }
 _TEXT_FIELDS = ("name", "description")
