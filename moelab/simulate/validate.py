@@ -232,8 +232,10 @@ def _machine_cases(quick: bool) -> list[tuple[str, str, dict]]:
                 out.append(("v2-lite", f"v2lite-shaped cap {cap:g} defer {d}", cfg))
     for name in (("moelab-tiny-mixtral",) if quick else ("moelab-tiny-mixtral", "moelab-tiny-qwen2moe")):
         for d in ((0, 1) if quick else (1,)):
+            # the kernels calibration measured (the executor's default host backend is the torch reference)
             cfg = {"cache": {"capacity": 0.25, "policy": "lru"}, "placement": "host-misses", "executor": "real",
-                   "device": "cpu", "routing": {"deferred": d, "min_immediate": 1}}
+                   "device_backend": "reference", "host_backend": "moelab_bf16", "device": "cpu",
+                   "routing": {"deferred": d, "min_immediate": 1}}
             out.append((name, f"{name} cap 0.25 defer {d}", cfg))
     return out
 
