@@ -201,7 +201,7 @@ def hand_profile(**changes) -> HardwareProfile:
     base = dict(name="hand", link_bandwidth_gbs=10.0, link_latency_us=0.0, gpu_memory_bandwidth_gbs=100.0,
                 gpu_memory_efficiency=1.0, gpu_compute_efficiency=1.0, gpu_peak_tflops=1000.0, gpu_launch_us=0.0,
                 cpu_peak_tflops=1000.0, cpu_memory_efficiency=0.01, numa_nodes=1, numa_node_bandwidth_gbs=1000.0,
-                cpu_dispatch_us=0.0, sync_us=0.0, copy_engines=1)
+                cpu_dispatch_us=0.0, cpu_call_us=0.0, gpu_call_us=0.0, sync_us=0.0, copy_engines=1)
     base.update(changes)
     return HardwareProfile(**base)
 
@@ -282,6 +282,42 @@ def test_a_device_expert_waits_for_its_prefetch_still_in_flight(engine):
     e = rows(res, kind="expert-device")
     assert (e["t_start_us"].item(), e["cause"].item()) == (pytest.approx(150, abs=1e-3), "prefetch-hit")
     assert rows(res, kind="transfer-prefetch")["layer"].item() == 1
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_an_experts_call_pays_its_fixed_cost_once_per_layer_and_lane(engine):
+    from moelab.simulate.executor import simulate_plans
+
+    # the real executor makes one backend call per layer on the device and one on the host: dense 0-50;
+    # device experts 1, 2 (10 µs each) + one call of 4 µs: 50-64, 64-74; host experts 3, 4 (100 µs each,
+    # 1 µs dispatch each) + one call of 7 µs: 50-158, 158-259; next layer: the same again after its dense work
+    hw = hand_profile(gpu_call_us=4.0, cpu_call_us=7.0, cpu_dispatch_us=1.0)
+    ps = [plan(k, device=[(1, 1), (2, 1)], hits=[1, 2], host=[(3, 1), (4, 1)]) for k in range(2)]
+    res = simulate_plans(ps, HandShape(num_layers=2), hw, engine=engine)
+    dev = rows(res, kind="expert-device", layer=0)
+    host = rows(res, kind="expert-host", layer=0)
+    assert [*dev["t_start_us"], *dev["t_end_us"]] == pytest.approx([50, 64, 64, 74], abs=1e-3)
+    assert [*host["t_start_us"], *host["t_end_us"]] == pytest.approx([50, 158, 158, 259], abs=1e-3)
+    dev1 = rows(res, kind="expert-device", layer=1)
+    host1 = rows(res, kind="expert-host", layer=1)
+    assert (dev1["t_end_us"] - dev1["t_start_us"]).tolist() == pytest.approx([14, 10], abs=1e-3)
+    assert (host1["t_end_us"] - host1["t_start_us"]).tolist() == pytest.approx([108, 101], abs=1e-3)
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_on_a_cpu_only_machine_busy_lanes_share_the_cores(engine):
+    from moelab.simulate.executor import simulate_plans
+
+    # every lane is a CPU thread on 2 cores: dense 0-50 alone; then the device expert (10 µs alone) and the
+    # host expert (100 µs alone) run together at half speed each: the device one ends at 70 (10 µs of work
+    # in 20), the host one has done 10 of its 100 µs by then and ends alone at 70 + 90 = 160
+    hw = hand_profile(device_shares_host_memory=True, cpu_cores=2)
+    res = simulate_plans([plan(0, device=[(1, 1)], hits=[1], host=[(3, 1)])], HandShape(num_layers=1), hw,
+                         engine=engine)
+    dev, host = rows(res, kind="expert-device"), rows(res, kind="expert-host")
+    assert (dev["t_start_us"].item(), dev["t_end_us"].item()) == pytest.approx((50, 70), abs=1e-3)
+    assert (host["t_start_us"].item(), host["t_end_us"].item()) == pytest.approx((50, 160), abs=1e-3)
+    assert host["bytes"].item() == 1_000_000  # the events keep the bytes read, not the core-µs of work
 
 
 def test_ktransformers_style_saturation_deferral_cuts_layer_time_to_the_cpu_busy_share():
@@ -399,15 +435,20 @@ def test_calibrate_writes_a_profile_that_loads_with_every_number_stated(tmp_path
     from moelab.timing import load_profile
 
     cfg = CalibrateConfig(repeat=1, experts=8, host_backend="reference", device_backend="reference", memory_mib=8,
-                          batches=(1,), dtypes=("fp32",), contexts=(16, 64), device_batches=(1,),
-                          attention_hidden=256, expert_hidden=256, expert_intermediate=128)
+                          batches=(1,), dtypes=("fp32",), call_sizes=((32, 32), (128, 64)),
+                          device_call_sizes=((32, 32), (128, 64)), call_tokens=(1, 2), dense_sizes=(64, 128),
+                          dense_contexts=(8,), expert_hidden=256, expert_intermediate=128)
     profile, raw = calibrate(cfg, progress=False)
     out = write_profile(profile, raw, tmp_path / "box.yaml")
     hw = load_profile(out)
     assert hw.name == "box" and hw.device_shares_host_memory and hw.copy_engines == 1
     assert all(v.startswith("stated: measured by moelab calibrate on ") for k, v in hw.provenance.items()
                if k not in ("decode_layer_time_us", "attention_fraction"))
-    assert "(1 repeats, median)" in hw.provenance["link_bandwidth_gbs"]
+    assert "1 timed calls, median" in hw.provenance["link_bandwidth_gbs"]
+    fits = raw["fits"]
+    assert set(fits) == {"host_call", "device_call", "dense"}
+    assert all(len(f["points"]) == (4 if k != "dense" else 2) for k, f in fits.items())
+    assert all("residual_pct" in p for f in fits.values() for p in f["points"])
     assert (tmp_path / "box.raw.json").is_file() and not list(tmp_path.glob(".*partial"))
     with pytest.raises(MoelabError, match="exists; pass --overwrite"):
         write_profile(profile, raw, out)

@@ -32,9 +32,7 @@ def run(args) -> int:
 
     cfg = CalibrateConfig(repeat=args.repeat, host_backend=args.host_backend, device_backend=args.device_backend)
     if args.quick:
-        cfg.repeat = min(cfg.repeat, 2)
-        cfg.batches, cfg.dtypes, cfg.contexts, cfg.memory_mib = (1, 16), ("bf16",), (64, 2048), 128
-        cfg.device_batches = (1,)
+        cfg.quick()
     from pathlib import Path
 
     out = Path(args.out)

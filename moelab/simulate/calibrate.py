@@ -1,44 +1,54 @@
 """``moelab calibrate --out PROFILE``: measure this machine and write a hardware profile for the simulator.
 
-What is measured (each a median of ``repeat`` timed runs after a warm-up), and the profile
-fields it sets:
+Every timed call is **warm**: ``WARMUP`` untimed calls first (the first calls of a fresh module
+were 10^2-10^4× slower: allocation, packing, page faults), then the median of at least ``repeat``
+timed calls (cheap ones repeated for ~0.3 s). Fixed per-call costs are not read off one tiny call
+but **fitted**: ``time = fixed [+ per expert × experts] + bytes / rate`` by least squares weighted
+by 1/time (every point's relative error counts alike) with no negative term, over calls of the
+kinds the real executor makes, at sizes from a tiny model's to DeepSeek-V2-Lite's; each point's
+residual is kept in the raw measurements and the fit's median and largest residual in the
+provenance.
 
 ==========================  ===============================================================
 measurement                 fields
 ==========================  ===============================================================
 memory read (``sum`` over   ``numa_node_bandwidth_gbs``, ``cpu_memory_bandwidth_gbs``
-256 MiB, all threads)
-host experts kernel         ``cpu_memory_efficiency`` (GB/s of the distinct experts read at
-(``--host-backend``, the    batch 1, bf16, over the read bandwidth), ``cpu_peak_tflops``
-native kernels by default)  (best FLOP/s over the batches); per dtype (fp32, bf16) × batch
-                            (1, 4, 16, 64), on DeepSeek-V2-Lite-shaped experts
-device experts kernel       ``gpu_memory_bandwidth_gbs`` (its GB/s at batch 1, bf16;
-(``--device-backend``, the  efficiency 1: the figure is already what the kernel reaches),
-reference backend: the CPU  ``gpu_peak_tflops`` (best FLOP/s), ``gpu_kernels_per_expert``
-worker standing in for the  (its fixed cost on a tiny expert, in launches)
-device)
+``memory_mib``, all threads)
+host experts calls          ``cpu_call_us`` (intercept + half a lane round trip),
+(``--host-backend``) on a   ``cpu_dispatch_us`` (per expert), ``cpu_memory_efficiency``
+lane thread, bf16, sizes ×  (per-byte rate over the read bandwidth); ``cpu_peak_tflops``
+batches 1 and 4             (best FLOP/s, with the kernel table at ``batches``)
+device experts calls        ``gpu_call_us`` (intercept + half a lane round trip),
+(``--device-backend``, the  ``gpu_kernels_per_expert`` (per-expert term, in launches),
+CPU worker standing in for  ``gpu_memory_bandwidth_gbs`` (per-byte rate; efficiency 1),
+the device) on a lane       ``gpu_peak_tflops``
+thread
+the control thread's dense  ``gpu_kernels_per_attention`` (intercept, in launches),
+work: a transformers        ``gpu_dense_efficiency`` (its per-byte rate over the device
+decoder layer at decode     experts' rate)
+(norms, attention over a
+KV cache, router), hidden ×
+context
 torch op launch (a 1-elem.  ``gpu_launch_us``
 add)
-attention (projections +    ``gpu_kernels_per_attention`` (a tiny attention's time, in
-SDPA over a KV cache, by    launches), ``gpu_dense_efficiency`` (the real attention's weight
-context)                    read — intercept of time vs context less that fixed cost —
-                            against the device kernel's rate)
-empty task through a lane   ``cpu_dispatch_us`` and ``sync_us`` (half the round trip each:
-thread (submit → result)    the hand-off and the notification back)
+empty task through a lane   ``sync_us`` (half the round trip: the result back)
+thread (submit → result)
 copy of one expert into a   ``link_bandwidth_gbs`` (large copies), ``link_latency_us``
 preallocated pool (as the   (a 4 KiB copy)
 real executor's copy lane)
 ==========================  ===============================================================
 
 Fixed by what this machine is: ``device_shares_host_memory: true`` (no GPU: a CPU worker
-stands in for the device), ``copy_engines: 1`` (one copy lane), ``numa_nodes`` and
-``cpu_cores`` from the OS. Every field's provenance says ``stated: measured by moelab
-calibrate on HOST at DATE (N repeats, median)`` with what was measured, or ``assumed:`` with
-why for the two fields it cannot measure (``decode_layer_time_us`` and
-``attention_fraction``, estimated from the measured kernels for a DeepSeek-V2-Lite layer).
+stands in for the device, and the simulator has the lanes time-share ``cpu_cores``),
+``copy_engines: 1`` (one copy lane), ``numa_nodes`` and ``cpu_cores`` from the OS. Every
+field's provenance says ``stated: measured by moelab calibrate on HOST at DATE (...)`` with
+what was measured, or ``assumed:`` with why for the two fields it cannot measure
+(``decode_layer_time_us`` and ``attention_fraction``, estimated from the fits for a
+DeepSeek-V2-Lite layer).
 
 The profile YAML is written atomically (a temporary file renamed into place), and the raw
-measurements beside it (``PROFILE.raw.json``).
+measurements beside it (``PROFILE.raw.json``: every point, the fits and their residuals, the
+load average).
 """
 
 from __future__ import annotations
@@ -46,6 +56,7 @@ from __future__ import annotations
 import datetime as _dt
 import json
 import logging
+import math
 import os
 import platform
 import socket
@@ -62,9 +73,11 @@ log = logging.getLogger(__name__)
 
 HIDDEN, INTER = 2048, 1408  # DeepSeek-V2-Lite's routed expert
 TOP_K = 6
+CALL_SIZES = ((64, 64), (256, 176), (512, 352), (1024, 704), (2048, 1408))
+"""Expert shapes (hidden, intermediate) of the per-call fits: from a bundled tiny model's to
+DeepSeek-V2-Lite's, so the fit's fixed cost is pinned by calls whose bytes cost nothing."""
 BATCHES = (1, 4, 16, 64)
 DTYPES = ("fp32", "bf16")
-CONTEXTS = (64, 512, 2048, 4096)
 
 
 @dataclass
@@ -77,25 +90,96 @@ class CalibrateConfig:
     memory_mib: int = 256
     batches: tuple[int, ...] = BATCHES
     dtypes: tuple[str, ...] = DTYPES
-    contexts: tuple[int, ...] = CONTEXTS
-    device_batches: tuple[int, ...] = (1, 16)
-    """The device stand-in's backend (torch reference, slow) is measured at fewer batches."""
-    attention_hidden: int = 1024
+    call_sizes: tuple[tuple[int, int], ...] = CALL_SIZES
+    """Expert shapes of the host per-call fit."""
+    device_call_sizes: tuple[tuple[int, int], ...] = CALL_SIZES
+    """Expert shapes of the device per-call fit (the torch reference backend is slow at full size)."""
+    call_tokens: tuple[int, ...] = (1, 4)
+    """Batches of the per-call fits (more tokens: more distinct experts per call)."""
+    dense_sizes: tuple[int, ...] = (64, 256, 1024)
+    """Hidden sizes of the dense-work fit (a transformers decoder layer at decode)."""
+    dense_contexts: tuple[int, ...] = (16, 256)
+    """Contexts (cached tokens) of the dense-work fit."""
+
+    def quick(self) -> CalibrateConfig:
+        """``--quick``'s settings (about half a minute): fewer repeats, batches and dtypes."""
+        self.repeat = min(self.repeat, 3)
+        self.batches, self.dtypes, self.memory_mib = (), ("bf16",), 128
+        return self
     expert_hidden: int = HIDDEN
     expert_intermediate: int = INTER
     """The measured experts' shape (default DeepSeek-V2-Lite's routed expert)."""
 
 
-def _median(fn: Callable[[], object], repeat: int, setup: Callable[[], None] | None = None) -> float:
-    """Median seconds of ``fn`` over ``repeat`` runs after one warm-up (``setup`` untimed before each)."""
-    times = []
-    for _ in range(repeat + 1):
+WARMUP = 2
+"""Untimed calls before every timed series: the first calls of a fresh module or kernel are
+10^2-10^4× slower (allocation, packing, page faults, lazy initialisation) and are not what a
+decode step pays."""
+
+
+def _median(fn: Callable[[], object], repeat: int, setup: Callable[[], None] | None = None,
+            warmup: int = WARMUP, budget_s: float = 0.0, max_calls: int = 200) -> float:
+    """Median seconds of ``fn`` over at least ``repeat`` timed runs after ``warmup`` untimed ones
+    (``setup`` untimed before each); cheap calls are repeated until ``budget_s`` of timed calls (at
+    most ``max_calls``), so a median of microseconds is not three samples of a busy machine's noise."""
+    times: list[float] = []
+    for i in range(warmup + max(repeat, max_calls)):
         if setup:
             setup()
         t0 = time.perf_counter()
         fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times[1:])
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
+            if len(times) >= repeat and sum(times) >= budget_s:
+                break
+    return statistics.median(times)
+
+
+def _on_lane(measure: Callable[[], object], name: str = "calibrate"):
+    """Run ``measure`` on a fresh :class:`moelab.hybrid.real.Lane` thread (where the real
+    executor's device and host calls run) and return its result."""
+    from moelab.hybrid.events import EventLog
+    from moelab.hybrid.real import Lane
+
+    lane = Lane(name, EventLog(name), timed=False)
+    try:
+        return lane.submit(measure, step=0, layer=0, kind="x").result()
+    finally:
+        lane.close()
+
+
+def fit_fixed_per_byte(points: list[dict], x: str = "bytes", y: str = "us",
+                       extra: str | None = None) -> dict:
+    """Least squares ``y = fixed + us_per_byte × x [+ per_extra × extra]`` over ``points``,
+    weighted by ``1 / y`` (the relative error of every point counts alike, so microsecond calls pin
+    the fixed cost and the large ones the bandwidth), with no negative coefficient (a term that would
+    come out negative is dropped and the rest refitted). Returns the coefficients (``fixed_us``,
+    ``bytes_per_us``, ``per_extra_us``) and each point's residual (µs and % of the measured time)."""
+    import numpy as np
+
+    cols = [np.ones(len(points)), np.array([p[x] for p in points], dtype=np.float64)]
+    if extra:
+        cols.append(np.array([p[extra] for p in points], dtype=np.float64))
+    A = np.column_stack(cols)
+    b = np.array([p[y] for p in points], dtype=np.float64)
+    w = 1.0 / np.maximum(b, 1e-9)
+    keep = list(range(A.shape[1]))
+    coef = np.zeros(A.shape[1])
+    while keep:
+        c, *_ = np.linalg.lstsq(A[:, keep] * w[:, None], b * w, rcond=None)
+        if (c >= 0).all():
+            coef[:] = 0.0
+            coef[keep] = c
+            break
+        keep.pop(int(np.argmin(c)))
+    pred = A @ coef
+    slope = float(coef[1])
+    res = [{**p, "fit_us": float(f), "residual_us": float(m - f),
+            "residual_pct": float(100 * (f / m - 1)) if m > 0 else 0.0} for p, f, m in zip(points, pred, b)]
+    return {"fixed_us": float(coef[0]), "bytes_per_us": (1 / slope) if slope > 0 else float("inf"),
+            "us_per_byte": slope, "per_extra_us": float(coef[2]) if extra else 0.0, "points": res,
+            "max_abs_residual_pct": max((abs(r["residual_pct"]) for r in res), default=0.0),
+            "median_abs_residual_pct": float(np.median([abs(r["residual_pct"]) for r in res])) if res else 0.0}
 
 
 def _experts(dtype, experts: int, hidden: int = HIDDEN, inter: int = INTER):
@@ -166,26 +250,93 @@ def _kernel_points(backend_name: str, cfg: CalibrateConfig, tick, batches: tuple
     return out
 
 
-def _tiny_expert_call(backend_name: str, repeat: int) -> float:
-    """Seconds of one call of a 1-expert layer with 64×64 weights (its fixed cost)."""
+def _call_points(backend_name: str, sizes, tokens: tuple[int, ...], repeat: int, experts: int,
+                 tick=lambda: None) -> list[dict]:
+    """One experts-backend call (bf16, ``TOP_K`` of ``experts`` experts per token) per size and
+    batch, timed on a lane thread as the real executor's device/host lanes call it: µs, distinct
+    experts read and their bytes."""
     import torch
 
     from moelab.backends import get_backend
 
     backend = get_backend(backend_name)
-    mod = _experts(torch.float32, 2, hidden=64, inter=64)
-    x = torch.randn(1, 64)
-    ids = torch.zeros(1, 1, dtype=torch.long)
-    w = torch.ones(1, 1)
-    with torch.no_grad():
-        return _median(lambda: backend(mod, x, ids, w), repeat * 10)
+    out = []
+    for h, i in sizes:
+        mod = _experts(torch.bfloat16, experts, h, i)
+        ebytes = sum(p.numel() * p.element_size() for p in mod.parameters()) // experts
+        for t in tokens:
+            r = _Routing(t, experts, TOP_K, seed=17 * t + h)
+            x = (torch.randn(t, h, generator=torch.Generator().manual_seed(1)) * 0.5).to(torch.bfloat16)
+
+            def measure(r=r, x=x, mod=mod):
+                used: list[int] = []
+
+                def fn():
+                    used.append(int(torch.unique(r.ids).numel()))
+                    with torch.no_grad():
+                        backend(mod, x, r.ids, r.w)
+
+                sec = _median(fn, repeat, r.redraw, budget_s=0.3)
+                return sec, statistics.mean(used[WARMUP:])
+
+            sec, distinct = _on_lane(measure)
+            out.append({"backend": backend_name, "hidden": h, "intermediate": i, "tokens": t,
+                        "distinct": distinct, "bytes": distinct * ebytes, "us": sec * 1e6})
+            tick()
+        del mod
+    return out
+
+
+def _dense_points(sizes: tuple[int, ...], contexts: tuple[int, ...], repeat: int, tick=lambda: None) -> list[dict]:
+    """The control thread's dense work per decoder layer, as the real executor runs it: a
+    transformers decoder layer (norms, attention with rotary embeddings over a ``DynamicCache``
+    of ``context`` tokens, router; its experts tiny) at decode (one token), bf16, on this thread.
+    µs and bytes read (weights + KV cache)."""
+    import torch
+    from transformers import DynamicCache, Qwen2MoeConfig
+    from transformers.models.qwen2_moe.modeling_qwen2_moe import (
+        Qwen2MoeDecoderLayer,
+        Qwen2MoeRotaryEmbedding,
+    )
+
+    out = []
+    for H in sizes:
+        heads = max(H // 64, 1)
+        cfg = Qwen2MoeConfig(hidden_size=H, num_attention_heads=heads, num_key_value_heads=heads,
+                             moe_intermediate_size=8, shared_expert_intermediate_size=8, num_experts=2,
+                             num_experts_per_tok=1, num_hidden_layers=1, intermediate_size=8)
+        cfg._attn_implementation = "sdpa"
+        cfg._experts_implementation = "eager"
+        torch.manual_seed(0)
+        layer = Qwen2MoeDecoderLayer(cfg, 0).to(torch.bfloat16).eval()
+        rot = Qwen2MoeRotaryEmbedding(cfg)
+        wbytes = sum(p.numel() * p.element_size() for p in layer.parameters())
+        for ctx in contexts:
+            cache = DynamicCache(config=cfg)
+            x = torch.randn(1, ctx, H).to(torch.bfloat16)
+            pos = torch.arange(ctx)[None]
+            x1 = torch.randn(1, 1, H).to(torch.bfloat16)
+            p1 = torch.tensor([[ctx]])
+            with torch.no_grad():
+                layer(x, position_embeddings=rot(x, pos), past_key_values=cache, position_ids=pos, use_cache=True)
+                pe = rot(x1, p1)
+
+                def step(layer=layer, x1=x1, pe=pe, cache=cache, p1=p1):
+                    with torch.no_grad():
+                        layer(x1, position_embeddings=pe, past_key_values=cache, position_ids=p1, use_cache=True)
+
+                sec = _median(step, repeat, budget_s=0.3)
+            out.append({"hidden": H, "context": ctx, "bytes": wbytes + 2 * H * 2 * ctx, "weight_bytes": wbytes,
+                        "us": sec * 1e6})
+            tick()
+    return out
 
 
 def _memory_read_gbps(mib: int, repeat: int) -> float:
     import torch
 
     a = torch.ones(mib * 2**20 // 4)
-    sec = _median(lambda: a.sum(), repeat)
+    sec = _median(lambda: a.sum(), repeat, budget_s=0.5)
     return a.numel() * 4 / sec / 1e9
 
 
@@ -195,39 +346,6 @@ def _launch_us(repeat: int) -> float:
     a, b = torch.ones(1), torch.ones(1)
     n = 200
     return _median(lambda: [torch.add(a, b) for _ in range(n)], repeat) / n * 1e6
-
-
-def _attention_points(cfg: CalibrateConfig, tick, hidden: int, contexts: tuple[int, ...]) -> tuple[list[dict], int]:
-    """Decode-step attention time by context: q/k/v/o projections (``hidden``, heads of up to 128,
-    bf16) and SDPA over a KV cache of ``context`` tokens."""
-    import torch
-
-    hd = min(128, hidden)
-    H, heads = hidden, max(hidden // hd, 1)
-    gen = torch.Generator().manual_seed(0)
-    wq, wk, wv, wo = ((torch.randn(H, H, generator=gen) * 0.02).to(torch.bfloat16) for _ in range(4))
-    weight_bytes = 4 * H * H * 2
-    x = torch.randn(1, 1, H, generator=gen).to(torch.bfloat16)
-    out = []
-    for ctx in contexts:
-        k = torch.randn(1, heads, ctx, hd, generator=gen).to(torch.bfloat16)
-        v = torch.randn(1, heads, ctx, hd, generator=gen).to(torch.bfloat16)
-
-        def step(k=k, v=v):
-            with torch.no_grad():
-                q = (x @ wq).view(1, 1, heads, hd).transpose(1, 2)
-                kn = (x @ wk).view(1, 1, heads, hd).transpose(1, 2)
-                vn = (x @ wv).view(1, 1, heads, hd).transpose(1, 2)
-                kk = torch.cat([k, kn], 2)
-                vv = torch.cat([v, vn], 2)
-                a = torch.nn.functional.scaled_dot_product_attention(q, kk, vv)
-                return a.transpose(1, 2).reshape(1, 1, H) @ wo
-
-        sec = _median(step, cfg.repeat)
-        out.append({"hidden": H, "context": ctx, "seconds": sec, "kv_bytes": 2 * heads * hd * 2 * ctx,
-                    "weight_bytes": weight_bytes})
-        tick()
-    return out, weight_bytes
 
 
 def _lane_roundtrip_us(repeat: int) -> float:
@@ -280,7 +398,8 @@ def calibrate(cfg: CalibrateConfig | None = None, *, progress: bool = True) -> t
     cfg = cfg or CalibrateConfig()
     if cfg.repeat < 1:
         raise MoelabError(f"repeat must be ≥ 1, got {cfg.repeat}.")
-    steps = 5 + len(cfg.dtypes) * (len(cfg.batches) + len(cfg.device_batches)) + len(cfg.contexts) + 2
+    n_calls = len(cfg.call_tokens) * (len(cfg.call_sizes) + len(cfg.device_call_sizes))
+    steps = 4 + len(cfg.dtypes) * len(cfg.batches) + n_calls + len(cfg.dense_sizes) * len(cfg.dense_contexts)
     bar = tqdm(total=steps, desc="calibrate", disable=not progress, unit="step")
 
     def tick(what: str = ""):
@@ -297,56 +416,65 @@ def calibrate(cfg: CalibrateConfig | None = None, *, progress: bool = True) -> t
         tick("lane")
         copy = _copy_points(cfg)
         tick("copy")
-        host = _kernel_points(cfg.host_backend, cfg, lambda: tick("host kernels"), cfg.batches, cfg.repeat)
-        # the device stand-in's torch reference backend takes ~0.1-1 s a call: at most 3 repeats
-        device = _kernel_points(cfg.device_backend, cfg, lambda: tick("device kernels"), cfg.device_batches,
-                                min(cfg.repeat, 3))
-        tiny_dev = _tiny_expert_call(cfg.device_backend, cfg.repeat)
-        tick("overheads")
-        attn, attn_weight_bytes = _attention_points(cfg, lambda: tick("attention"), cfg.attention_hidden,
-                                                    cfg.contexts)
-        # a tiny attention (weights of 128 KiB, short contexts): its time is the fixed cost
-        tiny_attn, _ = _attention_points(cfg, lambda: tick("attention"), 128, (1, 2))
+        host = (_kernel_points(cfg.host_backend, cfg, lambda: tick("host kernels"), cfg.batches, cfg.repeat)
+                if cfg.batches else [])
+        host_calls = _call_points(cfg.host_backend, cfg.call_sizes, cfg.call_tokens, cfg.repeat, cfg.experts,
+                                  lambda: tick("host calls"))
+        # the device stand-in's torch reference backend takes ~0.1 s a call at full size: fewer repeats
+        dev_calls = _call_points(cfg.device_backend, cfg.device_call_sizes, cfg.call_tokens,
+                                 max(min(cfg.repeat, 3), 1), cfg.experts, lambda: tick("device calls"))
+        dense = _dense_points(cfg.dense_sizes, cfg.dense_contexts, cfg.repeat, lambda: tick("dense"))
     finally:
         bar.close()
 
-    def pick(rows, dtype, batch):
-        for r in rows:
-            if r["dtype"] == dtype and r["batch"] == batch:
-                return r
-        return rows[0]
-
-    dref = "bf16" if "bf16" in cfg.dtypes else cfg.dtypes[0]
-    bref = min(cfg.batches)
-    host1, dev1 = pick(host, dref, bref), pick(device, dref, bref)
     link_gbs = copy["expert_bytes"] / copy["expert_seconds"] / 1e9
     link_lat = max(copy["small_seconds"] * 1e6 - copy["small_bytes"] / (link_gbs * 1e3), 0.0)
-    dev_gbs = dev1["gbps"]
-    # attention: least-squares line through (context, µs); intercept less the weights' read = fixed cost
-    xs = [a["context"] for a in attn]
-    ys = [a["seconds"] * 1e6 for a in attn]
-    slope, intercept = (statistics.linear_regression(xs, ys) if len(xs) > 1 else (0.0, ys[0]))
+    # fixed + per-expert + per-byte fits (least squares over sizes and batches)
+    hfit = fit_fixed_per_byte(host_calls, extra="distinct")
+    dfit = fit_fixed_per_byte(dev_calls, extra="distinct")
+    nfit = fit_fixed_per_byte(dense)
     launch_eff = max(launch, 0.1)
-    fixed_attn = min(a["seconds"] for a in tiny_attn) * 1e6
-    k_attn = max(int(round(fixed_attn / launch_eff)), 1)
-    # dense efficiency: the weights' read time of the real attention, against an expert kernel's rate
-    read_us = max(intercept - k_attn * launch, 1e-3)
-    dense_eff = (attn_weight_bytes / (dev_gbs * 1e3)) / read_us
-    k_expert = max(int(round(tiny_dev * 1e6 / launch_eff)), 1)
-    cpu_eff = min(max(host1["gbps"] / read, 0.01), 1.0)
-    cpu_peak = max(r["tflops"] for r in host)
-    dev_peak = max(r["tflops"] for r in device)
-    # a DeepSeek-V2-Lite-shaped decode layer from the measured kernels: attention at context 512 and
-    # top-6 experts on the host at batch 1
-    att512 = intercept + slope * 512
-    expert_us = host1["seconds"] * 1e6 * TOP_K / max(host1["distinct_experts"], 1)
-    layer_us = att512 + expert_us
+    dev_gbs = max(dfit["bytes_per_us"] / 1e3, 1e-3) if dfit["us_per_byte"] > 0 else 1e3
+    host_gbs = hfit["bytes_per_us"] / 1e3 if hfit["us_per_byte"] > 0 else read
+    dense_gbs = nfit["bytes_per_us"] / 1e3 if nfit["us_per_byte"] > 0 else dev_gbs
+    k_expert = max(int(round(max(dfit["per_extra_us"], 0.0) / launch_eff)), 1)
+    k_attn = max(int(round(max(nfit["fixed_us"], 0.0) / launch_eff)), 1)
+    gpu_call = max(dfit["fixed_us"], 0.0) + lane_rt / 2
+    cpu_call = max(hfit["fixed_us"], 0.0) + lane_rt / 2
+    cpu_per_expert = max(hfit["per_extra_us"], 0.0)
+    dense_eff = dense_gbs / dev_gbs
+    # a kernel cannot read faster than memory: when the fitted experts kernel beats the `sum` read (one
+    # noisy microbenchmark; it read 8-27 GB/s across calibrations here), the kernel's rate is the bandwidth
+    read_measured = read
+    read = max(read, host_gbs if math.isfinite(host_gbs) else read)
+    cpu_eff = min(max(host_gbs / read, 0.01), 1.0)
+
+    def flops(r):
+        return 2 * 3 * r["hidden"] * r["intermediate"] * r["tokens"] * TOP_K / (r["us"] * 1e-6) / 1e12
+
+    cpu_peak = max([r["tflops"] for r in host] + [flops(r) for r in host_calls])
+    if not host:  # --quick: the batch-1 row of the calls stands in for the kernel table
+        host = [{"backend": r["backend"], "dtype": "bf16", "batch": r["tokens"], "seconds": r["us"] * 1e-6,
+                 "gbps": r["bytes"] / r["us"] / 1e3, "tflops": flops(r)} for r in host_calls
+                if (r["hidden"], r["intermediate"]) == (cfg.expert_hidden, cfg.expert_intermediate)]
+    dev_peak = max(flops(r) for r in dev_calls)
+    # a DeepSeek-V2-Lite-shaped decode layer from the fits: its dense work (a hidden-2048 layer's ~34 MB
+    # of non-expert weights) and the top-6 experts in one host call at batch 1
+    ebytes = 3 * cfg.expert_hidden * cfg.expert_intermediate * 2
+    att_us = max(nfit["fixed_us"], 0.0) + 34e6 / (dense_gbs * 1e3)
+    expert_us = cpu_call + TOP_K * (cpu_per_expert + ebytes / (host_gbs * 1e3))
+    layer_us = att_us + expert_us
     host_name = socket.gethostname()
     date = _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%dT%H:%MZ")
-    src = f"measured by moelab calibrate on {host_name} at {date} ({cfg.repeat} repeats, median)"
+    src = (f"measured by moelab calibrate on {host_name} at {date} ({WARMUP} warm-up + {cfg.repeat} timed "
+           "calls, median)")
 
     def stated(value, how):
         return {"value": value, "stated": f"{src}: {how}"}
+
+    def fit_note(f, what):
+        return (f"weighted least squares over {len(f['points'])} {what}; residuals: median "
+                f"{f['median_abs_residual_pct']:.0f} %, largest {f['max_abs_residual_pct']:.0f} % of a point's time")
 
     profile = {
         "name": "this-machine",
@@ -356,48 +484,60 @@ def calibrate(cfg: CalibrateConfig | None = None, *, progress: bool = True) -> t
         "link_bandwidth_gbs": stated(round(link_gbs, 3), "copy of one bf16 DeepSeek-V2-Lite expert into a "
                                                          "preallocated pool slot"),
         "link_latency_us": stated(round(link_lat, 3), "a 4 KiB copy, less its bytes at the link bandwidth"),
-        "gpu_memory_bandwidth_gbs": stated(round(dev_gbs, 3), f"{cfg.device_backend} experts backend, {dref}, "
-                                                              f"batch {bref}, distinct experts' bytes / time"),
-        "cpu_memory_bandwidth_gbs": stated(round(read, 3), f"sum over {cfg.memory_mib} MiB fp32, all threads"),
+        "gpu_memory_bandwidth_gbs": stated(round(dev_gbs, 3), f"per-byte slope of {cfg.device_backend} experts "
+                                                              "calls on a lane thread, "
+                                                              + fit_note(dfit, "calls (bf16, sizes × batches)")),
+        "cpu_memory_bandwidth_gbs": stated(round(read, 3), f"sum over {cfg.memory_mib} MiB fp32, all threads "
+                                                           f"({read_measured:.2f} GB/s), or the host experts "
+                                                           "kernel's fitted rate where that is higher"),
         "cpu_cores": stated(int(os.cpu_count() or 1), "os.cpu_count()"),
-        # (the fields below fit the roofline of moelab.simulate.executor to the points above)
         "decode_layer_time_us": {"value": round(layer_us, 3), "assumed": (
-            f"estimated from the measured kernels ({src}): attention at context 512 + {TOP_K} host experts "
-            "at batch 1 of a DeepSeek-V2-Lite-shaped layer, run one after the other")},
-        "attention_fraction": {"value": round(min(max(att512 / layer_us, 0.0), 1.0), 4), "assumed": (
-            "the attention's share of that estimated layer")},
-        "gpu_peak_tflops": stated(round(max(dev_peak, 1e-6), 6), f"{cfg.device_backend} experts backend, best "
-                                                                 "FLOP/s over dtypes and batches"),
+            f"estimated from the fits ({src}): the dense work of a hidden-2048 layer + {TOP_K} host experts "
+            "of a DeepSeek-V2-Lite-shaped layer in one call at batch 1, one after the other")},
+        "attention_fraction": {"value": round(min(max(att_us / layer_us, 0.0), 1.0), 4), "assumed": (
+            "the dense work's share of that estimated layer")},
+        "gpu_peak_tflops": stated(round(max(dev_peak, 1e-6), 6), f"{cfg.device_backend} experts calls, best "
+                                                                 "FLOP/s"),
         "gpu_memory_efficiency": stated(1.0, "the device bandwidth above is what the kernel reaches"),
         "gpu_compute_efficiency": stated(1.0, "the device peak above is what the kernel reaches"),
-        "gpu_dense_efficiency": stated(round(dense_eff, 6), f"bf16 attention of hidden {cfg.attention_hidden}: "
-                                                           f"its weights ({attn_weight_bytes} B) read in "
-                                                           f"{read_us:.1f} µs (intercept of time vs context less "
-                                                           "the fixed cost) against the device kernel's GB/s"),
+        "gpu_dense_efficiency": stated(round(dense_eff, 6), f"per-byte slope of a transformers decoder layer's "
+                                                           f"dense work at decode ({dense_gbs:.2f} GB/s, "
+                                                           + fit_note(nfit, "points (hidden × context)")
+                                                           + ") over the device experts' GB/s"),
         "gpu_launch_us": stated(round(launch, 3), "a 1-element torch.add on the CPU"),
-        "gpu_kernels_per_attention": stated(k_attn, f"a tiny attention (hidden 128) takes {fixed_attn:.1f} µs, "
-                                                    "in launches"),
-        "gpu_kernels_per_expert": stated(k_expert, f"a 64×64 one-expert call of {cfg.device_backend} "
-                                                   f"({tiny_dev * 1e6:.1f} µs), in launches"),
+        "gpu_kernels_per_attention": stated(k_attn, f"fixed cost of that decoder layer's dense work "
+                                                    f"({nfit['fixed_us']:.0f} µs, the fit's intercept), in launches"),
+        "gpu_kernels_per_expert": stated(k_expert, f"per-expert fixed cost of {cfg.device_backend} experts calls "
+                                                   f"({dfit['per_extra_us']:.1f} µs, the fit's per-expert term), "
+                                                   "in launches"),
+        "gpu_call_us": stated(round(gpu_call, 3), f"fixed cost of one {cfg.device_backend} experts call on a lane "
+                                                  f"thread ({dfit['fixed_us']:.0f} µs, the fit's intercept) + "
+                                                  "half a lane round trip (the hand-off)"),
         "cpu_peak_tflops": stated(round(max(cpu_peak, 1e-6), 6), f"{cfg.host_backend} experts backend, best "
                                                                  "FLOP/s over dtypes and batches"),
-        "cpu_memory_efficiency": stated(round(cpu_eff, 4), f"{cfg.host_backend} experts backend, {dref}, batch "
-                                                           f"{bref}: {host1['gbps']:.2f} GB/s of {read:.2f}"),
+        "cpu_memory_efficiency": stated(round(cpu_eff, 4), f"per-byte slope of {cfg.host_backend} experts calls "
+                                                           f"on a lane thread ({host_gbs:.2f} GB/s of {read:.2f}; "
+                                                           + fit_note(hfit, "calls (bf16, sizes × batches)")
+                                                           + ")"),
         "numa_nodes": stated(_numa_nodes(), "/sys/devices/system/node"),
         "numa_node_bandwidth_gbs": stated(round(read / _numa_nodes(), 3), "the read bandwidth per NUMA node"),
-        "cpu_dispatch_us": stated(round(lane_rt / 2, 3), "half the round trip of an empty task through a lane "
-                                                         "thread (moelab.hybrid.real.Lane)"),
-        "sync_us": stated(round(lane_rt / 2, 3), "the other half of that round trip (the result back)"),
+        "cpu_dispatch_us": stated(round(cpu_per_expert, 3), f"per-expert fixed cost of {cfg.host_backend} "
+                                                            "experts calls (the fit's per-expert term)"),
+        "cpu_call_us": stated(round(cpu_call, 3), f"fixed cost of one {cfg.host_backend} experts call on a lane "
+                                                  f"thread ({hfit['fixed_us']:.0f} µs, the fit's intercept) + half "
+                                                  "a lane round trip (the hand-off)"),
+        "sync_us": stated(round(lane_rt / 2, 3), "half the round trip of an empty task through a lane thread "
+                                                 "(the result back)"),
         "copy_engines": stated(1, "the real executor has one copy lane"),
         "device_shares_host_memory": stated(True, "no GPU here: the device lane is a CPU worker"),
     }
     raw = {
-        "host": host_name, "date": date, "repeat": cfg.repeat, "torch": torch.__version__,
+        "host": host_name, "date": date, "repeat": cfg.repeat, "warmup": WARMUP, "torch": torch.__version__,
         "threads": torch.get_num_threads(), "memory_read_gbps": read, "launch_us": launch,
-        "lane_roundtrip_us": lane_rt, "copy": copy, "host_kernels": host, "device_kernels": device,
-        "device_tiny_call_us": tiny_dev * 1e6, "attention": attn, "tiny_attention": tiny_attn,
-        "attention_fit_us": {"intercept": intercept, "per_context_token": slope},
+        "lane_roundtrip_us": lane_rt, "copy": copy, "host_kernels": host,
+        "fits": {"host_call": hfit, "device_call": dfit, "dense": nfit},
         "config": {k: (list(v) if isinstance(v, tuple) else v) for k, v in vars(cfg).items()},
+        "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
         "note": "timings on a machine shared with other work are slower and noisier than on a quiet one",
     }
     return profile, raw
@@ -440,21 +580,22 @@ def write_profile(profile: dict, raw: dict, out: str | Path, *, overwrite: bool 
 
 
 def format_summary(profile: dict, raw: dict) -> str:
-    lines = [f"calibrated {raw['host']} at {raw['date']} ({raw['repeat']} repeats, median; {raw['threads']} threads)",
+    lines = [f"calibrated {raw['host']} at {raw['date']} ({raw['warmup']} warm-up + {raw['repeat']} timed calls, "
+             f"median; {raw['threads']} threads; load average {raw.get('load_average')})",
              f"  memory read {raw['memory_read_gbps']:.2f} GB/s; copy into pool {profile['link_bandwidth_gbs']['value']:.2f} "
              f"GB/s (+{profile['link_latency_us']['value']:.1f} µs); torch op {raw['launch_us']:.2f} µs; "
              f"lane round trip {raw['lane_roundtrip_us']:.1f} µs",
-             "  experts kernels (GB/s of distinct experts read / TFLOP/s):"]
-    for group in ("host_kernels", "device_kernels"):
-        for r in raw[group]:
-            lines.append(f"    {r['backend']:<10} {r['dtype']:<5} batch {r['batch']:>3}: {r['seconds'] * 1e3:8.2f} ms  "
-                         f"{r['gbps']:7.2f} GB/s  {r['tflops']:.4f} TFLOP/s")
-    fit = raw["attention_fit_us"]
-    lines.append(f"  attention: {fit['intercept']:.1f} µs + {fit['per_context_token'] * 1e3:.2f} ns per context "
-                 "token (" + ", ".join(f"{a['context']}: {a['seconds'] * 1e6:.0f} µs" for a in raw["attention"]) + ")")
-    keys = ("cpu_memory_efficiency", "cpu_peak_tflops", "gpu_memory_bandwidth_gbs", "gpu_dense_efficiency",
-            "gpu_kernels_per_attention",
-            "gpu_kernels_per_expert", "cpu_dispatch_us")
+             "  host experts kernels (GB/s of distinct experts read / TFLOP/s):"]
+    for r in raw["host_kernels"]:
+        lines.append(f"    {r['backend']:<12} {r['dtype']:<5} batch {r['batch']:>3}: {r['seconds'] * 1e3:8.2f} ms  "
+                     f"{r['gbps']:7.2f} GB/s  {r['tflops']:.4f} TFLOP/s")
+    for name, f in raw["fits"].items():
+        rate = f["bytes_per_us"] / 1e3
+        lines.append(f"  fit {name}: {f['fixed_us']:.1f} µs fixed + {f['per_extra_us']:.1f} µs per expert + bytes at "
+                     f"{rate:.2f} GB/s; residuals (% of measured): "
+                     + ", ".join(f"{p['residual_pct']:+.0f}" for p in f["points"]))
+    keys = ("cpu_call_us", "cpu_dispatch_us", "cpu_memory_efficiency", "gpu_call_us", "gpu_kernels_per_expert",
+            "gpu_memory_bandwidth_gbs", "gpu_kernels_per_attention", "gpu_dense_efficiency")
     lines.append("  fitted: " + ", ".join(f"{k}={profile[k]['value']}" for k in keys))
     return "\n".join(lines)
 

@@ -31,9 +31,14 @@ lane's idle time before a copied expert is a ``wait`` event on ``device`` (cause
 
 **Costs** (:class:`Costs`): a roofline ``max(bytes / (bandwidth × efficiency), FLOPs /
 (peak × efficiency))`` per kernel, plus launch (``gpu_launch_us`` × kernels), dispatch
-(``cpu_dispatch_us``), copy latency and synchronisation (``sync_us``). Host experts and
-copies read their NUMA node's memory and share its bandwidth (:mod:`moelab.simulate.engine`);
-so do device kernels when ``device_shares_host_memory`` (a CPU worker standing in for a GPU).
+(``cpu_dispatch_us`` per host expert), a fixed cost per experts call (``gpu_call_us`` once per
+layer on the device, ``cpu_call_us`` once per layer and host lane — the real executor makes one
+backend call per layer and lane), copy latency and synchronisation (``sync_us``). Host experts and
+copies read their NUMA node's memory and share its bandwidth (:mod:`moelab.simulate.engine`).
+With ``device_shares_host_memory`` (a CPU-only machine: a CPU worker stands in for the GPU) every
+lane is a CPU thread, and what they share is the cores: each task's whole work (fixed + bytes
+at its rate, alone) becomes core-µs in one pool of ``cpu_cores``, shared max-min fair (two busy
+lanes each run at half speed); the events still report the bytes read.
 
 **Context.** Attention cost grows with the context: a prefill of ``T`` tokens adds ``T``
 (its attention is costed at half the context, the causal average); each decode forward
@@ -46,6 +51,7 @@ The graph is built twice — :func:`build_graph_reference` (a loop, the definiti
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from itertools import chain
@@ -402,6 +408,9 @@ def _task_costs(enc: Encoded, lay: Layout, costs: Costs, context: int):
     cap[V] = costs.device_cap(np.full(len(V), costs.expert_bytes), costs.expert_flops_per_token * enc.v[:, 1])
     if shared_mem:
         pool[V] = enc.v[:, 0] % N
+    # one experts call per layer on the device: its fixed cost is paid by the layer's first device task
+    first_dev = np.where(enc.ns > 0, lay.S0, lay.V0)[(enc.nv + enc.ns) > 0]
+    fixed[first_dev] += hw.gpu_call_us
 
     # ---- host and deferred experts
     for cat_id, starts, counts, items in ((CAT_H, lay.H0, enc.nh, enc.h), (CAT_F, lay.F0, enc.nf, enc.f)):
@@ -409,11 +418,39 @@ def _task_costs(enc: Encoded, lay: Layout, costs: Costs, context: int):
         node = items[:, 0] % N if len(items) else np.zeros(0, np.int64)
         res[idx], cat[idx] = 3 + node, cat_id
         fixed[idx] = hw.cpu_dispatch_us
+        # one experts call per layer and host lane: its fixed cost is paid by the first task of each lane
+        if len(idx):
+            owner = np.repeat(np.arange(len(counts)), counts)
+            key = owner * N + node
+            first = np.ones(len(idx), dtype=bool)
+            first[1:] = key[1:] != key[:-1]
+            if N > 1:  # items of one plan are not sorted by node: mark the first of each (plan, node)
+                _, firsts = np.unique(key, return_index=True)
+                first = np.zeros(len(idx), dtype=bool)
+                first[firsts] = True
+            fixed[idx[first]] += hw.cpu_call_us
         nbytes[idx] = costs.expert_bytes
         cap[idx] = costs.host_cap(np.full(len(idx), costs.expert_bytes), costs.expert_flops_per_token * items[:, 1])
         pool[idx] = node
     servers = np.array([1, 1, hw.copy_engines] + [1] * N, dtype=np.int32)
     pool_bw = np.full(N, hw.numa_node_bandwidth_gbs * 1e3)
+    if shared_mem:
+        # a CPU-only machine: every lane (control, device stand-in, copies, host) is a CPU thread whose
+        # work (Python dispatch, torch ops and native kernels over all their threads) wants every core, and
+        # the lanes time-share the cores. Each task's work becomes its time alone × cpu_cores core-µs,
+        # run at up to cpu_cores (all of them when alone) from one pool of cpu_cores shared max-min fair:
+        # two busy lanes take twice as long each (memory bandwidth, saturated by one kernel here, goes
+        # with the cores)
+        work = cat != CAT_W
+        with np.errstate(divide="ignore", invalid="ignore"):
+            alone = fixed + np.where(nbytes > 0, nbytes / np.where(cap > 0, cap, 1.0), 0.0)
+        c = float(hw.cpu_cores)
+        nbytes = nbytes.copy()
+        nbytes[work] = alone[work] * c
+        cap[work] = c
+        fixed[work] = 0.0
+        pool[work] = 0
+        pool_bw = np.full(N, c)
     return res, prio, fixed, nbytes, cap, pool, cat, servers, pool_bw
 
 
@@ -524,12 +561,20 @@ def _deps_reference(enc: Encoded, lay: Layout, E: int) -> tuple[np.ndarray, np.n
     return ptr, idx
 
 
+def _task_bytes(enc: Encoded, lay: Layout, costs: Costs, context: int) -> np.ndarray:
+    """The bytes each task reads (as :func:`_task_costs` computes them on a profile whose work is bytes)."""
+    hw = costs.profile.with_changes(device_shares_host_memory=False)
+    return _task_costs(enc, lay, dataclasses.replace(costs, profile=hw), context)[3]
+
+
 def build_graph(enc: Encoded, costs: Costs, *, context: int = 0, reference: bool = False) -> tuple[Graph, Layout, Any]:
     """The task graph of encoded plans (numpy; ``reference=True``: the plain-loop dependencies)."""
     lay = layout(enc)
     res, prio, fixed, nbytes, cap, pool, cat, servers, pool_bw = _task_costs(enc, lay, costs, context)
+    event_bytes = _task_bytes(enc, lay, costs, context) if costs.profile.device_shares_host_memory else None
     ptr, idx = (_deps_reference if reference else _deps_vectorized)(enc, lay, costs.num_experts)
     g = Graph(res, prio, fixed, nbytes, cap, pool, ptr, idx, servers, pool_bw)
+    g.event_bytes = event_bytes  # the bytes each task reads, when its work is in core-µs (see _task_costs)
     return g, lay, cat
 
 
@@ -598,7 +643,8 @@ def _events(enc: Encoded, lay: Layout, cat: np.ndarray, g: Graph, s: Schedule, h
     cause = np.full(n, CAUSES.index(""), np.int64)
     expert = np.full(n, -1, np.int64)
     tokens = np.zeros(n, np.int64)
-    nbytes = g.nbytes.astype(np.int64)
+    eb = getattr(g, "event_bytes", None)
+    nbytes = (g.nbytes if eb is None else eb).astype(np.int64)
     t0, t1 = s.start.copy(), s.end.copy()
 
     D, T, W = lay.D, lay.T[enc.last], lay.W

@@ -78,18 +78,24 @@ FIELDS: dict[str, tuple[type, str, str]] = {
     "gpu_kernels_per_attention": (
         int, "≥ 1", "device kernels between two MoE blocks (norms, attention, shared expert, router)"),
     "gpu_kernels_per_expert": (int, "≥ 1", "device kernels of one routed expert (gate/up, act, down)"),
+    "gpu_call_us": (
+        float, "≥ 0", "fixed cost of one experts call on the device per MoE layer (handing it to the device "
+        "stream/worker, the backend's host-side set-up before its kernels), µs"),
     "cpu_peak_tflops": (float, "> 0", "host peak over all cores for the experts' dtype, TFLOP/s"),
     "cpu_memory_efficiency": (
         float, "in (0, 1]", "share of the NUMA node's bandwidth a CPU expert kernel reaches"),
     "numa_nodes": (int, "≥ 1", "host NUMA nodes (sockets); experts are spread over them"),
     "numa_node_bandwidth_gbs": (float, "> 0", "read bandwidth of one NUMA node's local memory, GB/s"),
-    "cpu_dispatch_us": (float, "≥ 0", "fixed cost of handing one task to the CPU workers, µs"),
+    "cpu_dispatch_us": (float, "≥ 0", "fixed cost per routed expert of a CPU experts call, µs"),
+    "cpu_call_us": (
+        float, "≥ 0", "fixed cost of one CPU experts call per MoE layer and host lane (handing it to the "
+        "workers, thread-pool wake-up, the native kernel's set-up, Python dispatch), µs"),
     "sync_us": (float, "≥ 0", "one host↔device synchronisation (the host learns a device result), µs"),
     "copy_engines": (int, "≥ 1", "host→device copies that run at once (DMA engines)"),
     "device_shares_host_memory": (
         bool, "true/false",
-        "the 'device' is a CPU worker on the host (a CPU-only machine): its reads contend for host "
-        "memory bandwidth and copies are memcpy by a CPU thread",
+        "the 'device' is a CPU worker on the host (a CPU-only machine): every lane (control, device, "
+        "copies, host) is a CPU thread and the simulator has them time-share cpu_cores",
     ),
 }
 _TEXT_FIELDS = ("name", "description")
@@ -133,6 +139,8 @@ class HardwareProfile:
     """Device kernels between two MoE blocks (norms, attention, shared expert, router)."""
     gpu_kernels_per_expert: int = 3
     """Device kernels of one routed expert."""
+    gpu_call_us: float = 10.0
+    """Fixed cost of one experts call on the device per MoE layer (µs)."""
     cpu_peak_tflops: float = 1.0
     """Host peak over all cores for the experts' dtype (TFLOP/s)."""
     cpu_memory_efficiency: float = 0.7
@@ -142,7 +150,9 @@ class HardwareProfile:
     numa_node_bandwidth_gbs: float = 60.0
     """Read bandwidth of one NUMA node's local memory (GB/s)."""
     cpu_dispatch_us: float = 5.0
-    """Fixed cost of handing one task to the CPU workers (µs)."""
+    """Fixed cost per routed expert of a CPU experts call (µs)."""
+    cpu_call_us: float = 20.0
+    """Fixed cost of one CPU experts call per MoE layer and host lane (µs)."""
     sync_us: float = 10.0
     """One host↔device synchronisation (µs)."""
     copy_engines: int = 1
