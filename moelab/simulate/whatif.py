@@ -274,11 +274,15 @@ def _memo_routing_states():
     memo: dict = {}
 
     class Memo(base):
-        def __init__(self, routing, top_k):
-            super().__init__(routing, top_k)
-            self._key = (repr(routing.deferred), repr(routing.skipped), routing.phase, routing.min_immediate)
+        def __init__(self, routing, top_k, policies=None):
+            super().__init__(routing, top_k, policies)
+            # explicit policy objects carry settings a RoutingConfig has not: those are not memoised
+            self._key = None if policies else (repr(routing.deferred), repr(routing.skipped), routing.phase,
+                                               routing.min_immediate)
 
         def states(self, layer, phase, ids, weights):
+            if self._key is None:
+                return super().states(layer, phase, ids, weights)
             key = (self._key, layer, phase, id(ids), id(weights))
             if key not in memo:
                 memo[key] = (ids, weights, super().states(layer, phase, ids, weights))  # keep ids alive
