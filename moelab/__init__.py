@@ -40,6 +40,7 @@ _LAZY: dict[str, str] = {
     "resource_dir": "moelab._resources",
     "hybrid": "moelab.hybrid",
     "HybridConfig": "moelab.hybrid",
+    "Timeline": "moelab.timeline",
 }
 
 

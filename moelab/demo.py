@@ -4,9 +4,14 @@ from __future__ import annotations
 
 import logging
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 
 log = logging.getLogger(__name__)
+
+TINY_PARAMS = 50_000_000
+"""Models below this many parameters run the demo's model work on one thread: on a small CPU
+model more threads only add synchronisation (and on a shared machine, contention)."""
 
 
 def run_demo(
@@ -16,35 +21,53 @@ def run_demo(
     prompts: list[str] | None = None,
     max_new_tokens: int = 24,
     quick: bool = False,
-    sections: list[str] | None = None,
+    sections: Sequence[str] | None = None,
+    skip: Sequence[str] | None = None,
     allow_code_execution: bool = False,
-) -> Path:
-    """Load ``model`` (default: the bundled DeepSeek/Qwen2-style model), trace it, write the report."""
+    threads: int | None = None,
+):
+    """Load ``model`` (default: the bundled DeepSeek/Qwen2-style model), trace it, write the report.
+
+    Returns the :class:`moelab.report.Report` (its ``path`` and each section's outcome; a
+    section that failed is an error box in the file and is listed in ``report.failed``).
+    ``threads``: torch threads for the model work (default 1 for models under 50 M
+    parameters, else torch's default); benchmarks of the machine use all threads.
+    """
+    import torch
+
     from moelab.loading import load
     from moelab.models.bundled import default_model_name
     from moelab.report import ReportContext, build_report, check_sections
     from moelab.trace.run import trace_prompts
 
-    check_sections(sections)
+    check_sections(sections, skip)
     name = model or default_model_name()
     mdl, tok = load(name)
     if prompts is None:
         prompts = _default_prompts(quick)
-    # The trace and the sections' scratch files live only as long as the report takes to build.
-    with tempfile.TemporaryDirectory(prefix="moelab-demo-") as tmp:
-        workdir = Path(tmp)
-        log.info("tracing %s on %d prompts", name, len(prompts))
-        trace = trace_prompts(mdl, tok, prompts, workdir / "trace", max_new_tokens=max_new_tokens, model_name=name)
-        ctx = ReportContext(
-            model=mdl,
-            tokenizer=tok,
-            model_name=name,
-            trace=trace,
-            workdir=workdir,
-            quick=quick,
-            extras={"allow_code_execution": allow_code_execution},
-        )
-        return build_report(ctx, out, sections=sections)
+    default_threads = torch.get_num_threads()
+    if threads is None:
+        threads = 1 if sum(p.numel() for p in mdl.parameters()) < TINY_PARAMS else default_threads
+    torch.set_num_threads(threads)
+    try:
+        # The trace and the sections' scratch files live only as long as the report takes to build.
+        with tempfile.TemporaryDirectory(prefix="moelab-demo-") as tmp:
+            workdir = Path(tmp)
+            log.info("tracing %s on %d prompts (%d torch threads)", name, len(prompts), threads)
+            trace = trace_prompts(mdl, tok, prompts, workdir / "trace", max_new_tokens=max_new_tokens,
+                                  model_name=name)
+            ctx = ReportContext(
+                model=mdl,
+                tokenizer=tok,
+                model_name=name,
+                trace=trace,
+                workdir=workdir,
+                quick=quick,
+                extras={"allow_code_execution": allow_code_execution, "threads": default_threads},
+            )
+            return build_report(ctx, out, sections=sections, skip=skip)
+    finally:
+        torch.set_num_threads(default_threads)
 
 
 def _default_prompts(quick: bool) -> list[str]:

@@ -118,12 +118,17 @@ def test_capacity_as_count_and_fraction_resolve_per_partition():
 def test_prefetch_budget_in_bytes_and_from_a_link():
     s = synthetic_stream(num_layers=3, num_experts=8, top_k=2, num_seqs=2, steps=30, seed=1)
     eb = 1000
-    by_count = simulate(s, "lru", 0.25, prefetch=PrefetchConfig("oracle", 1, budget=2), expert_bytes=eb)
-    by_bytes = simulate(s, "lru", 0.25, prefetch=PrefetchConfig("oracle", 1, budget_bytes=2.9 * eb), expert_bytes=eb)
+    # a link's window is per step (forward): compare with count and byte budgets per forward too
+    fwd = {"budget_scope": "forward"}
+    by_count = simulate(s, "lru", 0.25, prefetch=PrefetchConfig("oracle", 1, budget=2, **fwd), expert_bytes=eb)
+    by_bytes = simulate(s, "lru", 0.25, prefetch=PrefetchConfig("oracle", 1, budget_bytes=2.9 * eb, **fwd),
+                        expert_bytes=eb)
     link = PrefetchConfig.from_link("oracle", 1, gb_per_s=2.5e-3, step_ms=1.0)  # 2.5 MB/s × 1 ms = 2500 bytes
     by_link = simulate(s, "lru", 0.25, prefetch=link, expert_bytes=eb)
     unlimited = simulate(s, "lru", 0.25, prefetch=PrefetchConfig("oracle", 1), expert_bytes=eb)
-    assert by_count.prefetched == by_bytes.prefetched == by_link.prefetched < unlimited.prefetched
+    per_layer = simulate(s, "lru", 0.25, prefetch=PrefetchConfig("oracle", 1, budget=2), expert_bytes=eb)
+    assert by_count.prefetched == by_bytes.prefetched == by_link.prefetched < per_layer.prefetched
+    assert per_layer.prefetched <= unlimited.prefetched
     assert by_count.hits == by_bytes.hits == by_link.hits
     with pytest.raises(MoelabError, match="size of an expert"):  # a synthetic stream has no expert size
         simulate(s, "lru", 0.25, prefetch=PrefetchConfig("oracle", 1, budget_bytes=4096))

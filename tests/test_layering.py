@@ -17,14 +17,15 @@ ROOT = Path(__file__).resolve().parent.parent / "moelab"
 #: ``<pkg>`` is ``moelab/__init__.py`` (``__version__``, lazy re-exports).
 LAYERS: list[set[str]] = [
     # foundation: no moelab imports beyond each other
-    {"errors", "registry", "stats", "_lazy", "_output", "_resources", "<pkg>"},
+    {"errors", "registry", "stats", "events", "_lazy", "_output", "_resources", "<pkg>"},
     # components: the model view, kernels, tasks and everything that acts on a forward pass
     {"adapters", "kernels", "backends", "models", "tasks", "prompts", "loading", "forward", "hardware", "timing",
      "trace", "caches", "policies", "predictors"},
-    # runtimes composed from the components
-    {"hybrid"},
+    # runtimes composed from the components; the simulator (plans on hardware profiles) is the
+    # hybrid runtime's third executor, so the two import each other
+    {"hybrid", "simulate"},
     # what is built on the components: evaluation, plots, reports, training, the demo
-    {"evals", "viz", "report", "training", "demo"},
+    {"evals", "viz", "timeline", "report", "training", "demo"},
     # experiments over evaluations (sweeps run evals over models, policies and tasks)
     {"sweeps"},
     # entry points

@@ -244,3 +244,32 @@ def test_cli_link_latency_needs_the_link(tmp_path, capsys):
     argv = ["cache", "simulate", "--trace", str(tmp_path), "--policy", "lru", "--prefetch", "oracle"]
     assert main([*argv, "--link-latency-us", "5"]) == 2
     assert "add --link-gbps and --step-ms" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------- the simulator's fields
+@pytest.mark.parametrize("field", ["link_bandwidth_gbs", "numa_node_bandwidth_gbs", "gpu_memory_bandwidth_gbs"])
+@pytest.mark.parametrize("value", [0, -5.0])
+def test_a_zero_or_negative_bandwidth_is_one_line_naming_field_and_fix(tmp_path, field, value):
+    data = _good()
+    data[field] = {"value": value, "assumed": "x"}
+    with pytest.raises(MoelabError, match=rf"HardwareProfile\.{field} must be > 0, got {float(value)}; .*set it to") as info:
+        load_profile(_write(tmp_path, data))
+    assert "\n" not in str(info.value)
+
+
+def test_simulator_fields_types_and_presets(tmp_path):
+    data = _good()
+    data["device_shares_host_memory"] = {"value": 1, "assumed": "x"}
+    with pytest.raises(MoelabError, match="'device_shares_host_memory': value must be true or false"):
+        load_profile(_write(tmp_path, data))
+    data["device_shares_host_memory"] = {"value": True, "stated": "a CPU-only box"}
+    data["copy_engines"] = {"value": 0, "assumed": "x"}
+    with pytest.raises(MoelabError, match=r"copy_engines must be ≥ 1, got 0; set a value ≥ 1"):
+        load_profile(_write(tmp_path, data))
+    data["copy_engines"] = {"value": 2, "assumed": "x"}
+    hw = load_profile(_write(tmp_path, data))
+    assert hw.device_shares_host_memory is True and hw.copy_engines == 2
+    assert {"h100-pcie5-ddr5", "rtx4090-desktop", "gh200"} <= set(available_profiles())
+    kt = get_profile("ktransformers-a100")
+    assert (kt.numa_nodes, kt.numa_node_bandwidth_gbs, kt.gpu_peak_tflops) == (2, 220.0, 312.0)
+    assert kt.provenance["numa_node_bandwidth_gbs"].startswith("stated: KTransformers §6.1")

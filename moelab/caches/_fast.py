@@ -154,7 +154,8 @@ def replay(
     insertion,  # int: INSERTION_CODES (0 always: hits first, then every miss, any victim; 1 protect-step)
     pf_ptr,  # (G+1,) int64 prefetch proposals per group (empty: no prefetch)
     pf_keys,  # (M,) int64 proposed keys, target layer's keys
-    budget,  # int64 prefetch transfers per pass, -1 = unlimited
+    budget,  # int64 prefetch transfers per pass (or per group, budget_per_group), -1 = unlimited
+    budget_per_group,  # bool: the budget is per group (forward, MoE layer) instead of per pass
     hit,  # (n,) uint8 out
     counters,  # (5,) int64 out
     resident,  # (NK,) bool out (final contents)
@@ -344,7 +345,7 @@ def replay(
     left = budget
     for g in range(G):
         layer = group_layer[g]
-        if group_pass[g] != cur_pass:
+        if budget_per_group or group_pass[g] != cur_pass:
             cur_pass = group_pass[g]
             left = budget
         a = group_ptr[g]

@@ -152,6 +152,11 @@ class ExpertCache:
     #: Policy code of the compiled kernel (:mod:`moelab.caches._fast`), or None. Read from the
     #: class itself only: a subclass that changes behaviour replays through the reference.
     kernel: ClassVar[int | None] = None
+    #: False: serve accesses by the plain reference definitions only (parity tests set it).
+    fast: ClassVar[bool] = True
+    #: Names of the per-key lists :meth:`_priority` returns, in order (e.g. ``("_last_use",)``),
+    #: for the fast victim search; None: victims by :meth:`_rank` only.
+    victim_order: ClassVar[tuple[str, ...] | None] = None
     #: Former name of ``needs_scores``, kept in step with it for code written against it.
     uses_scores: ClassVar[bool] = False
 
@@ -176,6 +181,8 @@ class ExpertCache:
         self.scope = scope
         self.expert_bytes = check_expert_bytes(expert_bytes)
         self.warm = None if warm is None else [int(k) for k in warm]
+        self._evicted_log: list[int] | None = None
+        self._inserted_log: list[int] | None = None
         self.reset()
 
     # ------------------------------------------------------------------ state
@@ -199,7 +206,22 @@ class ExpertCache:
         self._wasted_evicted = 0
         self.layer_hits = [0] * len(self.num_experts)
         self.layer_misses = [0] * len(self.num_experts)
+        cls = type(self)
+        # the streamlined access inlines _count (and skips the no-op _on_access): only for
+        # classes that keep the base definitions of both, under the "always" rule
+        self._fast_ok = bool(cls.fast) and self.insertion == "always" and cls._count is ExpertCache._count
+        self._has_on_access = cls._on_access is not ExpertCache._on_access
+        self._has_on_evict = cls._on_evict is not ExpertCache._on_evict
+        self._has_replace = cls._replace is not ExpertCache._replace  # the base's always agrees
+        self._plain_admit = cls._admit_prefetch is ExpertCache._admit_prefetch and cls._admit is ExpertCache._admit
         self._reset_policy()
+        # victims by _fast_victim where the class states its _priority as lists (victim_order)
+        # and keeps the _priority and _rank that order was written for
+        owner = next((c for c in cls.__mro__ if "victim_order" in c.__dict__), None)
+        self._victim_by = None
+        if (cls.fast and owner is not None and owner.victim_order and cls._priority is owner._priority
+                and cls._rank is ExpertCache._rank):
+            self._victim_by = tuple(getattr(self, name) for name in owner.victim_order)
         for key in self.warm or []:  # initial contents: not misses, not transfers
             part = self._partition(key)
             if len(self._resident[part]) < self.slots_[part]:
@@ -242,6 +264,22 @@ class ExpertCache:
         what an insertion into ``layer`` can evict. O(slots), for per-step bookkeeping."""
         return set(self._resident[self._key_layer[self.key_offset_[layer]] if self.scope == "layer" else 0])
 
+    def journal(self, evicted: list[int] | None, inserted: list[int] | None) -> None:
+        """Append every key this cache evicts to ``evicted`` and every key it inserts (demand
+        or prefetch, in order) to ``inserted`` from now on (None: stop). The caller owns and
+        clears the lists: a planner reads what one access or prefetch changed without copying
+        the resident set before and after it (:meth:`partition_keys`)."""
+        self._evicted_log, self._inserted_log = evicted, inserted
+
+    @property
+    def speculative(self) -> set[int]:
+        """Keys of the prefetched experts no demand access has used yet (read-only view)."""
+        return self._speculative
+
+    def is_resident(self, key: int) -> bool:
+        """Whether the expert of global ``key`` is cached now."""
+        return key in self._resident[self._partition(key)]
+
     def layer_expert(self, key: int) -> tuple[int, int]:
         """``(MoE layer, expert)`` of a global key (the inverse of :meth:`key`)."""
         layer = self._key_layer[key]
@@ -274,6 +312,71 @@ class ExpertCache:
 
     # ------------------------------------------------------------------ online API
     def access(self, layer: int, experts: Sequence[int], scores: Any = None) -> list[bool]:
+        """Serve the experts one (forward, MoE layer) needs; returns hit/miss per expert.
+
+        ``experts`` are in access order (descending router weight) and distinct; ``scores``
+        is the router score vector (E,) of the step's token, or (tokens, E) for several
+        tokens — needed only by score-aware policies (``mrs``). For a batch's (T, K) router
+        output use :func:`moelab.caches.online.access_forward`.
+
+        Under ``insertion="always"`` this runs a streamlined copy of :meth:`_access_reference`
+        (the plain definition; a class with ``fast = False`` uses it): the same decisions,
+        counters and hook calls in the same order, with the per-access method calls and key
+        checks inlined (tests/test_caches_fast_path.py checks they agree on random streams).
+        """
+        if not self._fast_ok:
+            return self._access_reference(layer, experts, scores)
+        nums = self.num_experts
+        if type(layer) is not int or not 0 <= layer < len(nums):
+            return self._access_reference(layer, experts, scores)  # raises the reference's error
+        off, E = self.key_offset_[layer], nums[layer]
+        keys = []
+        for e in experts:
+            if type(e) is not int or not 0 <= e < E:
+                return self._access_reference(layer, experts, scores)
+            keys.append(off + e)
+        if len(set(keys)) != len(keys) or (self.needs_scores and scores is None):
+            return self._access_reference(layer, experts, scores)
+        self._begin_group(layer, keys, scores)
+        part = layer if self.scope == "layer" else 0
+        res = self._resident[part]
+        out = [k in res for k in keys]
+        last = self._last_use
+        on_access = self._on_access if self._has_on_access else None
+        clock = self._clock
+        nhit = 0
+        spec = self._speculative
+        for k, hit in zip(keys, out):  # hits first, in access order
+            if hit:
+                clock += 1
+                nhit += 1
+                if k in spec:
+                    spec.discard(k)
+                    self.prefetch_hits += 1
+                last[k] = clock
+                if on_access is not None:
+                    self._clock = clock
+                    on_access(k)
+        self.hits += nhit
+        self.layer_hits[layer] += nhit
+        nmiss = len(keys) - nhit
+        if nmiss:
+            self.misses += nmiss
+            self.layer_misses[layer] += nmiss
+            admit = self._admit
+            for k, hit in zip(keys, out):  # then every miss, in access order
+                if not hit:
+                    clock += 1
+                    self._clock = clock
+                    if admit(k) and self._make_room(part, _NOTHING, k):
+                        self._store(k, speculative=False)
+                    last[k] = clock
+                    if on_access is not None:
+                        on_access(k)
+        self._clock = clock
+        return out
+
+    def _access_reference(self, layer: int, experts: Sequence[int], scores: Any = None) -> list[bool]:
         """Serve the experts one (forward, MoE layer) needs; returns hit/miss per expert.
 
         ``experts`` are in access order (descending router weight) and distinct; ``scores``
@@ -326,16 +429,26 @@ class ExpertCache:
         Experts already cached are skipped; at most ``budget`` transfers (None: no limit).
         Prefetches never evict an expert of the same batch.
         """
-        keys = list(dict.fromkeys(self.key(layer, e) for e in experts))
+        self._check_layer(layer)
+        off, E = self.key_offset_[layer], self.num_experts[layer]
+        for e in experts:
+            if not 0 <= e < E:
+                self.key(layer, e)  # raises the error naming the expert
+        keys = list(dict.fromkeys([off + int(e) for e in experts]))
+        part = self._partition(off)  # every key of one layer lies in the same partition
+        res = self._resident[part]
+        # the batch's keys are never evicted by the batch, and distinct: those cached now stay
+        # cached and are skipped, the others are not cached by an earlier one of the batch
+        new = [k for k in keys if k not in res]
+        if not new:
+            return 0
         batch = set(keys)
         moved = 0
-        for key in keys:
-            part = self._partition(key)
-            if key in self._resident[part]:
-                continue
+        admit = None if self._plain_admit else self._admit_prefetch
+        for key in new:
             if budget is not None and moved >= budget:
                 break
-            if not self._admit_prefetch(key) or not self._make_room(part, batch, key):
+            if (admit is not None and not admit(key)) or not self._make_room(part, batch, key):
                 continue
             self._clock += 1
             self._store(key, speculative=True)
@@ -361,22 +474,46 @@ class ExpertCache:
         """Evict the policy's victim if ``part`` is full; False if ``key`` must bypass."""
         if len(self._resident[part]) < self.slots_[part]:
             return True
-        candidates = [k for k in self._resident[part] if k not in protected]
+        candidates = self._resident[part].difference(protected) if protected else self._resident[part]
         if not candidates:
             return False
-        victim = min(candidates, key=self._rank)
-        if not self._replace(key, victim):
+        victim = min(candidates, key=self._rank) if self._victim_by is None else self._fast_victim(candidates)
+        if self._has_replace and not self._replace(key, victim):
             return False
         self._resident[part].discard(victim)
         self.evictions += 1
+        if self._evicted_log is not None:
+            self._evicted_log.append(victim)
         if victim in self._speculative:
             self._speculative.discard(victim)
             self._wasted_evicted += 1
-        self._on_evict(victim)
+        if self._has_on_evict:
+            self._on_evict(victim)
         return True
+
+    def _fast_victim(self, candidates) -> int:
+        """``min(candidates, key=self._rank)`` for a rank ``(speculative?, a[key], b[key], key)``
+        stated by ``victim_order = ("a", "b")`` (names of per-key lists): unused prefetches
+        first, then the least ``a``; ties (rare) by ``b``, then the key — with the comparisons
+        in C (``map``/``min``/``count``) rather than a Python tuple per candidate."""
+        spec = self._speculative
+        pool = spec.intersection(candidates) if spec else None
+        pool = list(pool or candidates)
+        first = self._victim_by[0]
+        vals = list(map(first.__getitem__, pool))
+        v = min(vals)
+        if vals.count(v) == 1:
+            return pool[vals.index(v)]
+        ties = [k for k, x in zip(pool, vals) if x == v]
+        if len(self._victim_by) == 1:
+            return min(ties)
+        second = self._victim_by[1]
+        return min(ties, key=lambda k: (second[k], k))
 
     def _store(self, key: int, speculative: bool) -> None:
         self._resident[self._partition(key)].add(key)
+        if self._inserted_log is not None:
+            self._inserted_log.append(key)
         self._inserted_at[key] = self._clock
         self._last_use[key] = self._clock
         self.transfers += 1
@@ -411,6 +548,10 @@ class ExpertCache:
     def _replace(self, key: int, victim: int) -> bool:
         """Whether inserting ``key`` is worth evicting ``victim`` (a bypassing optimum)."""
         return True
+
+
+#: The empty protected set of the "always" rule (never modified).
+_NOTHING: frozenset[int] = frozenset()
 
 
 # ---------------------------------------------------------------------- registry

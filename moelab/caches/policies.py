@@ -57,9 +57,11 @@ class LRUCache(ExpertCache):
 
     params = frozenset()
     kernel = _codes.LRU
+    victim_order = ("_last_use",)
 
     def _priority(self, key: int) -> tuple:
         return (self._last_use[key],)
+
 
 
 @register_policy("fifo")
@@ -69,9 +71,11 @@ class FIFOCache(ExpertCache):
 
     params = frozenset()
     kernel = _codes.FIFO
+    victim_order = ("_inserted_at",)
 
     def _priority(self, key: int) -> tuple:
         return (self._inserted_at[key],)
+
 
 
 @register_policy("lfu")
@@ -86,6 +90,7 @@ class LFUCache(ExpertCache):
 
     params = frozenset({"reset_on_evict"})
     kernel = _codes.LFU
+    victim_order = ("_freq", "_last_use")
 
     def __init__(self, *args: Any, reset_on_evict: bool = False, **kwargs: Any) -> None:
         self.reset_on_evict = reset_on_evict
@@ -103,6 +108,7 @@ class LFUCache(ExpertCache):
 
     def _priority(self, key: int) -> tuple:
         return (self._freq[key], self._last_use[key])
+
 
 
 @register_policy("mrs")
@@ -129,6 +135,7 @@ class MRSCache(ExpertCache):
     needs_scores = True
     params = frozenset({"alpha", "p"})
     kernel = _codes.MRS
+    victim_order = ("_score", "_last_use")
 
     def __init__(
         self,
@@ -150,6 +157,32 @@ class MRSCache(ExpertCache):
         self._score = [0.0] * self.key_offset_[-1]
 
     def _begin_group(self, layer: int, keys: list[int], scores: Any) -> None:
+        if not self.fast:
+            return self._begin_group_reference(layer, keys, scores)
+        # the reference's arithmetic, on Python floats: the float32 scores as lists (one C call),
+        # top-p by a stable descending sort (ties: lower id, as the reference's (-s, e) key),
+        # then S <- a*s + (1-a)*S on the top-p and (1-a)*S elsewhere (a*0 + x == x exactly)
+        E, off, p = self.num_experts[layer], self.key_offset_[layer], self.p_[layer]
+        rows = np.asarray(scores, dtype=np.float32)
+        rows = (rows[None, :E] if rows.ndim == 1 else rows[:, :E]).tolist()
+        for row in rows:
+            t = sum(row)
+            if t - t != 0:  # NaN or ±inf somewhere (a sum of finite float32 values is finite)
+                raise MoelabError(nan_scores_message(None, layer))
+        a = self.alpha
+        b = 1 - a
+        seg = self._score[off : off + E]
+        rng = range(E)
+        for row in rows:
+            top = sorted(rng, key=row.__getitem__, reverse=True)[:p] if p < E else rng
+            new = [b * x for x in seg]
+            for e in top:
+                new[e] = a * row[e] + b * seg[e]
+            seg = new
+        self._score[off : off + E] = seg
+        return None
+
+    def _begin_group_reference(self, layer: int, keys: list[int], scores: Any) -> None:
         rows = np.atleast_2d(np.asarray(scores, dtype=np.float32))
         E, off, p = self.num_experts[layer], self.key_offset_[layer], self.p_[layer]
         a = self.alpha
@@ -164,6 +197,7 @@ class MRSCache(ExpertCache):
 
     def _priority(self, key: int) -> tuple:
         return (self._score[key], self._last_use[key])
+
 
 
 def nan_scores_message(row: int | None = None, layer: int | None = None) -> str:

@@ -2,7 +2,8 @@
 
 After a step's MoE layer ``l`` is served, a *prefetcher* proposes the experts MoE layer
 ``l + d`` of the same step will need (``d`` = prediction distance). The cache inserts them
-as low-priority *speculative* entries within a per-step transfer budget; when layer ``l + d``
+as low-priority *speculative* entries within a transfer budget (per MoE layer by default, or per
+step: ``PrefetchConfig.budget_scope``); when layer ``l + d``
 runs, its exact needs are served with high priority and evict unused prefetches first
 (ProMoE's early preemption). Proposals beyond the last MoE layer are not made.
 

@@ -47,12 +47,20 @@ RECORD_SCORES_HINT = (
 class PrefetchConfig:
     """Predictor-driven prefetch into the cache.
 
-    The per-step transfer budget is given one of three ways: ``budget`` (experts),
-    ``budget_bytes`` (bytes; whole experts that fit), or a ``link`` and a time window
-    (:meth:`from_link`, :meth:`from_profile`): the experts whose back-to-back transfers,
-    all requested at the start of the step, end within the window on the FIFO link of
-    :class:`moelab.timing.Link` (``latency + bytes / bandwidth`` each) — the same link
-    model as GoodPred.
+    The transfer budget is given one of three ways: ``budget`` (experts), ``budget_bytes``
+    (bytes; whole experts that fit), or a ``link`` and a time window (:meth:`from_link`,
+    :meth:`from_profile`): the experts whose back-to-back transfers, all requested at the
+    start of the window, end within it on the FIFO link of :class:`moelab.timing.Link`
+    (``latency + bytes / bandwidth`` each) — the same link model as GoodPred.
+
+    What the budget applies to (``budget_scope``) is one definition across moelab, the
+    hybrid planner's included (``HybridConfig.prefetch.budget_scope``): by default
+    ``"layer"``, the literature's per-layer link budget (ProMoE: the prefetches issued
+    after MoE layer ``l`` for layer ``l + d`` must cross the link while the layers between
+    compute, so a budget is what the link moves per layer) — at most ``budget`` prefetch
+    transfers after each MoE layer of each forward; or ``"forward"``, one budget per forward
+    pass (a decode step) shared by its MoE layers in order. :meth:`from_link` and
+    :meth:`from_profile` state a window per step, so they use ``"forward"``.
     """
 
     predictor: Any = "oracle"
@@ -62,13 +70,17 @@ class PrefetchConfig:
     distance: int = 1
     """Prediction distance d: after MoE layer l, prefetch for layer l + d."""
     budget: int | None = None
-    """Prefetch transfers per step (forward pass), in experts; None = unlimited."""
+    """Prefetch transfers per :attr:`budget_scope` (MoE layer, or forward pass), in experts;
+    None = unlimited."""
     budget_bytes: float | None = None
-    """Alternatively, bytes per step; whole experts of ``expert_bytes`` each fit in it."""
+    """Alternatively, bytes per :attr:`budget_scope`; whole experts of ``expert_bytes`` each fit in it."""
     link: Any = None
     """Alternatively, a :class:`moelab.timing.Link` with :attr:`window_us`."""
     window_us: float | None = None
-    """The time per step (µs) the link may spend on prefetches (with :attr:`link`)."""
+    """The time per :attr:`budget_scope` (µs) the link may spend on prefetches (with :attr:`link`)."""
+    budget_scope: str = "layer"
+    """``layer`` (default): the budget applies after each MoE layer of each forward;
+    ``forward``: one budget per forward pass (step), shared by its MoE layers."""
 
     @classmethod
     def from_link(
@@ -82,7 +94,8 @@ class PrefetchConfig:
         for name, v in (("gb_per_s", gb_per_s), ("step_ms", step_ms)):
             if not v > 0:
                 raise MoelabError(f"{name} must be > 0, got {v!r}.")
-        return cls(predictor, distance, link=Link(float(gb_per_s), float(latency_us)), window_us=step_ms * 1e3)
+        return cls(predictor, distance, link=Link(float(gb_per_s), float(latency_us)), window_us=step_ms * 1e3,
+                   budget_scope="forward")
 
     @classmethod
     def from_profile(
@@ -96,12 +109,20 @@ class PrefetchConfig:
         hw = get_profile(profile)
         if isinstance(num_layers, bool) or not isinstance(num_layers, (int, np.integer)) or num_layers < 1:
             raise MoelabError(f"num_layers must be an integer ≥ 1 (MoE layers per step), got {num_layers!r}.")
-        return cls(predictor, distance, link=hw.link, window_us=int(num_layers) * hw.decode_layer_time_us)
+        return cls(predictor, distance, link=hw.link, window_us=int(num_layers) * hw.decode_layer_time_us,
+                   budget_scope="forward")
 
     @property
     def needs_expert_bytes(self) -> bool:
         """Whether the budget depends on the size of an expert (bytes or a link)."""
         return self.budget_bytes is not None or self.link is not None
+
+    @property
+    def per_layer(self) -> bool:
+        """Whether the budget applies per (forward, MoE layer) rather than per forward."""
+        if self.budget_scope not in ("layer", "forward"):
+            raise MoelabError(f"prefetch budget_scope={self.budget_scope!r}: expected 'layer' or 'forward'.")
+        return self.budget_scope == "layer"
 
     def experts_budget(self, expert_bytes: int) -> int | None:
         given = [n for n, v in (("budget", self.budget), ("budget_bytes", self.budget_bytes), ("link", self.link))
@@ -110,11 +131,11 @@ class PrefetchConfig:
             raise MoelabError(f"give the prefetch budget in experts, in bytes or as a link, not {' and '.join(given)}.")
         if self.link is not None:
             if self.window_us is None or not self.window_us >= 0:
-                raise MoelabError(f"a prefetch link needs window_us ≥ 0 (µs per step), got {self.window_us!r}.")
+                raise MoelabError(f"a prefetch link needs window_us ≥ 0 (µs per {self.budget_scope}), got {self.window_us!r}.")
             return self.link.transfers_within(self.window_us, max(1, expert_bytes))
         if self.budget_bytes is not None:
             if not self.budget_bytes >= 0:
-                raise MoelabError(f"prefetch budget_bytes must be ≥ 0 bytes per step, got {self.budget_bytes!r}.")
+                raise MoelabError(f"prefetch budget_bytes must be ≥ 0 bytes per {self.budget_scope}, got {self.budget_bytes!r}.")
             return int(self.budget_bytes // max(1, expert_bytes))
         if self.budget is not None and self.budget < 0:
             raise MoelabError(f"prefetch budget must be ≥ 0 experts per step, got {self.budget}.")
@@ -307,6 +328,7 @@ def _simulate_stream(
     pf_ptr = np.zeros(stream.num_groups + 1, dtype=np.int64)
     pf_keys = np.zeros(0, dtype=np.int64)
     budget = None
+    per_group = True
     if prefetch is not None:
         if not cls.accepts_prefetch:
             logger.info("%s ignores prefetches", cls.name or cls.__name__)
@@ -317,6 +339,7 @@ def _simulate_stream(
             )
         pf_ptr, pf_keys = proposals(get_prefetcher(prefetch.predictor), stream, prefetch.distance)
         budget = prefetch.experts_budget(expert_bytes)
+        per_group = prefetch.per_layer
 
     kernel = cls.__dict__.get("kernel")  # the class's own: a subclass that changes behaviour has none
     fast_ok = _fast.HAVE_NUMBA and kernel is not None
@@ -328,13 +351,14 @@ def _simulate_stream(
     use_fast = fast_ok and backend != "reference"
     if use_fast:
         raw = _run_fast(
-            stream, cls, slots, scope, warm_keys, pf_ptr, pf_keys, budget, insertion, policy_kwargs
+            stream, cls, slots, scope, warm_keys, pf_ptr, pf_keys, budget, per_group, insertion, policy_kwargs
         )
     else:
         if backend == "auto" and kernel is not None and not _fast.HAVE_NUMBA:
             logger.warning("numba is not installed: replaying %s in pure Python (slow)", cls.name)
         raw = _run_reference(
-            stream, cls, capacity, scope, warm_keys, pf_ptr, pf_keys, budget, expert_bytes, insertion, policy_kwargs
+            stream, cls, capacity, scope, warm_keys, pf_ptr, pf_keys, budget, per_group, expert_bytes, insertion,
+            policy_kwargs,
         )
 
     hit, counters, spec_left = raw
@@ -393,7 +417,7 @@ def _profile_counts(profile: Any, stream: AccessStream) -> np.ndarray:
     return counts
 
 
-def _run_fast(stream, cls, slots, scope, warm_keys, pf_ptr, pf_keys, budget, insertion, kw):
+def _run_fast(stream, cls, slots, scope, warm_keys, pf_ptr, pf_keys, budget, per_group, insertion, kw):
     code = cls.kernel
     n, NK, G = stream.num_accesses, stream.num_keys, stream.num_groups
     key_layer = stream.key_layer().astype(np.int64)
@@ -456,6 +480,7 @@ def _run_fast(stream, cls, slots, scope, warm_keys, pf_ptr, pf_keys, budget, ins
         pf_ptr,
         pf_keys.astype(np.int64),
         np.int64(-1 if budget is None else budget),
+        bool(per_group),
         hit,
         counters,
         resident,
@@ -464,7 +489,8 @@ def _run_fast(stream, cls, slots, scope, warm_keys, pf_ptr, pf_keys, budget, ins
     return hit, counters, int(spec.sum())
 
 
-def _run_reference(stream, cls, capacity, scope, warm_keys, pf_ptr, pf_keys, budget, expert_bytes, insertion, kw):
+def _run_reference(stream, cls, capacity, scope, warm_keys, pf_ptr, pf_keys, budget, per_group, expert_bytes,
+                   insertion, kw):
     kwargs = dict(kw)
     if cls.needs_future:
         kwargs["stream"] = stream
@@ -477,7 +503,7 @@ def _run_reference(stream, cls, capacity, scope, warm_keys, pf_ptr, pf_keys, bud
     hit = np.zeros(stream.num_accesses, dtype=np.uint8)
     cur_pass, left = -1, budget
     for g in range(stream.num_groups):
-        if stream.group_pass[g] != cur_pass:
+        if per_group or stream.group_pass[g] != cur_pass:
             cur_pass, left = stream.group_pass[g], budget
         layer = int(stream.group_layer[g])
         a = stream.group_ptr[g]

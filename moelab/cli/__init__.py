@@ -23,12 +23,15 @@ COMMAND_MODULES: list[str] = [
     "eval",
     "generate",
     "run",
+    "timeline",
     "compare_policies",
     "sweep",
     "predict",
     "cache",
     "demo",
     "bench",
+    "calibrate",
+    "simulate",
     "train_tiny",
 ]
 

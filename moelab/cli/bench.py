@@ -16,7 +16,7 @@ BASELINES: tuple[str, ...] = ("eager", "grouped_mm")
 
 
 def register(subparsers) -> None:
-    p = subparsers.add_parser("bench", help="benchmarks (kernels, hybrid)", description="Benchmarks on this machine.")
+    p = subparsers.add_parser("bench", help="benchmarks (kernels, hybrid, timeline, simulate)", description="Benchmarks on this machine.")
     sub = p.add_subparsers(dest="bench_command", metavar="BENCHMARK")
     k = sub.add_parser(
         "kernels",
@@ -48,7 +48,58 @@ def register(subparsers) -> None:
     h.add_argument("--steps", type=positive_int, default=8, help="decode steps per realistic point (default 8)")
     h.add_argument("--skip-realistic", action="store_true", help="only the planner and functional checks")
     h.set_defaults(func=run_hybrid)
+    t = sub.add_parser(
+        "timeline",
+        help="timeline figure and exports on 1 M synthetic events",
+        description="Synthesise a DeepSeek-V3-like hybrid decode (58 MoE layers × 8 experts × steps, with copies, "
+        "prefetches, evictions, host and deferred work) and time the timeline's figure, its HTML, the Chrome "
+        "JSON export and the Perfetto export (moelab.timeline.bench). Targets: figure ≤ 3 s and ≤ 20 MB of HTML, "
+        "Chrome JSON ≤ 5 s for 1 M events.",
+    )
+    t.add_argument("--events", type=positive_int, default=1_000_000, help="events to synthesise (default 1000000)")
+    t.add_argument("--skip-perfetto", action="store_true", help="skip the (slow) Perfetto protobuf export")
+    t.add_argument("--json", action="store_true", help="print the results as JSON")
+    t.set_defaults(func=run_timeline)
+    sm = sub.add_parser(
+        "simulate",
+        help="simulator: events/s of the fast path and the reference, and their parity",
+        description="Simulate a DeepSeek-V3-sized decode (58 MoE layers, 256 experts top-8) of random routing "
+        "planned with an LRU device cache, host misses, deferral and prefetch; print simulated events per "
+        "second for the fast path (plans to events, all included) and the plain reference, and whether their "
+        "events are equal (moelab.simulate.bench).",
+    )
+    sm.add_argument("--tokens", type=positive_int, default=512, help="decode steps of the fast path (default 512)")
+    sm.add_argument("--reference-tokens", type=positive_int, default=16,
+                    help="decode steps run by the reference too, for the parity check (default 16)")
+    sm.add_argument("--hardware", default="ktransformers-a100", help="hardware profile (default ktransformers-a100)")
+    sm.add_argument("--repeat", type=positive_int, default=3, help="timed runs of the fast path (best; default 3)")
+    sm.add_argument("--json", action="store_true", help="print the results as JSON")
+    sm.set_defaults(func=run_simulate)
     p.set_defaults(func=lambda args: (p.print_help(), 2)[1])
+
+
+def run_timeline(args) -> int:
+    from moelab.timeline.bench import format_result, run
+
+    result = run(args.events, perfetto=not args.skip_perfetto,
+                 progress=None if args.json else (lambda s: print(s, file=sys.stderr, flush=True)))
+    if args.json:
+        emit_json(result)
+    else:
+        print(format_result(result))
+    return 0
+
+
+def run_simulate(args) -> int:
+    from moelab.simulate.bench import format_result, run
+
+    result = run(tokens=args.tokens, hardware=args.hardware, reference_tokens=min(args.reference_tokens, args.tokens),
+                 repeat=args.repeat)
+    if args.json:
+        emit_json(result)
+    else:
+        print(format_result(result))
+    return 0 if result["parity"] else 1
 
 
 def run_hybrid(args) -> int:

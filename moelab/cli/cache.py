@@ -24,9 +24,9 @@ def register(subparsers) -> None:
     )
     s.add_argument("--distance", type=int, default=None,
                    help="prefetch for MoE layer l + d (default: the saved predictor's distance, else 1)")
-    s.add_argument("--budget", type=int, default=None, help="prefetch transfers per step, in experts")
+    s.add_argument("--budget", type=int, default=None, help="prefetch transfers per MoE layer (the per-layer link budget), in experts")
     s.add_argument("--budget-bytes", type=float, default=None,
-                   help="prefetch budget per step in bytes (whole experts that fit), instead of --budget")
+                   help="prefetch budget per MoE layer in bytes (whole experts that fit), instead of --budget")
     s.add_argument("--link-gbps", type=float, default=None,
                    help="prefetch budget from a link: GB/s, with --step-ms (budget = GB/s × step time)")
     s.add_argument("--step-ms", type=float, default=None, help="step time in ms for --link-gbps")

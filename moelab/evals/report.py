@@ -153,7 +153,11 @@ def _register() -> None:
         from moelab.report import register_section
     except ImportError:  # pragma: no cover - report package absent
         return
-    register_section("accuracy", accuracy_section, order=ORDER)
+    register_section(
+        "accuracy", accuracy_section, order=ORDER, title="Accuracy (lm-eval)",
+        read="The unmodified model's scores with their standard errors (small samples: read the ± column); "
+             "they are the baseline every routing change is measured against.",
+    )
 
 
 _register()

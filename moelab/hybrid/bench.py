@@ -3,8 +3,10 @@
 Three measurements, printed as tables:
 
 1. **Planner cost** on the bundled models (batch 1 decode, Python): time spent in the
-   planner's handlers (cache access, placement, prefetch issue) per MoE layer and decode
-   step, with an MRS cache at 25 %, a learned-predictor prefetch (the bundled
+   planner's handlers (the tensors-to-lists adapter, routing slots, cache access, placement,
+   prefetch issue) per MoE layer and decode step — the median of every layer plan, with the
+   caches' fast paths and, alternating in the same run, with their plain reference
+   definitions — with an MRS cache at 25 %, a learned-predictor prefetch (the bundled
    ``learned-d1`` predictor when present) and deferral on; the predictor's own inference
    is reported beside it. Target ≤ 30 µs per layer.
 2. **Functional executor with nothing enabled** (no cache, no routing change, no
@@ -29,8 +31,16 @@ import torch
 from moelab.forward.bench import decode_loop as _decode
 
 
-def planner_cost(model_name: str, steps: int = 64) -> dict[str, Any]:
+def planner_cost(model_name: str, steps: int = 64, repeats: int = 3) -> dict[str, Any]:
+    """The planner's time per MoE layer and decode step (batch 1) on a bundled model.
+
+    Runs with the caches' streamlined paths (``fast``) and with their plain reference
+    definitions (``ExpertCache.fast = False``: what every policy did before the fast paths),
+    alternating ``repeats`` times in this one process, so their ratio holds on a noisy
+    machine. Reports per-layer-plan medians (and the mean) of the decode steps.
+    """
     from moelab.adapters import moe_layers
+    from moelab.caches.base import ExpertCache
     from moelab.hybrid.runtime import HybridRun
     from moelab.loading import load
 
@@ -44,18 +54,72 @@ def planner_cost(model_name: str, steps: int = 64) -> dict[str, Any]:
                            "routing": {"deferred": 1 if k <= 2 else 2, "min_immediate": 1}}
     if pred_dir.is_dir():
         cfg["prefetch"] = {"predictor": str(pred_dir), "distance": 1}
-    run = HybridRun(model, cfg)
-    with run:
-        _decode(model, ids, 4)
-        run.timing_reset()
-        _decode(model, ids, steps)
-    n = max(run.timing["plans"], 1)
+    samples: dict[bool, list[int]] = {True: [], False: []}
+    timing: dict[bool, dict[str, int]] = {True: {}, False: {}}
+    replay: list[int] = []
+    try:
+        for _ in range(repeats):
+            for fast in (True, False):
+                ExpertCache.fast = fast
+                run = HybridRun(model, cfg)
+                calls: list[tuple] = []
+                with run:
+                    _record_calls(run.planner, calls)
+                    _decode(model, ids, 4)
+                    run.timing_reset()
+                    run.planner_samples = []
+                    _decode(model, ids, steps)
+                samples[fast] += run.planner_samples
+                for key, v in run.timing.items():
+                    timing[fast][key] = timing[fast].get(key, 0) + v
+                if fast:
+                    replay += _replay(run, calls)
+    finally:
+        ExpertCache.fast = True
+    med = {f: statistics.median(samples[f]) / 1e3 for f in (True, False)}
+    n = max(timing[True]["plans"], 1)
     return {
         "model": model_name, "moe_layers": layers, "prefetch": "prefetch" in cfg,
-        "planner_us_per_layer": run.timing["planner_ns"] / n / 1e3,
-        "predictor_us_per_layer": run.timing["predictor_ns"] / n / 1e3,
-        "plans": run.timing["plans"],
+        "planner_us_per_layer": med[True], "planner_us_reference": med[False],
+        "planner_mean_us": timing[True]["planner_ns"] / n / 1e3,
+        "planner_alone_us": statistics.median(replay) / 1e3,
+        "predictor_us_per_layer": timing[True]["predictor_ns"] / n / 1e3,
+        "plans": len(samples[True]),
     }
+
+
+def _record_calls(planner, calls: list) -> None:
+    """Keep the arguments of every ``plan_layer`` call of ``planner`` (lists the adapter made
+    afresh for the call, which the planner does not modify)."""
+    plan_layer = planner.plan_layer
+
+    def recorded(*args):
+        calls.append(args)
+        return plan_layer(*args)
+
+    planner.plan_layer = recorded
+
+
+def _replay(run, calls: list) -> list[int]:
+    """ns of each decode-step plan when ``calls`` are replayed through a fresh planner of the
+    same configuration outside the model (the planner alone: no tensors, no forward around
+    it); checks that it plans exactly what the run planned."""
+    import time
+
+    from moelab.hybrid.planner import Planner, make_cache
+
+    p = run.planner
+    fresh = Planner(run.config, num_experts=p.num_experts, top_k=p.top_k, expert_bytes=p.expert_bytes, cost=p.cost,
+                    cache=make_cache(run.config, p.num_experts, p.top_k, max(p.expert_bytes)))
+    out, dts = [], []
+    for args in calls:
+        t0 = time.perf_counter_ns()
+        out.append(fresh.plan_layer(*args))
+        if args[2] == "decode":
+            dts.append(time.perf_counter_ns() - t0)
+    if out != run.plans:
+        raise AssertionError("a replay of the run's planner inputs planned differently from the run")
+    return dts
 
 
 def functional_overhead(model_name: str, steps: int = 128, repeats: int = 5) -> dict[str, Any]:
@@ -123,11 +187,15 @@ def main(argv: list[str] | None = None) -> int:  # pragma: no cover - a benchmar
 
 def run(models, layers: int, steps: int, realistic: bool) -> None:  # pragma: no cover - prints
     out = print
-    out("planner cost (batch 1 decode; MRS 25 %, greedy-hss, deferral, learned-d1 prefetch when bundled):")
+    out("planner cost (batch 1 decode; MRS 25 %, greedy-hss, deferral, learned-d1 prefetch when bundled;")
+    out("median per MoE layer and decode step; caches' fast paths vs their reference definitions, same run):")
     for m in models:
         r = planner_cost(m)
-        out(f"  {m}: planner {r['planner_us_per_layer']:.1f} µs per MoE layer per step, predictor "
-            f"{r['predictor_us_per_layer']:.1f} µs ({r['plans']} layer plans; prefetch {r['prefetch']})")
+        out(f"  {m}: planner {r['planner_us_per_layer']:.1f} µs (reference caches "
+            f"{r['planner_us_reference']:.1f} µs, x{r['planner_us_reference'] / r['planner_us_per_layer']:.2f}; "
+            f"mean {r['planner_mean_us']:.1f} µs; the planner alone, replayed outside the model: "
+            f"{r['planner_alone_us']:.1f} µs), predictor {r['predictor_us_per_layer']:.1f} µs "
+            f"({r['plans']} layer plans; prefetch {r['prefetch']})")
     out("functional executor, nothing enabled, vs the plain model (median of 5 A/B pairs):")
     for m in models:
         r = functional_overhead(m)

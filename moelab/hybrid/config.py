@@ -19,7 +19,7 @@ from typing import Any
 
 from moelab.errors import MoelabError, did_you_mean
 
-EXECUTORS = ("functional", "real")
+EXECUTORS = ("functional", "real", "simulated")
 DEVICES = ("auto", "cpu", "cuda")
 
 
@@ -47,7 +47,13 @@ class PrefetchConfig:
     distance: int = 1
     """Predict for MoE layer ``l + distance`` at layer ``l`` (must match the predictor's)."""
     budget: int | None = None
-    """At most this many prefetched experts per layer and forward (None: as many as predicted)."""
+    """At most this many prefetched experts per MoE layer and forward (None: as many as
+    predicted): ProMoE's per-layer link budget, what the link moves while one layer computes.
+    See :attr:`budget_scope`."""
+    budget_scope: str = "layer"
+    """``layer`` (default): :attr:`budget` applies after each MoE layer of each forward;
+    ``forward``: one budget per forward pass shared by its MoE layers in order (the offline
+    cache simulation's ``PrefetchConfig(budget_scope="forward")``)."""
     m: int | None = None
     """Experts proposed per token (default: the target layer's top-k)."""
 
@@ -76,8 +82,10 @@ class HybridConfig:
     host_backend: str | None = None
     """Experts backend of the host side (None: the model's own experts implementation)."""
     executor: str = "functional"
-    """``functional`` (exact outputs, plans only) or ``real`` (plans run on concurrent lanes with
-    measured timestamps: :mod:`moelab.hybrid.real`)."""
+    """``functional`` (exact outputs, plans only), ``real`` (plans run on concurrent lanes with
+    measured timestamps: :mod:`moelab.hybrid.real`) or ``simulated`` (functional outputs; each
+    forward's plans simulated on ``hardware`` with the live model's shape, the simulated events
+    written to the run's event log: :mod:`moelab.simulate.online`)."""
     device: str = "auto"
     """Where the real executor's device lane runs: ``cuda`` (a CUDA stream, a GPU expert pool,
     the model's dense parts moved to the GPU while the run is applied), ``cpu`` (a CPU worker

@@ -74,9 +74,9 @@ class CostModel:
             expert_bytes=int(expert_bytes),
             flops_per_token=float(flops_per_token),
             device_bandwidth_gbs=float(profile.gpu_memory_bandwidth_gbs),
-            device_tflops=float(getattr(profile, "gpu_tflops", 100.0)),
+            device_tflops=float(getattr(profile, "gpu_peak_tflops", 100.0)),
             host_bandwidth_gbs=float(profile.cpu_memory_bandwidth_gbs),
-            host_tflops=float(getattr(profile, "cpu_tflops", 1.0)),
+            host_tflops=float(getattr(profile, "cpu_peak_tflops", 1.0)),
             link_bandwidth_gbs=float(profile.link_bandwidth_gbs),
             link_latency_us=float(profile.link_latency_us),
         )
@@ -130,36 +130,45 @@ class GreedyHSS(Placement):
     name = "greedy-hss"
     needs_cost_model = True
 
+    def __init__(self) -> None:
+        self._cost: CostModel | None = None
+
+    def _costs(self, cost: CostModel):
+        # per-token-count costs, kept while the same cost model is passed (one per planner)
+        if cost is not self._cost:
+            self._cost = cost
+            self._memo = (_Memo(cost.device_us), _Memo(cost.host_us), cost.fetch_us())
+        return self._memo
+
     def place(self, hits, misses, cost):
         # incremental form of: start with every miss on the host; take uncached experts heaviest
         # first and fetch one while that lowers max(device finish, host finish) (lanes_us)
-        dcost, hcost = _memo(cost.device_us), _memo(cost.host_us)
-        fetch_us = cost.fetch_us()
-        dev = sum(dcost(n) for _, n in hits)
-        host = sum(hcost(n) for _, n in misses)
+        dcost, hcost, fetch_us = self._costs(cost)
+        dev = sum([dcost[n] for _, n in hits])
+        host = sum([hcost[n] for _, n in misses])
         link = 0.0
         best = max(dev, host)
         fetched: set[int] = set()
         for e, n in sorted(misses, key=lambda p: (-p[1], p[0])):
             nl = link + fetch_us
-            nd = max(dev, nl) + dcost(n)
-            nh = host - hcost(n)
+            nd = max(dev, nl) + dcost[n]
+            nh = host - hcost[n]
             if max(nd, nh) < best:
                 link, dev, host, best = nl, nd, nh, max(nd, nh)
                 fetched.add(e)
         return {e: (FETCH if e in fetched else HOST) for e, _ in misses}
 
 
-def _memo(fn):
-    seen: dict[int, float] = {}
+class _Memo(dict):
+    """``fn(n)`` per token count ``n``, computed once (``memo[n]``; a plain dict lookup after)."""
 
-    def f(n: int) -> float:
-        v = seen.get(n)
-        if v is None:
-            v = seen[n] = fn(n)
+    def __init__(self, fn) -> None:
+        super().__init__()
+        self.fn = fn
+
+    def __missing__(self, n: int) -> float:
+        v = self[n] = self.fn(n)
         return v
-
-    return f
 
 
 @PLACEMENTS.register("min-cost")
@@ -170,7 +179,9 @@ class MinCost(Placement):
 
     def place(self, hits, misses, cost):
         if len(misses) > self.exact_limit:
-            return GreedyHSS().place(hits, misses, cost)
+            if not hasattr(self, "_greedy"):
+                self._greedy = GreedyHSS()
+            return self._greedy.place(hits, misses, cost)
         ordered = sorted(misses, key=lambda p: (-p[1], p[0]))
         best, best_set = float("inf"), ()
         for r in range(len(ordered) + 1):

@@ -6,9 +6,11 @@
 ...     model.generate(**inputs, max_new_tokens=32)
 >>> run.plan_table()          # one row per (forward, MoE layer): what ran where, what moved, why
 
-The planner is a set of handlers on the model's one forward context
-(:mod:`moelab.forward`). At every MoE layer of every forward it asks the components in
-a fixed order:
+The planner is one model-free object (:class:`moelab.hybrid.planner.Planner`, the same one
+:func:`moelab.hybrid.offline.plan_routing` runs over recorded routing) driven by thin
+handlers on the model's one forward context (:mod:`moelab.forward`), which hand it each
+layer's routing as lists. At every MoE layer of every forward it asks the components in a
+fixed order:
 
 1. routing policy (level ``ROUTING``): deferral and skipping edit the layer's slot plan,
    with exactly the semantics of :mod:`moelab.policies` (they *are* those policies);
@@ -21,8 +23,9 @@ a fixed order:
 4. prefetch: a predictor, called at the ``router`` point of layer ``l`` with its router
    input, proposes experts for layer ``l + d`` (the forward's real tokens' predictions
    merged by :func:`moelab.predictors.protocol.union_predictions`: most tokens first, then
-   best rank, then lower id); they are inserted as speculative cache entries within the budget after layer ``l``'s own accesses (low priority: a layer's
-   demand accesses always come first).
+   best rank, then lower id); they are inserted as speculative cache entries within the
+   budget after layer ``l``'s own accesses (low priority: a layer's demand accesses always
+   come first).
 
 The resulting :class:`LayerPlan` is plain data and is kept (``run.plans``) and written
 by :meth:`HybridRun.save`. The *functional* executor computes each layer's exact output:
@@ -36,8 +39,7 @@ from __future__ import annotations
 import logging
 import time
 import weakref
-from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -46,8 +48,6 @@ import torch
 
 from moelab.errors import MoelabError
 from moelab.forward import (
-    DEFERRED,
-    DROPPED,
     ExpertsCall,
     ForwardContext,
     Handle,
@@ -57,48 +57,9 @@ from moelab.forward import (
 )
 from moelab.hybrid.config import HybridConfig
 from moelab.hybrid.events import EventLog
-from moelab.hybrid.placement import FETCH, HOST, CostModel, get_placement
+from moelab.hybrid.planner import LayerPlan, Planner, Transfer
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class Transfer:
-    """One host→device copy of an expert."""
-
-    layer: int
-    expert: int
-    bytes: int
-    priority: str
-    """``demand`` (a miss placed on the device), ``insert`` (a miss run on the host and then
-    cached), or ``prefetch`` (a predicted expert)."""
-
-
-@dataclass
-class LayerPlan:
-    """What one MoE layer of one forward does (plain data; see the module docstring)."""
-
-    forward: int
-    step: int
-    phase: str
-    layer: int
-    tokens: int
-    """Real tokens in the forward."""
-    device: list[tuple[int, int]] = field(default_factory=list)
-    """(expert, tokens) computed on the device: cache hits and fetched misses."""
-    host: list[tuple[int, int]] = field(default_factory=list)
-    """(expert, tokens) computed on the host."""
-    deferred: list[tuple[int, int]] = field(default_factory=list)
-    """(expert, tokens) pairs whose slots are deferred to the next MoE layer's output."""
-    skipped: int = 0
-    """(token, expert) slots dropped by skipping."""
-    accessed: list[int] = field(default_factory=list)
-    """Experts the layer needs, in the order the cache served them."""
-    hits: list[int] = field(default_factory=list)
-    misses: list[int] = field(default_factory=list)
-    transfers: list[Transfer] = field(default_factory=list)
-    evictions: list[tuple[int, int]] = field(default_factory=list)
-    """(layer, expert) pairs evicted by this layer's insertions and prefetches."""
 
 
 def _as_config(config: HybridConfig | dict | str | Path | None) -> HybridConfig:
@@ -139,8 +100,12 @@ class HybridRun:
         self.active_ = False
 
     def timing_reset(self) -> None:
-        """Zero the planner's own time counters (``self.timing``: ns in the planner and the predictor)."""
+        """Zero the planner's own time counters (``self.timing``: ns in the planner and the predictor).
+
+        Set ``self.planner_samples = []`` to also keep the ns of every decode-step layer plan
+        (``moelab bench hybrid`` reports their median, robust to a shared machine's stalls)."""
         self.timing = {"planner_ns": 0, "predictor_ns": 0, "plans": 0}
+        self.planner_samples: list[int] | None = None
 
     # ------------------------------------------------------------------ lifecycle
     def __enter__(self) -> HybridRun:
@@ -159,11 +124,14 @@ class HybridRun:
 
         cfg = self.config
         self.layers = moe_layers(self.model)
-        nums = [layer.num_experts for layer in self.layers]
         self.expert_bytes = [expert_bytes(layer) for layer in self.layers]
-        self.cache = self._make_cache(nums)
-        self.placement = get_placement(cfg.placement)
-        self.cost = self._cost_model() if self.placement.needs_cost_model else None
+        layer = self.layers[0]
+        # a token through one expert: a multiply and an add per weight (2 FLOPs per parameter)
+        params = sum(p.numel() for p in layer.experts.parameters()) / max(layer.num_experts, 1)
+        self.planner = Planner.build(cfg, num_experts=[ly.num_experts for ly in self.layers],
+                                     top_k=[ly.top_k for ly in self.layers], expert_bytes=self.expert_bytes,
+                                     expert_params=params)
+        self.cache, self.placement, self.cost = self.planner.cache, self.planner.placement, self.planner.cost
         self.predictor = self._load_predictor()
         try:
             self._apply_routing()
@@ -198,7 +166,13 @@ class HybridRun:
                               ("forward_end", ex.on_forward_end)):
                 self._handles.append(mgr.add(point, fn, order=Order.OBSERVE, name="real executor"))
             self._handles.append(mgr.add("experts", ex.on_experts, order=Order.BACKEND + 50, name="real executor"))
-        elif cfg.device_backend is not None or cfg.host_backend is not None:
+        elif cfg.executor == "simulated":
+            from moelab.simulate.online import SimulatedExecutor
+
+            self._executor = SimulatedExecutor(self)
+            self._handles.append(mgr.add("forward_end", self._executor.on_forward_end, order=Order.OBSERVE,
+                                         name="simulated executor"))
+        if cfg.executor != "real" and (cfg.device_backend is not None or cfg.host_backend is not None):
             from moelab.backends import get_backend
 
             self._backends = (get_backend(cfg.device_backend or "reference"), get_backend(cfg.host_backend or "reference"))
@@ -237,40 +211,6 @@ class HybridRun:
         self.active_ = False
 
     # ------------------------------------------------------------------ set-up
-    def _make_cache(self, nums: Sequence[int]):
-        from moelab.caches import make_cache
-
-        c = self.config.cache
-        cap = c.capacity
-        if isinstance(cap, bool) or not isinstance(cap, (int, float)):
-            raise MoelabError(f"cache.capacity must be a fraction in (0, 1] or an expert count, got {cap!r}.")
-        if cap < 0 or (isinstance(cap, int) and cap > max(nums)) or (isinstance(cap, float) and cap > 1):
-            raise MoelabError(
-                f"cache.capacity={cap!r} does not fit this model ({max(nums)} experts per layer); use a fraction "
-                f"in (0, 1] or a count in 0..{max(nums)}."
-            )
-        if cap == 0:
-            return None
-        from moelab.caches import get_policy
-
-        options = dict(c.options)
-        if get_policy(c.policy).needs_scores:
-            options.setdefault("top_k", [layer.top_k for layer in self.layers])
-        return make_cache(c.policy, nums, cap, c.scope, expert_bytes=max(self.expert_bytes), **options)
-
-    def _cost_model(self) -> CostModel:
-        if self.config.hardware is None:
-            raise MoelabError(
-                f"placement {self.config.placement!r} needs a cost model; set hardware: to a profile name "
-                "(e.g. pcie4-x16), or use placement host-misses / fetch-misses."
-            )
-        from moelab.timing import get_profile
-
-        # a token through one expert: a multiply and an add per weight (2 FLOPs per parameter)
-        layer = self.layers[0]
-        params = sum(p.numel() for p in layer.experts.parameters()) / max(layer.num_experts, 1)
-        return CostModel.from_profile(get_profile(self.config.hardware), self.expert_bytes[0], 2.0 * params)
-
     def _load_predictor(self):
         p = self.config.prefetch
         if p.predictor is None:
@@ -322,7 +262,11 @@ class HybridRun:
             return
         from moelab.predictors.protocol import union_predictions
 
-        pred = self.predictor.predict(layer.index, hidden=hidden, m=self.config.prefetch.m)
+        ids = None  # token ids too, for predictors that read them (as moelab.predictors.online does)
+        if ctx.inputs.input_ids is not None:
+            ids = ctx.real_token_ids
+            ids = ids if len(ids) == hidden.shape[0] else None
+        pred = self.predictor.predict(layer.index, hidden=hidden, token_ids=ids, m=self.config.prefetch.m)
         ctx.scratch[("hybrid-prefetch", layer.index + self.predictor.distance)] = union_predictions(pred).tolist()
 
     def _on_plan(self, ctx: ForwardContext, layer, call: ExpertsCall) -> None:
@@ -330,100 +274,55 @@ class HybridRun:
         try:
             self._plan_layer(ctx, layer, call)
         finally:
-            self.timing["planner_ns"] += time.perf_counter_ns() - t0
+            dt = time.perf_counter_ns() - t0
+            self.timing["planner_ns"] += dt
             self.timing["plans"] += 1
+            if self.planner_samples is not None and ctx.phase == "decode":
+                self.planner_samples.append(dt)
 
     def _plan_layer(self, ctx: ForwardContext, layer, call: ExpertsCall) -> None:
-        # one host copy of the layer's routing as Python lists: a decode step has a few values,
-        # for which list code is several times faster than numpy's per-call overhead
-        from moelab.caches.online import union_small
-
+        # a thin adapter: the layer's routing as Python lists for the real tokens (one host copy;
+        # a decode step has a few values, for which list code beats numpy's per-call cost), then
+        # the one planner (moelab.hybrid.planner), the same object offline planning runs
         plan = call._plan
-        K = call.experts.shape[-1]
-        ids = call.experts.reshape(-1, K).tolist()
-        w = (plan.weights if plan is not None else call.weights).reshape(-1, K).float().tolist()
-        state = plan.state.reshape(-1, K).tolist() if plan is not None else None
+        experts = call.experts
+        K = experts.shape[-1]
+        ids = (experts if experts.dim() == 2 else experts.reshape(-1, K)).tolist()
+        # the weights order only a union of several tokens' experts: one token's keep router order
+        w = (plan.weights if plan is not None else call.weights).reshape(-1, K).float().tolist() \
+            if len(ids) > 1 else None
+        state = None
+        if plan is not None:
+            st = plan.state
+            state = (st if st.dim() == 2 else st.reshape(-1, K)).tolist()
         mask = ctx.mask_cpu
         valid = mask.reshape(-1) if mask is not None and mask.size == len(ids) else None
         if valid is not None:
             keep = valid.tolist()
             ids = [r for r, k in zip(ids, keep, strict=True) if k]
-            w = [r for r, k in zip(w, keep, strict=True) if k]
+            w = [r for r, k in zip(w, keep, strict=True) if k] if w is not None else None
             state = [r for r, k in zip(state, keep, strict=True) if k] if state is not None else None
-        lp = LayerPlan(forward=ctx.index, step=ctx.step, phase=ctx.phase, layer=layer.index, tokens=len(ids))
-        if state is not None:
-            deferred: dict[int, int] = {}
-            run_ids = []
-            for row, srow in zip(ids, state, strict=True):
-                run_row = []
-                for e, st in zip(row, srow, strict=True):
-                    if st == DROPPED:
-                        lp.skipped += 1
-                        run_row.append(-1)
-                        continue
-                    run_row.append(e)
-                    if st == DEFERRED:
-                        deferred[e] = deferred.get(e, 0) + 1
-                run_ids.append(run_row)
-            lp.deferred = sorted(deferred.items())
-            ids = run_ids
-        needed = union_small(ids, w) if ids else []
-        tokens: dict[int, int] = {}
-        for row in ids:
-            for e in row:
-                if e >= 0:
-                    tokens[e] = tokens.get(e, 0) + 1
-        cache = self.cache
-        nbytes = self.expert_bytes[layer.index]
-        if cache is None:
-            hits = [False] * len(needed)
-        else:
-            scores = self._scores(ctx, layer, valid)
-            before = cache.partition_keys(layer.index)
-            hits = cache.access(layer.index, needed, scores)
-            after = cache.partition_keys(layer.index)
-            lp.evictions = [cache.layer_expert(k) for k in sorted(before - after)]
-        hit_pairs = [(e, tokens[e]) for e, h in zip(needed, hits, strict=True) if h]
-        miss_pairs = [(e, tokens[e]) for e, h in zip(needed, hits, strict=True) if not h]
-        where = self.placement.place(hit_pairs, miss_pairs, self.cost) if miss_pairs else {}
-        lp.accessed = needed
-        lp.hits = [e for e, _ in hit_pairs]
-        lp.misses = [e for e, _ in miss_pairs]
-        lp.device = hit_pairs + [(e, n) for e, n in miss_pairs if where[e] == FETCH]
-        lp.host = [(e, n) for e, n in miss_pairs if where[e] == HOST]
-        for e, _ in miss_pairs:
-            if where[e] == FETCH:
-                lp.transfers.append(Transfer(layer.index, e, nbytes, "demand"))
-            elif cache is not None and cache.key(layer.index, e) in after:
-                lp.transfers.append(Transfer(layer.index, e, nbytes, "insert"))
-        self._prefetch(ctx, layer.index, lp)
+        scores = self._scores(ctx, layer, valid) if self.cache is not None else None
+        proposal = None
+        if self.predictor is not None:
+            proposal = ctx.scratch.pop(("hybrid-prefetch", layer.index + self.predictor.distance), None)
+        lp = self.planner.plan_layer(ctx.index, ctx.step, ctx.phase, layer.index, ids, w, state, scores, proposal)
         self.plans.append(lp)
         ctx.scratch[("hybrid-plan", layer.index)] = lp
-
-    def _prefetch(self, ctx: ForwardContext, source: int, lp: LayerPlan) -> None:
-        if self.predictor is None:
-            return
-        target = source + self.predictor.distance
-        experts = ctx.scratch.pop(("hybrid-prefetch", target), None)
-        if experts is None or target >= len(self.layers):
-            return
-        cache = self.cache
-        before = cache.partition_keys(target)
-        if cache.prefetch(target, experts, self.config.prefetch.budget):
-            after = cache.partition_keys(target)
-            for k in sorted(after - before, key=lambda k: experts.index(cache.layer_expert(k)[1])):
-                lp.transfers.append(Transfer(target, cache.layer_expert(k)[1], self.expert_bytes[target], "prefetch"))
-            lp.evictions += [cache.layer_expert(k) for k in sorted(before - after)]
 
     def _scores(self, ctx: ForwardContext, layer, valid: np.ndarray | None) -> np.ndarray | None:
         logits = ctx.scratch.pop(("hybrid-logits", layer.index), None)
         if logits is None:
             return None
-        logits = logits.reshape(-1, logits.shape[-1])
+        if logits.dim() != 2:
+            logits = logits.reshape(-1, logits.shape[-1])
         if valid is not None and logits.shape[0] == valid.size:
             logits = logits[torch.from_numpy(valid).to(logits.device)]
-        s = logits.float().softmax(-1) if layer.spec.scoring == "softmax" else logits.float().sigmoid()
-        return s.detach().cpu().numpy()
+        if logits.dtype != torch.float32:
+            logits = logits.float()
+        # few torch calls: each costs microseconds on a decode step's tiny tensors
+        s = torch.softmax(logits, -1) if layer.spec.scoring == "softmax" else torch.sigmoid(logits)
+        return s.numpy(force=True)
 
     # ------------------------------------------------------------------ results
     def plan_table(self):
@@ -497,6 +396,9 @@ def split_maps(num_experts: int, device_experts: list[int], device) -> tuple[tor
         dmap[d] = d
         hmap[d] = -1
     return dmap, hmap
+
+
+__all__ = ["HybridRun", "LayerPlan", "Transfer", "active_hybrid", "hybrid", "split_maps"]
 
 
 def hybrid(model: Any, config: HybridConfig | dict | str | Path | None = None) -> HybridRun:

@@ -1,8 +1,12 @@
 """The self-contained HTML report of ``moelab demo``, built from registered sections.
 
-A section is a function ``(ctx: ReportContext) -> Section | None``. Capabilities add
-theirs with :func:`register_section` (with an ``order``); ``build_report`` runs them in
-order and writes one HTML file with plotly embedded once, so it opens offline.
+A section is registered with :func:`register_section`: a name, a title, a sentence saying
+what to read in it, and a function ``(ctx: ReportContext) -> Section | None`` that returns
+labelled plotly figures (each with a title) and optional HTML. ``build_report`` runs the
+chosen sections in order and writes one HTML file with plotly.js embedded once, so it opens
+offline. A section that raises is drawn as an error box (the report is still written, and
+:attr:`Report.failed` names it); a section that raises :class:`SectionUnavailable` is drawn
+as "not available in this build" with its reason.
 """
 
 from __future__ import annotations
@@ -10,11 +14,13 @@ from __future__ import annotations
 import html
 import logging
 import time
-from collections.abc import Callable
+import traceback
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from moelab.errors import MoelabError
 from moelab.registry import Registry
 
 log = logging.getLogger(__name__)
@@ -37,11 +43,16 @@ class ReportContext:
 
 @dataclass
 class Section:
-    title: str
+    title: str = ""
+    """Overrides the registered title when not empty."""
     figures: list[Any] = field(default_factory=list)
-    """plotly figures, drawn in order after the text."""
+    """plotly figures, drawn in order after the text; each must have a title."""
     html: str = ""
     """Extra HTML (tables, notes) placed before the figures."""
+
+
+class SectionUnavailable(Exception):
+    """Raised by a section whose capability is not in this build (the reason is shown)."""
 
 
 SectionFn = Callable[[ReportContext], "Section | None"]
@@ -49,12 +60,48 @@ SectionFn = Callable[[ReportContext], "Section | None"]
 
 @dataclass(frozen=True)
 class ReportSection:
-    """A registered section: its builder and its place in the report."""
+    """A registered section: its builder, its place in the report, its title and reading guide."""
 
     name: str
     fn: SectionFn
     order: int = 100
     """Lower comes first (ties by name); data, so registering never re-sorts anything."""
+    title: str = ""
+    """Heading of the section (default: the name)."""
+    read: str = ""
+    """One sentence: what to read in the figures."""
+
+    @property
+    def heading(self) -> str:
+        return self.title or self.name
+
+
+@dataclass
+class SectionOutcome:
+    """How one section went: ``ok``, ``failed`` (an error box) or ``unavailable``."""
+
+    name: str
+    title: str
+    status: str
+    seconds: float
+    figures: int = 0
+    error: str = ""
+
+
+@dataclass
+class Report:
+    """What :func:`build_report` wrote: the file and each section's outcome."""
+
+    path: Path
+    sections: list[SectionOutcome]
+
+    @property
+    def failed(self) -> list[SectionOutcome]:
+        return [s for s in self.sections if s.status == "failed"]
+
+    @property
+    def figures(self) -> int:
+        return sum(s.figures for s in self.sections)
 
 
 def _load_builtin_sections() -> None:
@@ -73,12 +120,14 @@ SECTIONS: Registry[ReportSection] = Registry(
 )
 
 
-def register_section(name: str, fn: SectionFn, order: int = 100, *, overwrite: bool = False) -> ReportSection:
-    """Add a report section; lower ``order`` comes first.
+def register_section(name: str, fn: SectionFn, order: int = 100, *, title: str = "", read: str = "",
+                     overwrite: bool = False) -> ReportSection:
+    """Add a report section; lower ``order`` comes first. ``title`` heads it and ``read`` is one
+    sentence saying what to read in its figures.
 
     A different section under a registered name raises (naming both places) unless ``overwrite=True``.
     """
-    section = ReportSection(name, fn, order)
+    section = ReportSection(name, fn, order, title, read)
     SECTIONS.register(name, section, overwrite=overwrite, stacklevel=2)
     return section
 
@@ -92,50 +141,97 @@ def section_names() -> list[str]:
     return [s.name for s in ordered_sections()]
 
 
-def check_sections(sections: list[str] | None) -> None:
-    """Refuse section names that no registered section has (before any work is done)."""
-    if sections is None:
-        return
-    from moelab.errors import MoelabError, unknown_name
+def check_sections(sections: Sequence[str] | None, skip: Sequence[str] | None = None) -> list[str]:
+    """The section names to build, in report order: ``sections`` (None: all) less ``skip``.
+
+    Unknown names, and a choice that leaves nothing, are refused before any work is done.
+    """
+    from moelab.errors import unknown_name
 
     known = section_names()
-    if not sections:
+    for names in (sections, skip):
+        for name in names or ():
+            if name not in known:
+                raise unknown_name("report section", name, known)
+    if sections is not None and not sections:
         raise MoelabError(f"no report sections selected; choose from: {', '.join(known)}.")
-    for name in sections:
-        if name not in known:
-            raise unknown_name("report section", name, known)
+    chosen = [n for n in known if (sections is None or n in sections) and n not in (skip or ())]
+    if not chosen:
+        raise MoelabError(f"--skip leaves no report sections; known: {', '.join(known)}.")
+    return chosen
 
 
 #: Modules that register sections when imported.
-BUILTIN_SECTION_MODULES: list[str] = ["moelab.report.routing", "moelab.evals.report"]
+BUILTIN_SECTION_MODULES: list[str] = [
+    "moelab.report.routing", "moelab.evals.report", "moelab.report.policies", "moelab.report.predictors",
+    "moelab.report.caches", "moelab.report.kernels", "moelab.report.hybrid", "moelab.report.simulate",
+]
 
 
-def build_report(ctx: ReportContext, out: str | Path, *, sections: list[str] | None = None) -> Path:
-    """Run the sections and write the HTML report atomically to ``out``."""
-    check_sections(sections)
-    parts: list[str] = []
-    include_js = True
-    toc: list[str] = []
-    for entry in ordered_sections():
-        name, fn = entry.name, entry.fn
-        if sections is not None and name not in sections:
-            continue
-        t0 = time.perf_counter()
-        try:
-            section = fn(ctx)
-        except Exception as exc:  # noqa: BLE001 - one broken section must not lose the report
-            log.exception("report section %r failed", name)
-            section = Section(title=name, html=f"<p class='err'>This section failed: {html.escape(repr(exc))}</p>")
+def _check_labelled(fig: Any, index: int) -> None:
+    title = getattr(getattr(fig.layout, "title", None), "text", None)
+    if not title:
+        raise MoelabError(f"figure {index} of the section has no title; set fig.update_layout(title=...).")
+
+
+def _run_section(entry: ReportSection, ctx: ReportContext) -> tuple[SectionOutcome, str, list[Any]]:
+    """Run one section: (outcome, its heading and body HTML, its figures). An exception becomes
+    an error box, never a crash; :class:`SectionUnavailable` a "not available" box."""
+    t0 = time.perf_counter()
+    title, figures = entry.heading, []
+    try:
+        section = entry.fn(ctx)
         if section is None:
+            raise SectionUnavailable("the section has nothing to show for this model")
+        title = section.title or title
+        for i, fig in enumerate(section.figures):
+            _check_labelled(fig, i)
+        status, error, figures, body = "ok", "", list(section.figures), section.html
+    except SectionUnavailable as exc:
+        status, error = "unavailable", str(exc)
+        body = f"<div class='unavailable'><b>Not available in this build:</b> {html.escape(error)}</div>"
+    except Exception as exc:  # noqa: BLE001 - one broken section must not lose the report
+        log.exception("report section %r failed", entry.name)
+        status, error = "failed", f"{type(exc).__name__}: {exc}"
+        tb = "".join(traceback.format_exception(exc))
+        body = (f"<div class='errbox' role='alert'><b>This section failed</b> — {html.escape(error)}"
+                f"<details><summary>traceback</summary><pre>{html.escape(tb)}</pre></details></div>")
+    seconds = time.perf_counter() - t0
+    log.info("section %s: %s in %.1f s", entry.name, status, seconds)
+    name = html.escape(entry.name)
+    read = f"<p class='read'><b>What to read:</b> {html.escape(entry.read)}</p>" if entry.read else ""
+    head = (f"<section id='sec-{name}' class='report-section' data-section='{name}' data-status='{status}' "
+            f"data-figures='{len(figures)}'><h2>{html.escape(title)}</h2>{read}{body}")
+    return SectionOutcome(entry.name, title, status, seconds, len(figures), error), head, figures
+
+
+def build_report(ctx: ReportContext, out: str | Path, *, sections: Sequence[str] | None = None,
+                 skip: Sequence[str] | None = None) -> Report:
+    """Run the chosen sections (default all, less ``skip``) and write the HTML report atomically.
+
+    Returns a :class:`Report`; a section that failed is an error box in the file and is listed
+    in ``report.failed`` (the CLI then exits non-zero).
+    """
+    chosen = check_sections(sections, skip)
+    outcomes: list[SectionOutcome] = []
+    parts: list[str] = []
+    toc: list[str] = []
+    include_js = True
+    for entry in ordered_sections():
+        if entry.name not in chosen:
             continue
-        log.info("section %s took %.1f s", name, time.perf_counter() - t0)
-        anchor = f"sec-{name}"
-        toc.append(f"<li><a href='#{anchor}'>{html.escape(section.title)}</a></li>")
-        parts.append(f"<section id='{anchor}'><h2>{html.escape(section.title)}</h2>{section.html}")
-        for fig in section.figures:
-            parts.append(fig.to_html(full_html=False, include_plotlyjs=include_js))
+        outcome, head, figures = _run_section(entry, ctx)
+        parts.append(head)
+        for i, fig in enumerate(figures):
+            div = fig.to_html(full_html=False, include_plotlyjs=include_js, div_id=f"fig-{entry.name}-{i}",
+                              config={"displaylogo": False})
             include_js = False
-        parts.append("</section>")
+            parts.append(f"<figure class='fig' data-section='{html.escape(entry.name)}'>{div}</figure>")
+        parts.append(f"<p class='timing'>section {html.escape(entry.name)}: {outcome.status}, "
+                     f"{outcome.seconds:.1f} s</p></section>")
+        mark = {"ok": "", "failed": " — failed", "unavailable": " — not available"}[outcome.status]
+        toc.append(f"<li><a href='#sec-{html.escape(entry.name)}'>{html.escape(outcome.title)}</a>{mark}</li>")
+        outcomes.append(outcome)
     from moelab import __version__
 
     doc = _TEMPLATE.format(
@@ -143,6 +239,7 @@ def build_report(ctx: ReportContext, out: str | Path, *, sections: list[str] | N
         model=html.escape(ctx.model_name),
         version=__version__,
         created=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        seconds=f"{sum(o.seconds for o in outcomes):.0f}",
         toc="".join(toc),
         body="\n".join(parts),
     )
@@ -150,19 +247,24 @@ def build_report(ctx: ReportContext, out: str | Path, *, sections: list[str] | N
 
     with reserve_output(out, overwrite=True, what="report", kind="file") as res:
         res.staging.write_text(doc, encoding="utf-8")
-        return res.commit()
+        path = res.commit()
+    return Report(path, outcomes)
 
 
 _TEMPLATE = """<!doctype html>
 <html lang="en"><head><meta charset="utf-8"><title>{title}</title>
 <style>
 body {{ font-family: system-ui, sans-serif; max-width: 1100px; margin: 2em auto; color: #222; }}
-h1 {{ margin-bottom: 0.2em; }} .meta {{ color: #666; }}
+h1 {{ margin-bottom: 0.2em; }} .meta, .timing {{ color: #666; }} .timing {{ font-size: 0.8em; }}
 table {{ border-collapse: collapse; margin: 1em 0; }} td, th {{ border: 1px solid #ccc; padding: 4px 8px; text-align: right; }}
 th {{ background: #f4f4f4; }} .err {{ color: #b00; }} section {{ margin-top: 2.5em; }}
+.read {{ background: #f3f7fb; border-left: 4px solid #4a7ab5; padding: 0.5em 0.8em; }}
+.errbox {{ background: #fdecea; border: 2px solid #b00; color: #600; padding: 0.8em; border-radius: 4px; }}
+.unavailable {{ background: #f6f6f6; border: 2px dashed #999; color: #444; padding: 0.8em; border-radius: 4px; }}
+figure.fig {{ margin: 1em 0; }}
 </style></head><body>
 <h1>{title}</h1>
-<p class="meta">model <b>{model}</b> · moelab {version} · {created}</p>
+<p class="meta">model <b>{model}</b> · moelab {version} · {created} · sections took {seconds} s</p>
 <ul>{toc}</ul>
 {body}
 </body></html>

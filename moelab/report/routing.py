@@ -22,8 +22,13 @@ def routing_section(ctx: ReportContext) -> Section:
     ]
     figures = [viz.expert_load_heatmap(trace), viz.token_assignments(trace, seq=0, layer=0, tokenizer=ctx.tokenizer)]
     if trace.num_moe_layers > 1:
-        figures += [viz.overlap_figure(trace), viz.affinity_figure(trace, 0)]
+        overlap = viz.overlap_figure(trace).update_xaxes(title="MoE layer pair (overlap) or MoE layer (locality)")
+        figures += [overlap, viz.affinity_figure(trace, 0)]
     return Section(title="Routing", html=intro + html_table(rows), figures=figures)
 
 
-register_section("routing", routing_section, order=10)
+register_section(
+    "routing", routing_section, order=10, title="Routing",
+    read="Which experts each MoE layer uses (a flat load row is balanced routing), how one prompt's tokens "
+         "are routed, and how strongly a layer's choice predicts the next layer's (what prefetching exploits).",
+)

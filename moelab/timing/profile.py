@@ -13,7 +13,8 @@ offloading cares. Profiles are data files, one per profile, shipped in
 ``description`` (string)
     what machine the numbers stand for.
 each numeric field of :data:`FIELDS` (a mapping)
-    ``value`` (a number; an integer for ``cpu_cores``) and exactly one of
+    ``value`` (a number; an integer for counts, ``true``/``false`` for
+    ``device_shares_host_memory``) and exactly one of
     ``stated: "<source: spec sheet, or paper + section/table>"`` or
     ``assumed: "<why this value>"``.
 
@@ -28,8 +29,11 @@ Units: bandwidths in GB/s (10^9 bytes per second), times in microseconds.
 Who reads what: GoodPred's in-time schedule (:mod:`moelab.predictors.timing`) reads the
 link, ``decode_layer_time_us`` and ``attention_fraction``; cache prefetch budgets
 (:meth:`moelab.caches.simulation.PrefetchConfig.from_profile`) read the link and
-``decode_layer_time_us``. The memory bandwidths and core counts are for the hybrid
-runtime/simulator (hybrid.md §3) and are not read by anything yet.
+``decode_layer_time_us``. The placement cost model (:class:`moelab.hybrid.placement.CostModel`)
+reads the bandwidths and peaks. The simulator (:mod:`moelab.simulate`) reads the rest: a roofline
+``max(bytes / (bandwidth × efficiency), FLOPs / (peak × efficiency))`` per kernel plus launch,
+dispatch and synchronisation costs, NUMA nodes whose bandwidth CPU kernels and copies share, and
+the copy engines. ``moelab calibrate --out PROFILE`` measures these on the machine it runs on.
 """
 
 from __future__ import annotations
@@ -63,6 +67,30 @@ FIELDS: dict[str, tuple[type, str, str]] = {
         "share of a layer's time before its MoE block (attention, norms); the token id of a "
         "decode step is known this long before MoE layer 0 routes",
     ),
+    # ------------------------------------------------------------ the simulator's roofline
+    "gpu_peak_tflops": (float, "> 0", "dense bf16 peak of the device (tensor cores, no sparsity), TFLOP/s"),
+    "gpu_memory_efficiency": (float, "in (0, 1]", "share of gpu_memory_bandwidth_gbs a kernel reaches"),
+    "gpu_compute_efficiency": (float, "in (0, 1]", "share of gpu_peak_tflops a kernel reaches"),
+    "gpu_dense_efficiency": (
+        float, "> 0", "bandwidth of the dense work between MoE blocks (attention, dense MLPs, router, LM head) "
+        "relative to an expert kernel's (gpu_memory_bandwidth_gbs × gpu_memory_efficiency × this)"),
+    "gpu_launch_us": (float, "≥ 0", "fixed cost of one device kernel launch, µs"),
+    "gpu_kernels_per_attention": (
+        int, "≥ 1", "device kernels between two MoE blocks (norms, attention, shared expert, router)"),
+    "gpu_kernels_per_expert": (int, "≥ 1", "device kernels of one routed expert (gate/up, act, down)"),
+    "cpu_peak_tflops": (float, "> 0", "host peak over all cores for the experts' dtype, TFLOP/s"),
+    "cpu_memory_efficiency": (
+        float, "in (0, 1]", "share of the NUMA node's bandwidth a CPU expert kernel reaches"),
+    "numa_nodes": (int, "≥ 1", "host NUMA nodes (sockets); experts are spread over them"),
+    "numa_node_bandwidth_gbs": (float, "> 0", "read bandwidth of one NUMA node's local memory, GB/s"),
+    "cpu_dispatch_us": (float, "≥ 0", "fixed cost of handing one task to the CPU workers, µs"),
+    "sync_us": (float, "≥ 0", "one host↔device synchronisation (the host learns a device result), µs"),
+    "copy_engines": (int, "≥ 1", "host→device copies that run at once (DMA engines)"),
+    "device_shares_host_memory": (
+        bool, "true/false",
+        "the 'device' is a CPU worker on the host (a CPU-only machine): its reads contend for host "
+        "memory bandwidth and copies are memcpy by a CPU thread",
+    ),
 }
 _TEXT_FIELDS = ("name", "description")
 _BASES = ("stated", "assumed")
@@ -91,19 +119,62 @@ class HardwareProfile:
     layer l for layer l+d has about ``d × decode_layer_time_us`` to complete its transfers."""
     attention_fraction: float = 0.5
     """Share of a layer's time spent before its MoE block."""
+    gpu_peak_tflops: float = 100.0
+    """Dense bf16 peak of the device (TFLOP/s)."""
+    gpu_memory_efficiency: float = 0.8
+    """Share of the device memory bandwidth a kernel reaches."""
+    gpu_compute_efficiency: float = 0.6
+    """Share of the device peak a kernel reaches."""
+    gpu_dense_efficiency: float = 1.0
+    """Bandwidth of the dense work between MoE blocks relative to an expert kernel's."""
+    gpu_launch_us: float = 5.0
+    """Fixed cost of one device kernel launch (µs)."""
+    gpu_kernels_per_attention: int = 12
+    """Device kernels between two MoE blocks (norms, attention, shared expert, router)."""
+    gpu_kernels_per_expert: int = 3
+    """Device kernels of one routed expert."""
+    cpu_peak_tflops: float = 1.0
+    """Host peak over all cores for the experts' dtype (TFLOP/s)."""
+    cpu_memory_efficiency: float = 0.7
+    """Share of a NUMA node's bandwidth a CPU expert kernel reaches."""
+    numa_nodes: int = 1
+    """Host NUMA nodes; routed experts are spread over them (expert ``e`` on node ``e % numa_nodes``)."""
+    numa_node_bandwidth_gbs: float = 60.0
+    """Read bandwidth of one NUMA node's local memory (GB/s)."""
+    cpu_dispatch_us: float = 5.0
+    """Fixed cost of handing one task to the CPU workers (µs)."""
+    sync_us: float = 10.0
+    """One host↔device synchronisation (µs)."""
+    copy_engines: int = 1
+    """Host→device copies that run at once."""
+    device_shares_host_memory: bool = False
+    """The device is a CPU worker on the host (reads contend for host memory bandwidth)."""
     provenance: Mapping[str, str] = field(default_factory=dict, compare=False, repr=False)
     """Per numeric field: ``"stated: <source>"`` or ``"assumed: <why>"`` (from the file)."""
 
     def __post_init__(self) -> None:
-        for f in ("link_bandwidth_gbs", "gpu_memory_bandwidth_gbs", "cpu_memory_bandwidth_gbs", "decode_layer_time_us"):
-            if not getattr(self, f) > 0:
-                raise MoelabError(f"HardwareProfile.{f} must be > 0, got {getattr(self, f)!r}.")
-        if not self.link_latency_us >= 0:
-            raise MoelabError(f"HardwareProfile.link_latency_us must be ≥ 0, got {self.link_latency_us!r}.")
-        if not 0.0 <= self.attention_fraction <= 1.0:
-            raise MoelabError(f"HardwareProfile.attention_fraction must be in [0, 1], got {self.attention_fraction!r}.")
-        if not self.cpu_cores >= 1:
-            raise MoelabError(f"HardwareProfile.cpu_cores must be ≥ 1, got {self.cpu_cores!r}.")
+        for f, (typ, constraint, _) in FIELDS.items():
+            v = getattr(self, f)
+            if typ is bool:
+                ok = isinstance(v, bool)
+            elif isinstance(v, bool) or not isinstance(v, (int, float)):
+                ok = False
+            elif constraint == "> 0":
+                ok = v > 0
+            elif constraint == "≥ 0":
+                ok = v >= 0
+            elif constraint == "≥ 1":
+                ok = v >= 1
+            elif constraint == "in [0, 1]":
+                ok = 0.0 <= v <= 1.0
+            elif constraint == "in (0, 1]":
+                ok = 0.0 < v <= 1.0
+            else:  # pragma: no cover - a FIELDS entry with a constraint this check does not know
+                raise AssertionError(constraint)
+            if not ok:
+                fix = ("a bandwidth ≤ 0 makes every transfer or read take forever; set it to the measured "
+                       "or stated GB/s" if f.endswith("_gbs") else f"set a value {constraint}")
+                raise MoelabError(f"HardwareProfile.{f} must be {constraint}, got {v!r}; {fix}.")
 
     @property
     def link(self):
@@ -181,9 +252,13 @@ def parse_profile(data: Any, path: Path | str = "<dict>") -> HardwareProfile:
         if not isinstance(note, str) or not note.strip():
             raise _fail(path, f"field {key!r}: `{bases[0]}` must name the source or the reason, got {note!r}.")
         value = entry["value"]
-        ok = isinstance(value, int) if typ is int else isinstance(value, (int, float))
-        if isinstance(value, bool) or not ok:
-            want = "an integer" if typ is int else "a number"
+        if typ is bool:
+            ok = isinstance(value, bool)
+        else:
+            ok = not isinstance(value, bool) and (
+                isinstance(value, int) if typ is int else isinstance(value, (int, float)))
+        if not ok:
+            want = {int: "an integer", bool: "true or false"}.get(typ, "a number")
             raise _fail(path, f"field {key!r}: value must be {want} ({constraint}), got {value!r}.")
         kwargs[key] = typ(value)
         prov[key] = f"{bases[0]}: {note.strip()}"

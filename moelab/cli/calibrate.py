@@ -1,0 +1,52 @@
+"""``moelab calibrate --out PROFILE``: measure this machine and write a hardware profile for the simulator."""
+
+from __future__ import annotations
+
+from moelab.cli._util import emit_json, positive_int
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser(
+        "calibrate",
+        help="measure this machine and write a hardware profile (for the simulator)",
+        description="Measure memory read bandwidth, the experts kernels' bandwidth by dtype and batch (host: "
+        "moelab's native kernels; device: the CPU worker's backend), attention time by context, copy bandwidth "
+        "into a preallocated pool and per-call overheads; fit the hardware profile fields and write PROFILE "
+        "(YAML, every number stated as measured) atomically, with the raw measurements in PROFILE.raw.json "
+        "(moelab.simulate.calibrate). About a minute; --quick for fewer points.",
+    )
+    p.add_argument("--out", required=True, metavar="PROFILE", help="profile file to write (.yaml)")
+    p.add_argument("--name", default=None, help="profile name (default: the file's stem)")
+    p.add_argument("--repeat", type=positive_int, default=5, help="timed repetitions per point (median; default 5)")
+    p.add_argument("--quick", action="store_true", help="bf16 only, batches 1 and 16, two contexts, 2 repeats")
+    p.add_argument("--host-backend", default="moelab", help="experts backend of the host lane (default moelab)")
+    p.add_argument("--device-backend", default="reference",
+                   help="experts backend of the CPU worker standing in for the device (default reference)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing PROFILE")
+    p.add_argument("--json", action="store_true", help="print the profile and raw measurements as JSON")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    from moelab.simulate.calibrate import CalibrateConfig, calibrate, format_summary, write_profile
+
+    cfg = CalibrateConfig(repeat=args.repeat, host_backend=args.host_backend, device_backend=args.device_backend)
+    if args.quick:
+        cfg.repeat = min(cfg.repeat, 2)
+        cfg.batches, cfg.dtypes, cfg.contexts, cfg.memory_mib = (1, 16), ("bf16",), (64, 2048), 128
+        cfg.device_batches = (1,)
+    from pathlib import Path
+
+    out = Path(args.out)
+    if out.exists() and not args.overwrite:  # refuse before a minute of measuring
+        from moelab.errors import MoelabError
+
+        raise MoelabError(f"{str(out)!r} exists; pass --overwrite to replace it or choose another --out.")
+    profile, raw = calibrate(cfg, progress=not args.json)
+    path = write_profile(profile, raw, out, overwrite=args.overwrite, name=args.name)
+    if args.json:
+        emit_json({"profile": profile, "raw": raw, "path": str(path)})
+    else:
+        print(format_summary(profile, raw))
+        print(f"wrote {path} and {path.with_suffix('.raw.json')}")
+    return 0

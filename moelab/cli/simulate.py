@@ -1,0 +1,121 @@
+"""``moelab simulate``: what-if grids on any model shape and hardware, and ``moelab simulate validate``."""
+
+from __future__ import annotations
+
+from moelab.cli._util import emit_json, non_negative_int, positive_int
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser(
+        "simulate",
+        help="what-if grids of hybrid configurations on any model shape and hardware (simulated)",
+        description="Plan every cell of a configuration grid with the offline planner and simulate it on a "
+        "hardware profile: tokens/s and stall time by cause per cell, each beside its oracle bound (Belady's MIN "
+        "cache + oracle prefetch, same capacity, deferral and placement). Routing from a recorded trace "
+        "(--trace) or synthetic (--synthetic; statistics fitted from --fit-from, by default from a trace of the "
+        "bundled moelab-tiny-mixtral, printed). `moelab simulate validate` prints the simulator's error against "
+        "this machine and the papers.",
+        epilog="example: moelab simulate --model-shape deepseek-v3 --hardware ktransformers-a100 --synthetic "
+        "--steps 16 --grid capacity=0.1,0.25,0.5 deferral=0,2,3,4 placement=host-misses,greedy-hss",
+    )
+    p.add_argument("--model-shape", metavar="SHAPE", help="a catalog shape (deepseek-v3, mixtral-8x7b, ...) or a "
+                   "config.json")
+    p.add_argument("--dtype", default=None, help="re-cost the shape's weights in this dtype (bf16, fp8, int4, ...)")
+    p.add_argument("--hardware", metavar="PROFILE", help="a hardware profile name or YAML file "
+                   "(moelab calibrate --out writes one for this machine)")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--trace", metavar="DIR", help="routing trace recorded on a model of this shape")
+    src.add_argument("--synthetic", action="store_true", help="synthetic routing with fitted statistics")
+    p.add_argument("--fit-from", metavar="DIR", help="trace to fit the synthetic statistics from "
+                   "(default: one recorded now from the bundled moelab-tiny-mixtral, cached)")
+    p.add_argument("--calibrate-synthetic", action="store_true",
+                   help="calibrate the synthetic generator to the statistics (slow on large shapes)")
+    p.add_argument("--steps", type=positive_int, default=16, help="decode steps measured (default 16)")
+    p.add_argument("--warmup", type=non_negative_int, default=16,
+                   help="decode steps simulated first and not measured (the caches start empty; default 16)")
+    p.add_argument("--batch", type=positive_int, default=1, help="sequences decoded together (synthetic; default 1)")
+    p.add_argument("--context", type=non_negative_int, default=1024, help="tokens in the KV cache before the first "
+                   "simulated step (default 1024)")
+    p.add_argument("--grid", nargs="+", default=[], metavar="AXIS=V1,V2",
+                   help="axes: capacity, deferral, placement, policy (cache policy, default lru), skipping")
+    p.add_argument("--no-oracle", action="store_true", help="skip the oracle bound (half the time)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--csv", metavar="OUT", help="also write the grid as CSV")
+    p.add_argument("--json", action="store_true", help="print the grid as JSON")
+    p.set_defaults(func=run)
+    sub = p.add_subparsers(dest="simulate_command", metavar="validate")
+    v = sub.add_parser(
+        "validate",
+        help="the simulator's error against this machine and the papers",
+        description="Calibrate this machine (quick) or reuse --profile, predict real-executor runs calibration "
+        "did not see (the DeepSeek-V2-Lite-shaped grid of moelab.hybrid.bench and the bundled models) from the "
+        "same plans, and the papers' published numbers (KTransformers Fig. 10, OSDI '26) on their stated "
+        "machines; print case, published or measured, simulated, error (moelab.simulate.validate).",
+    )
+    v.add_argument("--profile", metavar="PROFILE", help="reuse this calibrated profile instead of calibrating")
+    v.add_argument("--quick", action="store_true", help="fewer cases and steps (for tests)")
+    v.add_argument("--papers-only", action="store_true", help="only the papers' cases (no runs on this machine)")
+    v.add_argument("--json", action="store_true", help="print the rows as JSON")
+    v.set_defaults(func=run_validate)
+
+
+def run(args) -> int:
+    import sys
+
+    from moelab.errors import MoelabError
+    from moelab.simulate.shapes import get_shape
+    from moelab.simulate.whatif import brief_stats, format_table, whatif
+
+    if not args.model_shape or not args.hardware:
+        raise MoelabError("moelab simulate needs --model-shape SHAPE and --hardware PROFILE (and --trace DIR or "
+                          "--synthetic); see moelab simulate --help.")
+    if not args.trace and not args.synthetic:
+        raise MoelabError("give a routing source: --trace DIR (recorded on this shape) or --synthetic.")
+    if args.fit_from and not args.synthetic:
+        raise MoelabError("--fit-from fits synthetic routing; add --synthetic.")
+    shape = get_shape(args.model_shape, dtype=args.dtype)
+    df = whatif(shape, args.hardware, trace=args.trace, synthetic=args.synthetic, fit_from=args.fit_from,
+                steps=args.steps, warmup=args.warmup, batch=args.batch, context=args.context, grid=args.grid,
+                oracle=not args.no_oracle, seed=args.seed, calibrate_synthetic=args.calibrate_synthetic,
+                progress=sys.stderr.isatty())
+    a = df.attrs
+    if args.csv:
+        from pathlib import Path
+
+        out = Path(args.csv)
+        tmp = out.with_name(f".{out.name}.partial")
+        df.to_csv(tmp, index=False)
+        tmp.replace(out)
+    if args.json:
+        emit_json({"rows": df.to_dict(orient="records"),
+                   **{k: (v.to_dict() if hasattr(v, "to_dict") else v) for k, v in a.items()}})
+        return 0
+    print(f"{a['shape']} on {a['hardware']}: {a['steps']} decode steps measured after {a['warmup']} warm-up steps, "
+          f"batch {a['batch']}, context {a['context']}")
+    print(f"routing: {a['routing_source']}")
+    if a["routing_stats"] is not None:
+        print("routing statistics assumed:")
+        print(str(a["routing_stats"]))
+        st, gen = a["routing_stats"], a["generated_stats"]
+        target = st.for_shape(shape.num_experts, shape.top_k, shape.num_moe_layers, seed=args.seed)
+        print(f"carried to {shape.name} (target): {brief_stats(target)}")
+        if gen is not None:
+            print(f"measured on the generated routing:  {brief_stats(gen)}")
+    for note in a["notes"]:
+        print(f"note: {note}")
+    print(format_table(df))
+    print(f"{a['cells']} cells{' + oracle bounds' if not args.no_oracle else ''} in {a['wall_s']:.1f} s wall "
+          f"(routing {a['routing_s']:.1f} s)" + (f"; wrote {args.csv}" if args.csv else ""))
+    return 0
+
+
+def run_validate(args) -> int:
+    from moelab.simulate.validate import format_rows, run_validation
+
+    rows, info = run_validation(profile=args.profile, quick=args.quick, machine=not args.papers_only,
+                                progress=not args.json)
+    if args.json:
+        emit_json({"rows": rows, **info})
+        return 0
+    print(format_rows(rows, info))
+    return 0

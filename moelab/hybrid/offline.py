@@ -1,0 +1,389 @@
+"""Offline planning: the hybrid planner over recorded or synthetic routing, with no model.
+
+>>> from moelab.hybrid.offline import plan_routing, routing_from_trace, trace_shape
+>>> trace = moelab.open_trace("runs/r1/trace")
+>>> plans = plan_routing(routing_from_trace(trace), cfg, **trace_shape(trace))
+
+A *routing source* is an iterable of :class:`ForwardRouting`: one per forward pass, with the
+real tokens' top-k ids and combine weights per MoE layer (and optionally the router scores,
+the router inputs and the token ids). :func:`plan_routing` runs **the same**
+:class:`~moelab.hybrid.planner.Planner` as ``moelab.hybrid(model, cfg)``, in the same order
+(routing policy → cache → placement → prefetch), so the plans of a run equal the offline
+plans of its own trace field by field (tests/test_hybrid_offline.py).
+
+* **Routing policy**: deferral and skipping are the :mod:`moelab.policies` objects themselves
+  (their ``_plan`` on a :class:`~moelab.forward.plan.SlotPlan` built from the recorded ids and
+  weights): deferral defers the D lowest-weight slots of each token's top-k (decode forwards
+  unless ``phase: all``, at least ``min_immediate`` left, never in the last MoE layer);
+  skipping drops them.
+* **Prefetch** (``predictor=`` or ``config.prefetch.predictor``): ``"oracle"`` proposes the
+  experts MoE layer ``l + d`` of the same forward actually needs (the upper bound a
+  what-if grid shows beside every policy); ``"repeat"`` what layer ``l + d`` needed at the
+  previous step of the same sequences (the caches' training-free baseline); a fitted online predictor (a
+  :class:`~moelab.predictors.Predictor` or a saved directory) predicts from the forward's
+  router inputs (``ForwardRouting.hidden``, from a trace recorded with hidden states) and
+  token ids, exactly as the running model calls it; an object with
+  ``propose(routing, layer) -> experts`` is asked directly; None: no prefetch.
+* **Cache** ``belady`` / ``belady-bypass`` read the future: plan_routing first derives every
+  (forward, layer)'s needed experts from the routing source, builds their access stream
+  (:func:`moelab.caches.stream.stream_from_groups`) and gives it to the cache. Belady's MIN
+  with the oracle prefetch is the bound of what any cache and predictor could do.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from itertools import islice
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+
+from moelab.errors import MoelabError
+from moelab.hybrid.config import HybridConfig, RoutingConfig
+from moelab.hybrid.planner import LayerPlan, Planner, slots_and_union
+
+
+@dataclass
+class ForwardRouting:
+    """The routing of one forward pass (real tokens only), per MoE layer."""
+
+    forward: int
+    step: int
+    phase: str
+    """``prefill`` or ``decode``."""
+    tokens: int
+    """Real tokens in the forward."""
+    ids: list[np.ndarray]
+    """Per MoE layer: int64 (tokens, K) expert ids, ``-1`` = none."""
+    weights: list[np.ndarray]
+    """Per MoE layer: float32 (tokens, K) combine weights, descending per row."""
+    scores: list[np.ndarray] | None = None
+    """Per MoE layer: float32 (tokens, E) router probabilities (score-aware caches), or None."""
+    hidden: list[Any] | None = None
+    """Per MoE layer: (tokens, H) router inputs (for predictors that read them), or None."""
+    token_ids: np.ndarray | None = None
+    """(tokens,) int64 input token ids, or None."""
+
+
+# ---------------------------------------------------------------------- routing policy
+class OfflineRouting:
+    """The routing policies of a :class:`~moelab.hybrid.config.RoutingConfig` on plain arrays.
+
+    They are :class:`moelab.policies.ExpertSkipping` / :class:`~moelab.policies.ExpertDeferral`
+    (skipping first, as :class:`~moelab.hybrid.runtime.HybridRun` applies them), resolved
+    against the layers' top-k and run on a :class:`~moelab.forward.plan.SlotPlan` of the
+    recorded ids and weights: the same code as in a running model.
+    """
+
+    def __init__(self, routing: RoutingConfig, top_k: Sequence[int]) -> None:
+        from moelab.policies import ExpertDeferral, ExpertSkipping
+
+        self.layers = [SimpleNamespace(index=i, top_k=int(k), layer_idx=i) for i, k in enumerate(top_k)]
+        self.policies = []
+        if routing.skipped:
+            self.policies.append(ExpertSkipping(None, routing.skipped, phase=routing.phase))
+        if routing.deferred:
+            self.policies.append(ExpertDeferral(None, routing.deferred, phase=routing.phase,
+                                                min_immediate=routing.min_immediate))
+        for p in self.policies:
+            p._resolve(self.layers)
+
+    def states(self, layer: int, phase: str, ids: np.ndarray, weights: np.ndarray) -> np.ndarray | None:
+        """(tokens, K) int8 slot states of one layer's routing, or None where no policy acts."""
+        acting = [p for p in self.policies if p.acts_in(phase)]
+        if not acting or len(ids) == 0:
+            return None
+        import torch
+
+        from moelab.forward.plan import SlotPlan
+
+        n = len(ids)
+        plan = SlotPlan(layer=self.layers[layer], experts=torch.from_numpy(np.ascontiguousarray(ids, np.int64)),
+                        weights=torch.from_numpy(np.ascontiguousarray(weights, np.float32)),
+                        state=torch.zeros(ids.shape, dtype=torch.int8), valid=torch.ones(n, dtype=torch.bool),
+                        phase=phase)
+        for p in acting:
+            p._plan(plan)
+        return plan.state.numpy()
+
+    @property
+    def per_token(self) -> bool:
+        """Whether every policy decides each token's slots from that token alone (skipping, and
+        deferral's ``per_token`` rule), so several forwards' rows may share one slot plan."""
+        return all(getattr(p.config, "batch_rule", "per_token") == "per_token" for p in self.policies)
+
+    def states_many(self, layer: int, phase: str, ids: list[np.ndarray], weights: list[np.ndarray]
+                    ) -> list[np.ndarray | None]:
+        """:meth:`states` of several forwards' routing of one layer and phase: one slot plan for
+        all their rows when the policies are :attr:`per_token` (the same states, row by row)."""
+        if not any(p.acts_in(phase) for p in self.policies):
+            return [None] * len(ids)
+        if not self.per_token or len(ids) == 1:
+            return [self.states(layer, phase, i, w) for i, w in zip(ids, weights, strict=True)]
+        sizes = [len(i) for i in ids]
+        st = self.states(layer, phase, np.concatenate(ids), np.concatenate(weights))
+        if st is None:
+            return [None] * len(ids)
+        cut = np.cumsum(sizes)[:-1]
+        return [part if len(part) else None for part in np.split(st, cut)]
+
+
+# ---------------------------------------------------------------------- routing sources
+def routing_from_trace(trace: Any, *, hidden: bool | None = None) -> Iterator[ForwardRouting]:
+    """Yield one :class:`ForwardRouting` per forward pass of a routing trace (a
+    :class:`~moelab.trace.RoutingTrace` or its directory), in recorded order.
+
+    ``hidden``: attach the recorded router inputs (``ForwardRouting.hidden``; default: when
+    the trace has them), which learned predictors read.
+    """
+    from moelab.caches.stream import forward_ids
+    from moelab.trace import open_trace
+
+    tr = open_trace(trace) if isinstance(trace, (str, Path)) else trace
+    if hidden is None:
+        hidden = tr.has_hidden_states
+    step = tr.column("step")
+    phase = tr.column("phase")
+    moe = tr.column("moe_layer")
+    parquet = getattr(tr, "_parquet", None)
+    names = set(parquet.schema_arrow.names) if parquet is not None else set()
+    fwd = tr.column("forward") if "forward" in names else forward_ids(step, moe)
+    ids_all = tr.experts_array().astype(np.int64)
+    w_all = tr.weights_array()
+    sc_all = tr.scores_array() if tr.has_scores else None
+    hid_all = tr.hidden_states() if hidden else None
+    tok_all = tr.column("token_id")
+    E = tr.num_experts_per_layer
+    K = tr.top_k_per_layer
+    L = len(E)
+    n = len(fwd)
+    cut = np.flatnonzero(np.diff(fwd) != 0) + 1
+    starts = np.r_[0, cut].astype(np.int64)
+    ends = np.r_[cut, n].astype(np.int64)
+    for a, b in zip(starts.tolist(), ends.tolist()):
+        ly = moe[a:b]
+        rows = [a + np.flatnonzero(ly == i) for i in range(L)]
+        tokens = len(rows[0])
+        yield ForwardRouting(
+            forward=int(fwd[a]),
+            step=int(step[a]),
+            phase=str(phase[a]),
+            tokens=tokens,
+            ids=[ids_all[r, : K[i]] for i, r in enumerate(rows)],
+            weights=[w_all[r, : K[i]] for i, r in enumerate(rows)],
+            scores=None if sc_all is None else [sc_all[r, : E[i]] for i, r in enumerate(rows)],
+            hidden=None if hid_all is None else [hid_all[torch_index(r)] for r in rows],
+            token_ids=tok_all[rows[0]].astype(np.int64),
+        )
+
+
+_DTYPE_BYTES = {"float32": 4, "float64": 8, "bfloat16": 2, "float16": 2}
+
+
+def trace_shape(trace: Any) -> dict[str, Any]:
+    """The model shape :func:`plan_routing` needs, from a trace's metadata: ``num_experts``,
+    ``top_k``, ``expert_bytes`` (the largest layer's) and ``expert_params`` (bytes over the
+    recorded dtype's size; None where it is unknown)."""
+    from moelab.trace import open_trace
+
+    tr = open_trace(trace) if isinstance(trace, (str, Path)) else trace
+    m = tr.meta["model"]
+    sizes = m.get("expert_bytes")
+    eb = int(max(sizes)) if sizes else 1
+    per = _DTYPE_BYTES.get(str(m.get("dtype")))
+    return {"num_experts": list(tr.num_experts_per_layer), "top_k": list(tr.top_k_per_layer), "expert_bytes": eb,
+            "expert_params": eb / per if per and sizes else None}
+
+
+def torch_index(rows: np.ndarray):
+    import torch
+
+    return torch.from_numpy(rows)
+
+
+# ---------------------------------------------------------------------- prefetch sources
+class _PredictorProposals:
+    """A fitted online predictor asked as the running model asks it: at each source layer,
+    with the forward's real tokens' router inputs and token ids; the tokens' predictions
+    merged by :func:`moelab.predictors.protocol.union_predictions`."""
+
+    def __init__(self, predictor: Any, m: int | None) -> None:
+        self.predictor = predictor
+        self.m = m
+        self.distance = int(predictor.distance)
+        self.sources = set(predictor.source_layers())
+
+    def propose(self, r: ForwardRouting, layer: int) -> list[int] | None:
+        if layer not in self.sources or r.tokens == 0:
+            return None
+        from moelab.predictors.protocol import union_predictions
+
+        p = self.predictor
+        hidden = getattr(r, "hidden", None)  # optional: routing sources may not carry them
+        h = hidden[layer] if hidden is not None else None
+        if h is None and p.needs_hidden:
+            raise MoelabError(
+                f"the {p.kind!r} predictor reads the router inputs, but the routing source has none; "
+                "record the trace with hidden_states=True (CLI: --hidden-states), or prefetch with 'oracle'."
+            )
+        ids = getattr(r, "token_ids", None)
+        ids = ids if ids is not None and len(ids) == r.tokens else None
+        return union_predictions(p.predict(layer, hidden=h, token_ids=ids, m=self.m)).tolist()
+
+
+def _proposer(predictor: Any, config: HybridConfig, num_experts: Sequence[int]) -> Any:
+    if predictor is None:
+        predictor = config.prefetch.predictor
+    if predictor is None:
+        return None
+    if isinstance(predictor, str) and predictor in ("oracle", "repeat"):
+        return predictor
+    if isinstance(predictor, (str, Path)):
+        if not Path(predictor).is_dir():
+            raise MoelabError(
+                f"prefetch predictor {str(predictor)!r} is neither 'oracle', 'repeat' nor a saved predictor "
+                "directory; pass one of those, a directory written by `moelab predict fit --out DIR`, or a "
+                "fitted predictor."
+            )
+        from moelab.predictors import load_predictor
+
+        predictor = load_predictor(predictor)
+    if callable(getattr(predictor, "predict", None)) and callable(getattr(predictor, "source_layers", None)):
+        if not predictor.online:
+            raise MoelabError(f"the {predictor.kind!r} predictor works only offline; it cannot drive a prefetch.")
+        if int(predictor.distance) != config.prefetch.distance:
+            raise MoelabError(
+                f"prefetch.distance={config.prefetch.distance} but the predictor predicts distance "
+                f"{predictor.distance}; set prefetch.distance: {predictor.distance}."
+            )
+        if list(predictor.num_experts_) != [int(e) for e in num_experts]:
+            raise MoelabError(
+                f"the predictor was fitted on a model with experts per MoE layer {list(predictor.num_experts_)}, "
+                f"the routing has {list(num_experts)}; fit it on this model."
+            )
+        return _PredictorProposals(predictor, config.prefetch.m)
+    if callable(getattr(predictor, "propose", None)):
+        return predictor
+    raise MoelabError(
+        f"prefetch predictor {predictor!r}: expected 'oracle', a fitted predictor (or its directory), "
+        "an object with propose(routing, layer) -> experts, or None."
+    )
+
+
+# ---------------------------------------------------------------------- planning
+#: Forwards whose routing-policy slot states are computed together.
+_CHUNK = 256
+
+
+def _as_config(config: HybridConfig | dict | str | Path | None) -> HybridConfig:
+    from moelab.hybrid.runtime import _as_config as as_config
+
+    return as_config(config)
+
+
+def _check(r: Any, L: int) -> None:
+    if len(r.ids) != L or len(r.weights) != L:
+        raise MoelabError(
+            f"forward {r.forward}: routing has {len(r.ids)} id and {len(r.weights)} weight arrays, expected one "
+            f"per MoE layer ({L}); give ids/weights for every MoE layer."
+        )
+
+
+def plan_routing(
+    routing: Iterable[ForwardRouting],
+    config: HybridConfig | dict | str | Path | None,
+    *,
+    num_experts: Sequence[int],
+    top_k: Sequence[int],
+    expert_bytes: int | Sequence[int],
+    expert_params: float | None = None,
+    predictor: Any = None,
+) -> list[LayerPlan]:
+    """The plans of every MoE layer of every forward of ``routing`` under ``config``.
+
+    Args:
+        routing: a routing source (an iterable of :class:`ForwardRouting`).
+        config: a :class:`HybridConfig` (or a dict / YAML path).
+        num_experts, top_k: per MoE layer.
+        expert_bytes: bytes of one expert (one value, or one per MoE layer).
+        expert_params: parameters of one expert (placements with a cost model).
+        predictor: prefetch source; default ``config.prefetch.predictor`` (see the module
+            docstring: ``"oracle"``, a fitted predictor or its directory, a ``propose`` object).
+    """
+    cfg = _as_config(config)
+    from moelab.caches import get_policy
+
+    L = len(num_experts)
+    routing_policy = OfflineRouting(cfg.routing, top_k)
+    proposer = _proposer(predictor, cfg, num_experts)
+    cap = cfg.cache.capacity
+    future = cap != 0 and get_policy(cfg.cache.policy).needs_future
+    if proposer is not None and cap == 0:
+        raise MoelabError("prefetch needs a device cache to prefetch into; set cache.capacity > 0.")
+    d = int(cfg.prefetch.distance)
+    want_needed = future or proposer in ("oracle", "repeat")
+
+    def prepared() -> Iterator[tuple[Any, list]]:
+        # the routing policy runs on chunks of forwards at once (one slot plan per layer and
+        # phase: its per-call cost dominated), then each forward's layers become lists
+        it = iter(routing)
+        while chunk := list(islice(it, _CHUNK)):
+            states: list[list] = [[None] * L for _ in chunk]
+            if routing_policy.policies:
+                for r in chunk:
+                    _check(r, L)
+                for phase in {r.phase for r in chunk}:
+                    idx = [i for i, r in enumerate(chunk) if r.phase == phase]
+                    for ly in range(L):
+                        got = routing_policy.states_many(ly, phase, [chunk[i].ids[ly] for i in idx],
+                                                         [chunk[i].weights[ly] for i in idx])
+                        for i, st in zip(idx, got, strict=True):
+                            states[i][ly] = st
+            for r, sts in zip(chunk, states, strict=True):
+                _check(r, L)
+                layers = []
+                for ly in range(L):
+                    st = sts[ly]
+                    il, wl = r.ids[ly].tolist(), np.asarray(r.weights[ly], dtype=np.float32).tolist()
+                    sl = st.tolist() if st is not None else None
+                    layers.append((il, wl, sl, slots_and_union(il, wl, sl)[0] if want_needed else None))
+                yield r, layers
+
+    source: Iterable = prepared()
+    extra: dict[str, Any] = {}
+    if future:
+        from moelab.caches.stream import stream_from_groups
+
+        source = list(source)
+        groups = [(ly, x[3]) for _, layers in source for ly, x in enumerate(layers)]
+        extra["stream"] = stream_from_groups(groups, num_experts, top_k)
+    planner = Planner.build(cfg, num_experts=num_experts, top_k=top_k, expert_bytes=expert_bytes,
+                            expert_params=expert_params, **extra)
+    need_scores = planner.cache is not None and planner.cache.needs_scores
+    plans: list[LayerPlan] = []
+    prev: tuple[int, list] | None = None  # (step, layers) of the previous forward, for "repeat"
+    for r, layers in source:
+        if need_scores and getattr(r, "scores", None) is None:
+            raise MoelabError(
+                f"cache policy {cfg.cache.policy!r} reads the router scores, but forward {r.forward} of the routing "
+                "has none; record the trace with scores (the default), or use lru, lfu or fifo."
+            )
+        for ly, (il, wl, sl, _) in enumerate(layers):
+            proposal = None
+            if proposer == "oracle":
+                proposal = layers[ly + d][3] if ly + d < L else None
+            elif proposer == "repeat":  # what layer l + d needed at the sequences' previous step
+                ok = prev is not None and prev[0] == r.step - 1 and r.step > 0 and ly + d < L
+                proposal = prev[1][ly + d][3] if ok else None
+            elif proposer is not None:
+                proposal = proposer.propose(r, ly)
+            scores = r.scores[ly] if need_scores else None
+            plans.append(planner.plan_layer(r.forward, r.step, r.phase, ly, il, wl, sl, scores, proposal))
+        prev = (r.step, layers)
+    return plans
+
+
+__all__ = ["ForwardRouting", "OfflineRouting", "plan_routing", "routing_from_trace", "trace_shape"]

@@ -1,0 +1,783 @@
+"""The simulated executor: the planner's plans on a hardware profile, as the real executor's events.
+
+>>> res = simulate_plans(plans, shape, "ktransformers-a100")
+>>> res.events              # the columns of moelab.hybrid.events.COLUMNS, one row per unit of work
+>>> res.summary()           # tokens/s, decode step time, lane busy %, overlap %, stalls by cause
+
+**What runs where** (per MoE layer ``l`` of one forward, as :mod:`moelab.hybrid.real` does):
+
+1. ``control`` runs the dense work up to layer ``l``'s router — the attention of every
+   decoder layer since the previous MoE block (by context length, from the shape), dense
+   MLPs of non-MoE layers, the router — and synchronises to read the routing (a ``dense``
+   event; on a GPU box it is GPU time launched by the control thread);
+2. the plan's transfers go to the copy engines (``copy``/``copy0``..): demand copies at
+   priority 0, inserts and prefetches at 1, so a demand copy overtakes queued prefetches;
+3. ``device`` runs the shared experts (a ``dense`` event, cause ``shared-experts``) and each
+   device expert (``expert-device``; cause ``hit``, ``prefetch-hit`` or ``miss-fetch``); an
+   expert starts only after the latest copy of it issued so far has ended — a demand
+   fetch, or a prefetch or insert still in flight;
+4. ``host``/``host0``.. (one lane per NUMA node; expert ``e`` lives on node
+   ``e % numa_nodes``) run the host misses (``expert-host``, ``miss-host``) and then the
+   deferred experts (``expert-deferred``, ``deferred``);
+5. ``control`` waits (a ``wait`` event) for the layer's device and host experts and the
+   *previous* layer's deferred experts — deferred work of layer ``l`` overlaps layer
+   ``l + 1``'s attention and is merged at ``l + 1``'s output. Its cause names the last
+   thing it waited for: ``copy`` (a device expert held up by its copy), ``device``,
+   ``host`` or ``deferred``.
+
+After the last MoE layer, ``control`` runs the remaining layers and the LM head (``dense``
+at layer -1, cause ``tail+lm-head``), after the last layer's deferred experts. The device
+lane's idle time before a copied expert is a ``wait`` event on ``device`` (cause ``copy``).
+
+**Costs** (:class:`Costs`): a roofline ``max(bytes / (bandwidth × efficiency), FLOPs /
+(peak × efficiency))`` per kernel, plus launch (``gpu_launch_us`` × kernels), dispatch
+(``cpu_dispatch_us``), copy latency and synchronisation (``sync_us``). Host experts and
+copies read their NUMA node's memory and share its bandwidth (:mod:`moelab.simulate.engine`);
+so do device kernels when ``device_shares_host_memory`` (a CPU worker standing in for a GPU).
+
+**Context.** Attention cost grows with the context: a prefill of ``T`` tokens adds ``T``
+(its attention is costed at half the context, the causal average); each decode forward
+adds one token per sequence (``tokens`` sequences). ``context`` sets the tokens already
+cached before the first plan.
+
+The graph is built twice — :func:`build_graph_reference` (a loop, the definition) and
+:func:`build_graph` (numpy, the default) — and run by :func:`moelab.simulate.engine.simulate`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from itertools import chain
+from operator import attrgetter
+from typing import Any
+
+import numpy as np
+
+from moelab.errors import MoelabError
+from moelab.hybrid.events import COLUMNS
+from moelab.simulate.engine import Graph, Schedule, simulate
+from moelab.timing import HardwareProfile, get_profile
+
+# task categories, in their order within a layer's block
+CAT_D, CAT_X, CAT_S, CAT_V, CAT_H, CAT_F, CAT_W, CAT_T = range(8)
+PRIO = {"demand": 0, "insert": 1, "prefetch": 1}
+XKIND = {"demand": 0, "insert": 1, "prefetch": 2}
+XNAMES = ("demand", "insert", "prefetch")
+FATES = ("hit", "prefetch-hit", "miss-fetch")
+RES_CONTROL, RES_DEVICE, RES_COPY = 0, 1, 2
+
+
+# ---------------------------------------------------------------------- costs
+@dataclass(frozen=True)
+class Costs:
+    """Per-kernel costs of one model shape on one profile (times in µs, rates in bytes/µs)."""
+
+    profile: HardwareProfile
+    num_experts: int
+    num_moe_layers: int
+    moe_layers: tuple[int, ...]
+    num_layers: int
+    expert_bytes: float
+    expert_flops_per_token: float
+    shared_bytes: float
+    shared_flops_per_token: float
+    dense_mlp_bytes: float
+    dense_mlp_flops_per_token: float
+    router_bytes: float
+    router_flops_per_token: float
+    lm_head_bytes: float
+    lm_head_flops_per_token: float
+    shape: Any = field(repr=False, compare=False, default=None)
+
+    @classmethod
+    def of(cls, shape: Any, profile: HardwareProfile | str) -> Costs:
+        hw = get_profile(profile)
+        bpp_act = 2.0 if getattr(shape, "dtype", "bf16") in ("bf16", "fp16") else float(shape.bytes_per_param())
+        if getattr(shape, "dtype", "bf16") == "fp32":
+            bpp_act = 4.0
+        shared_b = float(shape.shared_bytes()) if shape.num_shared_experts else 0.0
+        shared_f = (float(shape.shared_flops(1)) if hasattr(shape, "shared_flops")
+                    else 2.0 * shape.num_shared_experts * 3 * shape.hidden_size * shape.shared_intermediate)
+        dense_b = float(shape.dense_mlp_bytes())
+        dense_f = (float(shape.dense_mlp_flops(1)) if hasattr(shape, "dense_mlp_flops")
+                   else 2.0 * 3 * shape.hidden_size * shape.dense_intermediate)
+        router_b = (float(shape.router_bytes()) if hasattr(shape, "router_bytes")
+                    else shape.num_experts * shape.hidden_size * bpp_act)
+        return cls(
+            profile=hw, num_experts=int(shape.num_experts), num_moe_layers=len(shape.moe_layers),
+            moe_layers=tuple(int(x) for x in shape.moe_layers), num_layers=int(shape.num_layers),
+            expert_bytes=float(shape.expert_bytes()), expert_flops_per_token=float(shape.expert_flops(1)),
+            shared_bytes=shared_b, shared_flops_per_token=shared_f if shared_b else 0.0,
+            dense_mlp_bytes=dense_b, dense_mlp_flops_per_token=dense_f if dense_b else 0.0,
+            router_bytes=router_b, router_flops_per_token=2.0 * shape.num_experts * shape.hidden_size,
+            lm_head_bytes=float(shape.vocab_size * shape.hidden_size * bpp_act),
+            lm_head_flops_per_token=2.0 * shape.vocab_size * shape.hidden_size,
+            shape=shape,
+        )
+
+    # rates: a kernel reading ``nbytes`` with ``flops`` runs at ``nbytes / roofline time``
+    def _cap(self, nbytes, flops, bw_gbs, eff, tflops, ceff):
+        t_mem = np.asarray(nbytes, dtype=np.float64) / (bw_gbs * 1e3 * eff)
+        t_cmp = np.asarray(flops, dtype=np.float64) / (tflops * 1e6 * ceff)
+        t = np.maximum(t_mem, t_cmp)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            return np.where(t > 0, np.asarray(nbytes, dtype=np.float64) / np.where(t > 0, t, 1.0), 1.0)
+
+    def device_cap(self, nbytes, flops):
+        hw = self.profile
+        return self._cap(nbytes, flops, hw.gpu_memory_bandwidth_gbs, hw.gpu_memory_efficiency,
+                         hw.gpu_peak_tflops, hw.gpu_compute_efficiency)
+
+    def dense_cap(self, nbytes, flops):
+        """Rate of the dense work between MoE blocks (``gpu_dense_efficiency`` × an expert kernel's)."""
+        hw = self.profile
+        return self._cap(nbytes, flops, hw.gpu_memory_bandwidth_gbs,
+                         hw.gpu_memory_efficiency * hw.gpu_dense_efficiency, hw.gpu_peak_tflops,
+                         hw.gpu_compute_efficiency)
+
+    def host_cap(self, nbytes, flops):
+        hw = self.profile
+        return self._cap(nbytes, flops, hw.numa_node_bandwidth_gbs, hw.cpu_memory_efficiency,
+                         hw.cpu_peak_tflops / hw.numa_nodes, 1.0)
+
+    def attention(self, context: float, batch: int, prefill: bool) -> tuple[float, float]:
+        """(bytes, FLOPs) of one decoder layer's attention at ``context`` for ``batch`` rows."""
+        s = self.shape
+        if prefill:  # one sequence of ``batch`` tokens; each attends to half the context on average
+            return float(s.attention_bytes(int(context), 1)), float(s.attention_flops(max(int(context) // 2, 1), batch))
+        return float(s.attention_bytes(int(context), batch)), float(s.attention_flops(int(context), batch))
+
+
+# ---------------------------------------------------------------------- encoding of plans
+@dataclass
+class Encoded:
+    """Plans as flat arrays (one row per plan, per transfer, per expert item)."""
+
+    forward: np.ndarray
+    step: np.ndarray
+    layer: np.ndarray
+    tokens: np.ndarray
+    prefill: np.ndarray
+    nx: np.ndarray
+    nv: np.ndarray
+    nh: np.ndarray
+    nf: np.ndarray
+    ns: int
+    last: np.ndarray
+    """True for the last plan of its forward (a tail task follows it)."""
+    x: np.ndarray
+    """[n, 4]: target layer, expert, bytes, kind (0 demand, 1 insert, 2 prefetch)."""
+    v: np.ndarray
+    """[n, 3]: expert, tokens, fate (0 hit, 1 prefetch-hit, 2 miss-fetch)."""
+    h: np.ndarray
+    f: np.ndarray
+
+    @property
+    def n_plans(self) -> int:
+        return len(self.layer)
+
+
+def _flat_pairs(lists: list) -> np.ndarray:
+    """[n, 2] int64 of the (a, b) pairs in a list of lists of pairs (C-level iteration)."""
+    n = sum(map(len, lists))
+    flat = np.fromiter(chain.from_iterable(chain.from_iterable(lists)), dtype=np.int64, count=2 * n)
+    return flat.reshape(n, 2)
+
+
+def _immediate_items(devs, hosts, dfrs):
+    """The device and host items less their deferred slots: a LayerPlan's ``device``/``host``
+    count every token routed to the expert, deferred slots included (the cache serves the union),
+    but the immediate call computes only the non-deferred slots — the deferred ones run once, in
+    the deferred task (as in :mod:`moelab.hybrid.real`, whose backends skip zero-weight slots)."""
+    devs, hosts = list(devs), list(hosts)
+    for i, d in enumerate(dfrs):
+        if d:
+            dd = dict(d)
+            devs[i] = [(e, n - dd.get(e, 0)) for e, n in devs[i] if n > dd.get(e, 0)]
+            hosts[i] = [(e, n - dd.get(e, 0)) for e, n in hosts[i] if n > dd.get(e, 0)]
+    return tuple(devs), tuple(hosts)
+
+
+def encode(plans: Sequence[Any], num_experts: int, num_moe_layers: int, *, has_shared: bool) -> Encoded:
+    """Flatten plans (LayerPlan-like objects) in order; checks experts and layers against the shape."""
+    n = len(plans)
+    E = num_experts
+    get = attrgetter("forward", "step", "layer", "tokens", "phase", "device", "host", "deferred", "transfers", "hits")
+    cols_p = list(zip(*map(get, plans), strict=True)) if n else [()] * 10
+    fwd = np.fromiter(cols_p[0], dtype=np.int64, count=n)
+    step = np.fromiter(cols_p[1], dtype=np.int64, count=n)
+    enc_layer = np.fromiter(cols_p[2], dtype=np.int64, count=n)
+    tokens = np.fromiter(cols_p[3], dtype=np.int64, count=n)
+    prefill = np.fromiter(map("prefill".__eq__, cols_p[4]), dtype=bool, count=n)
+    devs, hosts, dfrs, trs, hits = cols_p[5:10]
+    if any(dfrs):
+        devs, hosts = _immediate_items(devs, hosts, dfrs)
+    phits = [getattr(p, "prefetch_hits", None) or () for p in plans]
+    nv = np.fromiter(map(len, devs), dtype=np.int64, count=n)
+    v, hh, ff = _flat_pairs(devs), _flat_pairs(hosts), _flat_pairs(dfrs)
+    flat_tr = list(chain.from_iterable(trs))
+    nx = np.fromiter(map(len, trs), dtype=np.int64, count=n)
+    if flat_tr:
+        cols = list(zip(*map(attrgetter("layer", "expert", "bytes", "priority"), flat_tr), strict=True))
+        x = np.column_stack([np.fromiter(cols[0], np.int64), np.fromiter(cols[1], np.int64),
+                             np.fromiter(cols[2], np.int64), np.fromiter(map(XKIND.__getitem__, cols[3]), np.int64)])
+    else:
+        x = np.zeros((0, 4), np.int64)
+    if n:
+        if enc_layer.min() < 0 or enc_layer.max() >= num_moe_layers:
+            raise MoelabError(f"a plan names MoE layer {int(enc_layer.max())} but the model shape has "
+                              f"{num_moe_layers} MoE layers; simulate with the shape of the model the plans are from.")
+        if (np.diff(fwd) < 0).any():
+            raise MoelabError("plans must come in forward order (one forward's layers after another).")
+    for name, arr, col in (("device", v, 0), ("host", hh, 0), ("deferred", ff, 0), ("transfer", x, 1)):
+        if len(arr) and (arr[:, col].min() < 0 or arr[:, col].max() >= E):
+            bad = int(arr[:, col].max()) if arr[:, col].max() >= E else int(arr[:, col].min())
+            raise MoelabError(f"a plan's {name} expert {bad} does not exist: the model shape has {E} experts per "
+                              "layer; give the shape of the model the trace was recorded on.")
+    if len(x) and (x[:, 0].min() < 0 or x[:, 0].max() >= num_moe_layers):
+        raise MoelabError(f"a transfer names MoE layer {int(x[:, 0].max())}; the model shape has {num_moe_layers}.")
+    plans_idx = np.arange(n, dtype=np.int64)
+    keys = np.repeat(plans_idx, nv) * E + v[:, 0]
+    fate = np.full(len(v), 2, dtype=np.int64)
+    for code, lists in ((0, hits), (1, phits)):
+        counts = np.fromiter(map(len, lists), dtype=np.int64, count=n)
+        if counts.sum():
+            k = np.repeat(plans_idx, counts) * E + np.fromiter(chain.from_iterable(lists), np.int64, int(counts.sum()))
+            if len(k) and (k.min() < 0 or k.max() >= n * E):
+                raise MoelabError(f"a plan's hits name an expert outside 0..{E - 1}; give the shape of the model "
+                                  "the trace was recorded on.")
+            mark = np.zeros(n * E, dtype=bool)
+            mark[k] = True
+            fate[mark[keys]] = code
+    last = np.ones(n, dtype=bool)
+    if n > 1:
+        last[:-1] = fwd[1:] != fwd[:-1]
+    return Encoded(
+        forward=fwd, step=step, layer=enc_layer, tokens=tokens, prefill=prefill, nx=nx, nv=nv,
+        nh=np.fromiter(map(len, hosts), np.int64, n), nf=np.fromiter(map(len, dfrs), np.int64, n),
+        ns=1 if has_shared else 0, last=last, x=x, v=np.column_stack([v, fate]), h=hh, f=ff,
+    )
+
+
+# ---------------------------------------------------------------------- layout of the task list
+@dataclass
+class Layout:
+    """Where each plan's tasks are: ``D`` (dense), ``X0``.. (transfers), ``S0`` (shared), ``V0``
+    (device), ``H0`` (host), ``F0`` (deferred), ``W`` (wait); ``T`` (tail) after a forward's last plan."""
+
+    D: np.ndarray
+    X0: np.ndarray
+    S0: np.ndarray
+    V0: np.ndarray
+    H0: np.ndarray
+    F0: np.ndarray
+    W: np.ndarray
+    T: np.ndarray
+    n: int
+
+
+def layout(enc: Encoded) -> Layout:
+    size = 2 + enc.nx + enc.ns + enc.nv + enc.nh + enc.nf + enc.last.astype(np.int64)
+    base = np.concatenate([[0], np.cumsum(size)[:-1]]).astype(np.int64) if enc.n_plans else np.zeros(0, np.int64)
+    X0 = base + 1
+    S0 = X0 + enc.nx
+    V0 = S0 + enc.ns
+    H0 = V0 + enc.nv
+    F0 = H0 + enc.nh
+    W = F0 + enc.nf
+    T = np.where(enc.last, W + 1, -1)
+    return Layout(base, X0, S0, V0, H0, F0, W, T, int(size.sum()))
+
+
+def _ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """Concatenated ``arange(s, s + l)`` for each (start, length)."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    total = int(lengths.sum())
+    if total == 0:
+        return np.zeros(0, dtype=np.int64)
+    offs = np.concatenate([[0], np.cumsum(lengths)[:-1]])
+    return np.repeat(np.asarray(starts, dtype=np.int64) - offs, lengths) + np.arange(total, dtype=np.int64)
+
+
+# ---------------------------------------------------------------------- costs of every task
+def _task_costs(enc: Encoded, lay: Layout, costs: Costs, context: int):
+    """Per-task arrays: resource, priority, fixed, bytes, cap, pool, category, and per-item extras."""
+    hw = costs.profile
+    n = lay.n
+    N = hw.numa_nodes
+    shared_mem = hw.device_shares_host_memory
+    res = np.zeros(n, np.int32)
+    prio = np.zeros(n, np.int32)
+    fixed = np.zeros(n, np.float64)
+    nbytes = np.zeros(n, np.float64)
+    cap = np.ones(n, np.float64)
+    pool = np.full(n, -1, np.int32)
+    cat = np.zeros(n, np.int8)
+    P = enc.n_plans
+
+    # ---- context per forward, attention per plan
+    fwd_ids, first = np.unique(enc.forward, return_index=True)
+    ctx_of = {}
+    c = int(context)
+    for f, i in zip(fwd_ids.tolist(), first.tolist(), strict=True):
+        t = int(enc.tokens[i])
+        if enc.prefill[i]:
+            c += t
+            ctx_of[f] = (c, t, True)
+        else:
+            c += 1
+            ctx_of[f] = (c, max(t, 1), False)
+    att = {f: costs.attention(cc, b, pre) for f, (cc, b, pre) in ctx_of.items()}
+    a_bytes = np.array([att[f][0] for f in enc.forward.tolist()]) if P else np.zeros(0)
+    a_flops = np.array([att[f][1] for f in enc.forward.tolist()]) if P else np.zeros(0)
+
+    # decoder layers between the previous planned MoE layer (of the same forward) and this one
+    moe = np.asarray(costs.moe_layers, dtype=np.int64)
+    is_dense = np.ones(costs.num_layers + 1, dtype=np.int64)
+    is_dense[moe] = 0
+    dense_before = np.concatenate([[0], np.cumsum(is_dense[:-1])])  # dense decoder layers in [0, i)
+    d_here = moe[enc.layer] if P else np.zeros(0, np.int64)
+    first_of_fwd = np.ones(P, dtype=bool)
+    if P > 1:
+        first_of_fwd[1:] = enc.forward[1:] != enc.forward[:-1]
+    d_prev = np.where(first_of_fwd, -1, np.concatenate([[-1], d_here[:-1]])) if P else d_here
+    n_attn = d_here - d_prev
+    n_dmlp = dense_before[d_here] - dense_before[d_prev + 1]
+    toks = np.maximum(enc.tokens, 1).astype(np.float64)
+    dense_b = n_attn * a_bytes + n_dmlp * costs.dense_mlp_bytes + costs.router_bytes
+    dense_f = n_attn * a_flops + n_dmlp * costs.dense_mlp_flops_per_token * toks + costs.router_flops_per_token * toks
+    D = lay.D
+    res[D], cat[D] = RES_CONTROL, CAT_D
+    fixed[D] = n_attn * hw.gpu_kernels_per_attention * hw.gpu_launch_us + hw.sync_us
+    nbytes[D] = dense_b
+    cap[D] = costs.dense_cap(dense_b, dense_f)
+    if shared_mem:
+        pool[D] = 0
+
+    # ---- tail after each forward's last plan
+    lastp = np.flatnonzero(enc.last)
+    T = lay.T[lastp]
+    n_tail = costs.num_layers - 1 - d_here[lastp]
+    nd_tail = dense_before[costs.num_layers] - dense_before[d_here[lastp] + 1]
+    tail_b = n_tail * a_bytes[lastp] + nd_tail * costs.dense_mlp_bytes + costs.lm_head_bytes
+    tail_f = (n_tail * a_flops[lastp] + nd_tail * costs.dense_mlp_flops_per_token * toks[lastp]
+              + costs.lm_head_flops_per_token * toks[lastp])
+    res[T], cat[T] = RES_CONTROL, CAT_T
+    fixed[T] = (n_tail * hw.gpu_kernels_per_attention + 2) * hw.gpu_launch_us + hw.sync_us
+    nbytes[T] = tail_b
+    cap[T] = costs.dense_cap(tail_b, tail_f)
+    if shared_mem:
+        pool[T] = 0
+
+    # ---- waits
+    W = lay.W
+    res[W], cat[W] = RES_CONTROL, CAT_W
+    fixed[W] = np.where((enc.nv + enc.ns) > 0, hw.sync_us, 0.0)
+
+    # ---- transfers
+    X = _ranges(lay.X0, enc.nx)
+    res[X], cat[X] = RES_COPY, CAT_X
+    prio[X] = np.where(enc.x[:, 3] == 0, 0, 1)
+    fixed[X] = hw.link_latency_us
+    nbytes[X] = enc.x[:, 2]
+    cap[X] = hw.link_bandwidth_gbs * 1e3
+    pool[X] = enc.x[:, 1] % N
+
+    # ---- shared experts
+    if enc.ns:
+        S = lay.S0
+        res[S], cat[S] = RES_DEVICE, CAT_S
+        fixed[S] = hw.gpu_kernels_per_expert * hw.gpu_launch_us
+        nbytes[S] = costs.shared_bytes
+        cap[S] = costs.device_cap(np.full(P, costs.shared_bytes), costs.shared_flops_per_token * toks)
+        if shared_mem:
+            pool[S] = 0
+
+    # ---- device experts
+    V = _ranges(lay.V0, enc.nv)
+    res[V], cat[V] = RES_DEVICE, CAT_V
+    fixed[V] = hw.gpu_kernels_per_expert * hw.gpu_launch_us
+    nbytes[V] = costs.expert_bytes
+    cap[V] = costs.device_cap(np.full(len(V), costs.expert_bytes), costs.expert_flops_per_token * enc.v[:, 1])
+    if shared_mem:
+        pool[V] = enc.v[:, 0] % N
+
+    # ---- host and deferred experts
+    for cat_id, starts, counts, items in ((CAT_H, lay.H0, enc.nh, enc.h), (CAT_F, lay.F0, enc.nf, enc.f)):
+        idx = _ranges(starts, counts)
+        node = items[:, 0] % N if len(items) else np.zeros(0, np.int64)
+        res[idx], cat[idx] = 3 + node, cat_id
+        fixed[idx] = hw.cpu_dispatch_us
+        nbytes[idx] = costs.expert_bytes
+        cap[idx] = costs.host_cap(np.full(len(idx), costs.expert_bytes), costs.expert_flops_per_token * items[:, 1])
+        pool[idx] = node
+    servers = np.array([1, 1, hw.copy_engines] + [1] * N, dtype=np.int32)
+    pool_bw = np.full(N, hw.numa_node_bandwidth_gbs * 1e3)
+    return res, prio, fixed, nbytes, cap, pool, cat, servers, pool_bw
+
+
+# ---------------------------------------------------------------------- dependencies
+def _deps_vectorized(enc: Encoded, lay: Layout, E: int) -> tuple[np.ndarray, np.ndarray]:
+    P = enc.n_plans
+    src: list[np.ndarray] = []
+    dst: list[np.ndarray] = []
+
+    def add(t, d):
+        src.append(np.asarray(t, dtype=np.int64))
+        dst.append(np.asarray(d, dtype=np.int64))
+
+    # control chain: every D but the first follows the task just before it (a W or a T)
+    add(lay.D[1:], lay.D[1:] - 1)
+    # transfers, shared, device, host, deferred follow their layer's dense work
+    for starts, counts in ((lay.X0, enc.nx), (lay.S0, np.full(P, enc.ns)), (lay.V0, enc.nv), (lay.H0, enc.nh),
+                           (lay.F0, enc.nf)):
+        add(_ranges(starts, counts), np.repeat(lay.D, counts))
+    # a device expert after the latest copy of it issued before it
+    X = _ranges(lay.X0, enc.nx)
+    V = _ranges(lay.V0, enc.nv)
+    if len(V) and len(X):
+        kx = enc.x[:, 0] * E + enc.x[:, 1]
+        kv = np.repeat(enc.layer, enc.nv) * E + enc.v[:, 0]
+        keys = np.concatenate([kx, kv])
+        ids = np.concatenate([X, V])
+        isx = np.concatenate([np.ones(len(X), bool), np.zeros(len(V), bool)])
+        order = np.lexsort((ids, keys))
+        big = lay.n + 1
+        val = np.where(isx[order], keys[order] * big + ids[order], -1)
+        run = np.maximum.accumulate(val)
+        sel = ~isx[order]
+        k_s, run_s, id_s = keys[order][sel], run[sel], ids[order][sel]
+        has = run_s >= k_s * big
+        add(id_s[has], run_s[has] - k_s[has] * big)
+    # the wait: its dense work, shared + device + host experts, the previous layer's deferred
+    add(lay.W, lay.D)
+    add(np.repeat(lay.W, enc.ns + enc.nv + enc.nh), _ranges(lay.S0, enc.ns + enc.nv + enc.nh))
+    if P > 1:
+        same = enc.forward[1:] == enc.forward[:-1]
+        prevF0, prevn = lay.F0[:-1][same], enc.nf[:-1][same]
+        add(np.repeat(lay.W[1:][same], prevn), _ranges(prevF0, prevn))
+    # the tail: the forward's last wait and its last layer's deferred experts
+    lastp = np.flatnonzero(enc.last)
+    add(lay.T[lastp], lay.W[lastp])
+    add(np.repeat(lay.T[lastp], enc.nf[lastp]), _ranges(lay.F0[lastp], enc.nf[lastp]))
+    t = np.concatenate(src) if src else np.zeros(0, np.int64)
+    d = np.concatenate(dst) if dst else np.zeros(0, np.int64)
+    order = np.argsort(t, kind="stable")  # the engine needs each task's dependencies, in any order
+    t, d = t[order], d[order]
+    ptr = np.zeros(lay.n + 1, dtype=np.int64)
+    np.add.at(ptr, t + 1, 1)
+    return np.cumsum(ptr), d
+
+
+def _deps_reference(enc: Encoded, lay: Layout, E: int) -> tuple[np.ndarray, np.ndarray]:
+    """The dependencies by a plain walk over the plans (the definition of :func:`_deps_vectorized`)."""
+    deps: list[list[int]] = [[] for _ in range(lay.n)]
+    last_copy: dict[tuple[int, int], int] = {}
+    prev_ctrl = -1
+    prev_f: list[int] = []
+    xi = vi = hi = fi = 0
+    for i in range(enc.n_plans):
+        D = int(lay.D[i])
+        if prev_ctrl >= 0:
+            deps[D].append(prev_ctrl)
+        t = D + 1
+        for _ in range(int(enc.nx[i])):
+            deps[t].append(D)
+            last_copy[(int(enc.x[xi, 0]), int(enc.x[xi, 1]))] = t
+            t += 1
+            xi += 1
+        waited = []
+        for _ in range(enc.ns):
+            deps[t].append(D)
+            waited.append(t)
+            t += 1
+        for _ in range(int(enc.nv[i])):
+            deps[t].append(D)
+            c = last_copy.get((int(enc.layer[i]), int(enc.v[vi, 0])))
+            if c is not None:
+                deps[t].append(c)
+            waited.append(t)
+            t += 1
+            vi += 1
+        for _ in range(int(enc.nh[i])):
+            deps[t].append(D)
+            waited.append(t)
+            t += 1
+            hi += 1
+        mine_f = []
+        for _ in range(int(enc.nf[i])):
+            deps[t].append(D)
+            mine_f.append(t)
+            t += 1
+            fi += 1
+        W = t
+        assert lay.W[i] == W
+        deps[W] = [D, *waited, *prev_f]
+        prev_ctrl, prev_f = W, mine_f
+        if enc.last[i]:
+            T = W + 1
+            deps[T] = [W, *mine_f]
+            prev_ctrl, prev_f = T, []
+    ptr = np.cumsum([0] + [len(d) for d in deps]).astype(np.int64)
+    idx = np.array([x for d in deps for x in sorted(d)], dtype=np.int64)
+    return ptr, idx
+
+
+def build_graph(enc: Encoded, costs: Costs, *, context: int = 0, reference: bool = False) -> tuple[Graph, Layout, Any]:
+    """The task graph of encoded plans (numpy; ``reference=True``: the plain-loop dependencies)."""
+    lay = layout(enc)
+    res, prio, fixed, nbytes, cap, pool, cat, servers, pool_bw = _task_costs(enc, lay, costs, context)
+    ptr, idx = (_deps_reference if reference else _deps_vectorized)(enc, lay, costs.num_experts)
+    g = Graph(res, prio, fixed, nbytes, cap, pool, ptr, idx, servers, pool_bw)
+    return g, lay, cat
+
+
+def build_graph_reference(enc: Encoded, costs: Costs, *, context: int = 0):
+    return build_graph(enc, costs, context=context, reference=True)
+
+
+# ---------------------------------------------------------------------- events
+def lane_names(hw: HardwareProfile) -> list[str]:
+    """Names of the engine's resources' servers, as event lanes (one list per resource, flattened
+    by :func:`_lane_of`)."""
+    copies = ["copy"] if hw.copy_engines == 1 else [f"copy{i}" for i in range(hw.copy_engines)]
+    hosts = ["host"] if hw.numa_nodes == 1 else [f"host{i}" for i in range(hw.numa_nodes)]
+    return ["control", "device", *copies, *hosts]
+
+
+KINDS = ("dense", "expert-device", "expert-host", "expert-deferred", "transfer-demand", "transfer-insert",
+         "transfer-prefetch", "wait")
+CAUSES = ("attention+router", "shared-experts", "tail+lm-head", "hit", "prefetch-hit", "miss-fetch", "miss-host",
+          "deferred", "demand", "insert", "prefetch", "copy", "device", "host", "")
+
+
+@dataclass
+class SimResult:
+    """A simulated run: its events (the real executor's columns) and what produced them."""
+
+    events: Any
+    """pandas DataFrame with :data:`moelab.hybrid.events.COLUMNS` (categorical strings)."""
+    schedule: Schedule
+    graph: Graph
+    profile: HardwareProfile
+    forwards: Any
+    """pandas DataFrame: one row per forward (phase, tokens, start, end µs)."""
+
+    def summary(self) -> dict:
+        return summarize_sim(self.events, self.forwards)
+
+    def table(self):
+        """The events as a pyarrow Table with the Parquet schema of :class:`moelab.hybrid.events.EventLog`."""
+        import pyarrow as pa
+
+        from moelab.hybrid.events import EventLog
+
+        schema = EventLog("x").table().schema
+        df = self.events.copy()
+        for c in ("run", "lane", "kind", "cause"):
+            df[c] = df[c].astype(str)
+        return pa.Table.from_pandas(df[list(COLUMNS)], schema=schema, preserve_index=False)
+
+
+def _events(enc: Encoded, lay: Layout, cat: np.ndarray, g: Graph, s: Schedule, hw: HardwareProfile, run: str):
+    import pandas as pd
+
+    lanes = lane_names(hw)
+    # lane code of every task: control 0, device 1, copy servers, host nodes
+    lane_base = np.array([0, 1, 2] + [2 + hw.copy_engines + k for k in range(hw.numa_nodes)], dtype=np.int64)
+    lane = lane_base[g.resource] + np.where(g.resource == RES_COPY, s.server, 0)
+    n = g.n
+    plan_of = np.zeros(n, np.int64)
+    P = enc.n_plans
+    sizes = np.diff(np.concatenate([lay.D, [n]])) if P else np.zeros(0, np.int64)
+    plan_of[:] = np.repeat(np.arange(P), sizes) if P else 0
+    step = enc.forward[plan_of] if P else np.zeros(n, np.int64)
+    layer = enc.layer[plan_of] if P else np.zeros(n, np.int64)
+    kind = np.zeros(n, np.int64)
+    cause = np.full(n, CAUSES.index(""), np.int64)
+    expert = np.full(n, -1, np.int64)
+    tokens = np.zeros(n, np.int64)
+    nbytes = g.nbytes.astype(np.int64)
+    t0, t1 = s.start.copy(), s.end.copy()
+
+    D, T, W = lay.D, lay.T[enc.last], lay.W
+    cause[D] = CAUSES.index("attention+router")
+    layer[T], cause[T] = -1, CAUSES.index("tail+lm-head")
+    X = _ranges(lay.X0, enc.nx)
+    kind[X] = KINDS.index("transfer-demand") + enc.x[:, 3]
+    cause[X] = CAUSES.index("demand") + enc.x[:, 3]
+    layer[X], expert[X] = enc.x[:, 0], enc.x[:, 1]
+    if enc.ns:
+        cause[lay.S0] = CAUSES.index("shared-experts")
+        tokens[lay.S0] = enc.tokens
+    V = _ranges(lay.V0, enc.nv)
+    kind[V] = KINDS.index("expert-device")
+    cause[V] = CAUSES.index("hit") + enc.v[:, 2]
+    expert[V], tokens[V] = enc.v[:, 0], enc.v[:, 1]
+    for starts, counts, items, k, c in ((lay.H0, enc.nh, enc.h, "expert-host", "miss-host"),
+                                        (lay.F0, enc.nf, enc.f, "expert-deferred", "deferred")):
+        idx = _ranges(starts, counts)
+        kind[idx], cause[idx] = KINDS.index(k), CAUSES.index(c)
+        expert[idx], tokens[idx] = items[:, 0], items[:, 1]
+    nbytes[D] = 0
+    nbytes[T] = 0
+    # waits: from the end of the layer's dense work to the wait's end; cause = the last dependency
+    kind[W] = KINDS.index("wait")
+    nbytes[W] = 0
+    t0[W] = s.end[D]
+    cr = s.crit[W]
+    ccat = cat[cr]
+    cause[W] = np.select(
+        [ccat == CAT_F, ccat == CAT_H, (ccat == CAT_V) & (cat[np.maximum(s.crit[cr], 0)] == CAT_X) & (s.crit[cr] >= 0),
+         (ccat == CAT_V) | (ccat == CAT_S)],
+        [CAUSES.index("deferred"), CAUSES.index("host"), CAUSES.index("copy"), CAUSES.index("device")],
+        CAUSES.index(""),
+    )
+    keep = np.ones(n, bool)
+    keep[W] = t1[W] > t0[W]
+    cols = {"step": step, "layer": layer, "lane": lane, "kind": kind, "expert": expert, "tokens": tokens,
+            "bytes": nbytes, "t_start_us": t0, "t_end_us": t1, "cause": cause}
+    cols = {k: v[keep] for k, v in cols.items()}
+    # extra waits: the tail held up by deferred experts; the device lane idle before a copied expert
+    extra = []
+    tl = T
+    Wl = lay.W[enc.last]
+    late = s.start[tl] > s.end[Wl]
+    if late.any():
+        extra.append((step[tl][late], np.full(late.sum(), -1), np.zeros(late.sum(), np.int64),
+                      s.end[Wl][late], s.start[tl][late], CAUSES.index("deferred")))
+    if len(V):
+        dev_tasks = np.flatnonzero(g.resource == RES_DEVICE)
+        order = dev_tasks[np.argsort(s.start[dev_tasks], kind="stable")]
+        prev_end = np.concatenate([[0.0], s.end[order][:-1]])
+        ready_at = np.maximum(prev_end, s.end[lay.D[plan_of[order]]])
+        c = s.crit[order]
+        by_copy = (c >= 0) & (cat[np.maximum(c, 0)] == CAT_X) & (s.start[order] > ready_at)
+        if by_copy.any():
+            o = order[by_copy]
+            extra.append((step[o], layer[o], np.ones(len(o), np.int64), ready_at[by_copy], s.start[o],
+                          CAUSES.index("copy")))
+    for st, ly, ln, a, b, c in extra:
+        m = len(st)
+        for k, v in (("step", st), ("layer", ly), ("lane", ln), ("kind", np.full(m, KINDS.index("wait"))),
+                     ("expert", np.full(m, -1)), ("tokens", np.zeros(m, np.int64)), ("bytes", np.zeros(m, np.int64)),
+                     ("t_start_us", a), ("t_end_us", b), ("cause", np.full(m, c))):
+            cols[k] = np.concatenate([cols[k], v])
+    m = len(cols["step"])
+    df = pd.DataFrame({
+        "run": pd.Categorical.from_codes(np.zeros(m, np.int64), [run]),
+        "step": cols["step"].astype(np.int32), "layer": cols["layer"].astype(np.int32),
+        "lane": pd.Categorical.from_codes(cols["lane"], lanes),
+        "kind": pd.Categorical.from_codes(cols["kind"], list(KINDS)),
+        "expert": cols["expert"].astype(np.int32), "tokens": cols["tokens"].astype(np.int32),
+        "bytes": cols["bytes"].astype(np.int64), "t_start_us": cols["t_start_us"], "t_end_us": cols["t_end_us"],
+        "cause": pd.Categorical.from_codes(cols["cause"], list(CAUSES)),
+    })
+    return df  # in task order (each layer's dense, transfers, experts, wait), extra waits last
+
+
+def _forwards(enc: Encoded, lay: Layout, s: Schedule):
+    import pandas as pd
+
+    if not enc.n_plans:
+        return pd.DataFrame(columns=["forward", "phase", "tokens", "start_us", "end_us"])
+    first = np.ones(enc.n_plans, bool)
+    first[1:] = enc.forward[1:] != enc.forward[:-1]
+    return pd.DataFrame({
+        "forward": enc.forward[first], "phase": np.where(enc.prefill[first], "prefill", "decode"),
+        "tokens": enc.tokens[first], "start_us": s.start[lay.D[first]], "end_us": s.end[lay.T[enc.last]],
+    })
+
+
+# ---------------------------------------------------------------------- summary
+def _measure(intervals: list[tuple[np.ndarray, np.ndarray]], need: int) -> float:
+    """Length of time covered by at least one interval of each of ``need`` interval sets."""
+    pts, delta = [], []
+    for k, (a, b) in enumerate(intervals):
+        pts += [a, b]
+        onehot = np.zeros((1, len(intervals)), np.int64)
+        onehot[0, k] = 1
+        delta += [np.repeat(onehot, len(a), 0), -np.repeat(onehot, len(b), 0)]
+    if not pts:
+        return 0.0
+    x = np.concatenate(pts)
+    d = np.concatenate(delta)
+    o = np.argsort(x, kind="stable")
+    x, d = x[o], d[o]
+    cnt = np.cumsum(d, axis=0)
+    covered = (cnt > 0).sum(axis=1) >= need
+    seg = np.diff(x)
+    return float(seg[covered[:-1]].sum())
+
+
+def summarize_sim(df, forwards=None) -> dict:
+    """tokens/s, decode step time, lane busy %, overlap %, stall time by cause (µs), from events."""
+    out: dict[str, Any] = {}
+    if len(df) == 0:
+        return {"wall_us": 0.0, "busy_pct": {}, "overlap_pct": 0.0, "stall_us": {}}
+    t0, t1 = float(df["t_start_us"].min()), float(df["t_end_us"].max())
+    wall = max(t1 - t0, 1e-9)
+    out["wall_us"] = wall
+    work = df[df["kind"] != "wait"]
+    dur = (work["t_end_us"] - work["t_start_us"]).to_numpy()
+    busy = {}
+    for lane in sorted(set(map(str, df["lane"].unique()))):
+        m = (work["lane"] == lane).to_numpy()
+        busy[lane] = 100.0 * float(dur[m].sum()) / wall
+    out["busy_pct"] = busy
+
+    def spans(mask):
+        w = work[mask]
+        return (w["t_start_us"].to_numpy(), w["t_end_us"].to_numpy())
+
+    lane_s = work["lane"].astype(str)
+    host = spans(lane_s.str.startswith("host").to_numpy())
+    dev = spans((lane_s == "device").to_numpy() | (lane_s == "control").to_numpy())
+    host_busy = _measure([host], 1)
+    out["overlap_pct"] = 100.0 * _measure([host, dev], 2) / host_busy if host_busy else 0.0
+    # KTransformers Fig. 10's "GPU busy" and "CPU busy": the device side (device lane and the control
+    # thread's dense work, which a GPU box runs on the GPU) and the host lanes, as shares of the wall time
+    out["device_side_busy_pct"] = 100.0 * _measure([dev], 1) / wall
+    out["host_side_busy_pct"] = 100.0 * host_busy / wall
+    waits = df[(df["kind"] == "wait") & (df["lane"] == "control")]
+    st = (waits["t_end_us"] - waits["t_start_us"]).groupby(waits["cause"].astype(str)).sum()
+    out["stall_us"] = {str(k): float(v) for k, v in st.items() if v > 0}
+    if forwards is not None and len(forwards):
+        dec = forwards[forwards["phase"] == "decode"]
+        if len(dec):
+            step_us = (dec["end_us"] - dec["start_us"]).to_numpy()
+            out["decode_step_us"] = float(step_us.mean())
+            out["decode_tokens_per_s"] = float(dec["tokens"].sum() / (step_us.sum() / 1e6))
+        pre = forwards[forwards["phase"] == "prefill"]
+        if len(pre):
+            out["prefill_us"] = float((pre["end_us"] - pre["start_us"]).sum())
+    return out
+
+
+# ---------------------------------------------------------------------- entry point
+def simulate_plans(plans: Sequence[Any], shape: Any, profile: HardwareProfile | str, *, context: int = 0,
+                   engine: str | None = None, run: str = "simulated", reference_graph: bool = False) -> SimResult:
+    """Simulate ``plans`` (LayerPlans, one forward after another) of a model of ``shape`` on
+    ``profile``; see the module docstring. ``engine``: ``fast``, ``reference`` or None (fast if it
+    builds here)."""
+    import gc
+
+    costs = Costs.of(shape, profile)
+    if context < 0:
+        raise MoelabError(f"context must be ≥ 0 tokens, got {context}.")
+    was_enabled = gc.isenabled()
+    gc.disable()  # walking ~10^5 plan objects allocates no cycles; the collector's passes cost ~30 %
+    try:
+        enc = encode(plans, costs.num_experts, costs.num_moe_layers, has_shared=costs.shared_bytes > 0)
+        g, lay, cat = build_graph(enc, costs, context=context, reference=reference_graph)
+        s = simulate(g, engine)
+        events = _events(enc, lay, cat, g, s, costs.profile, run)
+    finally:
+        if was_enabled:
+            gc.enable()
+    return SimResult(events, s, g, costs.profile, _forwards(enc, lay, s))
+
+
+__all__ = ["Costs", "SimResult", "build_graph", "build_graph_reference", "encode", "lane_names", "simulate_plans",
+           "summarize_sim"]

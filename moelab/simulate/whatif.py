@@ -1,0 +1,408 @@
+"""What-if grids: a hybrid configuration grid simulated on any model shape and hardware profile.
+
+>>> df = whatif("deepseek-v3", "ktransformers-a100", synthetic=True, steps=16, context=1024,
+...             grid={"capacity": [0.1, 0.25], "deferral": [0, 2], "placement": ["host-misses"]})
+
+Every cell of the grid (the product of its axes) is planned by the offline planner
+(:func:`moelab.hybrid.offline.plan_routing`, the same planner as a running model) and its
+plans simulated (:func:`moelab.simulate.executor.simulate_plans`). Beside every cell runs its
+**oracle bound**: the same capacity, deferral and placement with Belady's MIN cache (it reads
+the future of the routing) and the oracle prefetch (the experts the next MoE layer actually
+needs). The bound is the best of :data:`ORACLE_VARIANTS` — Belady inserting every miss or
+Belady with bypass, each without and with the oracle prefetch — because on a slow link
+inserting or prefetching every needed expert congests the copy engine (an oracle would not);
+its ``oracle_variant`` column names the winner.
+
+Routing comes from a recorded trace (``trace=``; its experts, top-k and MoE layers must match
+the shape) or is synthetic (``synthetic=True``): :func:`moelab.simulate.synthetic.synthetic_routing`
+with statistics fitted from ``fit_from`` (a trace), by default from a trace recorded on the
+fly from the bundled ``moelab-tiny-mixtral`` (fitted once, cached in
+``~/.cache/moelab/simulate``). The statistics assumed are in ``df.attrs["routing_stats"]``.
+
+Grid axes (:data:`AXES`): ``capacity`` (fraction or count of each layer's experts on the
+device), ``deferral`` (deferred experts per token), ``placement`` (``host-misses``,
+``fetch-misses``, ``greedy-hss``, ``min-cost``), ``policy`` (the cache policy of the policy
+column; default ``lru``), ``skipping``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from moelab.errors import MoelabError, did_you_mean
+
+log = logging.getLogger(__name__)
+
+DEFAULT_FIT_MODEL = "moelab-tiny-mixtral"
+STALL_CAUSES = ("copy", "device", "host", "deferred")
+
+
+def _number(text: str, key: str) -> float | int:
+    try:
+        v = float(text)
+    except ValueError:
+        raise MoelabError(f"grid {key}={text!r}: expected a number (e.g. {key}=0.1,0.25).") from None
+    return int(v) if key == "capacity" and v >= 1 and v.is_integer() and "." not in text else v
+
+
+def _int(text: str, key: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise MoelabError(f"grid {key}={text!r}: expected a whole number (e.g. {key}=0,2,3).") from None
+    if v < 0:
+        raise MoelabError(f"grid {key}={v}: expected ≥ 0.")
+    return v
+
+
+def _placement(text: str, key: str) -> str:
+    from moelab.hybrid.placement import PLACEMENTS
+
+    if text not in PLACEMENTS:
+        raise MoelabError(f"grid {key}={text!r} is not a placement;{did_you_mean(text, list(PLACEMENTS))} "
+                          f"expected one of {', '.join(PLACEMENTS)}.")
+    return text
+
+
+def _policy(text: str, key: str) -> str:
+    from moelab.caches import available_policies
+
+    names = available_policies()
+    if text not in names:
+        raise MoelabError(f"grid {key}={text!r} is not a cache policy;{did_you_mean(text, names)} "
+                          f"expected one of {', '.join(names)}.")
+    return text
+
+
+#: Grid axes and how one value of each is parsed.
+AXES = {"capacity": _number, "deferral": _int, "placement": _placement, "policy": _policy, "skipping": _int}
+DEFAULTS = {"capacity": [0.25], "deferral": [0], "placement": ["host-misses"], "policy": ["lru"], "skipping": [0]}
+
+
+def parse_grid(items: list[str] | dict[str, Any] | None) -> dict[str, list]:
+    """``["capacity=0.1,0.25", "deferral=0,2"]`` (or a dict of lists) → the grid's axes, with
+    the defaults (:data:`DEFAULTS`) for axes not given."""
+    grid: dict[str, list] = {}
+    if isinstance(items, dict):
+        pairs = [(k, v if isinstance(v, (list, tuple)) else [v]) for k, v in items.items()]
+    else:
+        pairs = []
+        for item in items or []:
+            if "=" not in item:
+                raise MoelabError(f"grid item {item!r}: expected AXIS=V1,V2,... (e.g. capacity=0.1,0.25); "
+                                  f"axes: {', '.join(AXES)}.")
+            k, v = item.split("=", 1)
+            pairs.append((k.strip(), [x.strip() for x in v.split(",") if x.strip()]))
+    for k, vals in pairs:
+        if k not in AXES:
+            raise MoelabError(f"grid axis {k!r} is not known;{did_you_mean(k, list(AXES))} axes: {', '.join(AXES)}.")
+        if not vals:
+            raise MoelabError(f"grid axis {k!r} has no values, so the grid has no cells; give at least one "
+                              f"(e.g. {k}={DEFAULTS[k][0]}).")
+        parsed = [AXES[k](str(v), k) if isinstance(v, str) else v for v in vals]
+        if k == "capacity":
+            for c in parsed:
+                if isinstance(c, bool) or not isinstance(c, (int, float)) or c < 0:
+                    raise MoelabError(f"grid capacity={c!r}: expected a fraction in [0, 1] or a count ≥ 1.")
+        grid[k] = list(dict.fromkeys(parsed))
+    return {k: grid.get(k, list(DEFAULTS[k])) for k in AXES}
+
+
+def cells(grid: dict[str, list]) -> list[dict[str, Any]]:
+    keys = list(grid)
+    out = [dict(zip(keys, vals)) for vals in itertools.product(*(grid[k] for k in keys))]
+    if not out:
+        raise MoelabError("the grid has no cells; give every axis at least one value.")
+    return out
+
+
+# ---------------------------------------------------------------------- routing
+def _cache_dir() -> Path:
+    import os
+
+    return Path(os.environ.get("MOELAB_CACHE", Path.home() / ".cache" / "moelab")) / "simulate"
+
+
+def default_routing_stats(model: str = DEFAULT_FIT_MODEL, *, max_new_tokens: int = 32, progress: bool = False):
+    """:class:`~moelab.simulate.synthetic.RoutingStats` fitted from a trace recorded now from the
+    bundled ``model`` on the demo prompts (greedy, ``max_new_tokens``); cached on disk by moelab
+    version, model and settings (the recording takes ~half a minute on 2 cores)."""
+    import moelab
+    from moelab.simulate.synthetic import RoutingStats, fit_routing_stats
+
+    path = _cache_dir() / f"stats-{model}-{moelab.__version__}-{max_new_tokens}.json"
+    if path.is_file():
+        try:
+            return RoutingStats.from_dict(json.loads(path.read_text()))
+        except (ValueError, TypeError, KeyError) as e:  # a stale or damaged cache: record again
+            log.warning("ignoring %s (%s)", path, e)
+    import tempfile
+
+    from moelab.prompts import DEMO_PROMPTS
+    from moelab.trace.run import trace_prompts
+
+    m, tok = moelab.load(model)
+    with tempfile.TemporaryDirectory() as d:
+        tr = trace_prompts(m, tok, list(DEMO_PROMPTS), Path(d) / "trace", max_new_tokens=max_new_tokens,
+                           progress=progress, model_name=model)
+        stats = fit_routing_stats(tr)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".partial")
+    tmp.write_text(json.dumps(stats.to_dict(), default=str))
+    tmp.replace(path)
+    return stats
+
+
+@dataclass
+class Routing:
+    """The routing a grid runs on, and where it came from."""
+
+    forwards: list
+    source: str
+    stats: Any = None
+    """The statistics assumed (synthetic routing), or None."""
+    generated_stats: Any = None
+    """The statistics measured on the generated routing (how well the generator met them)."""
+    notes: list[str] = field(default_factory=list)
+
+
+def load_routing(shape: Any, *, trace: Any = None, synthetic: bool = False, fit_from: Any = None, steps: int = 32,
+                 batch: int = 1, seed: int = 0, calibrate_synthetic: bool = False) -> Routing:
+    """A trace's first ``steps`` decode forwards (and the prefills before them), or synthetic
+    routing of ``batch`` sequences × ``steps`` decode steps."""
+    from moelab.simulate.synthetic import check_trace_shape, fit_routing_stats, synthetic_routing
+
+    if (trace is None) == (not synthetic):
+        raise MoelabError("give a routing source: a trace (--trace DIR) or --synthetic, not both or neither.")
+    if trace is not None:
+        from moelab.hybrid.offline import routing_from_trace
+        from moelab.trace import open_trace
+
+        tr = open_trace(trace) if isinstance(trace, (str, Path)) else trace
+        check_trace_shape(tr, shape)
+        out, dec = [], 0
+        for r in routing_from_trace(tr, hidden=False):
+            if r.phase == "decode":
+                if dec >= steps:
+                    break
+                dec += 1
+            out.append(r)
+        return Routing(out, f"trace {tr.path} ({dec} decode forwards)")
+    if fit_from is not None:
+        stats = fit_routing_stats(fit_from)
+        src = f"fitted from {fit_from}"
+    else:
+        stats = default_routing_stats()
+        src = f"fitted from a trace of the bundled {DEFAULT_FIT_MODEL} (demo prompts, 32 new tokens)"
+    fw = synthetic_routing(shape, stats, steps=steps, batch=batch, prompt_len=0, seed=seed,
+                           calibrate=calibrate_synthetic)
+    notes = [] if calibrate_synthetic else [
+        "the generator's reuse/adjacency bonuses are a first guess (not calibrated): pass "
+        "--calibrate-synthetic to fit them to the statistics (minutes on DeepSeek-V3 shapes)"]
+    gen = None
+    if steps >= 2:
+        try:
+            gen = fit_routing_stats(fw, num_experts=shape.num_experts, seed=seed)
+        except MoelabError as e:  # too little routing to measure
+            notes.append(f"statistics of the generated routing not measured: {e}")
+    return Routing(fw, f"synthetic ({batch} sequence(s) × {steps} decode steps, seed {seed}); statistics {src}",
+                   stats, gen, notes)
+
+
+# ---------------------------------------------------------------------- one cell
+def _config(cell: dict, hardware: str, *, oracle: bool, prefetch: bool, cache: str | None = None) -> dict:
+    return {
+        "cache": {"capacity": cell["capacity"], "policy": cache or ("belady" if oracle else cell["policy"])},
+        "placement": cell["placement"],
+        "hardware": hardware,
+        "routing": {"deferred": cell["deferral"], "skipped": cell["skipping"]},
+        "prefetch": {"predictor": "oracle" if prefetch else None},
+    }
+
+
+def simulate_cell(routing: list, shape: Any, hardware: str, profile: Any, cell: dict, *, context: int,
+                  oracle: bool = False, prefetch: bool = False, warmup: int = 0, cache: str | None = None) -> dict:
+    """Plan and simulate one configuration; tokens/s, decode step time, stalls (s), busy % over
+    the decode forwards after the first ``warmup`` (the planner's caches start empty)."""
+    from moelab.hybrid.offline import plan_routing
+    from moelab.simulate.executor import simulate_plans, summarize_sim
+
+    L = shape.num_moe_layers
+    plans = plan_routing(routing, _config(cell, hardware, oracle=oracle, prefetch=prefetch, cache=cache),
+                         num_experts=[shape.num_experts] * L, top_k=[shape.top_k] * L,
+                         expert_bytes=shape.expert_bytes(), expert_params=shape.expert_params())
+    res = simulate_plans(plans, shape, profile, context=context)
+    fw, ev = res.forwards, res.events
+    dec = fw[fw["phase"] == "decode"]
+    if warmup and len(dec) > warmup:
+        keep = dec["forward"].to_numpy()[warmup:]
+        fw = fw[fw["forward"].isin(keep)]
+        ev = ev[ev["step"].isin(keep)]
+    s = summarize_sim(ev, fw)
+    out = {"tokens_per_s": s.get("decode_tokens_per_s", float("nan")),
+           "step_ms": s.get("decode_step_us", float("nan")) / 1e3}
+    for c in STALL_CAUSES:
+        out[f"stall_{c}_s"] = s["stall_us"].get(c, 0.0) / 1e6
+    for lane, pct in s["busy_pct"].items():
+        out[f"busy_{lane}_pct"] = pct
+    return out
+
+
+@contextlib.contextmanager
+def _memo_routing_states():
+    """Within a grid, each (deferral, skipping) policy's slot states of a layer are computed once
+    (the offline planner recomputes them for every configuration; they depend only on the
+    routing policy and the recorded ids/weights, which the grid shares)."""
+    from moelab.hybrid import offline
+
+    base = offline.OfflineRouting
+    memo: dict = {}
+
+    class Memo(base):
+        def __init__(self, routing, top_k):
+            super().__init__(routing, top_k)
+            self._key = (repr(routing.deferred), repr(routing.skipped), routing.phase, routing.min_immediate)
+
+        def states(self, layer, phase, ids, weights):
+            key = (self._key, layer, phase, id(ids), id(weights))
+            if key not in memo:
+                memo[key] = (ids, weights, super().states(layer, phase, ids, weights))  # keep ids alive
+            return memo[key][2]
+
+    offline.OfflineRouting = Memo
+    try:
+        yield
+    finally:
+        offline.OfflineRouting = base
+
+
+#: The oracle's variants: Belady's MIN (inserting every miss, or bypassing the cache where the
+#: expert's next use is farther than every resident's), each without and with the oracle prefetch.
+ORACLE_VARIANTS = (("belady", False), ("belady-bypass", False), ("belady", True), ("belady-bypass", True))
+
+
+def _oracle(routing, shape, hardware, profile, cell, context, warmup) -> dict:
+    """The best of :data:`ORACLE_VARIANTS` at this cell (prefetch needs a device cache)."""
+    best = None
+    for cache, prefetch in ORACLE_VARIANTS:
+        if prefetch and not cell["capacity"]:
+            continue
+        r = simulate_cell(routing, shape, hardware, profile, cell, context=context, oracle=True, prefetch=prefetch,
+                          warmup=warmup, cache=cache)
+        if best is None or r["tokens_per_s"] > best["tokens_per_s"]:
+            best = {**r, "variant": cache + (" + oracle prefetch" if prefetch else "")}
+    return best
+
+
+# ---------------------------------------------------------------------- the grid
+def whatif(shape: Any, hardware: Any, *, trace: Any = None, synthetic: bool = False, fit_from: Any = None,
+           steps: int = 16, warmup: int = 16, batch: int = 1, context: int = 1024, grid: Any = None,
+           oracle: bool = True,
+           seed: int = 0, calibrate_synthetic: bool = False, routing: Routing | None = None,
+           progress: bool = False):
+    """Simulate every cell of ``grid`` (see :func:`parse_grid`) on ``shape`` (a name, config
+    path or :class:`~moelab.simulate.shapes.ModelShape`) and ``hardware`` (a profile name or
+    file); returns a pandas DataFrame, one row per cell: the axes, ``tokens_per_s``,
+    ``step_ms``, ``stall_<cause>_s`` (control-thread waits over the run, by what held them up)
+    and ``busy_<lane>_pct``, and the oracle bound's ``oracle_*`` columns. ``df.attrs`` holds the
+    routing's source and statistics and the wall time."""
+    import pandas as pd
+    from tqdm.auto import tqdm
+
+    from moelab.simulate.shapes import ModelShape, get_shape
+    from moelab.timing import get_profile
+
+    t0 = time.perf_counter()
+    shape = shape if isinstance(shape, ModelShape) else get_shape(shape)
+    profile = get_profile(hardware)
+    hw_arg = str(hardware) if not hasattr(hardware, "name") else profile.name
+    for name, v, low in (("steps", steps, 1), ("warmup", warmup, 0), ("batch", batch, 1), ("context", context, 0)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < low:
+            raise MoelabError(f"{name} is {v!r}; expected an integer ≥ {low}.")
+    axes = parse_grid(grid)
+    todo = cells(axes)
+    if routing is None:
+        routing = load_routing(shape, trace=trace, synthetic=synthetic, fit_from=fit_from, steps=warmup + steps,
+                               batch=batch,
+                               seed=seed, calibrate_synthetic=calibrate_synthetic)
+    t_routing = time.perf_counter() - t0
+    rows = []
+    with _memo_routing_states():
+        for cell in tqdm(todo, desc="what-if", unit="cell", disable=not progress):
+            row = dict(cell)
+            row.update(simulate_cell(routing.forwards, shape, hw_arg, profile, cell, context=context, warmup=warmup))
+            if oracle:
+                row.update({f"oracle_{k}": v for k, v in _oracle(routing.forwards, shape, hw_arg, profile, cell,
+                                                                 context, warmup).items()})
+            rows.append(row)
+    df = pd.DataFrame(rows)
+    wall = time.perf_counter() - t0
+    df.attrs.update({
+        "shape": shape.name, "hardware": profile.name, "context": context, "steps": steps, "warmup": warmup,
+        "batch": batch,
+        "routing_source": routing.source, "routing_stats": routing.stats, "generated_stats": routing.generated_stats,
+        "notes": list(routing.notes), "wall_s": wall, "routing_s": t_routing, "cells": len(todo),
+    })
+    return df
+
+
+def brief_stats(stats: Any) -> str:
+    """One line: the layer means of a :class:`RoutingStats`' skew, reuse and adjacency lifts."""
+    def mean(xs):
+        a = np.asarray(xs, dtype=float)
+        return float(np.nanmean(a)) if np.isfinite(a).any() else float("nan")
+
+    return (f"E={stats.num_experts}, K={stats.top_k}, {stats.num_layers} MoE layers: mean Zipf s "
+            f"{mean(stats.skew):.3f}, reuse {mean(stats.reuse):.3f} (lift {mean(stats.reuse_lift):+.3f}), "
+            f"adjacent {mean(stats.adjacent):.3f} (lift {mean(stats.adjacent_lift):+.3f})")
+
+
+def format_table(df) -> str:
+    """The grid as text: per cell tokens/s and stalls (s), each with its oracle bound in brackets."""
+    axes = [k for k in AXES if k in df.columns and (df[k].nunique() > 1 or k in ("capacity", "deferral",
+                                                                                 "placement"))]
+    oracle = "oracle_tokens_per_s" in df.columns
+    head = [*axes, "tok/s", *(f"{c} s" for c in STALL_CAUSES)]
+    lines = []
+    for _, r in df.iterrows():
+        vals = [f"{r[k]:g}" if isinstance(r[k], (float, np.floating)) else str(r[k]) for k in axes]
+
+        def pair(col, fmt, r=r):
+            v = fmt.format(r[col])
+            return f"{v} ({fmt.format(r['oracle_' + col])})" if oracle else v
+
+        vals.append(pair("tokens_per_s", "{:.2f}"))
+        vals += [pair(f"stall_{c}_s", "{:.3f}") for c in STALL_CAUSES]
+        lines.append(vals)
+    widths = [max(len(h), *(len(v[i]) for v in lines)) for i, h in enumerate(head)]
+    out = ["  ".join(h.rjust(w) for h, w in zip(head, widths))]
+    out += ["  ".join(v.rjust(w) for v, w in zip(vals, widths)) for vals in lines]
+    if oracle:
+        out.append("(in brackets: the oracle bound — the best of Belady's MIN with or without bypass, with or "
+                   "without the oracle prefetch, same capacity, deferral and placement; stalls: control-thread "
+                   "waits summed over the measured steps, by what held them up)")
+    return "\n".join(out)
+
+
+__all__ = ["AXES", "Routing", "brief_stats", "cells", "default_routing_stats", "format_table", "load_routing", "parse_grid",
+           "simulate_cell", "whatif"]
+
+
+class _CallableModule(__import__("types").ModuleType):
+    """``moelab.simulate.whatif(...)`` calls :func:`whatif` even after this module was imported
+    (importing a submodule binds its name on the package, over the lazy function)."""
+
+    def __call__(self, *args: Any, **kwargs: Any):
+        return whatif(*args, **kwargs)
+
+
+__import__("sys").modules[__name__].__class__ = _CallableModule

@@ -1,0 +1,424 @@
+"""The simulator's engine and executor: hand-worked cases, invariants, reference/fast parity.
+
+Every expected number below is worked out by hand in the comment beside it (µs; a pool or
+cap of B bytes/µs reads b bytes in b / B µs).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+
+from moelab.errors import MoelabError
+from moelab.hybrid.events import COLUMNS
+from moelab.hybrid.runtime import LayerPlan, Transfer
+from moelab.simulate import _native
+from moelab.simulate.engine import Graph, simulate, simulate_reference, water_fill
+from moelab.timing import HardwareProfile
+
+ENGINES = ["reference", pytest.param("fast", marks=pytest.mark.skipif(
+    not _native.available(), reason="no C compiler here: the fast engine falls back to the reference"))]
+
+
+def graph(tasks: list[dict], servers=(1,), pool_bw=(1.0,)) -> Graph:
+    """Tasks as dicts: res, prio, fixed, bytes, cap, pool, deps."""
+    deps = [t.get("deps", []) for t in tasks]
+    return Graph(
+        resource=[t.get("res", 0) for t in tasks], priority=[t.get("prio", 0) for t in tasks],
+        fixed_us=[t.get("fixed", 0.0) for t in tasks], nbytes=[t.get("bytes", 0.0) for t in tasks],
+        cap=[t.get("cap", 1.0) for t in tasks], pool=[t.get("pool", -1) for t in tasks],
+        dep_ptr=np.cumsum([0] + [len(d) for d in deps]), dep_idx=[x for d in deps for x in d],
+        servers=list(servers), pool_bw=list(pool_bw),
+    )
+
+
+# ---------------------------------------------------------------------- engine, by hand
+@pytest.mark.parametrize("engine", ENGINES)
+def test_dependencies_are_honoured(engine):
+    # A (lane 0, 10 µs) -> B (lane 1, 5 µs); C (lane 1, 3 µs, no deps) runs first on lane 1
+    g = graph([{"res": 0, "fixed": 10}, {"res": 1, "fixed": 5, "deps": [0]}, {"res": 1, "fixed": 3}],
+              servers=(1, 1))
+    s = simulate(g, engine)
+    assert s.start.tolist() == [0, 10, 0] and s.end.tolist() == [10, 15, 3]
+    assert s.crit.tolist() == [-1, 0, -1]
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_two_readers_halve_the_bandwidth(engine):
+    # pool of 100 B/µs; each reads 1000 B with cap 100: alone 10 µs each; together 50 B/µs each -> both end at 20
+    both = graph([{"res": 0, "bytes": 1000, "cap": 100, "pool": 0}, {"res": 1, "bytes": 1000, "cap": 100, "pool": 0}],
+                 servers=(1, 1), pool_bw=(100.0,))
+    s = simulate(both, engine)
+    assert s.end.tolist() == pytest.approx([20.0, 20.0])
+    # B starts its read at 5 (a 5 µs fixed phase): A reads 500 alone by 5, then 50 B/µs each:
+    # A's last 500 B take 10 µs -> A ends 15; B has read 500 by 15, its last 500 alone -> ends 20
+    stagger = graph([{"res": 0, "bytes": 1000, "cap": 100, "pool": 0},
+                     {"res": 1, "fixed": 5, "bytes": 1000, "cap": 100, "pool": 0}], servers=(1, 1), pool_bw=(100.0,))
+    s = simulate(stagger, engine)
+    assert s.end.tolist() == pytest.approx([15.0, 20.0])
+    # private memory (pool -1): no sharing, each 10 µs
+    private = graph([{"res": 0, "bytes": 1000, "cap": 100}, {"res": 1, "bytes": 1000, "cap": 100}], servers=(1, 1))
+    assert simulate(private, engine).end.tolist() == pytest.approx([10.0, 10.0])
+
+
+def test_water_filling_gives_a_capped_reader_its_cap_and_the_rest_to_the_other():
+    # a copy capped at 32 GB/s beside a CPU kernel on a 220 GB/s node: 32 and 188
+    assert water_fill([220.0, 32.0], 220.0) == pytest.approx([188.0, 32.0])
+    assert water_fill([100.0, 100.0], 100.0) == pytest.approx([50.0, 50.0])
+    assert water_fill([10.0, 10.0, 10.0], 100.0) == pytest.approx([10.0, 10.0, 10.0])
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_a_copy_beside_a_cpu_kernel_by_hand(engine):
+    # node pool 220 B/µs; kernel reads 2200 B (cap 220), copy 320 B (cap 32), both from t=0:
+    # rates 188 and 32 -> the copy ends at 10 (kernel has read 1880); then the kernel alone at 220:
+    # 320 B more -> ends at 10 + 320/220
+    g = graph([{"res": 0, "bytes": 2200, "cap": 220, "pool": 0}, {"res": 1, "bytes": 320, "cap": 32, "pool": 0}],
+              servers=(1, 1), pool_bw=(220.0,))
+    s = simulate(g, engine)
+    assert s.end.tolist() == pytest.approx([10 + 320 / 220, 10.0])
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_a_demand_copy_overtakes_queued_prefetches_but_not_a_running_one(engine):
+    # one copy engine; prefetches P1, P2 (priority 1) ready at 0; a demand copy (priority 0) ready at 5
+    # (after a 5 µs task on another lane). P1 runs 0-10; the demand 10-20 (before P2, queued); P2 20-30
+    g = graph([{"res": 0, "prio": 1, "fixed": 10}, {"res": 0, "prio": 1, "fixed": 10}, {"res": 1, "fixed": 5},
+               {"res": 0, "prio": 0, "fixed": 10, "deps": [2]}], servers=(1, 1))
+    s = simulate(g, engine)
+    assert s.start.tolist() == [0, 20, 0, 10]
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_several_servers_take_the_lowest_free_one(engine):
+    g = graph([{"fixed": 10}, {"fixed": 4}, {"fixed": 3}], servers=(2,))
+    s = simulate(g, engine)
+    assert s.server.tolist() == [0, 1, 1] and s.start.tolist() == [0, 0, 4]
+
+
+def test_a_cycle_is_reported():
+    g = graph([{"deps": [1]}, {"deps": [0]}])
+    with pytest.raises(MoelabError, match="never ran"):
+        simulate_reference(g)
+    if _native.available():
+        with pytest.raises(MoelabError, match="never ran"):
+            _native.simulate_fast(g)
+
+
+def random_graph(rng, n: int) -> Graph:
+    R, P = int(rng.integers(1, 5)), int(rng.integers(1, 3))
+    deps = [sorted(set(rng.integers(0, j, rng.integers(0, 4)).tolist())) if j else [] for j in range(n)]
+    return Graph(
+        resource=rng.integers(0, R, n), priority=rng.integers(0, 3, n),
+        fixed_us=np.where(rng.random(n) < 0.3, 0.0, rng.random(n) * 10),
+        nbytes=np.where(rng.random(n) < 0.2, 0.0, rng.random(n) * 1e4), cap=rng.random(n) * 100 + 1,
+        pool=rng.integers(-1, P, n), dep_ptr=np.cumsum([0] + [len(d) for d in deps]),
+        dep_idx=np.array([x for d in deps for x in d], dtype=np.int64), servers=rng.integers(1, 3, R),
+        pool_bw=rng.random(P) * 150 + 10,
+    )
+
+
+def test_no_lane_is_double_booked_and_deps_hold_on_random_graphs():
+    rng = np.random.default_rng(0)
+    for _ in range(40):
+        g = random_graph(rng, int(rng.integers(1, 120)))
+        s = simulate(g)
+        for j in range(g.n):
+            for k in range(g.dep_ptr[j], g.dep_ptr[j + 1]):
+                assert s.start[j] >= s.end[g.dep_idx[k]]
+        for r in range(len(g.servers)):
+            for srv in range(int(g.servers[r])):
+                m = (g.resource == r) & (s.server == srv)
+                a, b = s.start[m], s.end[m]
+                o = np.lexsort((b, a))
+                assert (a[o][1:] >= b[o][:-1] - 1e-9).all()
+            assert not ((g.resource == r) & (s.server >= g.servers[r])).any()
+
+
+@pytest.mark.skipif(not _native.available(), reason="no C compiler here: nothing to compare the reference with")
+def test_fast_engine_equals_the_reference_on_random_graphs():
+    rng = np.random.default_rng(1)
+    for _ in range(150):
+        g = random_graph(rng, int(rng.integers(1, 150)))
+        a, b = simulate_reference(g), _native.simulate_fast(g)
+        assert np.array_equal(a.start, b.start) and np.array_equal(a.end, b.end)
+        assert np.array_equal(a.server, b.server) and np.array_equal(a.crit, b.crit) and a.events == b.events
+
+
+# ---------------------------------------------------------------------- executor, by hand
+@dataclass(frozen=True)
+class HandShape:
+    """A stand-in for ModelShape whose costs are round numbers: experts of 1e6 bytes and no FLOPs
+    worth counting, attention of 5e6 bytes, a negligible router and LM head."""
+
+    num_layers: int = 2
+    num_experts: int = 8
+    top_k: int = 2
+    hidden_size: int = 1
+    expert_intermediate: int = 1
+    num_shared_experts: int = 0
+    shared_intermediate: int = 0
+    dense_intermediate: int = 0
+    vocab_size: int = 1
+    dtype: str = "bf16"
+    name: str = "hand"
+
+    @property
+    def moe_layers(self):
+        return tuple(range(self.num_layers))
+
+    def bytes_per_param(self, dtype=None):
+        return 2.0
+
+    def expert_params(self):
+        return 1
+
+    def expert_bytes(self):
+        return 1_000_000
+
+    def expert_flops(self, tokens=1):
+        return 2 * tokens
+
+    def shared_bytes(self):
+        return 0
+
+    def dense_mlp_bytes(self):
+        return 0
+
+    def attention_bytes(self, context, batch=1):
+        return 5_000_000
+
+    def attention_flops(self, context, batch=1):
+        return 2.0 * batch
+
+
+def hand_profile(**changes) -> HardwareProfile:
+    # device reads 1e5 B/µs (100 GB/s, efficiency 1): attention 50 µs, an expert 10 µs;
+    # link 1e4 B/µs: a copy 100 µs; a host expert is capped at 1e4 B/µs (1000 GB/s × 0.01): 100 µs;
+    # the node's 1e6 B/µs leaves copies and host kernels uncontended; no fixed costs
+    base = dict(name="hand", link_bandwidth_gbs=10.0, link_latency_us=0.0, gpu_memory_bandwidth_gbs=100.0,
+                gpu_memory_efficiency=1.0, gpu_compute_efficiency=1.0, gpu_peak_tflops=1000.0, gpu_launch_us=0.0,
+                cpu_peak_tflops=1000.0, cpu_memory_efficiency=0.01, numa_nodes=1, numa_node_bandwidth_gbs=1000.0,
+                cpu_dispatch_us=0.0, sync_us=0.0, copy_engines=1)
+    base.update(changes)
+    return HardwareProfile(**base)
+
+
+def plan(layer, forward=0, device=(), host=(), deferred=(), hits=(), transfers=()) -> LayerPlan:
+    lp = LayerPlan(forward=forward, step=forward, phase="decode", layer=layer, tokens=1)
+    lp.device, lp.host, lp.deferred = list(device), list(host), list(deferred)
+    lp.hits = list(hits)
+    lp.misses = [e for e, _ in lp.device if e not in lp.hits] + [e for e, _ in lp.host]
+    lp.transfers = [Transfer(*t) for t in transfers]
+    return lp
+
+
+def rows(res, **match):
+    ev = res.events
+    m = np.ones(len(ev), bool)
+    for k, v in match.items():
+        m &= (ev[k].astype(str) if isinstance(v, str) else ev[k]).to_numpy() == v
+    return ev[m]
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_a_fetched_expert_computes_after_its_copy_ends(engine):
+    from moelab.simulate.executor import simulate_plans
+
+    # dense 0-50; the demand copy of expert 3: 50-150; hit expert 1: 50-60; fetched expert 3: 150-160;
+    # the control thread waits 50-160 for the copy; the device lane idles 60-150 waiting for it
+    p = plan(0, device=[(1, 1), (3, 1)], hits=[1], transfers=[(0, 3, 1_000_000, "demand")])
+    res = simulate_plans([p], HandShape(num_layers=1), hand_profile(), engine=engine)
+    assert list(res.events.columns) == list(COLUMNS)
+    hit = rows(res, kind="expert-device", expert=1)
+    fetched = rows(res, kind="expert-device", expert=3)
+    copy = rows(res, kind="transfer-demand")
+    assert (hit["t_start_us"].item(), hit["t_end_us"].item()) == pytest.approx((50, 60), abs=1e-3)
+    assert (copy["t_start_us"].item(), copy["t_end_us"].item()) == pytest.approx((50, 150), abs=1e-3)
+    assert (fetched["t_start_us"].item(), fetched["t_end_us"].item()) == pytest.approx((150, 160), abs=1e-3)
+    assert hit["cause"].item() == "hit" and fetched["cause"].item() == "miss-fetch" and copy["lane"].item() == "copy"
+    wait = rows(res, lane="control", kind="wait")
+    assert (wait["t_start_us"].item(), wait["t_end_us"].item()) == pytest.approx((50, 160), abs=1e-3)
+    assert wait["cause"].item() == "copy"
+    idle = rows(res, lane="device", kind="wait")
+    assert (idle["t_start_us"].item(), idle["t_end_us"].item()) == pytest.approx((60, 150), abs=1e-3)
+    assert res.summary()["stall_us"] == pytest.approx({"copy": 110.0}, abs=1e-2)
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_deferred_work_overlaps_the_next_attention_and_is_merged_at_its_output(engine):
+    from moelab.simulate.executor import simulate_plans
+
+    # layer 0: dense 0-50, host expert 2: 50-150, deferred expert 5: 150-250 (after it, same lane);
+    # the wait of layer 0 ends with the host expert at 150 (cause host); layer 1's dense 150-200
+    # overlaps the deferred expert; layer 1's wait ends when the deferred expert does, 250 (cause deferred)
+    plans = [plan(0, host=[(2, 1)], deferred=[(5, 1)]), plan(1, device=[(0, 1)], hits=[0])]
+    res = simulate_plans(plans, HandShape(), hand_profile(), engine=engine)
+    h = rows(res, kind="expert-host")
+    f = rows(res, kind="expert-deferred")
+    assert (h["t_start_us"].item(), h["t_end_us"].item(), h["lane"].item()) == (pytest.approx(50, abs=1e-3),
+                                                                              pytest.approx(150, abs=1e-3), "host")
+    assert (f["t_start_us"].item(), f["t_end_us"].item()) == pytest.approx((150, 250), abs=1e-3)
+    d1 = rows(res, kind="dense", layer=1)
+    assert (d1["t_start_us"].item(), d1["t_end_us"].item()) == pytest.approx((150, 200), abs=1e-3)
+    waits = rows(res, lane="control", kind="wait").sort_values("t_start_us")
+    assert waits["cause"].astype(str).tolist() == ["host", "deferred"]
+    assert waits["t_end_us"].tolist() == pytest.approx([150, 250], abs=1e-3)
+    s = res.summary()
+    assert s["overlap_pct"] > 0 and set(s["stall_us"]) == {"host", "deferred"}
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_a_device_expert_waits_for_its_prefetch_still_in_flight(engine):
+    from moelab.simulate.executor import simulate_plans
+
+    # layer 0 prefetches expert 4 of layer 1 (copy 50-150); layer 1's dense ends at 100 (50 + 50), its
+    # hit on expert 4 must wait for the copy: 150-160
+    plans = [plan(0, transfers=[(1, 4, 1_000_000, "prefetch")]), plan(1, device=[(4, 1)], hits=[4])]
+    plans[1].prefetch_hits = [4]
+    res = simulate_plans(plans, HandShape(), hand_profile(), engine=engine)
+    e = rows(res, kind="expert-device")
+    assert (e["t_start_us"].item(), e["cause"].item()) == (pytest.approx(150, abs=1e-3), "prefetch-hit")
+    assert rows(res, kind="transfer-prefetch")["layer"].item() == 1
+
+
+def test_ktransformers_style_saturation_deferral_cuts_layer_time_to_the_cpu_busy_share():
+    from moelab.simulate.executor import simulate_plans
+
+    # a CPU-bound layer: attention 50 µs on the device side, 4 host experts of 100 µs each (with 2 µs
+    # dispatch). Without deferral a layer is 50 + 4 × 102 = 458 µs and the CPU is busy 408 / 458 = 89 %.
+    # Deferring 2 experts runs them beside the next layer's attention: the CPU never idles, so a
+    # layer tends to the CPU's 408 µs = the CPU-busy share of the undeferred layer.
+    L, steps = 16, 4
+    hw = hand_profile(cpu_dispatch_us=2.0)
+    shape = HandShape(num_layers=L)
+
+    def run(deferred: int):
+        plans = []
+        for f in range(steps):
+            for layer in range(L):
+                d = deferred if layer < L - 1 else 0
+                plans.append(plan(layer, forward=f, host=[(e, 1) for e in range(4 - d)],
+                                  deferred=[(e, 1) for e in range(4 - d, 4)]))
+        return simulate_plans(plans, shape, hw)
+
+    base, dfr = run(0), run(2)
+    t0, t1 = base.summary()["decode_step_us"], dfr.summary()["decode_step_us"]
+    cpu_share = base.summary()["busy_pct"]["host"] / 100
+    assert cpu_share == pytest.approx(408 / 458, rel=0.01)
+    assert base.summary()["host_side_busy_pct"] == pytest.approx(100 * 408 / 458, rel=0.01)
+    assert base.summary()["device_side_busy_pct"] == pytest.approx(100 * 50 / 458, rel=0.01)
+    assert t1 / t0 == pytest.approx(cpu_share, rel=0.03)
+    assert dfr.summary()["busy_pct"]["host"] > 97
+
+
+# ---------------------------------------------------------------------- executor: parity and bad input
+@pytest.mark.skipif(not _native.available(), reason="no C compiler here: nothing to compare the reference with")
+def test_fast_path_events_equal_the_reference_over_random_plans():
+    from moelab.simulate.bench import SimpleShape, events_equal, random_plans
+    from moelab.simulate.executor import Costs, build_graph, encode, simulate_plans
+
+    shape = SimpleShape(name="small", num_layers=5, moe_layers=(1, 2, 3, 4), num_experts=16, top_k=4,
+                        hidden_size=256, expert_intermediate=128, num_shared_experts=1, shared_intermediate=128,
+                        dense_intermediate=512, vocab_size=1000)
+    rng = np.random.default_rng(0)
+    for seed in range(12):
+        hw = hand_profile(numa_nodes=int(rng.integers(1, 3)), copy_engines=int(rng.integers(1, 3)),
+                          cpu_memory_efficiency=float(rng.uniform(0.3, 1)), link_latency_us=float(rng.uniform(0, 5)),
+                          numa_node_bandwidth_gbs=float(rng.uniform(5, 50)), sync_us=2.0, gpu_launch_us=1.0,
+                          device_shares_host_memory=bool(seed % 3 == 0))
+        plans = random_plans(steps=int(rng.integers(1, 6)), layers=4, experts=16, top_k=4, expert_bytes=shape.expert_bytes(),
+                             capacity=float(rng.choice([0.0, 0.25, 0.5])), deferred=int(rng.integers(0, 3)),
+                             fetch_share=float(rng.uniform(0, 1)), prefetch=int(rng.integers(0, 3)), seed=seed,
+                             insert=bool(seed % 2), tokens=int(rng.integers(1, 3)))
+        ref = simulate_plans(plans, shape, hw, engine="reference", reference_graph=True)
+        fast = simulate_plans(plans, shape, hw, engine="fast")
+        assert events_equal(ref.events, fast.events), seed
+        enc = encode(plans, 16, 4, has_shared=True)
+        g1, _, _ = build_graph(enc, Costs.of(shape, hw))
+        g2, _, _ = build_graph(enc, Costs.of(shape, hw), reference=True)
+        assert np.array_equal(g1.dep_ptr, g2.dep_ptr)
+        for j in range(g1.n):  # the same dependencies (each task's in any order)
+            a, b = g1.dep_ptr[j], g1.dep_ptr[j + 1]
+            assert sorted(g1.dep_idx[a:b]) == sorted(g2.dep_idx[a:b])
+
+
+def test_plans_that_do_not_fit_the_shape_are_refused_in_one_line():
+    from moelab.simulate.executor import simulate_plans
+
+    with pytest.raises(MoelabError, match="expert 9 does not exist: the model shape has 8 experts") as info:
+        simulate_plans([plan(0, host=[(9, 1)])], HandShape(), hand_profile())
+    assert "\n" not in str(info.value)
+    with pytest.raises(MoelabError, match="MoE layer 5 but the model shape has 2 MoE layers"):
+        simulate_plans([plan(5)], HandShape(), hand_profile())
+
+
+def test_events_table_has_the_parquet_schema():
+    from moelab.hybrid.events import EventLog
+    from moelab.simulate.executor import simulate_plans
+
+    res = simulate_plans([plan(0, host=[(2, 1)]), plan(1, device=[(1, 1)], hits=[1])], HandShape(), hand_profile())
+    assert res.table().schema == EventLog("x").table().schema
+
+
+# ---------------------------------------------------------------------- online, beside a running model
+def test_online_simulated_executor_writes_simulated_events_for_every_forward():
+    import torch
+
+    import moelab
+    from moelab.models.tiny import build_tiny
+
+    model = build_tiny("mixtral", seed=0)
+    ids = torch.randint(0, model.config.vocab_size, (1, 6), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ref = model(ids).logits
+    cfg = {"executor": "simulated", "hardware": "ktransformers-a100", "cache": {"capacity": 0.5}}
+    with moelab.hybrid(model, cfg) as run, torch.no_grad():
+        out = model(ids).logits
+        model(ids[:, :1])
+    assert torch.equal(out, ref)  # the model computes as the functional executor does
+    ev = run.events_table()
+    assert list(ev.columns) == list(COLUMNS) and len(ev)
+    assert set(ev["step"]) == {0, 1}
+    assert {"dense", "wait"} <= set(ev["kind"]) and set(ev["lane"]) <= {"control", "device", "copy", "host", "host0",
+                                                                          "host1"}
+    n_moe = len({p.layer for p in run.plans})
+    assert len(ev[(ev["kind"] == "dense") & (ev["layer"] >= 0)]) == 2 * n_moe
+    # the second forward starts where the first ended (one clock)
+    first_end = ev[ev["step"] == 0]["t_end_us"].max()
+    assert ev[ev["step"] == 1]["t_start_us"].min() == pytest.approx(first_end)
+    with pytest.raises(MoelabError, match="needs a hardware profile"):
+        moelab.hybrid(model, {"executor": "simulated"}).apply()
+
+
+# ---------------------------------------------------------------------- calibrate
+def test_calibrate_writes_a_profile_that_loads_with_every_number_stated(tmp_path):
+    from moelab.simulate.calibrate import CalibrateConfig, calibrate, write_profile
+    from moelab.timing import load_profile
+
+    cfg = CalibrateConfig(repeat=1, experts=8, host_backend="reference", device_backend="reference", memory_mib=8,
+                          batches=(1,), dtypes=("fp32",), contexts=(16, 64), device_batches=(1,),
+                          attention_hidden=256, expert_hidden=256, expert_intermediate=128)
+    profile, raw = calibrate(cfg, progress=False)
+    out = write_profile(profile, raw, tmp_path / "box.yaml")
+    hw = load_profile(out)
+    assert hw.name == "box" and hw.device_shares_host_memory and hw.copy_engines == 1
+    assert all(v.startswith("stated: measured by moelab calibrate on ") for k, v in hw.provenance.items()
+               if k not in ("decode_layer_time_us", "attention_fraction"))
+    assert "(1 repeats, median)" in hw.provenance["link_bandwidth_gbs"]
+    assert (tmp_path / "box.raw.json").is_file() and not list(tmp_path.glob(".*partial"))
+    with pytest.raises(MoelabError, match="exists; pass --overwrite"):
+        write_profile(profile, raw, out)
+    with pytest.raises(MoelabError, match="give a .yaml file name"):
+        write_profile(profile, raw, tmp_path / "box.txt")
+
+
+def test_the_c_engine_source_is_package_data():
+    import tomllib
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    globs = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["moelab"]
+    assert "simulate/*.c" in globs and (root / "moelab" / "simulate" / "_engine.c").is_file()

@@ -1,0 +1,147 @@
+"""Synthetic routing: statistics fitted from routing, generated back, recovered."""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from moelab.errors import MoelabError
+from moelab.simulate.shapes import ModelShape, get_shape
+from moelab.simulate.synthetic import (
+    RoutingStats,
+    check_trace_shape,
+    fit_routing_stats,
+    synthetic_routing,
+)
+
+
+def _shape(E: int, K: int, L: int) -> ModelShape:
+    return ModelShape(name=f"toy-{E}x{K}", num_layers=L, moe_layers=tuple(range(L)), num_experts=E, top_k=K,
+                      hidden_size=64, expert_intermediate=32)
+
+
+@pytest.fixture(scope="module")
+def stats() -> RoutingStats:
+    return RoutingStats.from_lifts(
+        16, 4, skew=[0.9, 0.6, 1.1, 0.7], reuse_lift=[0.3, 0.2, 0.15, 0.2],
+        adjacent_lift=[0.0, 0.25, 0.4, 0.1], weight_profile=[0.5, 0.25, 0.15, 0.1], weight_sum=1.0,
+        weight_spread=0.1,
+    )
+
+
+@pytest.fixture(scope="module")
+def generated(stats):
+    return synthetic_routing(_shape(16, 4, 4), stats, steps=64, batch=64, seed=3)
+
+
+def test_fitted_statistics_recover_the_generating_ones(stats, generated):
+    got = fit_routing_stats(generated, num_experts=16)
+    assert got.num_layers == 4 and got.tokens == 64 * 64
+    np.testing.assert_allclose(got.skew, stats.skew, atol=0.1)
+    np.testing.assert_allclose(got.reuse_lift, stats.reuse_lift, atol=0.04)
+    np.testing.assert_allclose(got.adjacent_lift[1:], stats.adjacent_lift[1:], atol=0.05)
+    np.testing.assert_allclose(got.weight_profile, stats.weight_profile, atol=0.03)
+    assert got.weight_sum == pytest.approx(1.0, abs=1e-5)
+    assert math.isnan(got.adjacent[0])
+
+
+def test_uncalibrated_generation_misses_the_targets(stats):
+    """The calibration matters: the rough lift → bonus guess is measurably off."""
+    raw = synthetic_routing(_shape(16, 4, 4), stats, steps=64, batch=64, seed=3, calibrate=False)
+    got = fit_routing_stats(raw, num_experts=16)
+    err = np.nanmax(np.abs(np.array(got.adjacent_lift[1:]) - stats.adjacent_lift[1:]))
+    err = max(err, np.max(np.abs(np.array(got.reuse_lift) - stats.reuse_lift)))
+    assert err > 0.05
+
+
+def test_forward_routing_attributes(stats):
+    fw = synthetic_routing(_shape(16, 4, 4), stats, steps=3, batch=2, prompt_len=5, seed=3)  # calibrated once
+    assert [(f.forward, f.step, f.phase, f.tokens) for f in fw] == [
+        (0, 0, "prefill", 10), (1, 1, "decode", 2), (2, 2, "decode", 2), (3, 3, "decode", 2)]
+    for f in fw:
+        assert len(f.ids) == len(f.weights) == 4 and f.scores is None
+        for ids, w in zip(f.ids, f.weights):
+            assert ids.dtype == np.int64 and ids.shape == (f.tokens, 4)
+            assert w.dtype == np.float32 and w.shape == (f.tokens, 4)
+            assert ((ids >= 0) & (ids < 16)).all()
+            assert all(len(set(row)) == 4 for row in ids.tolist())  # K distinct experts
+            assert (np.diff(w, axis=1) <= 0).all()  # descending weights
+
+
+def test_deterministic_by_seed():
+    from moelab.simulate import synthetic
+
+    two = RoutingStats.from_lifts(16, 4, skew=[0.8, 0.8], reuse_lift=[0.2, 0.2], adjacent_lift=[0.0, 0.3])
+    runs = []
+    for seed in (7, 7, 8):
+        synthetic._CALIBRATIONS.clear()  # the calibration itself must be deterministic too
+        runs.append(synthetic_routing(_shape(16, 4, 2), two, steps=4, batch=3, seed=seed))
+    a, b, c = runs
+    flat = lambda fw: np.concatenate([x.ravel() for f in fw for x in f.ids])  # noqa: E731
+    assert np.array_equal(flat(a), flat(b))
+    assert np.array_equal(np.concatenate([x.ravel() for f in a for x in f.weights]),
+                          np.concatenate([x.ravel() for f in b for x in f.weights]))
+    assert not np.array_equal(flat(a), flat(c))
+
+
+def test_rescaled_to_another_shape(stats):
+    target = stats.for_shape(32, 6, 7)
+    assert (target.num_experts, target.top_k, target.num_layers) == (32, 6, 7)
+    np.testing.assert_allclose(target.reuse_lift, [stats.reuse_lift[j] for j in (0, 0, 1, 2, 2, 2, 3)], atol=1e-9)
+    assert sum(target.weight_profile) == pytest.approx(1.0)
+    assert stats.for_shape(16, 4, 4) is stats
+    fw = synthetic_routing(_shape(32, 6, 7), stats, steps=2, batch=2, seed=0, calibrate=False)
+    assert all(x.shape == (2, 6) and x.max() < 32 for f in fw for x in f.ids)
+
+
+def test_stats_table_and_round_trip(stats):
+    text = str(stats)
+    assert "zipf_s" in text and "weight profile" in text and len(text.splitlines()) == 2 + 4 + 1
+    assert RoutingStats.from_dict(stats.to_dict()).skew == stats.skew
+    assert list(stats.table().columns)[:3] == ["moe_layer", "zipf_s", "reuse"]
+
+
+def test_bad_inputs(stats):
+    with pytest.raises(MoelabError, match="batch is 0, expected an integer ≥ 1"):
+        synthetic_routing(_shape(16, 4, 4), stats, batch=0)
+    with pytest.raises(MoelabError, match="top_k 9 must be in 1..num_experts"):
+        stats.for_shape(8, 9, 2)
+    with pytest.raises(MoelabError, match="unknown model shape"):
+        synthetic_routing("deepseek-v9", stats)
+    with pytest.raises(MoelabError, match="reuse_lift values"):
+        RoutingStats.from_lifts(8, 2, [1.0], [1.5], [0.0])
+    with pytest.raises(MoelabError, match="weight_profile has 3 ranks, top_k is 4"):
+        RoutingStats(16, 4, (1.0,), (0.5,), (0.2,), (math.nan,), (math.nan,), (0.5, 0.3, 0.2))
+
+
+def test_trace_whose_experts_do_not_match_the_shape():
+    trace = SimpleNamespace(num_experts=32, top_k=8, num_moe_layers=6, path="traces/run1",
+                            meta={"model": {"name": "moelab-tiny-qwen2moe"}})
+    with pytest.raises(MoelabError) as e:
+        check_trace_shape(trace, get_shape("deepseek-v3"))
+    msg = str(e.value)
+    assert "\n" not in msg and "E=32" in msg and "E=256" in msg and "--synthetic" in msg
+    check_trace_shape(SimpleNamespace(num_experts=256, top_k=8, num_moe_layers=58, path="t", meta={"model": {}}),
+                      get_shape("deepseek-v3"))
+
+
+def test_fit_on_a_recorded_trace(tmp_path):
+    import torch
+
+    import moelab
+    from moelab.models.tiny import build_tiny
+
+    model = build_tiny("mixtral")
+    ids = torch.randint(3, 200, (4, 6), generator=torch.Generator().manual_seed(0))
+    with moelab.record(model, tmp_path / "t"):
+        model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False,
+                       min_new_tokens=12, pad_token_id=0)
+    st = fit_routing_stats(tmp_path / "t")
+    assert (st.num_experts, st.top_k, st.num_layers) == (8, 2, 4)
+    assert st.tokens == 4 * 11
+    assert all(0 <= r <= 1 for r in st.reuse) and all(s >= 0 for s in st.skew)
+    assert sum(st.weight_profile) == pytest.approx(1.0)
+    assert "moelab" in str(st) or "trace" in str(st)
