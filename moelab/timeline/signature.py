@@ -28,6 +28,7 @@ last event is not an event, so the wall can end a few µs before the next layer 
 from __future__ import annotations
 
 import logging
+import textwrap
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -269,7 +270,10 @@ def fig10_figure(panels: Sequence[Fig10Panel], *, title: str | None = None, subt
                                "cause %{customdata[5]}<br>%{base:.0f} → %{x:.0f} µs long<extra></extra>"),
             ), row=r, col=1)
             seen.add(str(c))
-        fig.update_yaxes(categoryorder="array", categoryarray=[names[lane] for lane in reversed(lanes)], row=r, col=1)
+        fig.update_yaxes(categoryorder="array", categoryarray=[names[lane] for lane in reversed(lanes)], row=r, col=1,
+                         title_text="lane · busy %", title_font_size=10)
+        if r < len(panels):  # the shared time axis, its ticks drawn under the last panel
+            fig.update_xaxes(title_text="µs", title_font_size=10, title_standoff=0, row=r, col=1)
         meta.append({"label": p.label or _label(p.deferred), "deferred": p.deferred, "step": p.step,
                      "layer": p.layer, "layer_us": p.layer_us, "lanes": lanes,
                      "busy_pct": {lane: busy.get(lane, 0.0) for lane in lanes},
@@ -277,8 +281,8 @@ def fig10_figure(panels: Sequence[Fig10Panel], *, title: str | None = None, subt
     fig.update_xaxes(title_text="µs from the layer's start (its attention)", row=len(panels), col=1)
     head = title or "One MoE layer without and with deferred experts (KTransformers Fig. 10, redrawn)"
     fig.update_layout(
-        title={"text": head + (f"<br><sup>{subtitle}</sup>" if subtitle else "")},
-        barmode="overlay", height=int(160 + 150 * len(panels)), meta={"panels": meta},
+        title={"text": head + "".join(f"<br><sup>{line}</sup>" for line in textwrap.wrap(subtitle, 150))},
+        barmode="overlay", height=int(170 + 150 * len(panels) + 14 * len(textwrap.wrap(subtitle, 150))), meta={"panels": meta},
         legend={"title": {"text": "fate / kind"}}, margin={"l": 130, "r": 20, "t": 110, "b": 50},
     )
     return fig
