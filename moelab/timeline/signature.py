@@ -105,37 +105,55 @@ def _panel(events: pd.DataFrame, deferred: int, layer: int, step: int | None, la
 
 
 # ---------------------------------------------------------------------- simulated
+def simulated_timeline(shape: Any, profile: Any, hybrid: dict, *, routing: Any = None, steps: int = 4,
+                       batch: int = 1, context: int = 1024, name: str | None = None) -> Timeline:
+    """The Timeline of ``hybrid`` (a hybrid configuration dict) on ``shape`` (a model shape or its
+    name) and ``profile`` (a hardware profile or its name): the routing (a
+    :class:`~moelab.simulate.whatif.Routing`, a list of forwards, or None: synthetic routing of
+    ``batch`` sequences × ``steps`` decode steps with the what-if grids' default statistics)
+    planned by the offline planner and simulated from ``context`` cached tokens."""
+    from moelab.hybrid.offline import plan_routing
+    from moelab.simulate.executor import simulate_plans
+    from moelab.simulate.shapes import ModelShape, get_shape
+    from moelab.simulate.whatif import load_routing
+
+    shape = shape if isinstance(shape, ModelShape) else get_shape(shape)
+    if routing is None:
+        routing = load_routing(shape, synthetic=True, steps=steps, batch=batch)
+    forwards = getattr(routing, "forwards", routing)
+    L = shape.num_moe_layers
+    plans = plan_routing(forwards, hybrid, num_experts=[shape.num_experts] * L, top_k=[shape.top_k] * L,
+                         expert_bytes=shape.expert_bytes(), expert_params=shape.expert_params())
+    res = simulate_plans(plans, shape, profile, context=context)
+    pname = getattr(profile, "name", profile)
+    return Timeline(res.events, name=name or f"simulated {shape.name} on {pname}",
+                    tokens=sum(int(f.tokens) for f in forwards if f.phase == "decode"))
+
+
 def simulated_fig10(deferrals: Sequence[int] = DEFERRALS, *, steps: int = 8, routing: Any = None,
                     layer: int | None = None) -> list[Fig10Panel]:
     """Fig. 10 simulated as the validation cases set it up (module docs): one panel per number of
     deferred experts, the cases' MoE layer in the last of ``steps`` decode steps. ``routing``: a
     :class:`moelab.simulate.whatif.Routing` (or a list of forwards) to use instead of
     the cases' synthetic routing (e.g. statistics fitted from another trace)."""
-    from moelab.hybrid.offline import plan_routing
-    from moelab.simulate.executor import simulate_plans
     from moelab.simulate.shapes import get_shape
     from moelab.simulate.validate import _profile_for
     from moelab.simulate.validate_cases import get_case
     from moelab.simulate.whatif import load_routing
 
-    cases = {d: get_case(FIG10_CASES[d]) if d in FIG10_CASES else None for d in deferrals}
     base = get_case(FIG10_CASES[0])
     st = base.settings
     shape = get_shape(base.shape, dtype=base.dtype)
     hw = _profile_for(base)
     if routing is None:
         routing = load_routing(shape, synthetic=True, steps=steps, batch=int(st.get("batch", 1)))
-    forwards = getattr(routing, "forwards", routing)
-    L = shape.num_moe_layers
-    moe_layer = int(st.get("moe_layer", L // 2)) if layer is None else int(layer)
+    moe_layer = int(st.get("moe_layer", shape.num_moe_layers // 2)) if layer is None else int(layer)
     panels = []
     for d in deferrals:
-        case = cases[d]
-        hybrid = case.hybrid if case is not None else {**base.hybrid, "routing": {"deferred": int(d)}}
-        plans = plan_routing(forwards, hybrid, num_experts=[shape.num_experts] * L, top_k=[shape.top_k] * L,
-                             expert_bytes=shape.expert_bytes(), expert_params=shape.expert_params())
-        res = simulate_plans(plans, shape, hw, context=int(st.get("context", 1024)))
-        panels.append(_panel(res.events, int(d), moe_layer, None, _label(d)))
+        hybrid = get_case(FIG10_CASES[d]).hybrid if d in FIG10_CASES else \
+            {**base.hybrid, "routing": {"deferred": int(d)}}
+        tl = simulated_timeline(shape, hw, hybrid, routing=routing, context=int(st.get("context", 1024)))
+        panels.append(_panel(tl.events, int(d), moe_layer, None, _label(d)))
     return panels
 
 
@@ -301,4 +319,5 @@ def fig10_table(panels: Sequence[Fig10Panel]) -> pd.DataFrame:
 
 
 __all__ = ["DEFERRALS", "FIG10_CASES", "Fig10Panel", "fig10_figure", "fig10_table", "layer_timeline",
-           "layer_window", "real_fig10", "real_setup", "simulated_fig10", "simulated_setup"]
+           "layer_window", "real_fig10", "real_setup", "simulated_fig10", "simulated_setup",
+           "simulated_timeline"]
