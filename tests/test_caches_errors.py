@@ -84,7 +84,9 @@ def test_cli_simulate_prints_hit_rates_and_json(tmp_path, capsys):
         assert main(["cache", "simulate", "--trace", str(trace), "--policy", "lru", "--capacity", "0.25",
                      "--prefetch", "oracle", *flags, "--json"]) == 0
         budgets[flags[0]] = json.loads(capsys.readouterr().out)["results"][0]["prefetch"]
-    assert set(budgets.values()) == {"oracle d=1 budget=2"}, budgets
+    # the same 2 experts; a count or bytes per MoE layer (the default), a link's window per step
+    assert budgets == {"--budget": "oracle d=1 budget=2/layer", "--budget-bytes": "oracle d=1 budget=2/layer",
+                       "--link-gbps": "oracle d=1 budget=2/forward"}, budgets
     assert main(["cache", "simulate", "--trace", str(trace), "--policy", "mrs", "--capacity", "2"]) == 0
     assert "per-layer hit rate" in capsys.readouterr().out
     assert main(["cache", "simulate", "--trace", str(trace), "--policy", "lruu"]) == 2

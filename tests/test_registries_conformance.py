@@ -115,8 +115,17 @@ def _placements() -> Case:
                 lambda n, obj, overwrite=False: PLACEMENTS.register(n, obj, overwrite=overwrite))
 
 
+def _model_shapes() -> Case:
+    from dataclasses import replace
+
+    from moelab.simulate.shapes import SHAPES, get_shape, register_shape
+
+    return Case("model shapes", lambda: SHAPES, lambda n, v: replace(get_shape("mixtral-8x7b"), name=n, top_k=1 + v),
+                lambda n, obj, overwrite=False: register_shape(obj, name=n, overwrite=overwrite))
+
+
 CASES = [_adapters, _cache_policies, _predictors, _routing_policies, _tasks, _prompt_sources,
-         _report_sections, _eval_tasks, _training_presets, _experts_backends, _placements]
+         _report_sections, _eval_tasks, _training_presets, _experts_backends, _placements, _model_shapes]
 
 
 @pytest.fixture(params=CASES, ids=lambda f: f.__name__.lstrip("_"))

@@ -422,3 +422,15 @@ def test_the_c_engine_source_is_package_data():
     root = Path(__file__).resolve().parents[1]
     globs = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["moelab"]
     assert "simulate/*.c" in globs and (root / "moelab" / "simulate" / "_engine.c").is_file()
+
+
+def test_the_runs_summary_counts_every_numa_host_lane_as_host():
+    from moelab.hybrid.events import summarize
+    from moelab.simulate.executor import simulate_plans
+
+    # two NUMA nodes: experts 2, 4 on host0 and 3 on host1; the deferred expert 4 runs after expert 2 on
+    # host0, beside layer 1's dense work
+    plans = [plan(0, host=[(2, 1), (3, 1)], deferred=[(4, 1)]), plan(1, device=[(0, 1)], hits=[0])]
+    res = simulate_plans(plans, HandShape(), hand_profile(numa_nodes=2, numa_node_bandwidth_gbs=500.0))
+    assert {"host0", "host1"} <= set(res.events["lane"].astype(str))
+    assert summarize(res.events)["overlap_pct"] > 0

@@ -154,3 +154,15 @@ def test_validation_cases_resolve_and_score():
         get_case("ktransformers-fig11")
     with pytest.raises(MoelabError, match="no validation cases named"):
         cases_table({"nope": 1.0})
+
+
+def test_catalog_configs_read_alike_as_dicts_and_as_transformers_configs():
+    """The catalog's config.json keys give the same shape when transformers parses them."""
+    from transformers import AutoConfig
+
+    from moelab.simulate.shapes import CATALOG_DIR
+
+    for name in CATALOG:
+        raw = json.loads((CATALOG_DIR / f"{name}.json").read_text())["config"]
+        cfg = AutoConfig.for_model(**{k: v for k, v in raw.items() if k not in ("quantization_config", "torch_dtype")})
+        assert ModelShape.from_hf_config(cfg, name=name, dtype="bf16") == get_shape(name), name

@@ -18,6 +18,14 @@ from moelab.simulate.synthetic import (
 )
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _calibration_cache(tmp_path_factory):
+    """Calibrations of these tests are kept in a temporary directory, not ~/.cache."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("MOELAB_SYNTHETIC_CACHE", str(tmp_path_factory.mktemp("synthetic-cache")))
+        yield
+
+
 def _shape(E: int, K: int, L: int) -> ModelShape:
     return ModelShape(name=f"toy-{E}x{K}", num_layers=L, moe_layers=tuple(range(L)), num_experts=E, top_k=K,
                       hidden_size=64, expert_intermediate=32)
@@ -71,9 +79,10 @@ def test_forward_routing_attributes(stats):
             assert (np.diff(w, axis=1) <= 0).all()  # descending weights
 
 
-def test_deterministic_by_seed():
+def test_deterministic_by_seed(monkeypatch):
     from moelab.simulate import synthetic
 
+    monkeypatch.setenv("MOELAB_SYNTHETIC_CACHE", "")  # no disk cache: calibrate every time
     two = RoutingStats.from_lifts(16, 4, skew=[0.8, 0.8], reuse_lift=[0.2, 0.2], adjacent_lift=[0.0, 0.3])
     runs = []
     for seed in (7, 7, 8):
@@ -145,3 +154,37 @@ def test_fit_on_a_recorded_trace(tmp_path):
     assert all(0 <= r <= 1 for r in st.reuse) and all(s >= 0 for s in st.skew)
     assert sum(st.weight_profile) == pytest.approx(1.0)
     assert "moelab" in str(st) or "trace" in str(st)
+
+
+def test_a_deep_model_from_a_shallow_trace_keeps_the_statistics():
+    """Nine layers from two (DeepSeek-V3's 58 from a 6-layer trace works the same way): layers
+    deep in a run of alike layers reuse their predecessor's bonuses, and their statistics must
+    still come out as the targets (the exponent used to drift along such runs)."""
+    two = RoutingStats.from_lifts(16, 4, skew=[0.8, 0.6], reuse_lift=[0.2, 0.15], adjacent_lift=[0.0, 0.3])
+    fw = synthetic_routing(_shape(16, 4, 9), two, steps=64, batch=64, seed=0)
+    got, want = fit_routing_stats(fw, num_experts=16), two.for_shape(16, 4, 9)
+    np.testing.assert_allclose(got.skew, want.skew, atol=0.1)
+    np.testing.assert_allclose(got.reuse_lift, want.reuse_lift, atol=0.04)
+    np.testing.assert_allclose(got.adjacent_lift[1:], want.adjacent_lift[1:], atol=0.05)
+
+
+def test_calibrations_are_kept_on_disk(tmp_path, monkeypatch):
+    from moelab.simulate import synthetic
+
+    monkeypatch.setenv("MOELAB_SYNTHETIC_CACHE", str(tmp_path))
+    two = RoutingStats.from_lifts(16, 4, skew=[0.5, 0.9], reuse_lift=[0.1, 0.3], adjacent_lift=[0.0, 0.2])
+    a = synthetic_routing(_shape(16, 4, 2), two, steps=3, batch=2, seed=11)
+    files = list(tmp_path.glob("calibration-*.npz"))
+    assert len(files) == 1 and not list(tmp_path.glob(".calibration-*"))
+    synthetic._CALIBRATIONS.clear()
+
+    def boom(*args, **kwargs):
+        raise AssertionError("calibrated again although a calibration was on disk")
+
+    monkeypatch.setattr(synthetic, "_calibrate", boom)
+    b = synthetic_routing(_shape(16, 4, 2), two, steps=3, batch=2, seed=11)
+    assert all(np.array_equal(x, y) for f, g in zip(a, b) for x, y in zip(f.ids, g.ids))
+    files[0].write_bytes(b"not an npz")  # a damaged file is ignored, not trusted
+    synthetic._CALIBRATIONS.clear()
+    monkeypatch.setattr(synthetic, "_calibrate", lambda *a, **k: (np.zeros(2), np.zeros(2), np.zeros(2)))
+    synthetic_routing(_shape(16, 4, 2), two, steps=1, batch=1, seed=11)

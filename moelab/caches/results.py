@@ -41,7 +41,8 @@ class CacheResult:
     phase_hits: dict[str, int]
     """Hits per phase."""
     prefetch: str | None = None
-    """Prefetch setting (``"oracle d=1 budget=4"``) or None."""
+    """Prefetch setting (``"oracle d=1 budget=4/layer"``: 4 transfers per MoE layer; ``/forward``:
+    per forward pass) or None."""
     prefetched: int = 0
     """Experts inserted by prefetch."""
     prefetch_hits: int = 0

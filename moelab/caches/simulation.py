@@ -144,7 +144,8 @@ class PrefetchConfig:
     def describe(self, expert_bytes: int = 1) -> str:
         name = self.predictor if isinstance(self.predictor, str) else type(self.predictor).__name__
         b = self.experts_budget(expert_bytes)
-        return f"{name} d={self.distance} budget={'inf' if b is None else b}"
+        scope = "" if b is None else f"/{'layer' if self.per_layer else 'forward'}"
+        return f"{name} d={self.distance} budget={'inf' if b is None else b}{scope}"
 
 
 # ---------------------------------------------------------------------- streams from traces

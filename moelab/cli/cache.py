@@ -27,6 +27,8 @@ def register(subparsers) -> None:
     s.add_argument("--budget", type=int, default=None, help="prefetch transfers per MoE layer (the per-layer link budget), in experts")
     s.add_argument("--budget-bytes", type=float, default=None,
                    help="prefetch budget per MoE layer in bytes (whole experts that fit), instead of --budget")
+    s.add_argument("--budget-scope", choices=["layer", "forward"], default=None,
+                   help="what --budget/--budget-bytes apply to: each MoE layer (default) or each forward pass")
     s.add_argument("--link-gbps", type=float, default=None,
                    help="prefetch budget from a link: GB/s, with --step-ms (budget = GB/s × step time)")
     s.add_argument("--step-ms", type=float, default=None, help="step time in ms for --link-gbps")
@@ -106,6 +108,8 @@ def run_simulate(args) -> int:
                             ("--link-gbps", args.link_gbps)) if v is not None]
     if len(given) > 1:
         raise MoelabError(f"give one prefetch budget, not {' and '.join(given)}.")
+    if args.budget_scope is not None and args.link_gbps is not None:
+        raise MoelabError("--budget-scope is for --budget/--budget-bytes; a --link-gbps budget is per step (--step-ms).")
     if given and not args.prefetch:
         raise MoelabError(f"{given[0]} is a prefetch budget: add --prefetch PREDICTOR (oracle, repeat or a directory).")
     if args.prefetch:
@@ -114,7 +118,8 @@ def run_simulate(args) -> int:
             prefetch = PrefetchConfig.from_link(predictor, distance, gb_per_s=args.link_gbps, step_ms=args.step_ms,
                                                 latency_us=args.link_latency_us or 0.0)
         else:
-            prefetch = PrefetchConfig(predictor, distance, args.budget, args.budget_bytes)
+            prefetch = PrefetchConfig(predictor, distance, args.budget, args.budget_bytes,
+                                      budget_scope=args.budget_scope or "layer")
     stream = load_stream(args.trace, args.include_prefill, scores=any(get_policy(p).needs_scores for p in policies),
                          replay=args.replay)
     results = []

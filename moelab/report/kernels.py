@@ -49,6 +49,23 @@ def torch_threads(n: int | None):
         torch.set_num_threads(before)
 
 
+def bench_threads(default: int | None) -> tuple[int | None, str]:
+    """Threads for the bench and a sentence saying why: all of them (``default``) on a quiet
+    machine; one where the load average already exceeds the CPUs, because OpenMP threads that
+    wait at every barrier for a descheduled sibling measure the other load, not the kernel."""
+    import os
+
+    cpus = os.cpu_count() or 1
+    try:
+        load = os.getloadavg()[0]
+    except OSError:  # pragma: no cover - platforms without a load average
+        return default, "Numbers move with other load on a shared machine."
+    if load >= cpus and (default or cpus) > 1:
+        return 1, (f"The machine was busy (load average {load:.1f} on {cpus} CPUs), so both the kernels and "
+                   "the bandwidth were measured on 1 thread; on a quiet machine all threads are used.")
+    return default, f"Load average {load:.1f} on {cpus} CPUs when measured; numbers move with other load."
+
+
 def kernels_section(ctx: ReportContext) -> Section:
     from moelab.errors import MoelabError
 
@@ -62,8 +79,8 @@ def kernels_section(ctx: ReportContext) -> Section:
 
     shape, tokens, dtypes, mib = QUICK if ctx.quick else FULL
     cfg = BenchConfig(shapes=(shape,), tokens=tokens, dtypes=dtypes, baselines=(), repeat=3, bandwidth_mib=mib)
-    # the bench measures the machine with all its threads, whatever the demo's model work used
-    with torch_threads(ctx.extras.get("threads")):
+    threads, busy = bench_threads(ctx.extras.get("threads"))
+    with torch_threads(threads):
         result = run_bench(cfg)
     m, rows = result["machine"], result["rows"]
     from moelab.kernels.bench import Shape
@@ -85,7 +102,7 @@ def kernels_section(ctx: ReportContext) -> Section:
         f"read cold; GB/s = bytes of the distinct experts touched / median time. Machine: read "
         f"{m['read_gbps']:.1f} GB/s, copy {m['copy_gbps']:.1f} GB/s (STREAM-like, {m['threads']} threads), "
         f"ISA {m['isa']}. <code>moelab bench kernels --shapes {shape} --tokens {','.join(map(str, tokens))}"
-        f"</code> measures more.{cache_note} The machine is shared: numbers move with other load.</p>"
+        f"</code> measures more.{cache_note} {busy}</p>"
         + html_table(table, floatfmt="{:.2f}")
     )
     return Section(html=intro, figures=[bandwidth_figure(result, shape)])

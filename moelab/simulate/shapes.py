@@ -102,7 +102,7 @@ def check_dtype(dtype: str, what: str = "dtype") -> str:
     return dtype
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, repr=False)
 class ModelShape:
     """The weight-free shape of an MoE language model (see the module docstring).
 
@@ -491,6 +491,11 @@ class ModelShape:
             "kv_bytes_per_token_layer": self.kv_bytes_per_token(),
         }
 
+    def __repr__(self) -> str:
+        return (f"ModelShape({self.name!r}, layers={self.num_layers}, moe_layers={self.num_moe_layers}, "
+                f"E={self.num_experts}, K={self.top_k}, H={self.hidden_size}, F={self.expert_intermediate}, "
+                f"{self.attention}, {self.dtype})")
+
     def __str__(self) -> str:
         s = self.summary()
         return (
@@ -828,7 +833,7 @@ def register_shape(shape: ModelShape, *, name: str | None = None, overwrite: boo
     """Add ``shape`` to :data:`SHAPES` (under ``name`` if given)."""
     if name is not None:
         shape = dataclasses.replace(shape, name=name)
-    SHAPES.register(shape.name, shape, overwrite=overwrite)
+    SHAPES.register(shape.name, shape, overwrite=overwrite, stacklevel=2)
     return shape
 
 

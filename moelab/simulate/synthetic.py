@@ -14,7 +14,10 @@ per MoE layer, on decode tokens:
   fraction of ``S_l`` in the top-K of the naive-Bayes score
   ``log P(e') + Σ_{e ∈ S_{l−1}} log(P(e' | e) / P(e'))`` (frequencies estimated on the other
   half of the sequences, 2-fold, shrunk towards popularity by 8 pseudo-uses), and its chance
-  level (the top-K experts by popularity, also cross-fitted);
+  level (the top-K experts by popularity, also cross-fitted). A predictor learnt from
+  co-occurrences improves with data, so this one is measured on random subsamples of a fixed
+  size, ~100 uses per expert (``100 E / K`` tokens), averaged over up to 8 of them; a source
+  with fewer tokens underestimates it (logged);
 * **weights** — the mean top-k weight profile (each row's weights as fractions of their sum,
   descending), the mean row sum and the log-normal spread of the fractions.
 
@@ -29,9 +32,15 @@ the experts this sequence used at the previous step in this layer (reuse), and o
 successors of the experts this token used in the previous layer (adjacency; ``succ_l`` maps the
 r-th most popular expert of layer l−1 to the r-th of layer l, so the bonus keeps popularity in
 place). The order of the K experts (their weight rank) is the order of their perturbed logits.
-``alpha``, ``beta`` and the exponent are calibrated per layer on short pilot runs (bisection on
-the bonuses, a fixed-point step on the exponent) so that the generated statistics, measured as
-above, match the targets.
+The token's weights are drawn from the weight profile independently of which experts they go
+to. ``alpha``, ``beta`` and the exponent are calibrated layer by layer on pilot runs with common
+random numbers (bisection on the bonuses, secant steps on the exponent) so that the generated
+statistics, measured as above, match the targets; in a deep target stretched from a shallow
+source, layers deep in a run of alike layers start from their predecessor's values. Limits: a
+layer cannot reuse less than it inherits by copying from a previous layer with high reuse (its
+reuse bonus is then 0 and the reuse comes out above the target); calibration costs pilot runs
+(seconds for tens of experts; minutes for DeepSeek-V3's 256 × 58 on a busy 2-core machine;
+cached per process).
 
 Rescaling to another E, K or number of layers (:meth:`RoutingStats.for_shape`), documented
 because a synthetic run is only as good as this assumption:
@@ -41,7 +50,8 @@ because a synthetic run is only as good as this assumption:
   fraction of slots that repeat (or follow the previous layer) beyond what popularity alone
   gives; the chance levels are recomputed for the target E, K and skew;
 * target layer j takes the statistics of source layer ``round(j (L−1) / (L'−1))`` (same
-  relative depth);
+  relative depth; target layers after the first that map to source layer 0, which has no
+  previous layer, take source layer 1's adjacency);
 * the weight profile is interpolated over the relative rank ``k / (K−1)`` and renormalised.
 
 With the same E, K and layers the statistics are used as measured.
@@ -292,7 +302,7 @@ def _topk_counts(logits: np.ndarray, K: int) -> np.ndarray:
 
 
 #: Zipf exponents at which the Plackett–Luce inclusion probabilities are tabulated.
-_S_GRID = np.linspace(0.0, 6.0, 121)
+_S_GRID = np.linspace(0.0, 6.0, 61)
 
 
 @functools.lru_cache(maxsize=32)
@@ -300,7 +310,7 @@ def _inclusion_table(E: int, K: int) -> np.ndarray:
     """(len(_S_GRID), E): per-token inclusion probabilities by popularity rank of Gumbel-top-K
     draws from Zipf(s), one row per grid exponent (common random numbers: smooth in s)."""
     rng = np.random.default_rng(0x5F1)
-    draws = int(np.clip(400_000 // E, 1000, 8000))
+    draws = int(np.clip(100_000 // E, 1000, 4000))
     g = rng.gumbel(size=(draws, E))
     ranks = np.log(np.arange(1, E + 1, dtype=np.float64))
     table = np.stack([_topk_counts(-s * ranks[None] + g, K) / draws for s in _S_GRID])
@@ -659,6 +669,18 @@ def _calibrate(stats: RoutingStats, seed: int, *, reuse_params: Sequence[bool] |
             col.append(last)
         return col, _membership(np.concatenate(col), E)
 
+    def fix_skew(li: int, n_iter: int, n_steps: int) -> None:
+        """Secant steps on (exponent → fitted exponent), the bonuses fixed."""
+        last: tuple[float, float] | None = None
+        for _ in range(n_iter):
+            _, m = pilot(li, n_steps)
+            got_s = _fit_zipf(m.sum(0), K, len(m), seed + li, (max(0.0, skew[li] - 1.0), skew[li] + 1.0))
+            slope = 1.0
+            if last is not None and abs(skew[li] - last[0]) > 1e-3:
+                slope = float(np.clip((got_s - last[1]) / (skew[li] - last[0]), 0.2, 2.0))
+            last = (skew[li], got_s)
+            skew[li] = float(np.clip(skew[li] + (want_s[li] - got_s) / slope, 0.0, 6.0))
+
     from tqdm.auto import tqdm
 
     bar = tqdm(total=L, desc="calibrating synthetic routing", unit="layer", leave=False,
@@ -667,11 +689,9 @@ def _calibrate(stats: RoutingStats, seed: int, *, reuse_params: Sequence[bool] |
         if li and reuse_params[li]:
             # the bonuses of the predecessor; the exponent re-corrected (copies along a run of
             # alike layers would otherwise drift the popularity)
-            alpha[li], beta[li] = alpha[li - 1], beta[li - 1]
-            for _ in range(2):
-                _, m = pilot(li, short)
-                got_s = _fit_zipf(m.sum(0), K, len(m), seed + li, (max(0.0, skew[li] - 1.0), skew[li] + 1.0))
-                skew[li] = float(np.clip(skew[li] + 0.7 * (want_s[li] - got_s), 0.0, 6.0))
+            alpha[li], beta[li], skew[li] = alpha[li - 1], beta[li - 1], skew[li - 1]
+            if want_s[li] > 0:
+                fix_skew(li, 4, short)
             prev_col, prev_m = pilot(li)
             bar.update()
             continue
@@ -679,17 +699,8 @@ def _calibrate(stats: RoutingStats, seed: int, *, reuse_params: Sequence[bool] |
         # again, the bonuses in narrower brackets (each lift grows with its own bonus)
         for rnd, n_iter in enumerate((iterations, iterations, 4, iterations // 2, iterations // 2, 2)):
             if rnd in (2, 5):
-                if want_s[li] > 0:  # secant steps on (exponent → fitted exponent)
-                    last: tuple[float, float] | None = None
-                    for _ in range(n_iter):
-                        _, m = pilot(li)
-                        got_s = _fit_zipf(m.sum(0), K, len(m), seed + li,
-                                          (max(0.0, skew[li] - 1.0), skew[li] + 1.0))
-                        slope = 1.0
-                        if last is not None and abs(skew[li] - last[0]) > 1e-3:
-                            slope = float(np.clip((got_s - last[1]) / (skew[li] - last[0]), 0.2, 2.0))
-                        last = (skew[li], got_s)
-                        skew[li] = float(np.clip(skew[li] + (want_s[li] - got_s) / slope, 0.0, 6.0))
+                if want_s[li] > 0:
+                    fix_skew(li, n_iter, steps)
                 continue
             which = "alpha" if rnd in (0, 3) else "beta"
             want = want_r[li] if which == "alpha" else want_a[li]
@@ -722,13 +733,77 @@ def _calibrate(stats: RoutingStats, seed: int, *, reuse_params: Sequence[bool] |
 #: one synthetic workload calibrates once.
 _CALIBRATIONS: dict[tuple, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
 
+#: Bumped whenever the generator or the calibration changes (old files are then ignored).
+CALIBRATION_VERSION = 1
+
+
+def calibration_cache_dir() -> Path | None:
+    """Where calibrations are kept between processes: ``$MOELAB_SYNTHETIC_CACHE`` (empty: off),
+    else ``~/.cache/moelab/synthetic``."""
+    import os
+
+    env = os.environ.get("MOELAB_SYNTHETIC_CACHE")
+    if env is not None:
+        return Path(env) if env else None
+    return Path.home() / ".cache" / "moelab" / "synthetic"
+
+
+def _calibration_file(key: tuple) -> Path | None:
+    import hashlib
+
+    root = calibration_cache_dir()
+    if root is None:
+        return None
+    digest = hashlib.sha256(json.dumps([CALIBRATION_VERSION, *key]).encode()).hexdigest()[:24]
+    return root / f"calibration-{digest}.npz"
+
+
+def _load_calibration(key: tuple) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+    path = _calibration_file(key)
+    if path is None or not path.is_file():
+        return None
+    try:
+        with np.load(path, allow_pickle=False) as z:
+            out = (z["skew"], z["alpha"], z["beta"])
+    except Exception:  # noqa: BLE001 - a damaged cache file is recomputed
+        log.warning("ignoring unreadable synthetic-routing calibration %s", path)
+        return None
+    if any(len(x) != key[3] for x in out):
+        return None
+    return tuple(np.asarray(x, dtype=float) for x in out)  # type: ignore[return-value]
+
+
+def _save_calibration(key: tuple, value: tuple[np.ndarray, np.ndarray, np.ndarray]) -> None:
+    """Atomic: a temporary file in the same directory, renamed into place."""
+    import os
+    import tempfile
+
+    path = _calibration_file(key)
+    if path is None:
+        return
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".calibration-", suffix=".npz")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                np.savez(f, skew=value[0], alpha=value[1], beta=value[2])
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+    except OSError as e:  # a read-only home: calibrate again next time
+        log.info("could not keep the synthetic-routing calibration at %s (%s)", path, e)
+
 
 def synthetic_routing(shape: Any, stats: RoutingStats, steps: int = 64, batch: int = 1, prompt_len: int = 0,
                       seed: int = 0, *, calibrate: bool = True) -> list[ForwardRouting]:
     """Routing of ``batch`` sequences for ``shape`` (a :class:`ModelShape` or a name): a prompt
     forward of ``prompt_len`` tokens per sequence (if > 0), then ``steps`` decode forwards,
     with ``stats`` carried to the shape's E, K and MoE layers (:meth:`RoutingStats.for_shape`).
-    Deterministic for a seed. ``calibrate=False`` skips the pilot runs and uses a rough
+    A prompt's tokens follow the same chain position by position (the statistics are fitted on
+    decode tokens; a prompt's own are not). Deterministic for a seed (calibrations are cached
+    in the process and on disk: :func:`calibration_cache_dir`). ``calibrate=False`` skips the
+    pilot runs and uses a rough
     lift → bonus guess (reuse and adjacency then miss their targets; for quick experiments)."""
     from moelab.simulate.shapes import ModelShape, get_shape
 
@@ -748,10 +823,14 @@ def synthetic_routing(shape: Any, stats: RoutingStats, steps: int = 64, batch: i
         # searches)
         key = (json.dumps(stats.to_dict(), sort_keys=True, default=str), E, K, L, seed)
         if key not in _CALIBRATIONS:
-            src = _layer_map(stats.num_layers, L)
-            same = [j >= 2 and src[j] == src[j - 1] == src[j - 2] for j in range(L)]
-            with _one_blas_thread():
-                _CALIBRATIONS[key] = _calibrate(target, seed, reuse_params=same)
+            found = _load_calibration(key)
+            if found is None:
+                src = _layer_map(stats.num_layers, L)
+                same = [j >= 2 and src[j] == src[j - 1] == src[j - 2] for j in range(L)]
+                with _one_blas_thread():
+                    found = _calibrate(target, seed, reuse_params=same)
+                _save_calibration(key, found)
+            _CALIBRATIONS[key] = found
             while len(_CALIBRATIONS) > 32:
                 _CALIBRATIONS.pop(next(iter(_CALIBRATIONS)))
         skew, alpha, beta = (x.copy() for x in _CALIBRATIONS[key])

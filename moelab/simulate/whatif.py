@@ -176,7 +176,7 @@ class Routing:
 
 
 def load_routing(shape: Any, *, trace: Any = None, synthetic: bool = False, fit_from: Any = None, steps: int = 32,
-                 batch: int = 1, seed: int = 0, calibrate_synthetic: bool = False) -> Routing:
+                 batch: int = 1, seed: int = 0, calibrate_synthetic: bool = False, stats: Any = None) -> Routing:
     """A trace's first ``steps`` decode forwards (and the prefills before them), or synthetic
     routing of ``batch`` sequences × ``steps`` decode steps."""
     from moelab.simulate.synthetic import check_trace_shape, fit_routing_stats, synthetic_routing
@@ -197,7 +197,9 @@ def load_routing(shape: Any, *, trace: Any = None, synthetic: bool = False, fit_
                 dec += 1
             out.append(r)
         return Routing(out, f"trace {tr.path} ({dec} decode forwards)")
-    if fit_from is not None:
+    if stats is not None:
+        src = f"given ({stats.source or 'RoutingStats'})"
+    elif fit_from is not None:
         stats = fit_routing_stats(fit_from)
         src = f"fitted from {fit_from}"
     else:
@@ -307,7 +309,7 @@ def _oracle(routing, shape, hardware, profile, cell, context, warmup) -> dict:
 def whatif(shape: Any, hardware: Any, *, trace: Any = None, synthetic: bool = False, fit_from: Any = None,
            steps: int = 16, warmup: int = 16, batch: int = 1, context: int = 1024, grid: Any = None,
            oracle: bool = True,
-           seed: int = 0, calibrate_synthetic: bool = False, routing: Routing | None = None,
+           seed: int = 0, calibrate_synthetic: bool = False, stats: Any = None, routing: Routing | None = None,
            progress: bool = False):
     """Simulate every cell of ``grid`` (see :func:`parse_grid`) on ``shape`` (a name, config
     path or :class:`~moelab.simulate.shapes.ModelShape`) and ``hardware`` (a profile name or
@@ -332,8 +334,7 @@ def whatif(shape: Any, hardware: Any, *, trace: Any = None, synthetic: bool = Fa
     todo = cells(axes)
     if routing is None:
         routing = load_routing(shape, trace=trace, synthetic=synthetic, fit_from=fit_from, steps=warmup + steps,
-                               batch=batch,
-                               seed=seed, calibrate_synthetic=calibrate_synthetic)
+                               batch=batch, seed=seed, calibrate_synthetic=calibrate_synthetic, stats=stats)
     t_routing = time.perf_counter() - t0
     rows = []
     with _memo_routing_states():

@@ -1,0 +1,149 @@
+"""What-if grids and ``moelab simulate validate`` (moelab.simulate.whatif, moelab.simulate.validate)."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from moelab.cli import main
+from moelab.errors import MoelabError
+from moelab.simulate.synthetic import RoutingStats
+from moelab.simulate.whatif import cells, parse_grid, whatif
+
+
+def _stats(E=8, K=2, L=2):
+    return RoutingStats.from_lifts(E, K, [1.0] * L, [0.3] * L, [0.0] + [0.2] * (L - 1), [1.0 / (k + 1) for k in range(K)])
+
+
+# ---------------------------------------------------------------------- the grid
+def test_grid_expands_to_the_product_with_defaults():
+    g = parse_grid(["capacity=0.1,0.25,0.5", "deferral=0,2,3,4", "placement=host-misses,greedy-hss"])
+    cs = cells(g)
+    assert len(cs) == 3 * 4 * 2
+    assert cs[0] == {"capacity": 0.1, "deferral": 0, "placement": "host-misses", "policy": "lru", "skipping": 0}
+    assert {c["capacity"] for c in cs} == {0.1, 0.25, 0.5}
+    assert parse_grid(["capacity=2"])["capacity"] == [2]  # a count of experts
+    assert len(cells(parse_grid([]))) == 1  # every axis at its default
+
+
+@pytest.mark.parametrize("item, match", [
+    (["capacty=0.1"], "capacity"),            # closest name
+    (["capacity="], "no cells"),
+    (["deferral=two"], "whole number"),
+    (["placement=host-miss"], "host-misses"),
+    (["policy=lruu"], "lru"),
+    (["capacity"], "AXIS=V1"),
+    (["capacity=-1"], "fraction"),
+])
+def test_grid_errors_are_one_line(item, match):
+    with pytest.raises(MoelabError, match=match) as e:
+        parse_grid(item)
+    assert "\n" not in str(e.value)
+
+
+# ---------------------------------------------------------------------- cells and the oracle bound
+def test_oracle_bounds_every_cell():
+    df = whatif("olmoe-1b-7b", "pcie4-x16", synthetic=True, stats=_stats(64, 8, 16), steps=3, warmup=3,
+                context=256, grid={"capacity": [0.25, 0.5], "deferral": [0, 2], "placement": ["host-misses",
+                                                                                           "fetch-misses"]})
+    assert len(df) == 8
+    assert (df["tokens_per_s"] > 0).all()
+    for _, r in df.iterrows():
+        assert r["oracle_tokens_per_s"] >= r["tokens_per_s"] * (1 - 1e-9), r.to_dict()
+    for c in ("stall_copy_s", "stall_host_s", "stall_device_s", "stall_deferred_s", "oracle_variant"):
+        assert c in df.columns
+    assert df.attrs["cells"] == 8 and df.attrs["wall_s"] > 0
+    # fetch-misses copies every miss: the copy engine holds the control thread up more than host-misses
+    fm = df[df["placement"] == "fetch-misses"]["stall_copy_s"].sum()
+    hm = df[df["placement"] == "host-misses"]["stall_copy_s"].sum()
+    assert fm > hm
+
+
+def test_module_is_callable_as_the_api():
+    import moelab.simulate
+
+    df = moelab.simulate.whatif("mixtral-8x7b", "pcie4-x16", synthetic=True, stats=_stats(8, 2, 32), steps=1,
+                                warmup=0, oracle=False)
+    assert len(df) == 1 and "oracle_tokens_per_s" not in df.columns
+
+
+def test_trace_whose_experts_do_not_match_the_shape(tmp_path):
+    from moelab.simulate.shapes import get_shape
+    from moelab.simulate.whatif import load_routing
+
+    class Trace:  # what check_trace_shape reads of a RoutingTrace
+        num_experts, top_k, num_moe_layers, path = 8, 2, 4, tmp_path
+        meta = {"model": {"name": "moelab-tiny-mixtral"}}
+
+    with pytest.raises(MoelabError, match=r"E=8.*deepseek-v3.*E=256.*--synthetic") as e:
+        load_routing(get_shape("deepseek-v3"), trace=Trace())
+    assert "\n" not in str(e.value)
+
+
+# ---------------------------------------------------------------------- CLI
+def test_cli_help(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["simulate", "--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    assert "--grid" in out and "--synthetic" in out and "validate" in out
+    with pytest.raises(SystemExit):
+        main(["simulate", "validate", "--help"])
+    assert "--profile" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("args, match", [
+    (["--model-shape", "deepseek-v9", "--hardware", "pcie4-x16", "--synthetic"], "deepseek-v3"),
+    (["--model-shape", "deepseek-v3", "--hardware", "pcie4-x17", "--synthetic"], "pcie4-x16"),
+    (["--model-shape", "deepseek-v3", "--hardware", "pcie4-x16"], "--synthetic"),
+    (["--model-shape", "deepseek-v3", "--hardware", "pcie4-x16", "--synthetic", "--grid", "deferral="], "no cells"),
+])
+def test_cli_bad_input_is_one_line(args, match, capsys):
+    assert main(["simulate", *args]) == 2
+    err = capsys.readouterr().err.strip()
+    assert match in err and "\n" not in err
+
+
+def test_cli_grid_prints_cells_and_wall_time(tmp_path, capsys, monkeypatch):
+    import moelab.simulate.whatif  # noqa: F401
+
+    mod = sys.modules["moelab.simulate.whatif"]
+    monkeypatch.setattr(mod, "default_routing_stats", lambda *a, **k: _stats(8, 2, 4))
+    out_csv = tmp_path / "grid.csv"
+    assert main(["simulate", "--model-shape", "mixtral-8x7b", "--hardware", "rtx4090-desktop", "--synthetic",
+                 "--steps", "2", "--warmup", "1", "--grid", "capacity=0.25", "placement=host-misses,greedy-hss", "--csv",
+                 str(out_csv)]) == 0
+    out = capsys.readouterr().out
+    assert "routing statistics assumed" in out and "tok/s" in out and "oracle bound" in out
+    assert "2 cells + oracle bounds in" in out
+    assert out_csv.read_text().count("\n") == 3
+
+
+# ---------------------------------------------------------------------- validate
+def test_validate_quick_prints_every_row_with_an_error(capsys, monkeypatch):
+    import moelab.simulate.whatif  # noqa: F401
+    from moelab.simulate.validate_cases import validation_cases
+
+    # statistics given (not recorded from the bundled model: that takes half a minute on 2 cores)
+    monkeypatch.setattr(sys.modules["moelab.simulate.whatif"], "default_routing_stats", lambda *a, **k: _stats(8, 2, 4))
+
+    assert main(["simulate", "validate", "--quick", "--papers-only"]) == 0
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    assert lines[0].split()[:5] == ["case", "metric", "published/measured", "simulated", "error"]
+    for case in validation_cases():
+        row = next(x for x in lines if x.startswith(case.name + " "))
+        assert ("pts" in row) or ("%" in row)
+    assert "sensitivity" in out and "±20 %" in out
+
+
+@pytest.mark.slow
+def test_validate_machine_rows_from_the_real_runs_plans():
+    from moelab.simulate.validate import format_rows, machine_rows
+
+    rows, info = machine_rows("pcie4-x16", quick=True)
+    assert {r["metric"] for r in rows} == {"decode step ms", "host busy %"}
+    assert all(r["reference"] > 0 or r["metric"] == "host busy %" for r in rows)
+    text = format_rows(rows, info)
+    assert "median |error|" in text and "v2lite-shaped cap 0.25 defer 2" in text
