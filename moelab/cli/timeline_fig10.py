@@ -46,7 +46,7 @@ def run_fig10(args) -> int:
     check_output_path(out, args.overwrite)
     if args.real:
         panels = real_fig10(args.deferred, layers=args.layers, steps=args.steps or 3, progress=True)
-        sub, title = real_setup(args.layers), "One MoE layer on this machine's real executor (Fig. 10 redrawn)"
+        sub, title = real_setup(args.layers, args.steps or 3), "One MoE layer on this machine's real executor (Fig. 10 redrawn)"
     else:
         panels = simulated_fig10(args.deferred, steps=args.steps or 8)
         sub, title = simulated_setup(), "One DeepSeek-V3 MoE layer, simulated (KTransformers Fig. 10 redrawn)"

@@ -166,7 +166,8 @@ def simulated_setup() -> str:
     return (f"{c.shape} ({c.dtype}) on the {c.profile} profile (both sockets as one host lane), decode batch "
             f"{st.get('batch', 1)}, context {st.get('context')}, MoE layer {st.get('moe_layer')}, "
             f"{c.hybrid['placement']} with {c.hybrid['cache']['capacity']} routed experts on the GPU, synthetic "
-            "routing — the validation cases ktransformers-fig10-*")
+            "routing — the validation cases ktransformers-fig10-*. Lanes: control = attention and router (GPU), "
+            "device = shared experts (GPU), host = routed experts (CPU)")
 
 
 def _label(d: int) -> str:
@@ -229,12 +230,15 @@ def real_fig10(deferrals: Sequence[int] = DEFERRALS, *, layers: int = 3, warmup:
     return panels
 
 
-def real_setup(layers: int = 3) -> str:
+def real_setup(layers: int = 3, steps: int = 3) -> str:
+    """One line: what :func:`real_fig10` runs."""
     import torch
 
     return (f"DeepSeek-V2-Lite MoE shapes (hidden 2048, 64 experts of 1408, top-6, 2 shared) × {layers} MoE "
             f"layers, BF16 random weights, real executor on this machine ({torch.get_num_threads()} torch threads; "
-            "the device lane is a CPU worker), host-misses, no device cache, one decode step after warm-up")
+            f"the device lane is a CPU worker), host-misses, no device cache, the median of {steps} decode steps after "
+            "warm-up. Lanes: control = the model's own thread: attention, router and the layer's other dense work "
+            "(the GPU's part in Fig. 10, here on the CPU), host = routed experts")
 
 
 # ---------------------------------------------------------------------- the figure
