@@ -304,8 +304,9 @@ def fig10_figure(panels: Sequence[Fig10Panel], *, title: str | None = None, subt
     head = title or "One MoE layer without and with deferred experts (KTransformers Fig. 10, redrawn)"
     fig.update_layout(
         title={"text": head + "".join(f"<br><sup>{line}</sup>" for line in textwrap.wrap(subtitle, 150))},
-        barmode="overlay", height=int(170 + 150 * len(panels) + 14 * len(textwrap.wrap(subtitle, 150))), meta={"panels": meta},
-        legend={"title": {"text": "fate / kind"}}, margin={"l": 130, "r": 20, "t": 110, "b": 50},
+        barmode="overlay", height=int(170 + 150 * len(panels) + 22 * len(textwrap.wrap(subtitle, 150))), meta={"panels": meta},
+        legend={"title": {"text": "fate / kind"}},
+        margin={"l": 130, "r": 20, "t": 90 + 22 * len(textwrap.wrap(subtitle, 150)), "b": 50},
     )
     return fig
 
