@@ -21,7 +21,8 @@ def test_grid_expands_to_the_product_with_defaults():
     g = parse_grid(["capacity=0.1,0.25,0.5", "deferral=0,2,3,4", "placement=host-misses,greedy-hss"])
     cs = cells(g)
     assert len(cs) == 3 * 4 * 2
-    assert cs[0] == {"capacity": 0.1, "deferral": 0, "placement": "host-misses", "policy": "lru", "skipping": 0}
+    assert cs[0] == {"capacity": 0.1, "deferral": 0, "placement": "host-misses", "policy": "lru", "skipping": 0,
+                     "min_immediate": 2}
     assert {c["capacity"] for c in cs} == {0.1, 0.25, 0.5}
     assert parse_grid(["capacity=2"])["capacity"] == [2]  # a count of experts
     assert len(cells(parse_grid([]))) == 1  # every axis at its default
@@ -146,4 +147,21 @@ def test_validate_machine_rows_from_the_real_runs_plans():
     assert {r["metric"] for r in rows} == {"decode step ms", "host busy %"}
     assert all(r["reference"] > 0 or r["metric"] == "host busy %" for r in rows)
     text = format_rows(rows, info)
-    assert "median |error|" in text and "v2lite-shaped cap 0.25 defer 2" in text
+    assert "median |error|" in text and "moelab-tiny-mixtral cap 0.25 defer 1" in text
+
+
+def test_grid_over_a_recorded_trace(tmp_path):
+    import moelab
+    from moelab.trace.run import trace_prompts
+
+    model, tok = moelab.load("moelab-tiny-mixtral")
+    trace = trace_prompts(model, tok, ["def add(a, b):"], tmp_path / "t", max_new_tokens=6, progress=False)
+    shape = moelab.simulate.ModelShape.from_model(model)
+    df = whatif(shape, "pcie4-x16", trace=trace.path, steps=3, warmup=2,
+                grid=["capacity=0.25,0.5", "deferral=0,1", "min_immediate=1"])
+    assert len(df) == 4 and (df["tokens_per_s"] > 0).all()
+    import re
+
+    n = int(re.search(r"\((\d+) decode forwards\)", df.attrs["routing_source"]).group(1))
+    assert 1 <= n <= 5  # at most warmup + steps of the trace's decode forwards (generation may stop early)
+    assert (df["oracle_tokens_per_s"] >= df["tokens_per_s"] * (1 - 1e-9)).all()

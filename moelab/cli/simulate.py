@@ -37,7 +37,8 @@ def register(subparsers) -> None:
     p.add_argument("--context", type=non_negative_int, default=1024, help="tokens in the KV cache before the first "
                    "simulated step (default 1024)")
     p.add_argument("--grid", nargs="+", default=[], metavar="AXIS=V1,V2",
-                   help="axes: capacity, deferral, placement, policy (cache policy, default lru), skipping")
+                   help="axes: capacity, deferral, placement, policy (cache policy, default lru), skipping, "
+                   "min_immediate (experts per token deferral keeps, default 2)")
     p.add_argument("--no-oracle", action="store_true", help="skip the oracle bound (half the time)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--csv", metavar="OUT", help="also write the grid as CSV")

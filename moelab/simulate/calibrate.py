@@ -301,16 +301,12 @@ def calibrate(cfg: CalibrateConfig | None = None, *, progress: bool = True) -> t
         # the device stand-in's torch reference backend takes ~0.1-1 s a call: at most 3 repeats
         device = _kernel_points(cfg.device_backend, cfg, lambda: tick("device kernels"), cfg.device_batches,
                                 min(cfg.repeat, 3))
-        # the first calls of a fresh module take ~10^4× a warm one's time on this CPU (measured: 58 ms,
-        # 30 ms, then 0.2 ms): the fixed cost is the best of three calls, not the first
-        tiny_dev = min(_tiny_expert_call(cfg.device_backend, cfg.repeat) for _ in range(3))
+        tiny_dev = _tiny_expert_call(cfg.device_backend, cfg.repeat)
         tick("overheads")
         attn, attn_weight_bytes = _attention_points(cfg, lambda: tick("attention"), cfg.attention_hidden,
                                                     cfg.contexts)
         # a tiny attention (weights of 128 KiB, short contexts): its time is the fixed cost
         tiny_attn, _ = _attention_points(cfg, lambda: tick("attention"), 128, (1, 2))
-        again, _ = _attention_points(cfg, lambda: None, 128, (1, 2))  # the same warm-up effect
-        tiny_attn = [min(a, b, key=lambda r: r["seconds"]) for a, b in zip(tiny_attn, again)]
     finally:
         bar.close()
 

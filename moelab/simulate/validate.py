@@ -217,19 +217,20 @@ def _real_case(model, ids, cfg: dict, steps: int, warmup: int, profile, shape) -
 
 
 def _machine_cases(quick: bool) -> list[tuple[str, str, dict]]:
-    caps = (0.25,) if quick else (0.0, 0.25, 0.5)
-    defs = (0, 2) if quick else (0, 1, 2, 3, 4)
+    """(model, label, config) of the real runs; ``quick``: the bundled tiny Mixtral only (seconds)."""
     out = []
-    for cap in caps:
-        for d in defs:
-            cfg = {"cache": {"capacity": cap, "policy": "lru"}, "placement": "host-misses", "executor": "real",
-                   "device_backend": "reference", "host_backend": "moelab_bf16", "device": "cpu",
-                   "routing": {"deferred": d, "min_immediate": 0}}
-            out.append(("v2-lite", f"v2lite-shaped cap {cap:g} defer {d}", cfg))
+    if not quick:
+        for cap in (0.0, 0.25, 0.5):
+            for d in (0, 1, 2, 3, 4):
+                cfg = {"cache": {"capacity": cap, "policy": "lru"}, "placement": "host-misses", "executor": "real",
+                       "device_backend": "reference", "host_backend": "moelab_bf16", "device": "cpu",
+                       "routing": {"deferred": d, "min_immediate": 0}}
+                out.append(("v2-lite", f"v2lite-shaped cap {cap:g} defer {d}", cfg))
     for name in (("moelab-tiny-mixtral",) if quick else ("moelab-tiny-mixtral", "moelab-tiny-qwen2moe")):
-        cfg = {"cache": {"capacity": 0.25, "policy": "lru"}, "placement": "host-misses", "executor": "real",
-               "device": "cpu", "routing": {"deferred": 1, "min_immediate": 1}}
-        out.append((name, f"{name} cap 0.25 defer 1", cfg))
+        for d in ((0, 1) if quick else (1,)):
+            cfg = {"cache": {"capacity": 0.25, "policy": "lru"}, "placement": "host-misses", "executor": "real",
+                   "device": "cpu", "routing": {"deferred": d, "min_immediate": 1}}
+            out.append((name, f"{name} cap 0.25 defer {d}", cfg))
     return out
 
 
@@ -272,7 +273,7 @@ def machine_rows(profile: Any = None, *, quick: bool = False, progress: bool = F
     for kind, label, cfg in tqdm(_machine_cases(quick), desc="real runs", unit="run", disable=not progress):
         if kind not in models:
             if kind == "v2-lite":
-                m = realistic_model(1 if quick else 3)
+                m = realistic_model(3)
                 ids = torch.randint(3, 250, (1, 8), generator=torch.Generator().manual_seed(0))
             else:
                 m, tok = moelab.load(kind)

@@ -11,7 +11,9 @@ the future of the routing) and the oracle prefetch (the experts the next MoE lay
 needs). The bound is the best of :data:`ORACLE_VARIANTS` — Belady inserting every miss or
 Belady with bypass, each without and with the oracle prefetch — because on a slow link
 inserting or prefetching every needed expert congests the copy engine (an oracle would not);
-its ``oracle_variant`` column names the winner.
+its ``oracle_variant`` column names the winner. Belady minimises misses, not time, so the
+bound is empirical, not a theorem: tests/test_simulate_whatif.py checks that it bounds the
+policy column at every cell of a grid, and a cell where it does not would be worth a look.
 
 Routing comes from a recorded trace (``trace=``; its experts, top-k and MoE layers must match
 the shape) or is synthetic (``synthetic=True``): :func:`moelab.simulate.synthetic.synthetic_routing`
@@ -22,7 +24,7 @@ fly from the bundled ``moelab-tiny-mixtral`` (fitted once, cached in
 Grid axes (:data:`AXES`): ``capacity`` (fraction or count of each layer's experts on the
 device), ``deferral`` (deferred experts per token), ``placement`` (``host-misses``,
 ``fetch-misses``, ``greedy-hss``, ``min-cost``), ``policy`` (the cache policy of the policy
-column; default ``lru``), ``skipping``.
+column; default ``lru``), ``skipping``, ``min_immediate`` (experts per token deferral keeps; 2).
 """
 
 from __future__ import annotations
@@ -84,8 +86,10 @@ def _policy(text: str, key: str) -> str:
 
 
 #: Grid axes and how one value of each is parsed.
-AXES = {"capacity": _number, "deferral": _int, "placement": _placement, "policy": _policy, "skipping": _int}
-DEFAULTS = {"capacity": [0.25], "deferral": [0], "placement": ["host-misses"], "policy": ["lru"], "skipping": [0]}
+AXES = {"capacity": _number, "deferral": _int, "placement": _placement, "policy": _policy, "skipping": _int,
+        "min_immediate": _int}
+DEFAULTS = {"capacity": [0.25], "deferral": [0], "placement": ["host-misses"], "policy": ["lru"], "skipping": [0],
+            "min_immediate": [2]}
 
 
 def parse_grid(items: list[str] | dict[str, Any] | None) -> dict[str, list]:
@@ -226,7 +230,8 @@ def _config(cell: dict, hardware: str, *, oracle: bool, prefetch: bool, cache: s
         "cache": {"capacity": cell["capacity"], "policy": cache or ("belady" if oracle else cell["policy"])},
         "placement": cell["placement"],
         "hardware": hardware,
-        "routing": {"deferred": cell["deferral"], "skipped": cell["skipping"]},
+        "routing": {"deferred": cell["deferral"], "skipped": cell["skipping"],
+                    "min_immediate": cell.get("min_immediate", 2)},
         "prefetch": {"predictor": "oracle" if prefetch else None},
     }
 
