@@ -42,6 +42,9 @@ def register(subparsers) -> None:
     e.add_argument("--out", metavar="F", help="output file (default: DIR/timeline.json|.pftrace|.html)")
     e.add_argument("--overwrite", action="store_true", help="replace an existing output file")
     e.set_defaults(func=run_export)
+    from moelab.cli.timeline_fig10 import register_fig10
+
+    register_fig10(sub)
     p.set_defaults(func=lambda args: (p.print_help(), 2)[1])
 
 

@@ -2,11 +2,10 @@
 
 Generates a few tokens of the demo model under ``moelab.hybrid(model, cfg)`` with
 ``executor: real`` (device, host and copy lanes running concurrently, measured
-timestamps) and draws its events, one row per lane, with the run's summary (busy % per
-lane, host/device overlap, tokens/s) computed from the events alone.
-
-The drawing is one function, :func:`timeline_figure`, over the events table (the shared
-schema of :mod:`moelab.hybrid.events`): ``moelab.timeline`` replaces it when merged.
+timestamps) and draws its events with :mod:`moelab.timeline` (one row per lane, bars
+coloured by the expert's fate, copy→compute flows, the critical path of a step), with the
+Timeline's summary (busy % per lane, host/device overlap, stalls by cause, critical path,
+tokens/s) computed from the events alone.
 """
 
 from __future__ import annotations
@@ -25,15 +24,15 @@ CONFIG = {
     "executor": "real",
     "host_backend": "moelab",
 }
-LANES = ("control", "device", "copy", "host")
-MAX_EVENTS = 4000
-"""The figure draws the first forwards whose events fit in this many bars."""
+SHOW_STEPS = 4
+"""The figure draws the first forwards (prefill and decode steps) event by event."""
 
 
 def hybrid_section(ctx: ReportContext) -> Section:
     import moelab
     from moelab.adapters import moe_layers
     from moelab.prompts import task_prompts
+    from moelab.timeline import Timeline
 
     cfg = dict(CONFIG)
     try:
@@ -51,61 +50,51 @@ def hybrid_section(ctx: ReportContext) -> Section:
     with moelab.hybrid(ctx.model, cfg) as run:
         out = ctx.model.generate(**enc, max_new_tokens=new, do_sample=False, pad_token_id=pad)
     events = run.events_table()
-    summary = run.summary()
     generated = int((out.shape[1] - enc["input_ids"].shape[1]) * out.shape[0])
-    wall_s = summary["wall_us"] / 1e6
-    rows = [{"lane": lane, "busy %": float(summary["busy_pct"].get(lane, 0.0)),
-             "events": int((events["lane"] == lane).sum())} for lane in LANES if lane in set(events["lane"])]
+    tl = Timeline(events, name="real executor", tokens=generated)
+    s = tl.summary()
     kinds = events.groupby("kind").size().to_dict()
+    fates = ", ".join(f"{k} {v}" for k, v in s["fates"].items() if v)
     intro = (
         f"<p><code>moelab.hybrid(model, {html.escape(repr(cfg))})</code>, greedy generation of {new} tokens "
-        f"for {n_prompts} arith prompts: {len(events)} events in {wall_s:.2f} s "
-        f"({generated / wall_s:.1f} generated tokens/s), host/device overlap "
-        f"{summary['overlap_pct']:.1f} % of the host lane's busy time. On this CPU-only machine the device "
-        "lane is a CPU worker standing in for a GPU (it shares the cores), so the timeline shows the plan's "
-        "concurrency, not a GPU's speed.</p>"
-        + html_table(rows, floatfmt="{:.1f}")
+        f"for {n_prompts} arith prompts: {len(events)} events in {s['wall_us'] / 1e6:.2f} s "
+        f"({s['tokens_per_s'] or 0:.1f} generated tokens/s), host/device overlap "
+        f"{s['overlap_pct']:.1f} % of the host lanes' busy time; experts' fates: {html.escape(fates)}. "
+        "On this CPU-only machine the device lane is a CPU worker standing in for a GPU (it shares the cores), "
+        "so the timeline shows the plan's concurrency, not a GPU's speed. The summary is "
+        "<code>moelab.timeline.Timeline(events).summary()</code>, computed from the events alone.</p>"
+        + html_table(summary_rows(tl, s), floatfmt="{:.1f}")
         + "<p>events by kind: " + ", ".join(f"{html.escape(k)} {v}" for k, v in sorted(kinds.items())) + "</p>"
     )
-    return Section(html=intro, figures=[timeline_figure(events, f"Hybrid run on the real executor "
-                                                                f"({ctx.model_name})")])
+    steps = tl.steps
+    fig = tl.figure(steps=(steps[0], steps[min(len(steps), SHOW_STEPS) - 1]) if steps else None,
+                    critical_path=steps[min(len(steps), SHOW_STEPS) - 1] if steps else None,
+                    title=f"Hybrid run on the real executor ({ctx.model_name})")
+    fig.update_yaxes(title_text="lane", row=1, col=1)
+    if "xaxis2" in fig.layout:  # a counter row below: the lanes' row shares its time axis
+        fig.update_xaxes(title_text="ms", title_standoff=0, row=1, col=1)
+    return Section(html=intro, figures=[fig])
 
 
-def timeline_figure(events, title: str):
-    """Lanes as rows, one bar per event coloured by kind (hover: step, layer, expert, tokens, bytes,
-    cause). A stand-in for ``moelab.timeline``'s figure, which replaces it when merged."""
-    import plotly.graph_objects as go
-
-    ev = events.sort_values("t_start_us")
-    steps = sorted(ev["step"].unique())
-    keep = []
-    for s in steps:  # whole forwards, as many as fit
-        if keep and (ev["step"].isin(keep + [s])).sum() > MAX_EVENTS:
-            break
-        keep.append(s)
-    ev = ev[ev["step"].isin(keep)]
-    fig = go.Figure()
-    for kind, g in ev.groupby("kind", sort=True):
-        fig.add_trace(go.Bar(
-            y=g["lane"], x=(g["t_end_us"] - g["t_start_us"]) / 1e3, base=g["t_start_us"] / 1e3, orientation="h",
-            name=kind,
-            customdata=g[["step", "layer", "expert", "tokens", "bytes", "cause", "t_start_us", "t_end_us"]].to_numpy(),
-            hovertemplate="%{y}: " + kind + " from %{customdata[6]:.0f} to %{customdata[7]:.0f} µs<br>"
-                          "step %{customdata[0]}, layer %{customdata[1]}, expert %{customdata[2]}, "
-                          "tokens %{customdata[3]}, bytes %{customdata[4]}, cause %{customdata[5]}<extra></extra>",
-        ))
-    shown = f"forwards {keep[0]}–{keep[-1]} of {len(steps)}" if len(keep) < len(steps) else f"{len(steps)} forwards"
-    fig.update_layout(
-        title=f"{title}: {shown}", barmode="overlay", height=360, legend_title="event kind",
-        xaxis_title="time since the run began (ms)",
-        yaxis={"title": "lane", "categoryorder": "array", "categoryarray": list(reversed(LANES))},
-    )
-    return fig
+def summary_rows(tl, s: dict | None = None) -> list[dict]:
+    """Per lane: busy % and events; then the control thread's stalls by cause and the mean
+    critical path of a step (``s``: the :class:`moelab.timeline.Timeline` summary)."""
+    s = tl.summary() if s is None else s
+    ev = tl.events
+    rows = [{"lane / figure": lane, "value": float(pct), "unit": "% busy", "events": int((ev["lane"] == lane).sum())}
+            for lane, pct in s["busy_pct"].items()]
+    rows += [{"lane / figure": f"stall: {cause}", "value": us / 1e3, "unit": "ms", "events": ""}
+             for cause, us in s["stall_us"].items()]
+    if s.get("critical_path_us") is not None:
+        rows.append({"lane / figure": "critical path per step", "value": s["critical_path_us"] / 1e3, "unit": "ms",
+                     "events": f"{100 * s['critical_path_share']:.0f} % of the step"})
+    return rows
 
 
 register_section(
     "hybrid", hybrid_section, order=120, title="Hybrid CPU/GPU run: timeline",
-    read="One row per lane: gaps on the control row are the model waiting for experts, host bars that overlap "
-         "device or control bars are deferred experts hidden behind the next layer's work, and copy bars are "
-         "expert weights fetched into the resident pool; the table gives each lane's busy share.",
-)
+    read="One row per lane (control thread, device, copy engine, host): bars are coloured by each expert's fate "
+         "(hit, miss computed on the host, miss fetched, deferred), gaps and grey waits on the control row are the "
+         "model waiting for experts, host bars overlapping the next layer's control work are deferred experts "
+         "hidden behind it, thin lines join a copy to the compute it feeds and the black chain is one step's "
+         "critical path; the table gives each lane's busy share and the control thread's stalls by cause.")

@@ -3,7 +3,8 @@ every executor writes (:mod:`moelab.events`).
 
 ``Timeline.open("runs/h1")`` reads a run directory; ``tl.summary()``, ``tl.stalls()``,
 ``tl.critical_path(step)``, ``tl.compare(other)``; ``tl.figure()`` (plotly),
-``panel(...)`` (ipywidgets), ``tl.to_chrome(path)`` / ``tl.to_perfetto(path)``.
+``panel(...)`` (ipywidgets), ``tl.to_chrome(path)`` / ``tl.to_perfetto(path)``; the signature
+plot (KTransformers Fig. 10 redrawn): ``fig10_figure(simulated_fig10())`` or ``(real_fig10())``.
 Everything is imported lazily (plotly and perfetto only when a figure or export is made).
 """
 
@@ -22,6 +23,9 @@ _LAZY: dict[str, str] = {
     "to_chrome": "moelab.timeline.export",
     "to_perfetto": "moelab.timeline.export",
     "synthetic_events": "moelab.timeline.synth",
+    "fig10_figure": "moelab.timeline.signature",
+    "simulated_fig10": "moelab.timeline.signature",
+    "real_fig10": "moelab.timeline.signature",
 }
 
 __getattr__, __dir__ = lazy_attributes(__name__, _LAZY, globals())
