@@ -136,7 +136,11 @@ def find_chromium() -> str | None:
 
 
 def _chromium(binary: str, profile: Path, *args: str, timeout: float) -> subprocess.CompletedProcess:
-    cmd = [binary, "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+    import os
+
+    # Chromium's own sandbox cannot run as root; a normal user keeps it (the report may come from elsewhere)
+    sandbox = ["--no-sandbox"] if os.geteuid() == 0 else []
+    cmd = [binary, "--headless", *sandbox, "--disable-gpu", "--disable-dev-shm-usage",
            "--no-first-run", "--no-default-browser-check", "--disable-extensions", "--hide-scrollbars",
            f"--user-data-dir={profile}", *args]
     try:

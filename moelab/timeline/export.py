@@ -16,8 +16,6 @@ Timestamps are µs (Chrome) or ns (Perfetto) from each timeline's first event.
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -77,17 +75,9 @@ def _as_list(timelines) -> list[Timeline]:
 
 
 def _write_atomic(path: str | Path, data: bytes | list[bytes]) -> str:
-    p = Path(path)
-    p.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=p.parent, prefix=f".{p.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.writelines([data] if isinstance(data, bytes) else data)
-        os.replace(tmp, p)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return str(p)
+    from moelab._output import write_file_atomic
+
+    return str(write_file_atomic(path, data if isinstance(data, bytes) else b"".join(data)))
 
 
 def _threads(tl: Timeline) -> tuple[list[str], np.ndarray]:

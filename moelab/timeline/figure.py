@@ -339,6 +339,9 @@ def write_html(fig, path, *, open_browser: bool = False) -> str:
     os.close(fd)
     try:
         fig.write_html(tmp, include_plotlyjs=True, full_html=True, config={"scrollZoom": True})
+        mask = os.umask(0)
+        os.umask(mask)
+        os.chmod(tmp, 0o666 & ~mask)  # mkstemp makes 0600; an output file gets the normal permissions
         os.replace(tmp, p)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
