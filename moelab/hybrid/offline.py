@@ -33,7 +33,6 @@ plans of its own trace field by field (tests/test_hybrid_offline.py).
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass
 from itertools import islice
 from pathlib import Path
 from types import SimpleNamespace
@@ -44,28 +43,7 @@ import numpy as np
 from moelab.errors import MoelabError
 from moelab.hybrid.config import HybridConfig, RoutingConfig
 from moelab.hybrid.planner import LayerPlan, Planner, slots_and_union
-
-
-@dataclass
-class ForwardRouting:
-    """The routing of one forward pass (real tokens only), per MoE layer."""
-
-    forward: int
-    step: int
-    phase: str
-    """``prefill`` or ``decode``."""
-    tokens: int
-    """Real tokens in the forward."""
-    ids: list[np.ndarray]
-    """Per MoE layer: int64 (tokens, K) expert ids, ``-1`` = none."""
-    weights: list[np.ndarray]
-    """Per MoE layer: float32 (tokens, K) combine weights, descending per row."""
-    scores: list[np.ndarray] | None = None
-    """Per MoE layer: float32 (tokens, E) router probabilities (score-aware caches), or None."""
-    hidden: list[Any] | None = None
-    """Per MoE layer: (tokens, H) router inputs (for predictors that read them), or None."""
-    token_ids: np.ndarray | None = None
-    """(tokens,) int64 input token ids, or None."""
+from moelab.routing import ForwardRouting  # noqa: F401 - re-exported: the routing sources' type
 
 
 # ---------------------------------------------------------------------- routing policy

@@ -74,6 +74,7 @@ from typing import Any
 import numpy as np
 
 from moelab.errors import MoelabError
+from moelab.routing import ForwardRouting
 
 log = logging.getLogger(__name__)
 
@@ -86,22 +87,6 @@ def _one_blas_thread():
         return contextlib.nullcontext()
     return threadpool_limits(1)
 
-@dataclass
-class ForwardRouting:
-    """One forward pass's routing: the attributes of ``moelab.hybrid.offline.ForwardRouting``
-    (the offline planner's type; when both are merged this class should become an import of
-    that one — the attributes are the same, and the planner only reads them)."""
-
-    forward: int
-    step: int
-    phase: str
-    """``prefill`` or ``decode``."""
-    tokens: int
-    ids: list[np.ndarray]
-    """Per MoE layer, int64 [tokens, K] expert ids by descending weight (-1 = none)."""
-    weights: list[np.ndarray]
-    """Per MoE layer, float32 [tokens, K] combine weights, descending per row."""
-    scores: list[np.ndarray] | None = None
 
 
 # ---------------------------------------------------------------------- the statistics
