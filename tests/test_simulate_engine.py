@@ -353,12 +353,18 @@ def test_ktransformers_style_saturation_deferral_cuts_layer_time_to_the_cpu_busy
 # ---------------------------------------------------------------------- executor: parity and bad input
 @pytest.mark.skipif(not _native.available(), reason="no C compiler here: nothing to compare the reference with")
 def test_fast_path_events_equal_the_reference_over_random_plans():
-    from moelab.simulate.bench import SimpleShape, events_equal, random_plans
-    from moelab.simulate.executor import Costs, build_graph, encode, simulate_plans
+    import transformers
 
-    shape = SimpleShape(name="small", num_layers=5, moe_layers=(1, 2, 3, 4), num_experts=16, top_k=4,
-                        hidden_size=256, expert_intermediate=128, num_shared_experts=1, shared_intermediate=128,
-                        dense_intermediate=512, vocab_size=1000)
+    from moelab.simulate.bench import events_equal, random_plans
+    from moelab.simulate.executor import Costs, build_graph, encode, simulate_plans
+    from moelab.simulate.shapes import ModelShape
+
+    # 5 layers (the first dense), 4 MoE layers of 16 experts top-4 and one shared expert
+    shape = ModelShape.from_hf_config(transformers.Qwen2MoeConfig(
+        hidden_size=256, moe_intermediate_size=128, num_experts=16, num_experts_per_tok=4, num_hidden_layers=5,
+        shared_expert_intermediate_size=128, intermediate_size=512, vocab_size=1000, mlp_only_layers=[0],
+        num_attention_heads=4, num_key_value_heads=2))
+    assert shape.moe_layers == (1, 2, 3, 4) and shape.num_shared_experts == 1
     rng = np.random.default_rng(0)
     for seed in range(12):
         hw = hand_profile(numa_nodes=int(rng.integers(1, 3)), copy_engines=int(rng.integers(1, 3)),

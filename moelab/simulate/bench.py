@@ -4,89 +4,18 @@ The workload is a DeepSeek-V3-sized decode (58 MoE layers, 256 experts, top-8, o
 expert) of ``--tokens`` steps planned by :func:`random_plans`: random routing with a
 popularity skew, a per-layer LRU device cache, misses on the host (inserted into the
 cache) or fetched, a share of each token's experts deferred, and a few prefetches for the
-next layer. The shape comes from :mod:`moelab.simulate.shapes` when it is installed, else
-from :func:`deepseek_v3_standin` (the numbers of DeepSeek-V3's config.json).
+next layer. The shape is the catalog's DeepSeek-V3 (:mod:`moelab.simulate.shapes`).
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class SimpleShape:
-    """A minimal stand-in for :class:`moelab.simulate.shapes.ModelShape` (GQA attention, bf16)."""
-
-    name: str
-    num_layers: int
-    moe_layers: tuple[int, ...]
-    num_experts: int
-    top_k: int
-    hidden_size: int
-    expert_intermediate: int
-    num_shared_experts: int = 0
-    shared_intermediate: int = 0
-    dense_intermediate: int = 0
-    vocab_size: int = 32000
-    dtype: str = "bf16"
-    attention: str = "gqa"
-    num_heads: int = 32
-    num_kv_heads: int = 8
-    head_dim: int = 128
-    extra: dict = field(default_factory=dict, compare=False, hash=False)
-
-    def bytes_per_param(self, dtype: str | None = None) -> float:
-        return {"fp32": 4.0, "bf16": 2.0, "fp16": 2.0, "int8": 1.0, "fp8": 1.0, "int4": 0.5}[dtype or self.dtype]
-
-    def expert_params(self) -> int:
-        return 3 * self.hidden_size * self.expert_intermediate
-
-    def expert_bytes(self) -> int:
-        return int(self.expert_params() * self.bytes_per_param())
-
-    def expert_flops(self, tokens: int = 1) -> int:
-        return 2 * self.expert_params() * int(tokens)
-
-    def shared_bytes(self) -> int:
-        return int(self.num_shared_experts * 3 * self.hidden_size * self.shared_intermediate * self.bytes_per_param())
-
-    def dense_mlp_bytes(self) -> int:
-        return int(3 * self.hidden_size * self.dense_intermediate * self.bytes_per_param())
-
-    def _attn_params(self) -> int:
-        q = self.num_heads * self.head_dim
-        kv = self.num_kv_heads * self.head_dim
-        return self.hidden_size * (2 * q + 2 * kv)
-
-    def attention_bytes(self, context: int, batch: int = 1) -> float:
-        kv = 2 * self.num_kv_heads * self.head_dim * self.bytes_per_param()
-        return self._attn_params() * self.bytes_per_param() + kv * context * batch
-
-    def attention_flops(self, context: int, batch: int = 1) -> float:
-        return 2.0 * self._attn_params() * batch + 4.0 * self.num_heads * self.head_dim * context * batch
-
-    def with_dtype(self, dtype: str) -> SimpleShape:
-        from dataclasses import replace
-
-        return replace(self, dtype=dtype)
-
-
-def deepseek_v3_standin() -> SimpleShape:
-    """DeepSeek-V3's MoE numbers (config.json: 61 layers, the first 3 dense, 256 routed experts
-    top-8 + 1 shared, hidden 7168, expert intermediate 2048, dense intermediate 18432, vocab
-    129280); attention as GQA with MLA's weight and cache sizes approximated (128 heads)."""
-    return SimpleShape(
-        name="deepseek-v3", num_layers=61, moe_layers=tuple(range(3, 61)), num_experts=256, top_k=8,
-        hidden_size=7168, expert_intermediate=2048, num_shared_experts=1, shared_intermediate=2048,
-        dense_intermediate=18432, vocab_size=129280, num_heads=128, num_kv_heads=1, head_dim=288,
-    )
 
 
 def deepseek_v3_shape() -> Any:
