@@ -10,6 +10,7 @@ import moelab
 from moelab.forward import forward_hooks
 from moelab.hybrid.events import COLUMNS
 from moelab.models.tiny import build_tiny
+from tests.test_hybrid import _inputs  # batch B with the second row left-padded
 from tests.test_policies_lifecycle import assert_same_state, snapshot
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
@@ -31,15 +32,6 @@ def _model(name):
 
         return load(name)[0]
     return build_tiny(name, seed=0)
-
-
-def _inputs(B, S=5, seed=0):
-    ids = torch.randint(3, 250, (B, S), generator=torch.Generator().manual_seed(seed))
-    mask = torch.ones_like(ids)
-    if B > 1:
-        mask[1, :2] = 0
-        ids[1, :2] = 0
-    return ids, mask
 
 
 def _gen(model, ids, mask, n=4):
