@@ -124,6 +124,14 @@ def trace_cell_key(cell: TraceCell, moelab_version: str) -> dict[str, Any]:
             "moelab": moelab_version}
 
 
+def _add_unseen(cell: TraceCell, seen: set[str], cells: list[TraceCell]) -> None:
+    """Hash ``cell`` and keep it unless a cell with the same hash was kept already."""
+    cell.hash = _hash(cell)
+    if cell.hash not in seen:
+        seen.add(cell.hash)
+        cells.append(cell)
+
+
 def _hash(cell: TraceCell) -> str:
     import moelab
 
@@ -296,10 +304,7 @@ class CacheKind(CellKind):
                         sigs["prefetch"] = path_signature(point["prefetch"]["predictor"])
                     cell = TraceCell(kind="cache", trace=t["train"], method=method, params=params, point=point,
                                      settings=dict(spec.settings), signatures=sigs, model=model, load=load)
-                    cell.hash = _hash(cell)
-                    if cell.hash not in seen:
-                        seen.add(cell.hash)
-                        cells.append(cell)
+                    _add_unseen(cell, seen, cells)
         return cells
 
     def cell_from_dict(self, d: dict[str, Any]) -> TraceCell:
@@ -390,10 +395,7 @@ class PredictorKind(CellKind):
                         cell = TraceCell(kind="predictor", trace=t["train"], test_trace=t["test"], method=method,
                                          params=params, point=dict(pt), settings=dict(spec.settings), seed=seed,
                                          signatures=sigs, model=model)
-                        cell.hash = _hash(cell)
-                        if cell.hash not in seen:
-                            seen.add(cell.hash)
-                            cells.append(cell)
+                        _add_unseen(cell, seen, cells)
         return cells
 
     def cell_from_dict(self, d: dict[str, Any]) -> TraceCell:
