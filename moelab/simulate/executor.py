@@ -758,34 +758,22 @@ def _measure(intervals: list[tuple[np.ndarray, np.ndarray]], need: int) -> float
 
 
 def summarize_sim(df, forwards=None) -> dict:
-    """tokens/s, decode step time, lane busy %, overlap %, stall time by cause (µs), from events."""
-    out: dict[str, Any] = {}
+    """tokens/s, decode step time, lane busy %, overlap %, stall time by cause (µs), from events.
+
+    Wall time, busy % and overlap follow the one rule of :func:`moelab.events.summarize` (the real
+    executor's and :class:`moelab.timeline.Timeline`'s), so real and simulated runs compare line by line.
+    """
+    from moelab.events import busy_spans, lane_group, length, summarize
+
     if len(df) == 0:
         return {"wall_us": 0.0, "busy_pct": {}, "overlap_pct": 0.0, "stall_us": {}}
-    t0, t1 = float(df["t_start_us"].min()), float(df["t_end_us"].max())
-    wall = max(t1 - t0, 1e-9)
-    out["wall_us"] = wall
-    work = df[df["kind"] != "wait"]
-    dur = (work["t_end_us"] - work["t_start_us"]).to_numpy()
-    busy = {}
-    for lane in sorted(set(map(str, df["lane"].unique()))):
-        m = (work["lane"] == lane).to_numpy()
-        busy[lane] = 100.0 * float(dur[m].sum()) / wall
-    out["busy_pct"] = busy
-
-    def spans(mask):
-        w = work[mask]
-        return (w["t_start_us"].to_numpy(), w["t_end_us"].to_numpy())
-
-    lane_s = work["lane"].astype(str)
-    host = spans(lane_s.str.startswith("host").to_numpy())
-    dev = spans((lane_s == "device").to_numpy() | (lane_s == "control").to_numpy())
-    host_busy = _measure([host], 1)
-    out["overlap_pct"] = 100.0 * _measure([host, dev], 2) / host_busy if host_busy else 0.0
+    out: dict[str, Any] = summarize(df)
+    wall = out["wall_us"]
+    groups = df["lane"].astype(str).map(lane_group)
     # KTransformers Fig. 10's "GPU busy" and "CPU busy": the device side (device lane and the control
     # thread's dense work, which a GPU box runs on the GPU) and the host lanes, as shares of the wall time
-    out["device_side_busy_pct"] = 100.0 * _measure([dev], 1) / wall
-    out["host_side_busy_pct"] = 100.0 * host_busy / wall
+    out["device_side_busy_pct"] = 100.0 * length(busy_spans(df[groups.isin(["device", "control"])])) / wall
+    out["host_side_busy_pct"] = 100.0 * length(busy_spans(df[groups == "host"])) / wall
     waits = df[(df["kind"] == "wait") & (df["lane"] == "control")]
     st = (waits["t_end_us"] - waits["t_start_us"]).groupby(waits["cause"].astype(str)).sum()
     out["stall_us"] = {str(k): float(v) for k, v in st.items() if v > 0}
