@@ -35,7 +35,7 @@ def batch3(tmp_path_factory):
     def pre(module, args, kwargs):  # which tokens are real (left padding), and the step
         ids = kwargs.get("input_ids", args[0] if args else None)
         S = ids.shape[1]
-        past = kwargs.get("past_key_values")
+        past = kwargs.get("cache", kwargs.get("past_key_values"))  # 5.24 renamed it
         past_len = past.get_seq_length() if past is not None else 0
         state["valid"] = kwargs["attention_mask"][:, -S:].bool().reshape(-1)
         state["step"] = 0 if past_len == 0 else state.get("step", 0) + 1

@@ -22,9 +22,9 @@ import torch
 import moelab
 from moelab.adapters import moe_layers
 from moelab.backends import use_backend
+from moelab.compat import cache_kwargs, output_cache, router_outputs
 from moelab.errors import MoelabError
 from moelab.forward import Order, forward_hooks, hooks
-from moelab.forward.points import router_outputs
 from moelab.models.tiny import FAMILIES, build_tiny
 from moelab.policies import ExpertDeferral
 from moelab.predictors import attach, make_predictor
@@ -116,13 +116,13 @@ def test_recorder_deferral_predictor_and_kernels_in_one_generate(family, tmp_pat
         with ref.active(False):
             r = model(ids, attention_mask=mask, use_cache=True)
         ref_logits = [r.logits[:, -1]]
-        past, m = r.past_key_values, mask
+        past, m = output_cache(r), mask
         for i in range(len(out.logits) - 1):
             nxt = seqs[:, S + i: S + i + 1]
             m = torch.cat([m, torch.ones_like(nxt)], dim=1)
             with ref.active(True):
-                r = model(nxt, attention_mask=m, past_key_values=past, use_cache=True)
-            past = r.past_key_values
+                r = model(nxt, attention_mask=m, **cache_kwargs(past), use_cache=True)
+            past = output_cache(r)
             ref_logits.append(r.logits[:, -1])
     for step, (got, want) in enumerate(zip(out.logits, ref_logits, strict=True)):
         torch.testing.assert_close(got.float(), want.float(), **TOL[torch.float32], msg=f"step {step}")

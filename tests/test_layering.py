@@ -19,7 +19,7 @@ LAYERS: list[set[str]] = [
     # foundation: no moelab imports beyond each other
     {"errors", "registry", "stats", "events", "routing", "_lazy", "_output", "_resources", "<pkg>"},
     # components: the model view, kernels, tasks and everything that acts on a forward pass
-    {"adapters", "kernels", "backends", "models", "tasks", "prompts", "loading", "forward", "hardware", "timing",
+    {"adapters", "compat", "kernels", "backends", "models", "tasks", "prompts", "loading", "forward", "hardware", "timing",
      "trace", "caches", "policies", "predictors"},
     # runtimes composed from the components; the simulator (plans on hardware profiles) is the
     # hybrid runtime's third executor, so the two import each other

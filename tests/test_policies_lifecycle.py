@@ -7,6 +7,7 @@ import torch
 
 import moelab
 from moelab.adapters import moe_layers
+from moelab.compat import cache_kwargs, output_cache
 from moelab.errors import MoelabError
 from moelab.models.tiny import build_tiny
 from moelab.policies import ExpertDeferral, ExpertSkipping, active_policies
@@ -61,7 +62,7 @@ def ids(B=2, S=6, seed=0):
 @torch.no_grad()
 def decode_logits(model, x):
     out = model(x, use_cache=True)
-    return model(x[:, -1:], past_key_values=out.past_key_values).logits
+    return model(x[:, -1:], **cache_kwargs(output_cache(out))).logits
 
 
 def test_exit_restores_full_model_state_after_use_nesting_and_exception(qwen):

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from moelab.adapters import moe_layers
-from moelab.forward.points import router_outputs
+from moelab.compat import cache_kwargs, output_cache, router_outputs
 from moelab.models.tiny import FAMILIES, build_tiny
 from moelab.policies import ExpertDeferral, ExpertSkipping
 
@@ -152,7 +152,7 @@ def run(model, ids, mask, phase: str, ctx_policy, ref: Reference | None):
     mask2 = torch.cat([mask, torch.ones_like(nxt)], dim=1)
     ref_cm = ref.active(True, torch.ones(ids.shape[0], dtype=torch.bool)) if ref else contextlib.nullcontext()
     with policy_cm, ref_cm:
-        return model(nxt, attention_mask=mask2, past_key_values=out.past_key_values).logits
+        return model(nxt, attention_mask=mask2, **cache_kwargs(output_cache(out))).logits
 
 
 def real(logits, mask, phase):

@@ -10,6 +10,7 @@ import torch
 
 import moelab
 from moelab.adapters import moe_layers
+from moelab.compat import cache_kwargs, output_cache
 from moelab.forward import forward_hooks
 from moelab.models.tokenizer import byte_tokenizer
 from moelab.trace import RecordConfig, TraceRecorder, open_trace
@@ -120,11 +121,11 @@ def test_a_loop_without_attention_mask_records_every_token(model, tmp_path):
     fed = [ids]
     buf = torch.zeros(2, 1, dtype=torch.long)
     with torch.no_grad(), moelab.record(model, tmp_path / "t") as rec:
-        out = model(input_ids=ids, past_key_values=DynamicCache(config=model.config), use_cache=True)
+        out = model(input_ids=ids, **cache_kwargs(DynamicCache(config=model.config)), use_cache=True)
         for _ in range(3):
             buf.copy_(out.logits[:, -1:].argmax(-1))
             fed.append(buf.clone())
-            out = model(input_ids=buf, past_key_values=out.past_key_values, use_cache=True)
+            out = model(input_ids=buf, **cache_kwargs(output_cache(out)), use_cache=True)
     t = rec.trace
     L = t.num_moe_layers
     seq, pos, step, tid = t.column("seq"), t.column("pos"), t.column("step"), t.column("token_id")

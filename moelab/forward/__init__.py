@@ -8,12 +8,12 @@ See :mod:`moelab.forward.points` for the points and their order, and
 :mod:`moelab.forward.context` for what a :class:`ForwardContext` knows.
 """
 
+from moelab.compat import past_length
 from moelab.forward.context import (
     ForwardContext,
     ForwardInputs,
     Phase,
     inspect_forward,
-    past_length,
 )
 from moelab.forward.plan import DEFERRED, DROPPED, IMMEDIATE, SlotPlan
 from moelab.forward.points import (

@@ -33,12 +33,14 @@ def decode_loop(model, ids, steps: int) -> float:
     """Seconds per greedy decode step of a KV-cache loop after a prefill of ``ids`` (batch 1)."""
     from transformers import DynamicCache
 
+    from moelab.compat import cache_kwargs, output_cache
+
     cache = DynamicCache(config=model.config)
-    out = model(input_ids=ids, past_key_values=cache, use_cache=True)
+    out = model(input_ids=ids, **cache_kwargs(cache, model), use_cache=True)
     nxt = out.logits[:, -1:].argmax(-1)
     t0 = time.perf_counter()
     for _ in range(steps):
-        out = model(input_ids=nxt, past_key_values=out.past_key_values, use_cache=True)
+        out = model(input_ids=nxt, **cache_kwargs(output_cache(out), model), use_cache=True)
         nxt = out.logits[:, -1:].argmax(-1)
     return (time.perf_counter() - t0) / steps
 

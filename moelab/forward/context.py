@@ -10,7 +10,10 @@ Rules (one place, used by the trace recorder, routing policies, online predictor
 online caches and the hybrid runtime alike):
 
 * **phase** — ``decode`` for one new token per row on a non-empty KV cache, else
-  ``prefill`` (a prompt, or a multi-token continuation);
+  ``prefill`` (a prompt, or a multi-token continuation). The cache is found and measured by
+  :func:`moelab.compat.find_cache` (under whatever name the installed transformers passes
+  it); a forward that continues earlier tokens with no cache moelab can read is refused,
+  never taken for a prompt;
 * **sequences and steps** — a forward on an empty cache starts ``batch`` new sequences
   (ids counted from 0 per manager) at step 0; a forward on a non-empty cache with the
   same batch continues them at the next step; a non-empty cache the manager did not see
@@ -27,6 +30,8 @@ from typing import Any, Literal
 
 import numpy as np
 import torch
+
+from moelab.compat import bound_arguments, find_cache
 
 Phase = Literal["prefill", "decode"]
 
@@ -58,10 +63,17 @@ class ForwardInputs:
         return "decode" if self.past_len > 0 and self.seq_len == 1 else "prefill"
 
 
-def inspect_forward(args: tuple, kwargs: dict[str, Any]) -> ForwardInputs | None:
-    """A :class:`ForwardInputs` from a forward's arguments; None if it has no token inputs."""
-    input_ids = kwargs.get("input_ids", args[0] if args else None)
-    embeds = kwargs.get("inputs_embeds")
+def inspect_forward(args: tuple, kwargs: dict[str, Any], module: Any = None) -> ForwardInputs | None:
+    """A :class:`ForwardInputs` from a forward's arguments; None if it has no token inputs.
+
+    ``module`` (the module whose forward is called, or its class) names positional arguments
+    after its forward's signature, so a cache passed by position is found too. Raises
+    :class:`moelab.compat.UnreadableForwardError` for a continuation whose cache moelab cannot
+    read.
+    """
+    named = bound_arguments(module, args, kwargs)
+    input_ids = named.get("input_ids", args[0] if args and module is None else None)
+    embeds = named.get("inputs_embeds")
     if isinstance(input_ids, torch.Tensor):
         B, S = input_ids.shape[:2]
     elif isinstance(embeds, torch.Tensor):
@@ -69,31 +81,16 @@ def inspect_forward(args: tuple, kwargs: dict[str, Any]) -> ForwardInputs | None
         input_ids = None
     else:
         return None
-    mask = kwargs.get("attention_mask")
+    mask = named.get("attention_mask")
     cur = mask[:, -S:].detach().bool() if isinstance(mask, torch.Tensor) and mask.dim() == 2 else None
     return ForwardInputs(
         batch=int(B),
         seq_len=int(S),
-        past_len=past_length(kwargs.get("past_key_values")),
+        past_len=find_cache(None, (), named, int(S)).past_len,
         mask=cur,
         input_ids=input_ids,
     )
 
-
-def past_length(past: Any) -> int:
-    """Tokens held by a KV cache (``Cache`` object or legacy tuple); 0 for None or empty."""
-    if past is None:
-        return 0
-    get = getattr(past, "get_seq_length", None)
-    if get is not None:
-        try:
-            return int(get())
-        except Exception:  # noqa: BLE001 - caches without layers yet report nothing
-            return 0
-    try:  # legacy tuple of (k, v) per layer
-        return int(past[0][0].shape[-2])
-    except Exception:  # noqa: BLE001
-        return 0
 
 
 @dataclass

@@ -52,6 +52,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from moelab.compat import router_outputs
 from moelab.errors import MoelabError, unknown_name
 from moelab.forward.context import ForwardContext, inspect_forward
 from moelab.forward.plan import DEFERRED, IMMEDIATE, SlotPlan
@@ -291,7 +292,7 @@ class ForwardHooks:
         self.depth += 1
         if self.depth != 1:
             return None
-        info = inspect_forward(args, kwargs)
+        info = inspect_forward(args, kwargs, module)
         if info is None:
             self.ctx = None
             return None
@@ -500,14 +501,3 @@ def _compact(experts: torch.Tensor, weights: torch.Tensor, keep: torch.Tensor) -
 __all__ = [
     "POINTS", "ExpertsCall", "ForwardHooks", "Handle", "Order", "RouterCall", "forward_hooks", "hooks",
 ]
-
-
-def router_outputs(output) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(logits, weights, expert ids)`` of a router's output triple, in either order transformers
-    5.x uses: ``(logits, weights, ids)`` (most families, granitemoe from 5.2x) or ``(ids, weights,
-    logits)`` (granitemoe in earlier 5.x releases). The ids are the integer tensor."""
-    first, weights, last = output[0], output[1], output[2]
-    if not first.is_floating_point() and last.is_floating_point():
-        return last, weights, first
-    return first, weights, last
-

@@ -299,6 +299,8 @@ def _dense_points(sizes: tuple[int, ...], contexts: tuple[int, ...], repeat: int
         Qwen2MoeRotaryEmbedding,
     )
 
+    from moelab.compat import cache_kwargs
+
     out = []
     for H in sizes:
         heads = max(H // 64, 1)
@@ -318,12 +320,12 @@ def _dense_points(sizes: tuple[int, ...], contexts: tuple[int, ...], repeat: int
             x1 = torch.randn(1, 1, H).to(torch.bfloat16)
             p1 = torch.tensor([[ctx]])
             with torch.no_grad():
-                layer(x, position_embeddings=rot(x, pos), past_key_values=cache, position_ids=pos, use_cache=True)
+                layer(x, position_embeddings=rot(x, pos), **cache_kwargs(cache, layer), position_ids=pos, use_cache=True)
                 pe = rot(x1, p1)
 
                 def step(layer=layer, x1=x1, pe=pe, cache=cache, p1=p1):
                     with torch.no_grad():
-                        layer(x1, position_embeddings=pe, past_key_values=cache, position_ids=p1, use_cache=True)
+                        layer(x1, position_embeddings=pe, **cache_kwargs(cache, layer), position_ids=p1, use_cache=True)
 
                 sec = _median(step, repeat, budget_s=0.3)
             out.append({"hidden": H, "context": ctx, "bytes": wbytes + 2 * H * 2 * ctx, "weight_bytes": wbytes,

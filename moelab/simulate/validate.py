@@ -183,6 +183,7 @@ def _real_case(model, ids, cfg: dict, steps: int, warmup: int, profile, shape) -
     import torch
     from transformers import DynamicCache
 
+    from moelab.compat import cache_kwargs, output_cache
     from moelab.hybrid.events import summarize
     from moelab.hybrid.runtime import HybridRun
     from moelab.simulate.executor import simulate_plans
@@ -190,17 +191,17 @@ def _real_case(model, ids, cfg: dict, steps: int, warmup: int, profile, shape) -
     run = HybridRun(model, cfg)
     with run, torch.no_grad():
         cache = DynamicCache(config=model.config)
-        out = model(input_ids=ids, past_key_values=cache, use_cache=True)
+        out = model(input_ids=ids, **cache_kwargs(cache, model), use_cache=True)
         nxt = out.logits[:, -1:].argmax(-1)
         for _ in range(warmup):
-            out = model(input_ids=nxt, past_key_values=out.past_key_values, use_cache=True)
+            out = model(input_ids=nxt, **cache_kwargs(output_cache(out), model), use_cache=True)
             nxt = out.logits[:, -1:].argmax(-1)
         n0 = len(run.plans)
         ev0 = run.events_table()
         first_step = int(ev0["step"].max()) + 1 if len(ev0) else 0
         t0 = time.perf_counter()
         for _ in range(steps):
-            out = model(input_ids=nxt, past_key_values=out.past_key_values, use_cache=True)
+            out = model(input_ids=nxt, **cache_kwargs(output_cache(out), model), use_cache=True)
             nxt = out.logits[:, -1:].argmax(-1)
         wall = time.perf_counter() - t0
         plans = list(run.plans[n0:])
