@@ -19,7 +19,9 @@ a forward it cannot read instead of guessing:
   (:func:`output_cache`), so moelab's own decode loops use the name the installed release
   expects (no deprecation warnings from moelab's calls);
 * **a router's output triple** (:func:`router_outputs`): ``(logits, weights, ids)`` in most
-  families, ``(ids, weights, logits)`` in granitemoe before 5.2x — told apart by dtype.
+  families, ``(ids, weights, logits)`` in granitemoe before 5.2x — told apart by dtype;
+* **an experts module's call** (:func:`experts_call_arguments`, :func:`with_routing`):
+  ``experts(hidden, top_k_index, top_k_weights)`` by position or under the keywords 5.x uses.
 
 :data:`TESTED` lists the releases the test suite was run on (README, "Supported
 versions") and the conventions each one has; ``tests/test_compat.py`` checks that the
@@ -258,14 +260,53 @@ def router_outputs(output) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(logits, weights, expert ids)`` of a router's output triple, in either order transformers
     5.x uses: ``(logits, weights, ids)`` (most families, granitemoe from 5.2x) or ``(ids, weights,
     logits)`` (granitemoe in earlier 5.x releases). The ids are the integer tensor."""
+    if not isinstance(output, tuple | list) or len(output) != 3 or not all(isinstance(t, torch.Tensor) for t in output):
+        got = f"a {len(output)}-tuple" if isinstance(output, tuple | list) else type(output).__name__
+        raise UnreadableForwardError(
+            f"a router returned {got}; moelab reads (logits, weights, expert ids) (transformers "
+            f"{transformers_version()}). Fix: install the tested versions (`make install`), or teach "
+            "moelab.compat.router_outputs this release's router output.")
     first, weights, last = output[0], output[1], output[2]
     if not first.is_floating_point() and last.is_floating_point():
         return last, weights, first
     return first, weights, last
 
 
+#: Keywords transformers 5.x uses for an experts call's routing, after ``hidden_states``.
+EXPERTS_INDEX_NAMES: tuple[str, ...] = ("top_k_index", "router_indices")
+EXPERTS_WEIGHT_NAMES: tuple[str, ...] = ("top_k_weights", "routing_weights")
+
+
+def experts_call_arguments(args: tuple, kwargs: Mapping[str, Any]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(hidden (T,H), expert ids (T,K), weights (T,K)) of an ``experts(...)`` call, positional or keyword."""
+    values = list(args[:3])
+    names = (("hidden_states",), EXPERTS_INDEX_NAMES, EXPERTS_WEIGHT_NAMES)
+    for i in range(len(values), 3):
+        values.append(next((kwargs[n] for n in names[i] if n in kwargs), None))
+    if any(v is None for v in values):
+        raise UnreadableForwardError(
+            f"unexpected experts call: {len(args)} positional argument(s), keywords {sorted(kwargs)}; moelab reads "
+            f"experts(hidden_states, top_k_index, top_k_weights) (transformers {transformers_version()}). Fix: "
+            "install the tested versions (`make install`), or teach moelab.compat.experts_call_arguments this call.")
+    return values[0], values[1], values[2]
+
+
+def with_routing(args: tuple, kwargs: Mapping[str, Any], experts: torch.Tensor,
+                 weights: torch.Tensor) -> tuple[tuple, dict]:
+    """The same experts call with its expert ids and weights replaced, where the call had them."""
+    args = list(args)
+    kwargs = dict(kwargs)
+    for i, (value, names) in enumerate(((experts, EXPERTS_INDEX_NAMES), (weights, EXPERTS_WEIGHT_NAMES)), start=1):
+        if len(args) > i:
+            args[i] = value
+        else:
+            kwargs[next(n for n in names if n in kwargs)] = value
+    return tuple(args), kwargs
+
+
 __all__ = [
-    "CACHE_NAMES", "TESTED", "Conventions", "FoundCache", "UnreadableForwardError", "bound_arguments",
-    "cache_kwarg", "cache_kwargs", "conventions", "find_cache", "output_cache", "past_length",
-    "router_outputs", "transformers_version",
+    "CACHE_NAMES", "EXPERTS_INDEX_NAMES", "EXPERTS_WEIGHT_NAMES", "TESTED", "Conventions", "FoundCache",
+    "UnreadableForwardError", "bound_arguments", "cache_kwarg", "cache_kwargs", "conventions",
+    "experts_call_arguments", "find_cache", "output_cache", "past_length", "router_outputs",
+    "transformers_version", "with_routing",
 ]

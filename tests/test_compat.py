@@ -157,3 +157,23 @@ def test_an_unreadable_continuation_is_refused_inside_the_model_and_the_model_re
         with hooks(model, forward=lambda ctx: seen.append(ctx.phase)):
             model(input_ids=ids)
         assert seen == ["prefill"]
+
+
+def test_a_router_output_moelab_cannot_read_is_refused():
+    with pytest.raises(UnreadableForwardError, match=r"a router returned a 2-tuple.*transformers 5"):
+        router_outputs((torch.randn(3, 4), torch.rand(3, 2)))
+
+
+def test_an_experts_call_is_read_by_position_or_keyword_and_refused_otherwise():
+    from moelab.compat import experts_call_arguments, with_routing
+
+    h, i, w = torch.randn(3, 8), torch.randint(0, 4, (3, 2)), torch.rand(3, 2)
+    for args, kwargs in [((h, i, w), {}), ((h,), {"top_k_index": i, "top_k_weights": w}),
+                         ((), {"hidden_states": h, "router_indices": i, "routing_weights": w})]:
+        got = experts_call_arguments(args, kwargs)
+        assert got[0] is h and got[1] is i and got[2] is w
+        i2, w2 = i.flip(1), w.flip(1)
+        a2, k2 = with_routing(args, kwargs, i2, w2)
+        assert experts_call_arguments(a2, k2)[1] is i2 and experts_call_arguments(a2, k2)[2] is w2
+    with pytest.raises(UnreadableForwardError, match=r"unexpected experts call: 1 positional.*\['indices'\]"):
+        experts_call_arguments((h,), {"indices": i})

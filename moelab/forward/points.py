@@ -52,7 +52,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from moelab.compat import router_outputs
+from moelab.compat import experts_call_arguments, router_outputs, with_routing
 from moelab.errors import MoelabError, unknown_name
 from moelab.forward.context import ForwardContext, inspect_forward
 from moelab.forward.plan import DEFERRED, IMMEDIATE, SlotPlan
@@ -64,8 +64,6 @@ log = logging.getLogger(__name__)
 
 POINTS = ("forward", "router", "plan", "experts", "output", "forward_end")
 _LAYER_POINTS = ("router", "plan", "experts", "output")
-_INDEX_NAMES = ("top_k_index", "router_indices")
-_WEIGHT_NAMES = ("top_k_weights", "routing_weights")
 
 
 class Order:
@@ -365,7 +363,7 @@ class ForwardHooks:
             ctx = self.ctx
             if ctx is None or self.depth != 1:
                 return original(*args, **kwargs)
-            hidden, ids, weights = _unpack(args, kwargs)
+            hidden, ids, weights = experts_call_arguments(args, kwargs)
             call = ExpertsCall(layer=layer, hidden=hidden, experts=ids, weights=weights, ctx=ctx)
             for point in ("plan", "experts"):
                 for h in self._fns[point]:
@@ -376,17 +374,17 @@ class ForwardHooks:
             def run(backend, a: tuple, k: dict) -> Any:
                 if backend is None:
                     return original(*a, **k)
-                h2, i2, w2 = _unpack(a, k)
+                h2, i2, w2 = experts_call_arguments(a, k)
                 return backend(module, h2, i2, w2, expert_map=emap)
 
             plan = call._plan
             if plan is not None and plan.changed:
-                out = _resolve(run(call.backend, *_repack(args, kwargs, *_compact(ids, plan.weights,
+                out = _resolve(run(call.backend, *with_routing(args, kwargs, *_compact(ids, plan.weights,
                                                                                  plan.state == IMMEDIATE))))
                 deferred = plan.state == DEFERRED
                 if bool(deferred.any()):
                     late_backend = call.deferred_backend if call.deferred_backend is not None else call.backend
-                    late = run(late_backend, *_repack(args, kwargs, *_compact(ids, plan.weights, deferred)))
+                    late = run(late_backend, *with_routing(args, kwargs, *_compact(ids, plan.weights, deferred)))
                     nxt = index + 1
                     ctx.carry[nxt] = _resolve(ctx.carry[nxt]) + _resolve(late) if nxt in ctx.carry else late
             else:
@@ -455,30 +453,6 @@ def hooks(
 
 
 # ---------------------------------------------------------------------- experts call helpers
-def _unpack(args: tuple, kwargs: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(hidden (T,H), experts (T,K), weights (T,K)) from an experts call, positional or keyword."""
-    values = list(args[:3])
-    names = (("hidden_states",), _INDEX_NAMES, _WEIGHT_NAMES)
-    for i in range(len(values), 3):
-        found = next((kwargs[n] for n in names[i] if n in kwargs), None)
-        values.append(found)
-    if any(v is None for v in values):
-        raise TypeError(f"unexpected experts call signature: {len(args)} positional, keywords {sorted(kwargs)}")
-    return values[0], values[1], values[2]
-
-
-def _repack(args: tuple, kwargs: dict, experts: torch.Tensor, weights: torch.Tensor) -> tuple[tuple, dict]:
-    args = list(args)
-    kwargs = dict(kwargs)
-    for i, (value, names) in enumerate(((experts, _INDEX_NAMES), (weights, _WEIGHT_NAMES)), start=1):
-        if len(args) > i:
-            args[i] = value
-        else:
-            key = next(n for n in names if n in kwargs)
-            kwargs[key] = value
-    return tuple(args), kwargs
-
-
 def _compact(experts: torch.Tensor, weights: torch.Tensor, keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The kept slots of every token, packed to the left in router order: (T, m) ids and weights.
 
