@@ -33,7 +33,9 @@ def _independent_routes(model_dir, prompts):
     calls = []
 
     def hook(layer):
-        return lambda mod, args, out: calls.append((layer, out[2].detach().clone()))
+        # the expert ids are the integer tensor of the triple (granitemoe before 5.2x put them first)
+        return lambda mod, args, out: calls.append(
+            (layer, next(t for t in out if not t.is_floating_point()).detach().clone()))
 
     handles = [mod.register_forward_hook(hook(layer)) for layer, mod in routers.items()]
     routes = {}

@@ -17,6 +17,7 @@ from typing import Literal
 import torch
 from torch import nn
 
+from moelab.compat import router_outputs
 from moelab.errors import MoelabError
 
 Scoring = Literal["softmax", "sigmoid"]
@@ -85,7 +86,7 @@ class MoELayer:
         correction bias, sparsemixer, ...); the result is sorted by descending weight.
         """
         h = hidden.reshape(-1, hidden.shape[-1])
-        logits, weights, experts = self.router(h)
+        logits, weights, experts = router_outputs(self.router(h))  # in the order this transformers uses
         return make_routing(logits, weights, experts, self.spec.scoring)
 
 

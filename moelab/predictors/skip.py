@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from moelab.compat import router_outputs
 from moelab.errors import MoelabError
 from moelab.predictors.base import Predictor, TraceData
 from moelab.predictors.protocol import to_cpu_tensor, to_numpy
@@ -76,7 +77,7 @@ class SkipPredictor(Predictor):
         target = layer + self.distance
         router = self.routers_[target]
         w = router.weight
-        logits, weights, experts = router(to_cpu_tensor(hidden).to(device=w.device, dtype=w.dtype))
+        logits, weights, experts = router_outputs(router(to_cpu_tensor(hidden).to(device=w.device, dtype=w.dtype)))
         r = make_routing(logits, weights, experts, self.scoring_[target])
         scores = to_numpy(r.scores.clamp(0.0, 1.0), np.float32).copy()
         chosen = to_numpy(r.experts, np.int64)
