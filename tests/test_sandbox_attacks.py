@@ -411,3 +411,283 @@ def test_killing_the_evaluator_takes_down_the_sandbox(tmp_path):
     while _tagged_processes(tag) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert _tagged_processes(tag) == []
+
+
+# ------------------------------------------------------------------------------------------
+# Resources the rlimits do not see, measured on the host: each attack runs through the scoring
+# path while a thread samples the host (memory, slab, the evaluator user's counts); the bound is
+# memory_mb + work_mb plus a stated slack (other tests may run beside these on the other worker).
+HOST_CFG = SandboxConfig(timeout_s=8.0, memory_mb=128, work_mb=64, max_processes=8)
+SLACK_MIB = 96
+BOUND_MIB = HOST_CFG.memory_mb + HOST_CFG.work_mb + SLACK_MIB
+
+
+def _meminfo() -> dict[str, int]:
+    """/proc/meminfo in KiB."""
+    out = {}
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        key, value = line.split(":", 1)
+        out[key] = int(value.split()[0])
+    return out
+
+
+def _sigq() -> int:
+    """Queued signals charged to this process's user (the ``SigQ`` count of /proc/self/status)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("SigQ:"):
+            return int(line.split()[1].split("/")[0])
+    raise AssertionError("no SigQ line")
+
+
+def _under_attack(code: str, sample, config: SandboxConfig = HOST_CFG, candidate: str = WRONG):
+    """Run ``code`` (prepended to a wrong candidate) through run_tests while ``sample()`` is called
+    every 20 ms; returns (result, samples)."""
+    samples, done = [sample()], threading.Event()
+
+    def loop():
+        while not done.is_set():
+            samples.append(sample())
+            time.sleep(0.02)
+
+    t = threading.Thread(target=loop)
+    t.start()
+    try:
+        r = run_tests(code + "\n" + candidate, TESTS, config)
+    finally:
+        done.set()
+        t.join()
+    samples.append(sample())
+    return r, samples
+
+
+def _growth_mib(samples: list[dict], key: str) -> float:
+    return (max(s[key] for s in samples) - samples[0][key]) / 1024
+
+
+# the attacks keep what they got and wait, so the sampler sees the peak
+MEMFD = ("import os, time\nfd_keep, got = [], 0\nfor _ in range(64):  # 15 MiB each, under RLIMIT_FSIZE\n    try:\n"
+         "        fd = os.memfd_create('x')\n        os.write(fd, b'x' * 15 * 2 ** 20)\n        fd_keep.append(fd)\n"
+         "        got += 15\n    except OSError as e:\n        print('memfd refused:', e.errno)\n        break\n"
+         "print('memfd MiB', got)\ntime.sleep(1.5)")
+SYSV_SHM = ("import ctypes, time\nlibc = ctypes.CDLL(None, use_errno=True)\nlibc.shmat.restype = ctypes.c_void_p\n"
+            "got = 0\nfor _ in range(16):\n    sid = libc.shmget(0, 2 ** 26, 0o1600)\n    if sid < 0:\n"
+            "        print('shmget refused:', ctypes.get_errno())\n        break\n"
+            "    addr = libc.shmat(sid, None, 0)\n    ctypes.memset(addr, 1, 2 ** 26)\n    libc.shmdt(ctypes.c_void_p(addr))\n"
+            "    got += 64\nprint('shm MiB', got)\ntime.sleep(1.5)")
+NESTED_TMPFS = ("import ctypes, os, time\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+                "if libc.unshare(0x10000000 | 0x00020000) != 0:\n    print('unshare refused:', ctypes.get_errno())\n"
+                "else:\n    uid, gid = 1000, 1000\n    open('/proc/self/setgroups', 'w').write('deny')\n"
+                "    open('/proc/self/uid_map', 'w').write('0 %d 1' % uid)\n"
+                "    open('/proc/self/gid_map', 'w').write('0 %d 1' % gid)\n    os.makedirs('/tmp/m', exist_ok=True)\n"
+                "    assert libc.mount(b'none', b'/tmp/m', b'tmpfs', 0, b'size=2g') == 0, ctypes.get_errno()\n"
+                "    for i in range(128):  # files under RLIMIT_FSIZE\n"
+                "        with open('/tmp/m/f%d' % i, 'wb') as f:\n            f.write(b'x' * 8 * 2 ** 20)\n"
+                "    print('nested tmpfs MiB', 1024)\ntime.sleep(1.5)")
+CLONE_NESTED = ("import ctypes, os, time\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+                "pid = libc.syscall(56, 0x10000000 | 0x00020000 | 17, 0, 0, 0, 0)\n"
+                "if pid == 0:\n    os._exit(0)\nprint('clone with namespace flags:', pid, ctypes.get_errno())\ntime.sleep(1.5)")
+
+
+@pytest.mark.parametrize("name, code", [("memfd", MEMFD), ("sysv-shm", SYSV_SHM), ("nested-tmpfs", NESTED_TMPFS),
+                                        ("clone-new-namespaces", CLONE_NESTED)])
+def test_memory_outside_rlimit_as_is_bounded_on_the_host(name, code):
+    r, samples = _under_attack(code, _meminfo)
+    grew = _growth_mib(samples, "Shmem")
+    assert r.status in ("failed", "timeout"), r.stdout[-300:]
+    assert grew <= BOUND_MIB, f"{name}: host Shmem grew {grew:.0f} MiB (bound {BOUND_MIB}); {r.stdout[-300:]!r}"
+    assert "refused: 1" in r.stdout or "clone with namespace flags: -1 1" in r.stdout, r.stdout[-300:]
+    assert "seccomp" in r.mechanisms
+
+
+def test_a_tmpfs_cannot_be_filled_with_inodes():
+    code = ("import os\nn = 0\ntry:\n    while True:\n        os.mkdir('/tmp/d%d' % n)\n        n += 1\n"
+            "except OSError as e:\n    print('mkdir stopped:', n, e.errno)")
+    r, samples = _under_attack(code, _meminfo)
+    got = int(r.stdout.split("mkdir stopped:")[1].split()[0])
+    assert got <= HOST_CFG.work_inodes, r.stdout[-200:]
+    assert _growth_mib(samples, "Slab") <= 64, f"host slab grew {_growth_mib(samples, 'Slab'):.0f} MiB"
+    assert r.duration_s < HOST_CFG.timeout_s, "the teardown took the run to its timeout"
+
+
+def test_inotify_instances_are_refused_and_the_evaluators_stay_free():
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    code = ("import ctypes, time\nlibc = ctypes.CDLL(None, use_errno=True)\nfds = []\nfor _ in range(2000):\n"
+            "    fd = libc.inotify_init()\n    if fd < 0:\n        print('inotify refused:', ctypes.get_errno())\n        break\n"
+            "    fds.append(fd)\nprint('inotify instances', len(fds))\ntime.sleep(1.5)")
+
+    def sample():
+        fd = libc.inotify_init()
+        if fd >= 0:
+            os.close(fd)
+        return fd >= 0
+
+    r, ok = _under_attack(code, sample)
+    assert "inotify refused: 1" in r.stdout, r.stdout[-200:]
+    assert all(ok), f"the evaluator's inotify_init failed {ok.count(False)} of {len(ok)} times during the run"
+
+
+def test_queued_signals_are_not_charged_to_the_evaluators_user():
+    """Every candidate process blocks all signals and queues every standard one to itself (and
+    tries real-time ones): the pending count of the evaluator's user does not move. When the
+    evaluator is root, the sandbox's user namespace belongs to nobody, so nothing inside is
+    charged to root; real-time signals are refused in any case."""
+    code = ("import os, signal, time\nsignal.pthread_sigmask(signal.SIG_BLOCK, range(1, 65))\n"
+            "def queue():\n    for s in range(1, 32):\n        if s not in (9, 19):\n            os.kill(os.getpid(), s)\n"
+            "    try:\n        for _ in range(5000):\n            os.kill(os.getpid(), signal.SIGRTMIN)\n"
+            "    except OSError as e:\n        return e.errno\n"
+            "for _ in range(6):\n    if os.fork() == 0:\n        queue()\n        time.sleep(1.5)\n        os._exit(0)\n"
+            "print('real-time signal refused:', queue())\ntime.sleep(1.5)")
+    r, samples = _under_attack(code, _sigq)
+    assert "real-time signal refused: 1" in r.stdout, r.stdout[-300:]
+    grew = max(samples) - samples[0]
+    limit = 8 if os.geteuid() == 0 else 31 * (HOST_CFG.max_processes + 4)
+    assert grew <= limit, f"the evaluator's user had {grew} more signals pending during the run"
+    if os.geteuid() == 0:
+        assert "userns-owner-nobody" in r.mechanisms
+
+
+KEYCTL, ADD_KEY = {"x86_64": (250, 248), "aarch64": (219, 217)}.get(os.uname().machine, (None, None))
+KEY_SPEC_SESSION_KEYRING, KEYCTL_READ, KEYCTL_UNLINK = -3, 11, 9
+
+
+def _session_keys() -> bytes:
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    buf = ctypes.create_string_buffer(4096)
+    n = libc.syscall(KEYCTL, KEYCTL_READ, KEY_SPEC_SESSION_KEYRING, buf, 4096)
+    return buf.raw[: max(n, 0)]
+
+
+@pytest.mark.skipif(KEYCTL is None, reason="no keyctl numbers for this machine")
+def test_the_evaluators_session_keyring_is_out_of_reach():
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    key = libc.syscall(ADD_KEY, b"user", b"moelab-attack-key", b"key-secret-9b1", 14, KEY_SPEC_SESSION_KEYRING)
+    if key < 0:
+        pytest.skip(f"this kernel gives the test no keyring (errno {ctypes.get_errno()})")
+    try:
+        before = _session_keys()
+        code = ("import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\nbuf = ctypes.create_string_buffer(256)\n"
+                f"n = libc.syscall({KEYCTL}, 11, {key}, buf, 256)\nprint('read key:', n, ctypes.get_errno(), buf.raw[:max(n, 0)])\n"
+                f"n = libc.syscall({ADD_KEY}, b'user', b'moelab-planted', b'x', 1, -3)\nprint('add key:', n, ctypes.get_errno())\n"
+                "try:\n    print(open('/proc/keys').read())\nexcept OSError as e:\n    print('proc keys:', e)")
+        r = run_tests(code + "\n" + WRONG, TESTS, HOST_CFG)
+        assert "read key: -1 1" in r.stdout and "add key: -1 1" in r.stdout, r.stdout[-400:]
+        assert "key-secret" not in r.stdout and "moelab-attack-key" not in r.stdout
+        assert _session_keys() == before, "a key was added to the evaluator's session keyring"
+        assert "fresh-session-keyring" in r.mechanisms
+    finally:
+        libc.syscall(KEYCTL, KEYCTL_UNLINK, key, KEY_SPEC_SESSION_KEYRING)
+
+
+def test_every_denied_system_call_is_refused_and_ordinary_work_still_runs():
+    from moelab.evals.sandbox import run_program
+    from moelab.evals.sandbox_launcher import DENIED
+
+    table = DENIED.get(os.uname().machine)
+    if table is None:
+        pytest.skip(f"no seccomp table for {os.uname().machine}")
+    code = ("import ctypes, json, os, signal, subprocess, tempfile\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+            f"table = {table!r}\nout = {{}}\nfor name, nr in table.items():\n"
+            "    ctypes.set_errno(0)\n    ret = libc.syscall(nr, 0, 0, 0, 0, 0, 0)\n    out[name] = (ret, ctypes.get_errno())\n"
+            "out['clone3'] = (libc.syscall(435, 0, 0), ctypes.get_errno())\n"
+            "os.kill(os.getpid(), 0)\nsignal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGUSR1])\nos.kill(os.getpid(), signal.SIGUSR1)\n"
+            "subprocess.run(['true'], check=True)\nopen(tempfile.mkstemp()[1], 'w').write('ok')\n"
+            "print(json.dumps(out))")
+    r = run_program(code, HOST_CFG)
+    assert r.passed, r.stderr[-500:]
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    refused = {k: v for k, v in got.items() if v != [-1, 38 if k == "clone3" else 1]}
+    assert refused == {}, f"not refused with EPERM (clone3: ENOSYS): {refused}"
+
+
+def test_another_system_call_abi_kills_the_process():
+    from moelab.evals.sandbox import run_program
+
+    if os.uname().machine != "x86_64":
+        pytest.skip("the x32 ABI exists on x86_64 only")
+    r = run_program("import ctypes\nctypes.CDLL(None).syscall(0x40000000 + 39)\nprint('survived')", HOST_CFG)
+    assert not r.passed and "survived" not in r.stdout and r.returncode == -signal.SIGSYS
+
+
+def test_a_candidate_named_like_a_builtin_is_what_the_tests_receive():
+    tests = "def check(candidate):\n    assert candidate(-3) == 3\n    assert abs(candidate(-2)) == 2\n\ncheck(abs)\n"
+    assert run_tests("def abs(x):\n    return 0\n", tests).status == "failed"
+    assert run_tests("def abs(x):\n    return x if x >= 0 else -x\n", tests).passed
+    # the tests' own use of the built-in stays the built-in: a candidate abs cannot fake it
+    assert run_tests("def abs(x):\n    return 2\ndef f(x):\n    return -7\n",
+                     "def check(candidate):\n    assert abs(candidate(1)) == 7\ncheck(f)\n").passed
+    assert run_tests("def len(x):\n    return 3\ndef f(x):\n    return [x]\n",
+                     "def check(candidate):\n    assert len(candidate(1)) == 3\ncheck(f)\n").status == "failed"
+
+
+def test_output_control_characters_are_escaped_and_fd0_holds_no_job():
+    from moelab.evals.sandbox import run_program
+
+    r = run_program("import os, sys\nsys.stdout.write('\\x1b]0;pwned\\x07\\x1b[2J\\r\\x9bx')\n"
+                    "print(os.read(0, 4096))", HOST_CFG)
+    assert r.passed and "\x1b" not in r.stdout and "\x07" not in r.stdout and "\x9b" not in r.stdout
+    assert "\\x1b]0;pwned\\x07" in r.stdout and "b''" in r.stdout
+
+
+def test_work_directories_are_private_while_a_run_is_on(tmp_path, monkeypatch):
+    import tempfile as tf
+
+    monkeypatch.setattr(tf, "tempdir", str(tmp_path))
+    seen = []
+
+    def watch():
+        deadline = time.monotonic() + 5
+        while not seen and time.monotonic() < deadline:
+            for d in tmp_path.glob("moelab-sandbox-*"):
+                files = [p for p in d.iterdir() if p.is_file()]
+                if files:
+                    seen.append((d.stat().st_mode & 0o777, {p.stat().st_mode & 0o777 for p in files}))
+            time.sleep(0.01)
+
+    t = threading.Thread(target=watch)
+    t.start()
+    run_tests("import time\ntime.sleep(1)\n" + RIGHT, TESTS, HOST_CFG)
+    t.join()
+    assert seen and seen[0][0] == 0o700 and seen[0][1] == {0o600}, seen
+
+
+def test_a_delegated_cgroup_gets_the_runs_limits_and_its_processes(tmp_path, monkeypatch):
+    """Where a cgroup v2 is delegable (here: a stand-in directory named by MOELAB_SANDBOX_CGROUP),
+    each sandboxed tree gets a child cgroup with memory.max = memory_mb + work_mb + slack, no
+    swap, pids.max, and its launcher joins it before anything else runs."""
+    from moelab.evals import sandbox_cgroup as cg
+    from moelab.evals.sandbox import run_program
+
+    parent = tmp_path / "delegated"
+    parent.mkdir()
+    (parent / "cgroup.subtree_control").write_text("cpu memory pids\n")
+    monkeypatch.setenv(cg.ENV, str(parent))
+    cg.cgroup_parent.cache_clear()
+    made = []
+    monkeypatch.setattr(cg.RunCgroup, "remove", lambda self: made.append(self.path))
+    try:
+        r = run_program("print('hello')", HOST_CFG)
+    finally:
+        cg.cgroup_parent.cache_clear()
+    assert r.passed and "cgroup-v2" in r.mechanisms
+    (d,) = made
+    assert int((d / "memory.max").read_text()) == (HOST_CFG.memory_mb + HOST_CFG.work_mb + cg.SLACK_MB) << 20
+    assert int((d / "pids.max").read_text()) == HOST_CFG.max_processes + 4
+    assert (d / "cgroup.procs").read_text().strip().isdigit()  # the launcher wrote its pid
+
+
+def test_without_a_delegable_cgroup_the_reason_is_given(monkeypatch, tmp_path):
+    from moelab.evals import sandbox_cgroup as cg
+
+    monkeypatch.setenv(cg.ENV, str(tmp_path))  # no cgroup.subtree_control there
+    cg.cgroup_parent.cache_clear()
+    try:
+        parent, why = cg.cgroup_parent()
+    finally:
+        cg.cgroup_parent.cache_clear()
+    assert parent is None and cg.ENV in why and "memory and pids" in why

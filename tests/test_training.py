@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from moelab.errors import MoelabError
 from moelab.models.bundled import bundled_models
 from moelab.training import ModelShape, TrainConfig, Trainer, preset
 from moelab.training.checkpoint import load_checkpoint, save_checkpoint
@@ -108,9 +109,12 @@ def test_presets_match_the_bundled_architectures():
 
 
 def test_run_check_runs_code_in_a_subprocess_with_timeout():
-    assert run_check("assert 1 + 1 == 2\n")
-    assert not run_check("assert 1 + 1 == 3\n")
-    assert not run_check("while True:\n    pass\n", timeout=1.0)
+    assert run_check("x = 1 + 1\n", "assert x == 2\n")
+    assert not run_check("x = 1 + 1\n", "assert x == 3\n")
+    assert not run_check("while True:\n    pass\n", "pass\n", timeout=1.0)
+    # no tests: refused (a program's own "I ran to the end" can be faked)
+    with pytest.raises(MoelabError, match="run_check needs tests"):
+        run_check("assert 1 + 1 == 2\n")
     # candidate and tests apart (the scoring path): the verdict is the tests'
     assert run_check("def f(x):\n    return x + 1\n", "assert f(1) == 2\n")
     assert not run_check("def f(x):\n    return x\n", "assert f(1) == 2\n")

@@ -22,8 +22,15 @@ candidate's process can always be undone from that process.
     a trusted PID 1 that dies with the evaluator (``PR_SET_PDEATHSIG``) and whose
     exit makes the kernel kill every process left in the sandbox; hard rlimits on CPU
     seconds, address space, file size, open files and process count (``RLIMIT_NPROC``
-    counts per user namespace, so it holds also when the evaluator is root).
-    The default requirement (``SandboxConfig.min_isolation``).
+    counts per user namespace, so it holds also when the evaluator is root); an inode
+    limit on the tmpfs; a fresh session keyring; a seccomp filter that refuses what
+    rlimits do not count (memfd, SysV/POSIX IPC, nested namespaces and mounts, keyrings,
+    io_uring, bpf, userfaultfd, ptrace, inotify, queued real-time signals, ...; see
+    :mod:`moelab.evals.sandbox_launcher`); with a root evaluator a user namespace owned by
+    ``nobody``, so per-user kernel counts are never charged to root; and a cgroup v2 with
+    memory and process limits where one is delegable (:mod:`moelab.evals.sandbox_cgroup`).
+    The default requirement (``SandboxConfig.min_isolation``). What held for a run is in
+    :attr:`ExecResult.mechanisms`.
 
 Below the level asked for, :func:`run_program` / :func:`run_tests` raise
 :class:`SandboxUnavailable` instead of running anything.
@@ -70,6 +77,7 @@ import json
 import logging
 import math
 import os
+import re
 import secrets
 import select
 import shutil
@@ -85,6 +93,8 @@ from pathlib import Path
 from typing import Literal
 
 from moelab.errors import MoelabError
+from moelab.evals.sandbox_cgroup import SLACK_MB as CGROUP_SLACK_MB
+from moelab.evals.sandbox_cgroup import RunCgroup, cgroup_parent
 
 logger = logging.getLogger(__name__)
 
@@ -141,6 +151,9 @@ class SandboxConfig:
     ``(max_processes + 1) * memory_mb``, so keep the product well below the machine's memory."""
     work_mb: int = 64
     """Size of the writable tmpfs ``/tmp`` (``namespaces`` level), in MiB."""
+    work_inodes: int = 4096
+    """Files and directories the writable tmpfs can hold (``namespaces`` level): each costs
+    kernel memory outside every other limit."""
     min_isolation: str = field(default_factory=_default_min_isolation)
     """Refuse to run below this level (``LEVELS``); default ``namespaces``, or the env
     ``MOELAB_SANDBOX_MIN_ISOLATION``."""
@@ -160,8 +173,8 @@ class SandboxConfig:
             raise ValueError(f"memory_mb must be ≥ 64 (Python needs some), got {self.memory_mb!r}")
         if self.file_size_mb < 1:
             raise ValueError(f"file_size_mb must be ≥ 1, got {self.file_size_mb!r}")
-        if self.max_processes < 1 or self.work_mb < 1:
-            raise ValueError("max_processes and work_mb must be ≥ 1")
+        if self.max_processes < 1 or self.work_mb < 1 or self.work_inodes < 16:
+            raise ValueError("max_processes and work_mb must be ≥ 1, work_inodes ≥ 16")
         check_level(self.min_isolation, "min_isolation")
         if self.isolation is not None:
             check_level(self.isolation, "isolation")
@@ -183,6 +196,9 @@ class ExecResult:
     """Wall-clock seconds the run took."""
     isolation: str = "namespaces"
     """The isolation level it ran at."""
+    mechanisms: tuple[str, ...] = ()
+    """What bounded the run, beyond the level (:func:`mechanisms`): e.g. ``seccomp``,
+    ``cgroup-v2``, ``userns-owner-nobody``."""
 
     @property
     def passed(self) -> bool:
@@ -260,12 +276,28 @@ def _child_env(home: str) -> dict[str, str]:
     }
 
 
+def _private(path: str):
+    """A new file only the evaluator can read (0600), opened for binary writing."""
+    return os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "wb")
+
+
+#: Control characters (C0 but tab and newline, DEL, C1): a terminal would act on them.
+_CONTROL = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+
+
+def printable(text: str) -> str:
+    """``text`` with every control character shown as an escape (``\\x1b``), so output of the
+    candidate cannot move a terminal's cursor, retitle its window or hide lines."""
+    return _CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", text)
+
+
 def _tail(path: str, chars: int) -> str:
+    """The last ``chars`` characters of a file the sandbox wrote, control characters escaped."""
     with open(path, "rb") as f:
         f.seek(0, os.SEEK_END)
         size = f.tell()
         f.seek(max(0, size - 4 * chars))
-        return f.read().decode("utf-8", "replace")[-chars:]
+        return printable(f.read().decode("utf-8", "replace"))[-chars:]
 
 
 def _work_dir_inside(bound: list[str]) -> str:
@@ -295,6 +327,9 @@ class _Child:
 
     def __init__(self, work: str, name: str, job: dict, level: str, config: SandboxConfig,
                  pass_fds: tuple[int, ...] = ()) -> None:  # fmt: skip
+        self.home: str | None = None
+        self.cgroup: RunCgroup | None = None
+        self.mechanisms = mechanisms(level, config)
         self.out_path = os.path.join(work, f"{name}.stdout")
         self.err_path = os.path.join(work, f"{name}.stderr")
         job_path = os.path.join(work, f"{name}.job")
@@ -318,12 +353,18 @@ class _Child:
             status_r, status_w = os.pipe()
             root = os.path.join(work, f"{name}.root")
             os.mkdir(root)
+            parent, _ = cgroup_parent()
+            if parent is not None:
+                self.cgroup = RunCgroup(parent, (config.memory_mb + config.work_mb + CGROUP_SLACK_MB) << 20,
+                                        config.max_processes + 4)
             settings = {
+                "cgroup_procs": self.cgroup.procs if self.cgroup else None,
                 "root": root,
                 "system": [p for p in SYSTEM_PATHS if os.path.lexists(p)],
                 "python": python,
                 "work": home,
                 "work_kib": config.work_mb * 1024,
+                "work_inodes": config.work_inodes,
                 "inner_id": INNER_ID,
                 "outer_id": NOBODY,
                 "status_fd": status_w,
@@ -337,20 +378,21 @@ class _Child:
             env = {"PATH": os.defpath, "LANG": "C.UTF-8"}
             cwd = work
         else:
-            home = os.path.join(work, f"{name}.home")
-            os.mkdir(home, 0o700)
+            # its own 0700 directory (the run's work directory is the evaluator's alone)
+            home = tempfile.mkdtemp(prefix="moelab-sandbox-home-")
+            self.home = home
             drop_to = NOBODY if (config.drop_privileges and _can_drop_privileges()) else None
             if drop_to is not None:
                 os.chown(home, drop_to, drop_to)
             nproc = None if os.geteuid() == 0 and drop_to is None else config.max_processes
             job.update(nproc=nproc, drop_to=drop_to, audit_root=home, pdeathsig=True)
             argv, env, cwd = runner, _child_env(home), home
-        with open(job_path, "w", encoding="utf-8") as f:
-            json.dump(job, f)
+        with _private(job_path) as f:
+            f.write(json.dumps(job).encode())
         with (
             open(job_path, "rb") as stdin,
-            open(self.out_path, "wb") as out,
-            open(self.err_path, "wb") as err,
+            _private(self.out_path) as out,
+            _private(self.err_path) as err,
         ):
             self.proc = subprocess.Popen(
                 argv,
@@ -398,6 +440,10 @@ class _Child:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self.proc.pid, signal.SIGKILL)
         self.proc.wait()
+        if self.home is not None:
+            shutil.rmtree(self.home, ignore_errors=True)
+        if self.cgroup is not None:
+            self.cgroup.remove()
 
     def returncode(self) -> int | None:
         code = self.proc.returncode
@@ -406,12 +452,33 @@ class _Child:
         return code
 
 
+def mechanisms(level: str, config: SandboxConfig | None = None) -> tuple[str, ...]:
+    """What bounds a run at ``level`` on this machine (recorded in :attr:`ExecResult.mechanisms`):
+
+    ``namespaces``: the kernel confinement, ``seccomp`` (the launcher's filter), ``rlimits``,
+    ``tmpfs-size-inodes``, ``fresh-session-keyring``, ``userns-owner-nobody`` (root evaluator:
+    per-user counts go to nobody) or ``userns-owner-evaluator``, and ``cgroup-v2`` where a
+    delegated cgroup exists (:func:`moelab.evals.sandbox_cgroup.cgroup_parent` says why not);
+    ``rlimits`` level: ``rlimits``, ``audit-hook`` and ``uid-nobody`` when it drops to nobody.
+    """
+    config = config or SandboxConfig()
+    if level == "namespaces":
+        out = ["namespaces", "seccomp", "rlimits", "tmpfs-size-inodes", "fresh-session-keyring",
+               "userns-owner-nobody" if os.geteuid() == 0 else "userns-owner-evaluator"]
+        if cgroup_parent()[0] is not None:
+            out.append("cgroup-v2")
+        return tuple(out)
+    out = ["rlimits", "audit-hook"]
+    if config.drop_privileges and _can_drop_privileges():
+        out.append("uid-nobody")
+    return tuple(out)
+
+
 def _run_one(program: str, config: SandboxConfig, role: str) -> ExecResult:
     level = isolation_level(config)
     nonce = secrets.token_hex(16)
     work = tempfile.mkdtemp(prefix="moelab-sandbox-")
     try:
-        os.chmod(work, 0o711)
         start = time.monotonic()
         deadline = start + config.timeout_s
         child = _Child(work, "candidate", {"role": role, "program": program, "nonce": nonce},
@@ -435,7 +502,7 @@ def _run_one(program: str, config: SandboxConfig, role: str) -> ExecResult:
     if passed:
         stdout = stdout[: -len(marker)]
     status: Status = "timeout" if timed_out else ("passed" if passed else "failed")
-    return ExecResult(status, code, stdout[-config.output_chars :], stderr, duration, level)
+    return ExecResult(status, code, stdout[-config.output_chars :], stderr, duration, level, child.mechanisms)
 
 
 def run_program(program: str, config: SandboxConfig | None = None) -> ExecResult:
@@ -459,7 +526,6 @@ def run_tests(candidate: str, tests: str, config: SandboxConfig | None = None) -
     to_check_r, to_check_w = os.pipe()
     children: list[_Child] = []
     try:
-        os.chmod(work, 0o711)
         start = time.monotonic()
         deadline = start + config.timeout_s
         cand_job = {"role": "candidate", "program": candidate, "fd_in": to_cand_r,
@@ -500,7 +566,7 @@ def run_tests(candidate: str, tests: str, config: SandboxConfig | None = None) -
     stderr = check_err + (f"\n--- candidate's stderr ---\n{cand_err}" if cand_err else "")
     passed = code == 0 and check_out.endswith(f"\n{nonce}\n")  # the tests ran to their end
     status: Status = "timeout" if timed_out else ("passed" if passed else "failed")
-    return ExecResult(status, code, stdout, stderr[-config.output_chars :], duration, level)
+    return ExecResult(status, code, stdout, stderr[-config.output_chars :], duration, level, check.mechanisms)
 
 
 @functools.cache

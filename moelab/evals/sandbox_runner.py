@@ -239,10 +239,11 @@ class Channel:
 
 
 def _run_to_the_end(code, filename, g, nonce):
-    """Run ``code``; exit 1 on any exception, else print ``nonce`` (the verdict: the marker
-    after the code's end, an exit status 0 alone is not enough) and exit 0."""
+    """Run ``code`` (source, or a compiled code object); exit 1 on any exception, else print
+    ``nonce`` (the verdict: the marker after the code's end, an exit status 0 alone is not
+    enough) and exit 0."""
     try:
-        exec(compile(code, filename, "exec"), g)
+        exec(code if not isinstance(code, str) else compile(code, filename, "exec"), g)
     except BaseException:
         traceback.print_exc()
         sys.stdout.flush()
@@ -432,15 +433,16 @@ def run_check(job):
 
     g = {"__name__": "__main__", "__builtins__": builtins}
     for name, desc in hello["names"].items():
-        # The candidate never supplies dunders or shadows a built-in the tests rely on.
+        # The candidate never supplies dunders or shadows a built-in the tests rely on: a
+        # function named like a built-in reaches the tests only where they hand it over
+        # (_bind_top_level): as the argument of a top-level call, ``check(abs)``.
         if type(name) is not str or not name.isidentifier() or name.startswith("__"):
             continue
-        if hasattr(builtins, name) or type(desc) is not dict:
+        if type(desc) is not dict or desc.get("kind") != "function":
             continue
-        kind = desc.get("kind")
-        if kind == "function":
-            fns[name] = make_proxy(name)
-            proxies[id(fns[name])] = name
+        fns[name] = make_proxy(name)
+        proxies[id(fns[name])] = name
+        if not hasattr(builtins, name):
             g[name] = fns[name]
     for name, desc in hello["names"].items():
         if name in g or type(name) is not str or not name.isidentifier() or name.startswith("__"):
@@ -456,12 +458,60 @@ def run_check(job):
         elif desc.get("kind") == "value":
             with contextlib.suppress(Uncheckable, RecursionError):
                 g[name] = decode(desc.get("value"), fn_from_name)
-    _run_to_the_end(job.pop("program"), "<tests>", g, nonce)
+    code = job.pop("program")
+    shadowing = {n for n in fns if hasattr(builtins, n)}
+    if shadowing:  # e.g. ``def abs(x)`` checked by ``check(abs)``
+        # a syntax error is compiled again below and reported as the tests' failure
+        with contextlib.suppress(SyntaxError):
+            code = _bind_top_level(code, shadowing, g, fns)
+    _run_to_the_end(code, "<tests>", g, nonce)
+
+
+PRIVATE_PREFIX = "_moelab_candidate_"
+
+
+def _bind_top_level(code, names, g, fns):
+    """The tests compiled so that a candidate function whose name is also a built-in reaches
+    them where they hand it over, as one process would: passed as an argument of a call at
+    the tests' top level (``check(abs)`` gives ``check`` the candidate's ``abs``). Everywhere
+    else — called by name, or inside the tests' own functions — such a name stays the
+    built-in, so a candidate cannot replace what the tests use to check it
+    (``assert len(candidate(1)) == 3``)."""
+    import ast
+
+    tree = ast.parse(code, "<tests>")
+
+    def swap(node):
+        if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load) and node.id in names:
+            return ast.copy_location(ast.Name(id=PRIVATE_PREFIX + node.id, ctx=ast.Load()), node)
+        return node
+
+    class TopLevel(ast.NodeTransformer):
+        def visit_FunctionDef(self, node):
+            return node  # a new scope: built-ins stay built-ins
+
+        visit_AsyncFunctionDef = visit_ClassDef = visit_Lambda = visit_FunctionDef
+
+        def visit_Call(self, node):
+            self.generic_visit(node)
+            node.args = [swap(a) for a in node.args]
+            for kw in node.keywords:
+                kw.value = swap(kw.value)
+            return node
+
+    tree = ast.fix_missing_locations(TopLevel().visit(tree))
+    for name in names:
+        g[PRIVATE_PREFIX + name] = fns[name]
+    return compile(tree, "<tests>", "exec")
 
 
 def main():
     job = json.loads(sys.stdin.read())
-    sys.stdin.close()
+    # fd 0 (the job file, nonce included) stays open under sys.stdin: replace it, so the
+    # code run here cannot read the job back
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)
+    os.close(null)
     if job.get("pdeathsig"):
         try:
             import ctypes

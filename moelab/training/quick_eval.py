@@ -15,7 +15,8 @@ from typing import Any
 
 import torch
 
-from moelab.evals.sandbox import SandboxConfig, isolation_level, run_program, run_tests_many
+from moelab.errors import MoelabError
+from moelab.evals.sandbox import SandboxConfig, isolation_level, run_tests_many
 from moelab.tasks import generate, prompt_and_target
 from moelab.tasks.arith import final_answer
 
@@ -104,12 +105,17 @@ def eval_arith(
 def run_check(candidate: str, tests: str | None = None, timeout: float = 5.0) -> bool:
     """True if ``tests`` pass against ``candidate`` in moelab's sandbox within ``timeout``.
 
-    Without ``tests``, ``candidate`` is a whole program that must run to its end (a
-    hostile program could fake that; scoring passes the tests separately).
+    The candidate and the tests run apart (:func:`moelab.evals.sandbox.run_tests`), so the
+    verdict is the tests' alone. ``tests`` is required: a whole program's "ran to its end"
+    is a verdict the program itself can fake.
     """
-    config = SandboxConfig(timeout_s=timeout)
     if tests is None:
-        return run_program(candidate, config).passed
+        raise MoelabError(
+            "run_check needs tests: without them the verdict would be 'the candidate ran to its end', "
+            "which a hostile candidate can fake. Pass the checks as tests, e.g. "
+            "run_check('x = f()', 'assert x == 2'); run a trusted program with "
+            "moelab.evals.sandbox.run_program.")
+    config = SandboxConfig(timeout_s=timeout)
     return run_tests_many([(candidate, tests)], config, workers=1)[0].passed
 
 
