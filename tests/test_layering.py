@@ -25,7 +25,7 @@ LAYERS: list[set[str]] = [
     # hybrid runtime's third executor, so the two import each other
     {"hybrid", "simulate"},
     # what is built on the components: evaluation, plots, reports, training, the demo
-    {"evals", "viz", "timeline", "report", "training", "demo"},
+    {"evals", "viz", "timeline", "report", "training", "demo", "attribution"},
     # experiments over evaluations (sweeps run evals over models, policies and tasks)
     {"sweeps"},
     # entry points

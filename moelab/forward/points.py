@@ -16,9 +16,24 @@ point           handler signature                                what it may do
                                                                  are deferred or dropped)
 ``experts``     ``fn(ctx, layer, call: ExpertsCall)``             choose ``call.backend`` / ``expert_map``
 ``output``      ``fn(ctx, layer, call: ExpertsCall, out)``        observe, or return a new output
+``moe_in``      ``fn(ctx, layer, hidden)``                        the MoE block's input (B, S, H): observe,
+                                                                 or return a new one
+``moe_out``     ``fn(ctx, layer, out)``                           the MoE block's output (routed +
+                                                                 shared experts): observe, or return
+                                                                 a new one
+``resid_pre``   ``fn(ctx, layer, hidden)``                        the residual stream entering the MoE
+                                                                 sublayer (the post-attention norm's
+                                                                 input): observe only
+``resid_post``  ``fn(ctx, layer, hidden)``                        the decoder layer's output (the
+                                                                 residual stream after the MoE block):
+                                                                 observe, or return a new one
 ``forward_end`` ``fn(ctx, ok: bool)``                             end of the forward (``ok`` False on
                                                                  an exception)
 ==============  ===============================================  =====================================
+
+The four stream points (``moe_in`` … ``resid_post``) install hooks on the MoE blocks and
+their decoder layers only while a handler needs them; :mod:`moelab.attribution` builds
+``capture`` and ``patch`` on them.
 
 **Order is defined, not registration luck**: handlers run by ascending ``order``
 (:class:`Order` names the levels: routing policies, cache, placement, prefetch,
@@ -62,8 +77,11 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-POINTS = ("forward", "router", "plan", "experts", "output", "forward_end")
-_LAYER_POINTS = ("router", "plan", "experts", "output")
+POINTS = ("forward", "router", "plan", "experts", "output", "moe_in", "moe_out", "resid_pre", "resid_post",
+          "forward_end")
+_LAYER_POINTS = ("router", "plan", "experts", "output", "moe_in", "moe_out", "resid_pre", "resid_post")
+#: The stream points, each with the hook that serves it.
+_STREAM_POINTS = ("moe_in", "moe_out", "resid_pre", "resid_post")
 
 
 class Order:
@@ -113,6 +131,9 @@ class ExpertsCall:
     """``backend(module, hidden, ids, weights, expert_map=None) -> (T, H)``; None: the module's own forward."""
     expert_map: torch.Tensor | None = None
     """(E,) int: -1 for experts not computed here (passed to the backend)."""
+    incoming: torch.Tensor | None = None
+    """The deferred sum of the previous MoE layer added to this layer's output (set before the
+    ``output`` point; None when nothing was deferred to this layer)."""
     deferred_backend: Callable[..., Any] | None = None
     """Backend of the deferred slots (None: ``backend``). It may return a future (an object
     with ``result()``): the next MoE layer waits for it only when it adds the deferred sum,
@@ -243,6 +264,8 @@ class ForwardHooks:
         self._toggle("top", need_top, self._install_top)
         self._toggle("router", need_router, self._install_router)
         self._toggle("experts", need_experts, self._install_experts)
+        for point in _STREAM_POINTS:
+            self._toggle(point, bool(self._handles[point]), getattr(self, f"_install_{point}"))
         if self.empty:
             self.ctx = None
             self.depth = 0
@@ -284,6 +307,84 @@ class ForwardHooks:
             bound = module.forward
             module.forward = self._experts_dispatch(layer, module, bound)
             undo.append(_Restore(module, had, original))
+
+    def _decoder_layer(self, layer: MoELayer) -> nn.Module:
+        """The decoder layer holding ``layer``'s MoE block (its parent module)."""
+        parent = layer.name.rsplit(".", 1)[0]
+        return self.model.get_submodule(parent)
+
+    def _layer_hook(self, layer: MoELayer, point: str, replace: bool):
+        """A forward hook serving ``point`` of ``layer``: calls the point's handlers with the
+        hidden-state tensor (the first element of a tuple output) and, when ``replace``, puts
+        back what a handler returned."""
+        index = layer.index
+
+        def hook(module, args, output):
+            ctx = self.ctx
+            if ctx is None or self.depth != 1:
+                return None
+            tensor = output[0] if isinstance(output, tuple) else output
+            new = None
+            for h in self._fns[point]:
+                if h.layers is None or index in h.layers:
+                    got = h.fn(ctx, layer, tensor if new is None else new)
+                    if replace and got is not None:
+                        new = got
+            if new is None:
+                return None
+            return (new, *output[1:]) if isinstance(output, tuple) else new
+
+        return hook
+
+    def _layer_pre_hook(self, layer: MoELayer, point: str, replace: bool):
+        """A forward pre-hook serving ``point``: handlers see the module's first input."""
+        index = layer.index
+
+        def hook(module, args, kwargs):
+            ctx = self.ctx
+            if ctx is None or self.depth != 1:
+                return None
+            key = None if args else next(iter(kwargs), None)
+            tensor = args[0] if args else kwargs.get(key)
+            if not isinstance(tensor, torch.Tensor):
+                return None
+            new = None
+            for h in self._fns[point]:
+                if h.layers is None or index in h.layers:
+                    got = h.fn(ctx, layer, tensor if new is None else new)
+                    if replace and got is not None:
+                        new = got
+            if new is None:
+                return None
+            if args:
+                return (new, *args[1:]), kwargs
+            return args, {**kwargs, key: new}
+
+        return hook
+
+    def _install_moe_in(self, undo: list) -> None:
+        for layer in self.layers:
+            undo.append(layer.block.register_forward_pre_hook(self._layer_pre_hook(layer, "moe_in", True),
+                                                              with_kwargs=True))
+
+    def _install_moe_out(self, undo: list) -> None:
+        for layer in self.layers:
+            undo.append(layer.block.register_forward_hook(self._layer_hook(layer, "moe_out", True)))
+
+    def _install_resid_post(self, undo: list) -> None:
+        for layer in self.layers:
+            undo.append(self._decoder_layer(layer).register_forward_hook(self._layer_hook(layer, "resid_post", True)))
+
+    def _install_resid_pre(self, undo: list) -> None:
+        for layer in self.layers:
+            norm = getattr(self._decoder_layer(layer), "post_attention_layernorm", None)
+            if not isinstance(norm, nn.Module):
+                raise MoelabError(
+                    f"point 'resid_pre': the decoder layer of {layer.name} has no post_attention_layernorm, "
+                    "the module whose input is the residual stream before the MoE block; capture 'resid_post' "
+                    "(the stream after it) or 'moe_in' instead.")
+            undo.append(norm.register_forward_pre_hook(self._layer_pre_hook(layer, "resid_pre", False),
+                                                       with_kwargs=True))
 
     # ------------------------------------------------------------------ per forward
     def _forward_pre(self, module, args, kwargs):
@@ -391,7 +492,9 @@ class ForwardHooks:
                 out = _resolve(run(call.backend, args, kwargs))
             incoming = ctx.carry.pop(index, None)
             if incoming is not None:
-                out = out + _resolve(incoming).to(out.dtype)
+                incoming = _resolve(incoming).to(out.dtype)
+                call.incoming = incoming
+                out = out + incoming
             for h in self._fns["output"]:
                 if h.layers is None or index in h.layers:
                     new = h.fn(ctx, layer, call, out)
