@@ -21,7 +21,8 @@ from moelab.report import (
     section_names,
 )
 
-CAPABILITIES = ["routing", "accuracy", "policies", "predictors", "caches", "kernels", "hybrid", "simulate"]
+CAPABILITIES = ["routing", "accuracy", "policies", "attribution", "predictors", "caches", "kernels", "hybrid",
+                "simulate"]
 
 
 def _figure(title: str | None = "a figure"):

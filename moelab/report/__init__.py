@@ -165,6 +165,7 @@ def check_sections(sections: Sequence[str] | None, skip: Sequence[str] | None = 
 BUILTIN_SECTION_MODULES: list[str] = [
     "moelab.report.routing", "moelab.evals.report", "moelab.report.policies", "moelab.report.predictors",
     "moelab.report.caches", "moelab.report.kernels", "moelab.report.hybrid", "moelab.report.simulate",
+    "moelab.report.attribution",
 ]
 
 

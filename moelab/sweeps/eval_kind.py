@@ -30,7 +30,7 @@ def read_files(root: Path) -> dict[str, bytes]:
 
 class EvalKind(CellKind):
     name = "eval"
-    spec_keys = ("models", "policies", "tasks", "seeds", "hardware", "simulate", "eval", "artifacts")
+    spec_keys = ("models", "policies", "tasks", "seeds", "hardware", "simulate", "eval", "artifacts", "attribution")
 
     def parse(self, reader: Any, data: dict[str, Any], common: dict[str, Any]) -> SweepSpec:
         return parse_eval_spec(reader, data, common)
@@ -91,6 +91,7 @@ class EvalKind(CellKind):
 
                     pq.write_table(policy.events.table(), files_dir / "events.parquet")
                     paths["timeline_path"] = "events.parquet"
+            attribution = cell_attribution(cell, model, tokenizer) if cell.attribution else {}
             latency = {}
             if cell.hardware:  # the recorder has closed: the trace is complete
                 from moelab.sweeps.latency import cell_latency
@@ -123,6 +124,8 @@ class EvalKind(CellKind):
             **paths,
             # {hardware profile: simulated figures of the cell's own routing} (moelab.sweeps.latency)
             "latency": latency,
+            # the policy against the unmodified model on the task's prompts (moelab.attribution)
+            "attribution": attribution,
         }
         return fields, files
 
@@ -136,7 +139,32 @@ class EvalKind(CellKind):
             "score": r.get("score"), "stderr": r.get("score_stderr"), "n": r.get("n_docs"),
             "wall_s": r.get("wall_s"),
             **{f"tokens/s {h}": _tps(r, h) for h in cell.hardware},
+            **({"mean KL": (r.get("attribution") or {}).get("mean_kl"),
+                "top-1 agree": (r.get("attribution") or {}).get("top1_agreement")} if cell.attribution else {}),
         }
+
+
+def cell_attribution(cell: Cell, model: Any, tokenizer: Any) -> dict[str, Any]:
+    """The cell's policy compared with the unmodified model (:func:`moelab.attribution.compare`)
+    on the task's first ``limit`` test prompts, teacher-forced on the baseline's greedy generation."""
+    from moelab.attribution import compare
+    from moelab.tasks import TASKS, generate, prompt_and_target
+
+    if cell.task not in TASKS:
+        return {"error": f"attribution needs a local task's prompts ({', '.join(TASKS)}); {cell.task!r} is not one"}
+    a = cell.attribution
+    docs = generate(cell.task, "test")
+    if a.get("limit"):
+        docs = docs[: a["limit"]]
+    prompts = [prompt_and_target(cell.task, d)[0] for d in docs]
+    policy = None if cell.policy == "none" else (
+        {"policy": "hybrid", "config": cell.settings["config"]} if cell.policy == "hybrid"
+        else {"policy": cell.policy, **cell.settings})
+    att = compare(model, policy, prompts, tokenizer=tokenizer, max_new_tokens=a.get("max_new_tokens") or 32,
+                  batch_size=a.get("batch_size") or 8, layers=False)
+    out = att.summary()
+    out["method"] = "teacher-forced on the baseline's greedy generation"
+    return {k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in out.items()}
 
 
 def _tps(record: dict[str, Any], profile: str) -> float | None:

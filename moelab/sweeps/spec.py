@@ -125,6 +125,11 @@ class SweepSpec:
     artifacts: dict[str, bool] = field(default_factory=dict)
     """Per-cell artifacts: ``{trace: true}`` records each cell's routing trace, ``{timeline:
     true}`` a hybrid-config cell's timeline (``events.parquet``), in the cell's store folder."""
+    attribution: dict[str, Any] = field(default_factory=dict)
+    """``{max_new_tokens: N, limit: M}``: each cell also compares its policy with the unmodified
+    model on the task's first ``limit`` prompts, teacher-forced on the baseline's greedy
+    generation (:func:`moelab.attribution.compare`); the record's ``attribution`` holds mean KL,
+    top-1 agreement, ... (empty: not asked for)."""
     kind = "eval"
 
     def store_path(self) -> Path:
@@ -165,6 +170,8 @@ class Cell:
     artifacts: dict[str, bool] = field(default_factory=dict)
     """Per-cell artifacts to record (``trace``, ``timeline``); not in the hash (they do not
     change the result)."""
+    attribution: dict[str, Any] = field(default_factory=dict)
+    """The spec's ``attribution:`` settings (empty: none); in the hash when set."""
     kind: str = "eval"
 
     def resource(self) -> tuple:
@@ -213,6 +220,8 @@ def cell_key(cell: Cell, moelab_version: str) -> dict[str, Any]:
         from moelab.sweeps.latency import key as latency_key
 
         key["latency"] = latency_key(cell.hardware, cell.simulate)
+    if cell.attribution:
+        key["attribution"] = {**cell.attribution, "method": ATTRIBUTION_METHOD}
     return key
 
 
@@ -263,7 +272,8 @@ def expand(spec: SweepSpec, fingerprints: dict[str, str]) -> list[Cell]:
                                     limit=t.limit, num_fewshot=t.num_fewshot, seed=seed, eval=ev,
                                     hardware=list(spec.hardware), simulate=_cell_simulate(spec, m.name),
                                     fingerprint=fingerprints[m.name],
-                                    task_version=versions[t.name], artifacts=dict(spec.artifacts))
+                                    task_version=versions[t.name], artifacts=dict(spec.artifacts),
+                                    attribution=dict(spec.attribution))
                         cell.hash = cell_hash(cell, moelab.__version__)
                         if cell.hash not in seen:  # the same setting listed twice runs once
                             seen.add(cell.hash)
@@ -288,6 +298,9 @@ _SIMULATE_KEYS = ("hybrid", "model_shape")
 _TASK_KEYS = ("task", "limit", "num_fewshot")
 _MODEL_KEYS = ("model", "dtype")
 _ARTIFACTS = ("trace", "timeline")
+_ATTRIBUTION = ("max_new_tokens", "limit", "batch_size")
+#: Bumped when the meaning of a cell's attribution figures changes.
+ATTRIBUTION_METHOD = "teacher-forced compare v1"
 
 
 class _Reader:
@@ -402,10 +415,24 @@ def parse_eval_spec(r: _Reader, data: dict, common: dict[str, Any]) -> SweepSpec
     for k, v in artifacts.items():
         if not isinstance(v, bool):
             raise r.fail(("artifacts", k), f"artifacts {k}={v!r}: expected true or false.")
+    attribution = _attribution(r, data.get("attribution"))
     spec = SweepSpec(models=models, policies=policies, tasks=tasks, seeds=seeds, hardware=hardware, eval=ev,
-                     artifacts=dict(artifacts), simulate=simulate, **common)
+                     artifacts=dict(artifacts), simulate=simulate, attribution=attribution, **common)
     _check_tasks(r, spec)
     return spec
+
+
+def _attribution(r: _Reader, data: Any) -> dict[str, Any]:
+    """The ``attribution:`` block (``true`` or a mapping of max_new_tokens, limit, batch_size)."""
+    if data is None or data is False:
+        return {}
+    if data is True:
+        data = {}
+    got = dict(r.keys(data, ("attribution",), _ATTRIBUTION, "attribution"))
+    out = {"max_new_tokens": 32, "limit": 20, "batch_size": 8}
+    for k, v in got.items():
+        out[k] = r.int_or_none(v, ("attribution", k), f"attribution {k}", 1)
+    return out
 
 
 def _hardware(r: _Reader, h: Any, path: tuple) -> str:
