@@ -41,6 +41,7 @@ _LAZY: dict[str, str] = {
     "hybrid": "moelab.hybrid",
     "HybridConfig": "moelab.hybrid",
     "Timeline": "moelab.timeline",
+    "attribution": "moelab.attribution",
 }
 
 

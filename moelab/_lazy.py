@@ -10,14 +10,16 @@ from typing import Any
 def lazy_attributes(package: str, table: dict[str, str], namespace: dict[str, Any]) -> tuple[Callable, Callable]:
     """``(__getattr__, __dir__)`` for ``package``: ``table`` maps a name to the module defining it.
 
-    A name is imported on first access and cached in the package's ``namespace``.
+    A name is imported on first access and cached in the package's ``namespace``; a name
+    mapped to ``"<package>.<name>"`` is that subpackage itself (``moelab.attribution``).
     """
 
     def __getattr__(name: str) -> Any:
         module = table.get(name)
         if module is None:
             raise AttributeError(f"module {package!r} has no attribute {name!r}")
-        value = getattr(importlib.import_module(module), name)
+        mod = importlib.import_module(module)
+        value = mod if module == f"{package}.{name}" else getattr(mod, name)
         namespace[name] = value
         return value
 

@@ -200,3 +200,46 @@ def test_save_load_and_compare_many_share_the_sequences(tmp_path):
     with pytest.raises(MoelabError, match="exists; pass overwrite=True"):
         dfr.save(tmp_path / "att")
     assert not list(tmp_path.glob(".att.partial-*"))
+
+
+SWEEP = """\
+name: att
+models: [tiny-random-mixtral]
+policies:
+  - none
+  - {policy: deferral, min_immediate: 0, grid: {deferred: [1]}}
+tasks:
+  - {task: arith, limit: 1}
+eval: {max_gen_toks: 4}
+attribution: {limit: 3, max_new_tokens: 6}
+"""
+
+
+def test_an_attribution_block_enters_the_hash_and_is_checked(tmp_path):
+    from moelab.sweeps.spec import expand, load_spec
+
+    fp = {"tiny-random-mixtral": "f" * 16}
+    (tmp_path / "a.yaml").write_text(SWEEP)
+    (tmp_path / "b.yaml").write_text(SWEEP.replace("attribution: {limit: 3, max_new_tokens: 6}\n", ""))
+    with_att = expand(load_spec(tmp_path / "a.yaml"), fp)
+    without = expand(load_spec(tmp_path / "b.yaml"), fp)
+    assert not {c.hash for c in with_att} & {c.hash for c in without}
+    assert with_att[0].attribution == {"limit": 3, "max_new_tokens": 6, "batch_size": 8}
+    (tmp_path / "c.yaml").write_text(SWEEP.replace("max_new_tokens: 6", "max_new_token: 6"))
+    with pytest.raises(MoelabError, match=r":9: unknown key 'max_new_token' in attribution.*'max_new_tokens'"):
+        load_spec(tmp_path / "c.yaml")
+
+
+@pytest.mark.slow
+def test_a_sweep_records_mean_kl_beside_accuracy(tmp_path):
+    from moelab.sweeps.driver import run_sweep
+    from moelab.sweeps.report import collect
+    from moelab.sweeps.spec import load_spec
+
+    (tmp_path / "spec.yaml").write_text(SWEEP)
+    spec = load_spec(tmp_path / "spec.yaml")
+    summary = run_sweep(spec, store=tmp_path / "store", threads=1, progress=False)
+    assert (summary.done, summary.failed) == (2, {})
+    att = {x.cell.policy: x.record["attribution"] for x in collect(spec, tmp_path / "store")}
+    assert att["none"]["mean_kl"] == 0.0 and att["none"]["top1_agreement"] == 1.0
+    assert att["deferral"]["mean_kl"] > 0 and att["deferral"]["tokens"] == 18
