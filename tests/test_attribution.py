@@ -243,3 +243,18 @@ def test_a_sweep_records_mean_kl_beside_accuracy(tmp_path):
     att = {x.cell.policy: x.record["attribution"] for x in collect(spec, tmp_path / "store")}
     assert att["none"]["mean_kl"] == 0.0 and att["none"]["top1_agreement"] == 1.0
     assert att["deferral"]["mean_kl"] > 0 and att["deferral"]["tokens"] == 18
+
+
+@pytest.mark.parametrize("backend", ["batched_mm", "moelab"])
+def test_caching_with_another_experts_backend_stays_within_1e_5(backend):
+    """The host side computing with another experts implementation (transformers' batched_mm,
+    moelab's native kernel) changes logits only by rounding: KL ≤ 1e-5 per token."""
+    if backend == "moelab":
+        pytest.importorskip("moelab.kernels.op")
+    torch.manual_seed(0)
+    model = build_tiny("mixtral").eval()
+    seqs = _seq_inputs(model)
+    cfg = {"cache": {"capacity": 0.25, "policy": "lru"}, "placement": "host-misses", "host_backend": backend}
+    att = compare(model, cfg, [p for p, _ in seqs], tokenizer=_IdTok(), continuations=[c for _, c in seqs],
+                  free_running=False)
+    assert att.tokens["kl"].max() <= 1e-5 and att.tokens["top1_agree"].all()
