@@ -63,7 +63,6 @@ _NEW = Conventions(cache_kwarg="cache", output_cache="cache")
 
 #: Releases the suite was run on (the README's supported-versions matrix), with their conventions.
 TESTED: dict[str, Conventions] = {
-    "5.2.0": _OLD,
     "5.17.0": _OLD,
     "5.23.0": _OLD,
     "5.24.0": _NEW,
