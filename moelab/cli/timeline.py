@@ -119,6 +119,10 @@ def run_show(args) -> int:
 
 def run_export(args) -> int:
     out = Path(args.out) if args.out else _default_out(args.runs[0], FORMATS[args.format])
+    other = next((f for f, ext in FORMATS.items() if f != args.format and out.suffix == ext), None)
+    if other is not None:  # e.g. --format chrome --out t.pftrace: a viewer would misread the file
+        raise MoelabError(f"--out {out} has the {other} extension {out.suffix} but --format is {args.format}; "
+                          f"use --format {other}, or an output ending in {FORMATS[args.format]}.")
     check_output_path(out, args.overwrite)
     tls = _open(args.runs)
     if args.format == "chrome":

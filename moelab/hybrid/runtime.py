@@ -220,6 +220,13 @@ class HybridRun:
         from moelab.adapters import model_fingerprint
         from moelab.predictors import load_predictor
 
+        if p.predictor in ("oracle", "repeat"):
+            why = ("reads the routing of the layer it prefetches for, which a live run knows only after it"
+                   if p.predictor == "oracle" else "is implemented by the offline planner only")
+            raise MoelabError(
+                f"prefetch predictor {p.predictor!r} works only offline (it {why}): use it with "
+                "moelab.hybrid.offline.plan_routing, `moelab cache simulate` or `moelab simulate`; a live run "
+                "needs a saved predictor (`moelab predict fit ... --out DIR`, then prefetch: {predictor: DIR}).")
         pred = load_predictor(p.predictor, model=self.model)
         pred.check_model(model_fingerprint(self.model), getattr(self.model, "name_or_path", ""))
         if not pred.online:

@@ -155,6 +155,10 @@ def check_sections(sections: Sequence[str] | None, skip: Sequence[str] | None = 
                 raise unknown_name("report section", name, known)
     if sections is not None and not sections:
         raise MoelabError(f"no report sections selected; choose from: {', '.join(known)}.")
+    both = [n for n in (sections or ()) if n in (skip or ())]
+    if both:
+        raise MoelabError(f"section(s) {', '.join(both)} are both chosen (--sections) and skipped (--skip); "
+                          "name each section in one of them.")
     chosen = [n for n in known if (sections is None or n in sections) and n not in (skip or ())]
     if not chosen:
         raise MoelabError(f"--skip leaves no report sections; known: {', '.join(known)}.")

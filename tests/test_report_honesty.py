@@ -1,0 +1,127 @@
+"""Issue #30's crashes and silent acceptances: each case below crashed with a traceback or was
+accepted without a word before; now each is one clear line (or works)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from moelab.errors import MoelabError
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _cli(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    import os
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    return subprocess.run([sys.executable, "-m", "moelab", *args], capture_output=True, text=True, env=env,
+                          cwd=cwd, timeout=300)
+
+
+def test_routing_statistics_fit_on_a_prompt_only_trace(tmp_path):
+    import moelab
+    from moelab.simulate.synthetic import fit_routing_stats
+
+    model, tok = moelab.load("moelab-tiny-mixtral")
+    with moelab.record(model, tmp_path / "t"):
+        model(**tok(["hello world", "abc def ghi"], return_tensors="pt", padding=True))
+    stats = fit_routing_stats(tmp_path / "t")  # was: IndexError in the adjacency fit
+    assert stats.num_layers == len(moelab.moe_layers(model)) and len(stats.adjacent) == stats.num_layers
+
+
+@pytest.mark.parametrize("grid, message", [
+    (["capacity=1.5"], r"capacity=1.5: a fraction must be in \[0, 1\]"),
+    (["capacity=300"], r"capacity=300: deepseek-v3 has 256 experts per MoE layer"),
+    (["deferral=9"], r"deferral=9: deepseek-v3 routes each token to 8 experts"),
+    (["skipping=0,12"], r"skipping=12"),
+])
+def test_a_what_if_grid_is_checked_before_anything_is_simulated(grid, message, monkeypatch):
+    from moelab.simulate import whatif as w
+
+    monkeypatch.setattr(w, "load_routing", lambda *a, **k: pytest.fail("routing was built for a bad grid"))
+    with pytest.raises(MoelabError, match=message):
+        w.whatif("deepseek-v3", "ktransformers-a100", synthetic=True, grid=grid)
+
+
+def test_a_timeline_takes_the_run_its_event_log_or_its_directory(tmp_path):
+    import moelab
+    from moelab.hybrid.run import run_prompts
+    from moelab.timeline import Timeline
+
+    model, tok = moelab.load("moelab-tiny-mixtral")
+    cfg = {"cache": {"capacity": 0.25}, "executor": "real"}
+    with moelab.hybrid(model, cfg) as run:
+        model.generate(**tok(["1+1="], return_tensors="pt"), max_new_tokens=3, do_sample=False)
+    by_log, by_run = Timeline(run.events), Timeline(run)  # was: AttributeError
+    assert len(by_log) == len(by_run) > 0
+    run_prompts(model, tok, ["1+1="], cfg, tmp_path / "r", max_new_tokens=3, progress=False)
+    assert len(Timeline(tmp_path / "r")) > 0
+    with pytest.raises(MoelabError, match="Timeline needs events"):
+        Timeline(42)
+
+
+def test_an_unknown_hardware_profile_is_refused_whatever_the_executor(tmp_path):
+    from moelab.hybrid.config import HybridConfig
+
+    with pytest.raises(MoelabError, match="unknown hardware profile 'pcie9-x16'.*'pcie5-x16'"):
+        HybridConfig.from_dict({"hardware": "pcie9-x16"})  # was accepted unless the executor was simulated
+
+
+def test_an_offline_only_predictor_in_a_live_run_says_so():
+    import moelab
+
+    model, _ = moelab.load("moelab-tiny-mixtral")
+    with pytest.raises(MoelabError, match="'oracle' works only offline"), \
+            moelab.hybrid(model, {"cache": {"capacity": 0.25}, "prefetch": {"predictor": "oracle"}}):
+        pass
+
+
+def test_contradictory_choices_are_refused(tmp_path):
+    from moelab.report import check_sections
+
+    with pytest.raises(MoelabError, match="caches are both chosen .--sections. and skipped"):
+        check_sections(["routing", "caches"], ["caches"])
+    ev = tmp_path / "run"
+    ev.mkdir()
+    r = _cli("timeline", "export", str(ev), "--format", "chrome", "--out", str(tmp_path / "t.pftrace"))
+    assert r.returncode == 2 and "has the perfetto extension .pftrace but --format is chrome" in r.stderr
+
+
+def test_a_mistyped_option_gets_the_subcommands_usage_and_the_closest_option(tmp_path):
+    r = _cli("calibrate", "--quikc", "--out", str(tmp_path / "p.yaml"))
+    assert r.returncode == 2
+    assert "moelab calibrate: error: unrecognized arguments: --quikc. Did you mean '--quick'" in r.stderr
+    assert "usage: moelab calibrate" in r.stderr
+
+
+def test_hostile_files_get_one_line(tmp_path):
+    from moelab.hybrid.config import HybridConfig
+    from moelab.sweeps.spec import load_spec
+    from moelab.timing import get_profile
+
+    binary = tmp_path / "bin.yaml"
+    binary.write_bytes(bytes(range(128, 256)) * 3)
+    with pytest.raises(MoelabError, match="not UTF-8 text"):
+        get_profile(binary)
+    with pytest.raises(MoelabError, match="not UTF-8 text"):
+        HybridConfig.from_yaml(binary)
+    with pytest.raises(MoelabError, match="not UTF-8 text"):
+        load_spec(binary)
+    loop = tmp_path / "loop.yaml"
+    loop.write_text("name: x\nmodels: &m [tiny-random-mixtral, *m]\npolicies: [none]\ntasks: [arith]\n")
+    with pytest.raises(MoelabError, match=r"loop.yaml:2: this value refers to itself"):
+        load_spec(loop)
+
+
+def test_a_sweep_refuses_counts_above_the_models_top_k(tmp_path):
+    from moelab.sweeps.spec import expand, load_spec
+
+    spec = tmp_path / "s.yaml"
+    spec.write_text("name: big\nmodels: [tiny-random-mixtral]\npolicies:\n"
+                    "  - {policy: deferral, min_immediate: 0, grid: {deferred: [1, 1999]}}\ntasks: [arith]\n")
+    with pytest.raises(MoelabError, match="deferred=1999 but model tiny-random-mixtral routes each token to 2"):
+        expand(load_spec(spec), {"tiny-random-mixtral": "f" * 16})
