@@ -125,3 +125,42 @@ def test_a_sweep_refuses_counts_above_the_models_top_k(tmp_path):
                     "  - {policy: deferral, min_immediate: 0, grid: {deferred: [1, 1999]}}\ntasks: [arith]\n")
     with pytest.raises(MoelabError, match="deferred=1999 but model tiny-random-mixtral routes each token to 2"):
         expand(load_spec(spec), {"tiny-random-mixtral": "f" * 16})
+
+
+def test_one_tokens_per_second_for_a_run_named_in_the_output(tmp_path):
+    """`moelab run` and `moelab timeline summary` print the same tokens/s for one run directory —
+    decode tokens over decode wall, set-up and prefill excluded — and say so."""
+    import json
+
+    cfg = tmp_path / "h.yaml"
+    cfg.write_text("cache: {capacity: 0.25, policy: lru}\nplacement: host-misses\nexecutor: real\n")
+    r = _cli("run", "--model", "moelab-tiny-mixtral", "--hybrid", str(cfg), "--task", "arith", "--limit", "2",
+             "--max-new-tokens", "6", "--out", str(tmp_path / "r"))
+    assert r.returncode == 0, r.stderr[-500:]
+    s = json.loads((tmp_path / "r" / "summary.json").read_text())
+    t = _cli("timeline", "summary", str(tmp_path / "r"), "--json")
+    ts = json.loads(t.stdout)
+    assert s["tokens_per_s"] == pytest.approx(ts["tokens_per_s"], rel=1e-9)
+    assert s["tokens_per_s_basis"] == ts["tokens_per_s_basis"] == "decode tokens / decode wall (prefill and set-up excluded)"
+    assert f"{s['tokens_per_s']:.2f} tokens/s (decode tokens / decode wall" in r.stdout
+    assert s["decode_tokens"] == s["generated_tokens"] - 2  # each prompt's first token comes from its prefill
+    cfg.write_text("cache: {capacity: 0.25, policy: lru}\nplacement: host-misses\n")
+    f = _cli("run", "--model", "moelab-tiny-mixtral", "--hybrid", str(cfg), "--task", "arith", "--limit", "1",
+             "--max-new-tokens", "4", "--out", str(tmp_path / "f"))
+    assert "the functional executor runs no lanes" in f.stdout and "lanes busy: ;" not in f.stdout
+
+
+def test_the_main_objects_say_what_they_hold():
+    import moelab
+    from moelab.hybrid.events import EventLog
+
+    model, tok = moelab.load("moelab-tiny-mixtral")
+    run = moelab.hybrid(model, {"cache": {"capacity": 0.25}, "executor": "real"})
+    assert "HybridRun(MixtralForCausalLM: cache lru 0.25, placement host-misses, executor real; not applied" in repr(run)
+    log = EventLog("abc")
+    log.add(0, 0, "host", "expert-host", 0.0, 5.0)
+    assert repr(log).startswith("EventLog(run 'abc': 1 events over 0.0 ms on lanes host")
+    rec = moelab.record(model, None)
+    assert repr(rec).startswith("TraceRecorder(") and "0 rows so far" in repr(rec)
+    public = [n for n in dir(moelab) if not n.startswith("__")]
+    assert not {"annotations", "logging", "lazy_attributes", "_lazy"} & set(public) and "load" in public

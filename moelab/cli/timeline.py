@@ -86,7 +86,7 @@ def run_summary(args) -> int:
         return 0
     wall = s["wall_us"]
     print(f"timeline   {s['name']}: {s['events']} events, {s['steps']} steps, wall {wall / 1e3:.2f} ms")
-    rate = f"{s['tokens_per_s']:.2f} tokens/s, " if s["tokens_per_s"] else ""
+    rate = f"{s['tokens_per_s']:.2f} tokens/s ({s['tokens_per_s_basis']}), " if s["tokens_per_s"] else ""
     print(f"rates      {rate}{s['steps_per_s'] or 0:.2f} steps/s, {s['expert_pairs_per_s'] or 0:.0f} (token, expert) pairs/s")
     print("busy       " + ", ".join(f"{k} {v:.1f} %" for k, v in s["busy_pct"].items()))
     print(f"overlap    {s['overlap_pct']:.1f} % of the host lanes' busy time had the device side busy too")

@@ -410,14 +410,27 @@ class Timeline:
         return pd.DataFrame(rows)
 
     # ------------------------------------------------------------------ rates and summary
-    def rates(self) -> dict[str, float | None]:
+    def rates(self) -> dict[str, Any]:
+        """Steps and (token, expert) pairs per second of event wall, and the run's tokens/s:
+        :func:`moelab.events.decode_rate` where the run recorded its forwards' phases (every run
+        written by moelab now), else generated tokens over the events' wall, labelled as such."""
+        from moelab.events import RATE_BASIS, decode_rate
+
         wall_s = self.wall_us / 1e6 if len(self) else 0.0
         pairs = int(self.events.loc[self.events["kind"].isin(EXPERT_KINDS), "tokens"].sum())
-        return {
+        out: dict[str, Any] = {
             "steps_per_s": len(self.steps) / wall_s if wall_s > 0 else None,
             "expert_pairs_per_s": pairs / wall_s if wall_s > 0 else None,
-            "tokens_per_s": self._tokens / wall_s if (self._tokens and wall_s > 0) else None,
         }
+        forwards = self.meta.get("forwards")
+        if forwards:
+            r = decode_rate(self.events, forwards)
+            out.update(tokens_per_s=r["tokens_per_s"], tokens_per_s_basis=r["tokens_per_s_basis"])
+        else:
+            out.update(tokens_per_s=self._tokens / wall_s if (self._tokens and wall_s > 0) else None,
+                       tokens_per_s_basis=(f"generated tokens / event wall (this run recorded no forward phases, "
+                                           f"so not {RATE_BASIS})"))
+        return out
 
     def summary(self, *, critical_path: bool = True, max_path_steps: int = 256) -> dict[str, Any]:
         """Everything above as one flat-ish dict (JSON-serialisable). The critical path is averaged
