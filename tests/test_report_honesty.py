@@ -164,3 +164,57 @@ def test_the_main_objects_say_what_they_hold():
     assert repr(rec).startswith("TraceRecorder(") and "0 rows so far" in repr(rec)
     public = [n for n in dir(moelab) if not n.startswith("__")]
     assert not {"annotations", "logging", "lazy_attributes", "_lazy"} & set(public) and "load" in public
+
+
+def test_an_empty_or_nan_section_fails_instead_of_passing_as_ok(tmp_path):
+    import plotly.graph_objects as go
+
+    from moelab.report import (
+        SECTIONS,
+        ReportContext,
+        ReportSection,
+        Section,
+        build_report,
+        html_table,
+    )
+
+    def empty(ctx):
+        fig = go.Figure(go.Scatter(x=[], y=[], name="hits")).update_layout(title="t", xaxis_title="x", yaxis_title="y")
+        return Section(figures=[fig])
+
+    def nan_table(ctx):
+        fig = go.Figure(go.Bar(x=[1], y=[2])).update_layout(title="t", xaxis_title="x", yaxis_title="y")
+        return Section(html=html_table([{"a": float("nan"), "b": float("nan")}]), figures=[fig])
+
+    def nan_figure(ctx):
+        fig = go.Figure(go.Scatter(x=[1, 2], y=[float("nan")] * 2)).update_layout(title="t", xaxis_title="x",
+                                                                                  yaxis_title="y")
+        return Section(figures=[fig])
+
+    ctx = ReportContext(model=None, tokenizer=None, model_name="m", trace=None, workdir=tmp_path)
+    with SECTIONS.temporarily("e1", ReportSection("e1", empty, 1, "E1", "r.")), \
+            SECTIONS.temporarily("e2", ReportSection("e2", nan_table, 2, "E2", "r.")), \
+            SECTIONS.temporarily("e3", ReportSection("e3", nan_figure, 3, "E3", "r.")):
+        report = build_report(ctx, tmp_path / "r.html", sections=["e1", "e2", "e3"])
+    got = {s.name: (s.status, s.error) for s in report.sections}
+    assert got["e1"][0] == "failed" and "has no data to plot" in got["e1"][1]
+    assert got["e2"][0] == "failed" and "show NaN in 2 of 2 number cells" in got["e2"][1]
+    assert got["e3"][0] == "failed" and "has no data to plot" in got["e3"][1]
+
+
+def test_the_browser_check_refuses_a_legend_over_empty_axes(tmp_path):
+    import shutil
+
+    if not (shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")):
+        pytest.skip("no Chromium on PATH (make test installs Debian's chromium when root)")
+    import plotly.graph_objects as go
+
+    from moelab.report.browser import check_in_browser
+
+    fig = go.Figure([go.Scatter(x=[], y=[], name="a"), go.Scatter(x=[], y=[], name="b")])
+    fig.update_layout(title="empty", xaxis_title="x", yaxis_title="y", showlegend=True)
+    page = tmp_path / "p.html"
+    page.write_text("<html><head><meta charset='utf-8'></head><body><section data-section='s' data-figures='1'><h2>s</h2><p class='read'>r</p>"
+                    + fig.to_html(full_html=False, include_plotlyjs=True) + "</section></body></html>")
+    problems = check_in_browser(page).problems
+    assert any("plots no data" in p for p in problems), problems
