@@ -24,6 +24,14 @@ def lazy_attributes(package: str, table: dict[str, str], namespace: dict[str, An
         return value
 
     def __dir__() -> list[str]:
-        return sorted([*namespace, *table])
+        # the public API: the lazy names, loaded subpackages, and dunders such as __version__ —
+        # not what the package module imported for itself (logging, annotations, this helper)
+        import types
+
+        own = {n for n, v in namespace.items()
+               if n.startswith("__") or (not n.startswith("_") and isinstance(v, types.ModuleType)
+                                         and v.__name__.startswith(package + "."))}
+        helpers = {"annotations", "logging", "lazy_attributes"}
+        return sorted((own | set(table)) - helpers)
 
     return __getattr__, __dir__

@@ -53,6 +53,8 @@ def test_sections_are_chosen_and_skipped_by_name():
     with pytest.raises(MoelabError, match="unknown report section 'kernel'.*Did you mean 'kernels'"):
         check_sections(None, ["kernel"])
     with pytest.raises(MoelabError, match="--skip leaves no report sections"):
+        check_sections(None, section_names())
+    with pytest.raises(MoelabError, match="routing are both chosen"):  # a contradiction, not an empty choice
         check_sections(["routing"], ["routing"])
 
 

@@ -14,6 +14,30 @@ ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
 PLOTLY = "application/vnd.plotly.v1+json"
 TEXT_BAR = re.compile(r"\d+%\|.*\|")  # tqdm's text bar: " 40%|####      | 2/5 [...]"
+NAN = re.compile(r"(?<![A-Za-z_])NaN(?![A-Za-z_])")  # pandas' missing number in a printed table
+NUMBER = re.compile(r"(?<![\w.])[-+]?\d+\.\d+(?:e[-+]?\d+)?(?![\w.])")  # a printed measurement
+
+
+def _finite(trace: dict) -> int:
+    """Finite numbers a plotly trace (JSON) plots in y, z, values or x."""
+    import math
+
+    def flat(v):
+        if isinstance(v, dict) and "bdata" in v:  # plotly's typed-array encoding (base64 of a numpy array)
+            import base64
+
+            import numpy as np
+
+            return np.frombuffer(base64.b64decode(v["bdata"]), dtype=v.get("dtype", "f8")).astype(float).tolist()
+        if isinstance(v, list):
+            return [x for item in v for x in flat(item)]
+        return [v]
+
+    for key in ("y", "z", "values", "x"):  # the first one given is what the trace plots
+        if key in trace:
+            vals = [v for v in flat(trace[key]) if v is not None]
+            return sum(1 for v in vals if not isinstance(v, (int, float)) or math.isfinite(v))
+    return 0
 
 
 def test_there_are_notebooks():
@@ -62,6 +86,16 @@ def test_notebook_executes(path, tmp_path, monkeypatch):
 
         html, _ = HTMLExporter().from_notebook_node(nb)
         assert html.count("Plotly.newPlot(") >= len(figures), "figures are lost in the HTML export"
+    # no empty results passing as a run: every figure plots data, no table shows NaN
+    for o in figures:
+        fig = o["data"][PLOTLY]
+        assert any(_finite(t) for t in fig.get("data", [])), \
+            f"{path.name}: figure {fig.get('layout', {}).get('title')!r} plots no data"
+    for o in outputs:  # a printed result that is mostly NaN measured nothing
+        text = o.get("data", {}).get("text/plain", "")
+        text = text if isinstance(text, str) else "".join(text)
+        nan, nums = len(NAN.findall(text)), len(NUMBER.findall(text))
+        assert not (nan and nan >= 0.5 * (nan + nums)), f"{path.name} shows a result that is mostly NaN:\n{text[:600]}"
     # progress bars are widgets (or nothing), not a text line per update
     streams = "".join(o.get("text", "") for o in outputs if o.get("output_type") == "stream")
     assert not TEXT_BAR.search(streams), TEXT_BAR.search(streams).group(0)

@@ -60,6 +60,7 @@ def token_layer_heatmap(att: Any, seq: int = 0, *, value: str = "resid_delta", t
                              hovertemplate="token %{x}, %{y}: %{z:.3g}<extra></extra>"), row=2, col=1)
     fig.update_xaxes(tickmode="array", tickvals=x, ticktext=text, tickangle=-60, title_text="continuation token",
                      row=2, col=1)
+    fig.update_xaxes(title_text="per token", title_font_size=10, row=1, col=1)
     fig.update_yaxes(title_text="KL", row=1, col=1)
     fig.update_yaxes(title_text="MoE layer", row=2, col=1)
     fig.update_layout(title=title or f"{att.meta['policy']}: where sequence {seq} diverges (red bars: top-1 changed)",

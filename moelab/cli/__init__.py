@@ -13,7 +13,7 @@ import importlib
 import logging
 import sys
 
-from moelab.errors import MoelabError
+from moelab.errors import MoelabError, did_you_mean
 
 #: Sub-command modules, in the order ``moelab --help`` lists them.
 COMMAND_MODULES: list[str] = [
@@ -51,9 +51,24 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _innermost(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.ArgumentParser:
+    """The (sub)command parser ``argv`` selects: ``moelab calibrate --x`` → calibrate's."""
+    for token in argv:
+        subs = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+        if subs and token in subs[0].choices:
+            parser = subs[0].choices[token]
+    return parser
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra:  # reported by the subcommand that got them, with its usage and the closest option
+        sub = _innermost(parser, argv)
+        options = [o for a in sub._actions for o in a.option_strings]
+        hint = "".join(did_you_mean(x, options) for x in extra if x.startswith("-"))
+        sub.error(f"unrecognized arguments: {' '.join(extra)}.{hint}")
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.WARNING,
         format="%(levelname)s %(name)s: %(message)s",

@@ -36,8 +36,13 @@ def run(args) -> int:
     if args.json:
         emit_json(summary)
     else:
-        busy = ", ".join(f"{k} {v:.0f} %" for k, v in sorted(summary["busy_pct"].items()))
-        print(f"wrote {args.out}: {summary['plans']} layer plans, {summary['trace_rows']} trace rows; "
-              f"{summary['tokens_per_s']:.1f} tokens/s; lanes busy: {busy}; host/device overlap "
-              f"{summary['overlap_pct']:.0f} %")
+        tps = summary.get("tokens_per_s")
+        rate = f"{tps:.2f} tokens/s ({summary['tokens_per_s_basis']})" if tps else "no decode steps to time"
+        if summary.get("lanes"):
+            busy = ", ".join(f"{k} {v:.0f} %" for k, v in sorted(summary["busy_pct"].items()))
+            lanes = f"lanes busy: {busy}; host/device overlap {summary['overlap_pct']:.0f} %"
+        else:
+            lanes = (f"the {config.executor} executor runs no lanes (no timeline events); use executor: real "
+                     "or simulated for one")
+        print(f"wrote {args.out}: {summary['plans']} layer plans, {summary['trace_rows']} trace rows; {rate}; {lanes}")
     return 0

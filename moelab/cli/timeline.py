@@ -86,7 +86,7 @@ def run_summary(args) -> int:
         return 0
     wall = s["wall_us"]
     print(f"timeline   {s['name']}: {s['events']} events, {s['steps']} steps, wall {wall / 1e3:.2f} ms")
-    rate = f"{s['tokens_per_s']:.2f} tokens/s, " if s["tokens_per_s"] else ""
+    rate = f"{s['tokens_per_s']:.2f} tokens/s ({s['tokens_per_s_basis']}), " if s["tokens_per_s"] else ""
     print(f"rates      {rate}{s['steps_per_s'] or 0:.2f} steps/s, {s['expert_pairs_per_s'] or 0:.0f} (token, expert) pairs/s")
     print("busy       " + ", ".join(f"{k} {v:.1f} %" for k, v in s["busy_pct"].items()))
     print(f"overlap    {s['overlap_pct']:.1f} % of the host lanes' busy time had the device side busy too")
@@ -119,6 +119,10 @@ def run_show(args) -> int:
 
 def run_export(args) -> int:
     out = Path(args.out) if args.out else _default_out(args.runs[0], FORMATS[args.format])
+    other = next((f for f, ext in FORMATS.items() if f != args.format and out.suffix == ext), None)
+    if other is not None:  # e.g. --format chrome --out t.pftrace: a viewer would misread the file
+        raise MoelabError(f"--out {out} has the {other} extension {out.suffix} but --format is {args.format}; "
+                          f"use --format {other}, or an output ending in {FORMATS[args.format]}.")
     check_output_path(out, args.overwrite)
     tls = _open(args.runs)
     if args.format == "chrome":

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from moelab.errors import MoelabError, did_you_mean
+from moelab.errors import MoelabError, did_you_mean, unknown_name
 
 EXECUTORS = ("functional", "real", "simulated")
 DEVICES = ("auto", "cpu", "cuda")
@@ -104,6 +104,11 @@ class HybridConfig:
             )
         if self.device not in DEVICES:
             raise MoelabError(f"device {self.device!r}: expected one of {', '.join(DEVICES)}.")
+        if isinstance(self.hardware, str) and not self.hardware.endswith((".yaml", ".yml", ".json")):
+            from moelab.timing import available_profiles
+
+            if self.hardware not in available_profiles():  # checked for every executor, not only when costed
+                raise unknown_name("hardware profile", self.hardware, available_profiles())
         if self.device == "cuda":
             import torch
 
@@ -132,7 +137,9 @@ class HybridConfig:
         if not p.is_file():
             raise MoelabError(f"hybrid config {str(p)!r} does not exist; pass a YAML file.")
         try:
-            data = yaml.safe_load(p.read_text())
+            data = yaml.safe_load(p.read_text(encoding="utf-8"))
+        except UnicodeDecodeError as e:
+            raise MoelabError(f"hybrid config {str(p)!r} is not UTF-8 text (byte {e.start}); pass a YAML file.") from None
         except yaml.YAMLError as e:
             raise MoelabError(f"hybrid config {str(p)!r} is not valid YAML: {e}") from e
         if data is not None and not isinstance(data, dict):

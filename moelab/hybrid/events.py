@@ -43,6 +43,17 @@ class EventLog:
     def now_us(self) -> float:
         return (time.perf_counter_ns() - self.t0) / 1e3
 
+    def __len__(self) -> int:
+        return len(self.events)
+
+    def __repr__(self) -> str:
+        with self._lock:
+            evs = list(self.events)
+        lanes = sorted({e.lane for e in evs})
+        span = (max(e.t_end_us for e in evs) - min(e.t_start_us for e in evs)) / 1e3 if evs else 0.0
+        return (f"EventLog(run {self.run!r}: {len(evs)} events over {span:.1f} ms on lanes "
+                f"{', '.join(lanes) or '-'}; .table() for the Arrow table, moelab.Timeline(log) to read it)")
+
     def add(self, step: int, layer: int, lane: str, kind: str, t_start_us: float, t_end_us: float, *,
             expert: int = -1, tokens: int = 0, nbytes: int = 0, cause: str = "") -> None:
         ev = Event(self.run, step, layer, lane, kind, expert, tokens, nbytes, t_start_us, t_end_us, cause)

@@ -51,9 +51,9 @@ def run_prompts(
         shutil.rmtree(Path(trace.path).parent, ignore_errors=True)
         # tokens generated: one from each prompt's forward, one per real token of each decode forward
         generated = len(prompts) + trace.meta["rows_by_phase"]["decode"] // max(len(run.layers), 1)
+        # wall_s includes set-up and prefill; the run's tokens/s (run.summary()) is decode only
         extra = {"wall_s": wall, "prompts": len(prompts), "max_new_tokens": max_new_tokens,
-                 "generated_tokens": generated, "trace_rows": trace.num_rows, "plans": len(run.plans),
-                 "tokens_per_s": generated / wall if wall > 0 else None}
+                 "generated_tokens": generated, "trace_rows": trace.num_rows, "plans": len(run.plans)}
         run.write(res.staging, extra)
         res.commit()
     except BaseException:

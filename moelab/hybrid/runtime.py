@@ -94,6 +94,8 @@ class HybridRun:
         self.config = _as_config(config)
         self.plans: list[LayerPlan] = []
         self.events = EventLog("unapplied")  # a fresh log with the run's id on every apply()
+        self.forwards: list[dict[str, Any]] = []
+        """Per forward of the run: ``step``, ``phase``, ``tokens`` generated, measured ``wall_us``."""
         self.timing_reset()
         self._handles: list[Handle] = []
         self._policies: list = []
@@ -151,11 +153,28 @@ class HybridRun:
         self.active_ = True
         return self
 
+    def _on_forward_start(self, ctx: ForwardContext) -> None:
+        ctx.scratch["hybrid-forward-t0"] = time.perf_counter_ns()
+
+    def _on_forward_done(self, ctx: ForwardContext, ok: bool) -> None:
+        t0 = ctx.scratch.get("hybrid-forward-t0")
+        if not ok or t0 is None:
+            return
+        m = ctx.mask_cpu
+        real = int(m.sum()) if m is not None else ctx.tokens
+        # a prompt forward generates one token per row; a decode forward one per real row
+        self.forwards.append({"step": ctx.index, "phase": ctx.phase, "tokens": real if ctx.phase == "decode" else ctx.batch,
+                              "wall_us": (time.perf_counter_ns() - t0) / 1e3})
+
     def _install_executor(self, mgr) -> None:
         import uuid
 
         cfg = self.config
         self.events = EventLog(uuid.uuid4().hex[:12])
+        self.forwards = []
+        self._handles.append(mgr.add("forward", self._on_forward_start, order=Order.ROUTING - 10, name="hybrid clock"))
+        self._handles.append(mgr.add("forward_end", self._on_forward_done, order=Order.OBSERVE + 10,
+                                     name="hybrid clock"))
         self.device_ = cfg.resolved_device()
         if cfg.executor == "real":
             from moelab.hybrid.real import make_executor
@@ -220,6 +239,13 @@ class HybridRun:
         from moelab.adapters import model_fingerprint
         from moelab.predictors import load_predictor
 
+        if p.predictor in ("oracle", "repeat"):
+            why = ("reads the routing of the layer it prefetches for, which a live run knows only after it"
+                   if p.predictor == "oracle" else "is implemented by the offline planner only")
+            raise MoelabError(
+                f"prefetch predictor {p.predictor!r} works only offline (it {why}): use it with "
+                "moelab.hybrid.offline.plan_routing, `moelab cache simulate` or `moelab simulate`; a live run "
+                "needs a saved predictor (`moelab predict fit ... --out DIR`, then prefetch: {predictor: DIR}).")
         pred = load_predictor(p.predictor, model=self.model)
         pred.check_model(model_fingerprint(self.model), getattr(self.model, "name_or_path", ""))
         if not pred.online:
@@ -340,11 +366,22 @@ class HybridRun:
         """The run's events (the timeline) as a pandas DataFrame; see :mod:`moelab.hybrid.events`."""
         return self.events.table().to_pandas()
 
+    def __repr__(self) -> str:
+        c = self.config
+        cache = f"cache {c.cache.policy} {c.cache.capacity}" if c.cache.capacity else "no device cache"
+        state = "applied" if self.active_ else "not applied"
+        return (f"HybridRun({type(self.model).__name__}: {cache}, placement {c.placement}, executor {c.executor}; "
+                f"{state}; {len(self.plans)} layer plans, {len(self.events.events)} events)")
+
     def summary(self) -> dict:
-        """Lane busy %, host/device overlap % and wall time, from the events alone."""
+        """Lane busy %, host/device overlap % and wall time from the events, and the run's
+        tokens/s (:func:`moelab.events.decode_rate`: decode tokens over decode wall)."""
+        from moelab.events import decode_rate
         from moelab.hybrid.events import summarize
 
-        return summarize(self.events_table())
+        df = self.events_table()
+        return {**summarize(df), **decode_rate(df, self.forwards), "forwards": list(self.forwards),
+                "lanes": bool(len(df))}
 
     def save(self, out: str | Path, *, overwrite: bool = False) -> Path:
         """Write the run into a new directory ``out``, atomically (complete or absent); see :meth:`write`."""

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import html
 import logging
+import re
 import time
 import traceback
 from collections.abc import Callable, Sequence
@@ -155,6 +156,10 @@ def check_sections(sections: Sequence[str] | None, skip: Sequence[str] | None = 
                 raise unknown_name("report section", name, known)
     if sections is not None and not sections:
         raise MoelabError(f"no report sections selected; choose from: {', '.join(known)}.")
+    both = [n for n in (sections or ()) if n in (skip or ())]
+    if both:
+        raise MoelabError(f"section(s) {', '.join(both)} are both chosen (--sections) and skipped (--skip); "
+                          "name each section in one of them.")
     chosen = [n for n in known if (sections is None or n in sections) and n not in (skip or ())]
     if not chosen:
         raise MoelabError(f"--skip leaves no report sections; known: {', '.join(known)}.")
@@ -175,6 +180,43 @@ def _check_labelled(fig: Any, index: int) -> None:
         raise MoelabError(f"figure {index} of the section has no title; set fig.update_layout(title=...).")
 
 
+def _finite_points(trace: Any) -> int:
+    """Finite values a plotly trace plots: its first given of y, z, values (x only for traces
+    that have none of them, e.g. a histogram); nested lists flattened."""
+    import numpy as np
+
+    for key in ("y", "z", "values", "x"):
+        data = getattr(trace, key, None) if key in getattr(trace, "_valid_props", ()) else None
+        if data is None:
+            continue
+        try:
+            a = np.asarray(data, dtype=float).ravel()
+        except (TypeError, ValueError):  # categories or text: each one is a plotted value
+            return len(list(data))
+        return int(np.isfinite(a).sum())
+    return 0
+
+
+def check_has_data(fig: Any, index: int) -> None:
+    """Refuse a figure that would draw empty axes: no trace with a finite value."""
+    if not any(_finite_points(t) for t in fig.data):
+        title = getattr(getattr(fig.layout, "title", None), "text", None) or f"figure {index}"
+        raise MoelabError(f"figure {title!r} has no data to plot (every trace is empty or NaN): the section's "
+                          "inputs produced nothing; a report must not show empty axes as a result.")
+
+
+_NAN_CELL = re.compile(r">\s*(?:nan|NaN)\s*<")
+_NUM_CELL = re.compile(r">\s*[-+]?\d[\d.,]*(?:e[-+]?\d+)?\s*%?\s*<")
+
+
+def check_no_nan(body: str) -> None:
+    """Refuse section HTML whose tables are mostly NaN (numbers that were never measured)."""
+    nan, nums = len(_NAN_CELL.findall(body or "")), len(_NUM_CELL.findall(body or ""))
+    if nan and nan >= 0.5 * (nan + nums):
+        raise MoelabError(f"the section's tables show NaN in {nan} of {nan + nums} number cells: its inputs "
+                          "produced nothing to measure.")
+
+
 def _run_section(entry: ReportSection, ctx: ReportContext) -> tuple[SectionOutcome, str, list[Any]]:
     """Run one section: (outcome, its heading and body HTML, its figures). An exception becomes
     an error box, never a crash; :class:`SectionUnavailable` a "not available" box."""
@@ -187,6 +229,8 @@ def _run_section(entry: ReportSection, ctx: ReportContext) -> tuple[SectionOutco
         title = section.title or title
         for i, fig in enumerate(section.figures):
             _check_labelled(fig, i)
+            check_has_data(fig, i)
+        check_no_nan(section.html)
         status, error, figures, body = "ok", "", list(section.figures), section.html
     except SectionUnavailable as exc:
         status, error = "unavailable", str(exc)

@@ -57,6 +57,21 @@ _PROBE = r"""<script>
     gd.querySelectorAll('canvas').forEach(function (c) { if (c.width > 0 && c.height > 0) n++; });
     return n;
   }
+  function points(gd) {  // finite data values the figure plots (a legend over empty axes has none)
+    var n = 0;
+    (gd._fullData || []).forEach(function (t) {
+      ['y', 'z', 'values', 'x'].some(function (k) {
+        var a = t[k];
+        if (!a || typeof a.length !== 'number' || typeof a === 'string') return false;
+        var flat = [];
+        for (var i = 0; i < a.length; i++) { if (a[i] && typeof a[i].length === 'number' && typeof a[i] !== 'string') { for (var j = 0; j < a[i].length; j++) flat.push(a[i][j]); } else flat.push(a[i]); }
+        var c = flat.filter(function (v) { return v !== null && v !== '' && (typeof v !== 'number' || isFinite(v)); }).length;
+        n += c;
+        return c > 0;
+      });
+    });
+    return n;
+  }
   function axisTitles(gd) {
     var fl = gd._fullLayout || {}, out = {};
     Object.keys(fl).forEach(function (k) {
@@ -78,6 +93,7 @@ _PROBE = r"""<script>
         section: sec ? sec.getAttribute('data-section') : null,
         svg: gd.querySelectorAll('.main-svg').length,
         marks: marks(gd),
+        points: points(gd),
         traces: (gd._fullData || []).length,
         title: /^Click to enter/.test(title) ? '' : title,
         axes: axisTitles(gd),
@@ -204,6 +220,8 @@ def _problems(r: BrowserCheck) -> list[str]:
             out.append(f"{where} did not draw: {f['svg']} svg layer(s), {f['marks']} drawn mark(s)")
         if not f["traces"]:
             out.append(f"{where} has no traces")
+        elif not f.get("points", 1):
+            out.append(f"{where} plots no data: its traces hold no finite values (empty axes with a legend)")
         if not f["title"]:
             out.append(f"{where} has no title")
         out += [f"{where}: {axis} has no title" for axis, t in f["axes"].items() if not t]

@@ -363,6 +363,12 @@ class _Table:
     num_experts: int
     num_layers: int
     source: str
+    pos: np.ndarray | None = None
+    """Position of each row's token in its sequence (None: the step; decode has one token per step)."""
+
+    def token_key(self) -> np.ndarray:
+        """A key unique per token and shared by its rows in every layer: (sequence, position)."""
+        return self.seq * (1 << 32) + (self.pos if self.pos is not None else self.step)
 
 
 def _table_from_trace(trace) -> _Table:
@@ -383,6 +389,7 @@ def _table_from_trace(trace) -> _Table:
         num_experts=trace.num_experts,
         num_layers=trace.num_moe_layers,
         source=str(trace.meta["model"].get("name") or trace.path) + f" trace {trace.path}",
+        pos=trace.column("pos")[rows].astype(np.int64),
     )
 
 
@@ -494,7 +501,7 @@ def _measure(t: _Table, seed: int = 0, *, fit_skew: bool = True) -> RoutingStats
         skew.append(_fit_zipf(m.sum(0), K, n, seed + li) if fit_skew else float("nan"))
         reuse.append(_reuse(t.seq[r], t.step[r], m, K))
         reuse_c.append(float(np.sum(pi**2) / K))
-        key = t.seq[r] * (1 << 32) + t.step[r]
+        key = t.token_key()[r]  # (sequence, position): prompt forwards hold many tokens per step
         order = np.argsort(key, kind="stable")
         members.append(m[order])
         keys.append(key[order])

@@ -121,6 +121,26 @@ def parse_grid(items: list[str] | dict[str, Any] | None) -> dict[str, list]:
     return {k: grid.get(k, list(DEFAULTS[k])) for k in AXES}
 
 
+def check_grid(grid: dict[str, list], shape: Any) -> None:
+    """Refuse grid values ``shape`` cannot have, before anything is simulated: a capacity above
+    one layer's experts (or a fraction above 1), more experts deferred or skipped per token than
+    its top-k."""
+    E, K = int(shape.num_experts), int(shape.top_k)
+    for c in grid.get("capacity", []):
+        if isinstance(c, float) and c > 1:
+            raise MoelabError(f"grid capacity={c!r}: a fraction must be in [0, 1]; for a number of experts per "
+                              f"layer give a whole count 1..{E} (e.g. capacity={min(E, max(1, round(c)))}).")
+        if isinstance(c, int) and c > E:
+            raise MoelabError(f"grid capacity={c}: {shape.name} has {E} experts per MoE layer; use a count ≤ {E} "
+                              "or a fraction in [0, 1].")
+    for axis in ("deferral", "skipping", "min_immediate"):
+        bad = [v for v in grid.get(axis, []) if v > K]
+        if bad:
+            raise MoelabError(f"grid {axis}={bad[0]}: {shape.name} routes each token to {K} experts, so at most "
+                              f"{K} can be {'deferred' if axis == 'deferral' else 'skipped' if axis == 'skipping' else 'immediate'}; "
+                              f"use values 0..{K}.")
+
+
 def cells(grid: dict[str, list]) -> list[dict[str, Any]]:
     keys = list(grid)
     out = [dict(zip(keys, vals)) for vals in itertools.product(*(grid[k] for k in keys))]
@@ -339,6 +359,7 @@ def whatif(shape: Any, hardware: Any, *, trace: Any = None, synthetic: bool = Fa
         if isinstance(v, bool) or not isinstance(v, int) or v < low:
             raise MoelabError(f"{name} is {v!r}; expected an integer ≥ {low}.")
     axes = parse_grid(grid)
+    check_grid(axes, shape)
     todo = cells(axes)
     if routing is None:
         routing = load_routing(shape, trace=trace, synthetic=synthetic, fit_from=fit_from, steps=warmup + steps,

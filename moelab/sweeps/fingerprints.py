@@ -82,3 +82,30 @@ def path_signature(path: str | Path) -> str:
         if (root / name).is_file():
             parts[name] = hashlib.sha256((root / name).read_bytes()).hexdigest()
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:24]
+
+
+def model_top_k(model: ModelSpec) -> int | None:
+    """The smallest top-k among ``model``'s MoE layers, read from its config on the meta device
+    (no weights loaded); None where the config cannot be read here (the cell then checks)."""
+    import torch
+
+    from moelab.adapters import moe_layers
+    from moelab.models.bundled import TINY_RANDOM_PREFIX, bundled_path
+
+    try:
+        if model.name.startswith(TINY_RANDOM_PREFIX):
+            from moelab.models.tiny import tiny_config
+
+            config = tiny_config(model.name[len(TINY_RANDOM_PREFIX):])
+        else:
+            from transformers import AutoConfig
+
+            config = AutoConfig.from_pretrained(str(bundled_path(model.name) or Path(model.name).expanduser()))
+        from transformers import AutoModelForCausalLM
+
+        with torch.device("meta"):
+            m = AutoModelForCausalLM.from_config(config)
+        return min(layer.top_k for layer in moe_layers(m))
+    except Exception as e:  # noqa: BLE001 - a model the spec check cannot read is checked when it loads
+        log.debug("top-k of %s not known before loading: %s", model.name, e)
+        return None

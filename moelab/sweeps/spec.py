@@ -256,6 +256,7 @@ def expand(spec: SweepSpec, fingerprints: dict[str, str]) -> list[Cell]:
     """
     import moelab
 
+    _check_counts(spec)
     versions = {t.name: task_version(t.name) for t in spec.tasks}
     ev = asdict(spec.eval)
     cells: list[Cell] = []
@@ -279,6 +280,38 @@ def expand(spec: SweepSpec, fingerprints: dict[str, str]) -> list[Cell]:
                             seen.add(cell.hash)
                             cells.append(cell)
     return cells
+
+
+#: Settings that count experts per token, which a model can have at most top-k of.
+_COUNTS = ("deferred", "skipped", "immediate", "min_immediate", "min_kept")
+
+
+def _check_counts(spec: SweepSpec) -> None:
+    """Refuse expert counts above a model's top-k before any cell is made (a grid of 1,999
+    ``deferred`` values for a top-2 model is a typo, not 1,999 cells)."""
+    from moelab.sweeps.fingerprints import model_top_k
+
+    for m in spec.models:
+        k = None
+        for p in spec.policies:
+            if p.models and m.name not in p.models:
+                continue
+            for key, values in [*((k_, [v]) for k_, v in p.settings), *p.grid]:
+                if key not in _COUNTS:
+                    continue
+                for v in values:
+                    v = _thaw(v)
+                    nums = list(v.values()) if isinstance(v, dict) else list(v) if isinstance(v, list) else [v]
+                    big = [n for n in nums if isinstance(n, int) and not isinstance(n, bool)]
+                    if not big:
+                        continue
+                    if k is None:
+                        k = model_top_k(m) or -1
+                    if k > 0 and max(big) > k:
+                        raise MoelabError(
+                            f"policy {p.name!r}: {key}={max(big)} but model {m.name} routes each token to {k} "
+                            f"experts; use values 0..{k} (grid values above top-k are refused before any cell "
+                            "is made).")
 
 
 def _cell_simulate(spec: SweepSpec, model: str) -> dict[str, Any]:

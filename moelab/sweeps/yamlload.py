@@ -29,12 +29,16 @@ def load_with_lines(text: str, source: str) -> tuple[Any, dict[Path_, int]]:
     lines: dict[Path_, int] = {}
     if node is None:
         return None, lines
-    return _convert(node, (), lines, source), lines
+    return _convert(node, (), lines, source, ()), lines
 
 
-def _convert(node: Any, path: Path_, lines: dict[Path_, int], source: str) -> Any:
+def _convert(node: Any, path: Path_, lines: dict[Path_, int], source: str, above: tuple = ()) -> Any:
     import yaml
 
+    if any(node is n for n in above):  # an alias to a node that contains it: an endless value
+        raise MoelabError(f"{source}:{node.start_mark.line + 1}: this value refers to itself through a YAML alias "
+                          "(an anchor used inside its own value); write the value out.")
+    above = (*above, node)
     lines[path] = node.start_mark.line + 1
     if isinstance(node, yaml.MappingNode):
         out: dict[str, Any] = {}
@@ -50,11 +54,11 @@ def _convert(node: Any, path: Path_, lines: dict[Path_, int], source: str) -> An
                     f"{source}:{key_node.start_mark.line + 1}: key {key!r} appears twice in one "
                     "mapping; keep one."
                 )
-            out[key] = _convert(value_node, (*path, key), lines, source)
+            out[key] = _convert(value_node, (*path, key), lines, source, above)
             lines.setdefault((*path, key), key_node.start_mark.line + 1)
         return out
     if isinstance(node, yaml.SequenceNode):
-        return [_convert(v, (*path, i), lines, source) for i, v in enumerate(node.value)]
+        return [_convert(v, (*path, i), lines, source, above) for i, v in enumerate(node.value)]
     return _scalar(node)
 
 
@@ -69,4 +73,7 @@ def read_text(path: str | Path) -> str:
     if not p.is_file():
         raise MoelabError(f"sweep spec {str(p)!r} does not exist; give the path of a YAML spec "
                           "(see evals/sweeps/ for examples).")
-    return p.read_text(encoding="utf-8")
+    try:
+        return p.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise MoelabError(f"sweep spec {str(p)!r} is not UTF-8 text (byte {e.start}); give a YAML file.") from None

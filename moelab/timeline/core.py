@@ -134,15 +134,37 @@ class CriticalPath:
         return {str(k): float(v) for k, v in d.groupby(self.events["lane"]).sum().items()}
 
 
+def _as_frame(events: Any) -> pd.DataFrame:
+    """A DataFrame of events from what a user holds: a DataFrame, an Arrow table, an event log
+    (anything with ``table()``) or a run (anything with ``events``)."""
+    if isinstance(events, pd.DataFrame):
+        return events
+    if not hasattr(events, "table") and hasattr(events, "events"):  # a HybridRun
+        events = events.events
+    if hasattr(events, "table") and callable(events.table):  # an EventLog
+        events = events.table()
+    if hasattr(events, "to_pandas"):  # an Arrow table
+        return events.to_pandas()
+    raise MoelabError(f"Timeline needs events: a DataFrame, an Arrow table, a run's event log (run.events), the "
+                      f"run, or a run directory / events Parquet path; got {type(events).__name__}.")
+
+
 class Timeline:
     """The events of one run (real or simulated) with summaries computed from them alone.
 
-    ``Timeline(df)`` over a DataFrame with the columns of :data:`moelab.events.COLUMNS`;
-    :meth:`open` reads a run directory (``events.parquet``) or a Parquet file.
+    ``Timeline(events)`` over the events of a run: a DataFrame or Arrow table with the columns
+    of :data:`moelab.events.COLUMNS`, a hybrid run's event log (``run.events``), the run itself
+    (a :class:`~moelab.hybrid.HybridRun`), or a path (as :meth:`open`: a run directory or an
+    events Parquet file).
     """
 
-    def __init__(self, events: pd.DataFrame, *, name: str | None = None, tokens: int | None = None,
+    def __init__(self, events: Any, *, name: str | None = None, tokens: int | None = None,
                  meta: dict[str, Any] | None = None) -> None:
+        if isinstance(events, (str, Path)):
+            opened = Timeline.open(events, name=name)
+            events, meta = opened.events, {**opened.meta, **(meta or {})}
+            name = name or opened.name
+        events = _as_frame(events)
         check_events(events)
         df = events.loc[:, list(COLUMNS)].copy()
         for c, t in _DTYPES.items():
@@ -388,14 +410,27 @@ class Timeline:
         return pd.DataFrame(rows)
 
     # ------------------------------------------------------------------ rates and summary
-    def rates(self) -> dict[str, float | None]:
+    def rates(self) -> dict[str, Any]:
+        """Steps and (token, expert) pairs per second of event wall, and the run's tokens/s:
+        :func:`moelab.events.decode_rate` where the run recorded its forwards' phases (every run
+        written by moelab now), else generated tokens over the events' wall, labelled as such."""
+        from moelab.events import RATE_BASIS, decode_rate
+
         wall_s = self.wall_us / 1e6 if len(self) else 0.0
         pairs = int(self.events.loc[self.events["kind"].isin(EXPERT_KINDS), "tokens"].sum())
-        return {
+        out: dict[str, Any] = {
             "steps_per_s": len(self.steps) / wall_s if wall_s > 0 else None,
             "expert_pairs_per_s": pairs / wall_s if wall_s > 0 else None,
-            "tokens_per_s": self._tokens / wall_s if (self._tokens and wall_s > 0) else None,
         }
+        forwards = self.meta.get("forwards")
+        if forwards:
+            r = decode_rate(self.events, forwards)
+            out.update(tokens_per_s=r["tokens_per_s"], tokens_per_s_basis=r["tokens_per_s_basis"])
+        else:
+            out.update(tokens_per_s=self._tokens / wall_s if (self._tokens and wall_s > 0) else None,
+                       tokens_per_s_basis=(f"generated tokens / event wall (this run recorded no forward phases, "
+                                           f"so not {RATE_BASIS})"))
+        return out
 
     def summary(self, *, critical_path: bool = True, max_path_steps: int = 256) -> dict[str, Any]:
         """Everything above as one flat-ish dict (JSON-serialisable). The critical path is averaged

@@ -288,9 +288,14 @@ def load_profile(path: str | Path) -> HardwareProfile:
                           "(schema: moelab.timing.profile) or a registered name.")
     try:
         data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as e:
+        raise _fail(path, f"not UTF-8 text (byte {e.start} is {e.object[e.start:e.start + 1]!r}); "
+                          "give a YAML or JSON profile file.") from None
     except yaml.YAMLError as e:
         msg = " ".join(str(e).split())
         raise _fail(path, f"not valid YAML/JSON ({msg}); fix the syntax.") from None
+    except RecursionError:
+        raise _fail(path, "a value refers to itself through a YAML alias; write the value out.") from None
     return parse_profile(data, path)
 
 

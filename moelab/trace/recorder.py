@@ -103,6 +103,11 @@ class TraceRecorder:
     An existing ``out`` is refused unless ``overwrite=True``.
     """
 
+    def __repr__(self) -> str:
+        state = "finished" if self.trace is not None else "recording or not started"
+        return (f"TraceRecorder({str(self.path)!r}: {state}; {self._rows} rows so far "
+                f"({self._phase_rows['prefill']} prefill, {self._phase_rows['decode']} decode))")
+
     def __init__(
         self,
         model: nn.Module,
