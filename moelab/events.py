@@ -14,7 +14,9 @@ column         type      meaning
                          ``host`` (CPU experts), ``copy`` (host→device copies),
                          ``control`` (the thread running the model's Python code)
 ``kind``       string    ``dense`` (attention, norms and router between two MoE layers, on
-                         the control thread), ``expert-device``, ``expert-host``,
+                         the control thread), ``plan`` (the planner and routing policies
+                         of a layer, control thread), ``dispatch`` (the control thread
+                         submitting work to lanes and merging results), ``expert-device``, ``expert-host``,
                          ``expert-deferred``, ``transfer-demand``, ``transfer-prefetch``,
                          ``transfer-insert``, ``wait`` (the control thread waiting for lanes)
 ``expert``     int32     expert id, or -1 for a fused call over several experts

@@ -218,3 +218,48 @@ def test_the_browser_check_refuses_a_legend_over_empty_axes(tmp_path):
                     + fig.to_html(full_html=False, include_plotlyjs=True) + "</section></body></html>")
     problems = check_in_browser(page).problems
     assert any("plots no data" in p for p in problems), problems
+
+
+def test_fates_per_expert_and_every_stall_with_a_cause(tmp_path):
+    """The README's configuration (learned prefetch, MRS, greedy-hss, deferral, real executor): the
+    timeline summary counts fates per expert from the run's plans — prefetch hits included, which
+    the fused device call's events cannot show — and the control thread's stalls all have a cause."""
+    import json
+
+    import moelab
+    from moelab.hybrid.run import run_prompts
+    from moelab.timeline import Timeline
+
+    model, tok = moelab.load("moelab-tiny-qwen2moe")
+    pred = moelab.resource_dir("predictors") / "moelab-tiny-qwen2moe" / "learned-d1"
+    cfg = {"cache": {"capacity": 0.25, "policy": "mrs"}, "placement": "greedy-hss", "hardware": "pcie4-x16",
+           "prefetch": {"predictor": str(pred), "distance": 1}, "routing": {"deferred": 2}, "executor": "real"}
+    run_prompts(model, tok, ["Question: 3+4=?\nAnswer:", "Question: 12-5=?\nAnswer:"], cfg, tmp_path / "r",
+                max_new_tokens=8, progress=False)
+    plans = [json.loads(line) for line in (tmp_path / "r" / "plans.jsonl").read_text().splitlines()]
+    s = Timeline.open(tmp_path / "r").summary()
+    assert s["fates_basis"] == "per expert (plans)"
+    assert s["fates"]["prefetch-hit"] == sum(len(p["prefetch_hits"]) for p in plans) > 0
+    assert s["fates"]["deferred"] == sum(len(p["deferred"]) for p in plans) > 0
+    # events alone (no plans): the fused device calls make the count per call, and it says so
+    counts, basis = Timeline(Timeline.open(tmp_path / "r").events).fate_counts()
+    assert basis.startswith("per call")
+    stalls = s["stall_us"]
+    assert stalls["other"] <= 0.02 * sum(stalls.values()), stalls  # was ~40 % before plan/dispatch events
+    kinds = set(Timeline.open(tmp_path / "r").events["kind"].astype(str))
+    assert {"dense", "plan", "dispatch", "wait"} <= kinds
+
+
+def test_a_kernel_build_lock_left_by_a_killed_build_is_cleared(tmp_path):
+    """A killed first build leaves torch's lock file; every later process waited on it forever."""
+    import os
+    import time
+
+    from moelab.kernels.build import clear_stale_lock
+
+    lock = tmp_path / "lock"
+    lock.write_text("")
+    assert not clear_stale_lock(tmp_path) and lock.exists()  # a build in progress keeps its lock
+    old = time.time() - 3600
+    os.utime(lock, (old, old))
+    assert clear_stale_lock(tmp_path) and not lock.exists()

@@ -96,7 +96,7 @@ def run_summary(args) -> int:
     if s.get("critical_path_us") is not None:
         print(f"critical   path {s['critical_path_us'] / 1e3:.3f} ms per step on average "
               f"({100 * s['critical_path_share']:.0f} % of the step's wall)")
-    print("fates      " + ", ".join(f"{k} {v}" for k, v in s["fates"].items()))
+    print("fates      " + ", ".join(f"{k} {v}" for k, v in s["fates"].items()) + f" ({s['fates_basis']})")
     return 0
 
 

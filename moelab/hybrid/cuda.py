@@ -39,7 +39,7 @@ from typing import Any
 import torch
 
 from moelab.errors import MoelabError
-from moelab.hybrid.events import EventLog
+from moelab.hybrid.events import EventLog, control_span
 
 
 class DeviceSplit:
@@ -234,14 +234,14 @@ class CudaExecutor:
         self._last_mark[ctx.index] = self.log.now_us()
 
     def on_router(self, ctx, layer, call) -> None:
-        t = self.log.now_us()
-        self.log.add(ctx.index, layer.index, "control", "dense", self._last_mark.get(ctx.index, t), t,
-                     cause="attention+router")
+        control_span(self.log, self._last_mark, ctx.index, layer.index, "dense", "attention+router")
 
     def on_output(self, ctx, layer, call, out) -> None:
-        self._last_mark[ctx.index] = self.log.now_us()
+        control_span(self.log, self._last_mark, ctx.index, layer.index, "dispatch", "merge")
 
     def on_forward_end(self, ctx, ok: bool) -> None:
+        if ok:  # the layers after the last MoE block, the final norm and the LM head
+            control_span(self.log, self._last_mark, ctx.index, -1, "dense", "head")
         self._last_mark.pop(ctx.index, None)
         self._flush(block=False)
 
@@ -249,6 +249,7 @@ class CudaExecutor:
         lp = ctx.scratch.get(("hybrid-plan", layer.index))
         if lp is None:
             return
+        control_span(self.log, self._last_mark, ctx.index, layer.index, "plan", "planner")
         call.backend = self._immediate(ctx, layer, lp)
         call.deferred_backend = self._deferred(ctx, layer, lp)
 
@@ -360,7 +361,7 @@ class CudaExecutor:
 
         def backend(module, hidden, ids, weights, expert_map=None):
             log = self.log
-            t_wait = log.now_us()
+            t_wait = control_span(log, self._last_mark, ctx.index, L, "dispatch", "submit")
             slot_of, waits, release = self._prepare(ctx, lp)
             ids_c, w_c = ids.cpu(), weights.cpu()
             dmap, hmap = split_maps(E, sorted(slot_of), "cpu")
@@ -389,6 +390,7 @@ class CudaExecutor:
             if host is not None:
                 parts.append(host.result())
             log.add(ctx.index, L, "control", "wait", t_wait, log.now_us(), cause="lanes")
+            self._last_mark[ctx.index] = log.now_us()
             if not parts:
                 return torch.zeros_like(hidden)
             out = parts[0]

@@ -73,3 +73,15 @@ class EventLog:
         ])
         cols = {c: [getattr(e, c) for e in evs] for c in COLUMNS}
         return pa.table(cols, schema=schema)
+
+
+def control_span(log: EventLog, marks: dict[int, float], step: int, layer: int, kind: str, cause: str) -> float:
+    """Record the control thread's work since its last mark for ``step`` as one event (``dense``
+    attention/router, ``plan`` the planner and policies, ``dispatch`` handing work to lanes and
+    merging their results), so no time of the control thread goes without a cause; returns now."""
+    t = log.now_us()
+    start = marks.get(step, t)
+    if t > start:
+        log.add(step, layer, "control", kind, start, t, cause=cause)
+    marks[step] = t
+    return t

@@ -43,7 +43,7 @@ from typing import Any
 
 import torch
 
-from moelab.hybrid.events import EventLog
+from moelab.hybrid.events import EventLog, control_span
 
 log = logging.getLogger(__name__)
 
@@ -180,20 +180,21 @@ class RealExecutor:
         self._last_mark[ctx.index] = self.log.now_us()
 
     def on_router(self, ctx, layer, call) -> None:
-        t = self.log.now_us()
-        start = self._last_mark.get(ctx.index, t)
-        self.log.add(ctx.index, layer.index, "control", "dense", start, t, cause="attention+router")
+        control_span(self.log, self._last_mark, ctx.index, layer.index, "dense", "attention+router")
 
     def on_output(self, ctx, layer, call, out) -> None:
-        self._last_mark[ctx.index] = self.log.now_us()
+        control_span(self.log, self._last_mark, ctx.index, layer.index, "dispatch", "merge")
 
     def on_forward_end(self, ctx, ok: bool) -> None:
+        if ok:  # the layers after the last MoE block, the final norm and the LM head
+            control_span(self.log, self._last_mark, ctx.index, -1, "dense", "head")
         self._last_mark.pop(ctx.index, None)
 
     def on_experts(self, ctx, layer, call) -> None:
         lp = ctx.scratch.get(("hybrid-plan", layer.index))
         if lp is None:
             return
+        control_span(self.log, self._last_mark, ctx.index, layer.index, "plan", "planner")
         call.backend = self._immediate(ctx, layer, lp)
         call.deferred_backend = self._deferred(ctx, layer, lp)
 
@@ -223,7 +224,7 @@ class RealExecutor:
 
         def backend(module, hidden, ids, weights, expert_map=None):
             demand = self._submit_transfers(ctx, lp)
-            t_wait = log.now_us()
+            t_wait = control_span(log, self._last_mark, ctx.index, layer.index, "dispatch", "submit")
             # everything not on the device runs on the host: its misses, and padding rows' experts
             dmap, hmap = split_maps(E, device, ids.device)
             active = weights != 0
@@ -244,6 +245,7 @@ class RealExecutor:
                 return torch.zeros_like(hidden)
             parts = [f.result() for f in futs]
             log.add(ctx.index, layer.index, "control", "wait", t_wait, log.now_us(), cause="lanes")
+            self._last_mark[ctx.index] = log.now_us()
             out = parts[0]
             for p in parts[1:]:
                 out = out + p

@@ -57,6 +57,28 @@ def cache_dir() -> Path:
     return Path.home() / ".cache" / "moelab" / "kernels" / tag
 
 
+#: A build lock older than this was left by a build that was killed (a build takes about a minute).
+STALE_LOCK_S = 600
+
+
+def clear_stale_lock(build_dir: Path, max_age_s: float = STALE_LOCK_S) -> bool:
+    """Remove torch's build lock in ``build_dir`` when it is older than ``max_age_s``: a killed
+    build leaves it behind, and every later process would otherwise wait on it forever."""
+    import time
+
+    lock = Path(build_dir) / "lock"
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except FileNotFoundError:
+        return False
+    if age <= max_age_s:
+        return False
+    logger.warning("removing a stale kernel build lock %s (%.0f s old: its build was interrupted)", lock, age)
+    with contextlib.suppress(FileNotFoundError):
+        lock.unlink()
+    return True
+
+
 def _check_toolchain() -> None:
     from torch.utils.cpp_extension import is_ninja_available
 
@@ -92,6 +114,7 @@ def load_extension() -> ModuleType:
         _check_toolchain()
         build_dir = cache_dir()
         build_dir.mkdir(parents=True, exist_ok=True)
+        clear_stale_lock(build_dir)
         if not any(build_dir.glob(f"{_EXT_NAME}*.so")):
             logger.warning(
                 "Compiling moelab's native CPU kernels (first use only, about a minute); cache: %s",

@@ -18,7 +18,11 @@ Every figure here is computed from the events table alone, so a real run and a s
      to merge a deferred result (or for the host lane it occupies);
   3. ``host`` — other host-lane work (misses computed on the host) runs;
   4. ``device`` — device-lane expert compute runs;
-  5. ``other`` — none of them: launch, synchronisation and Python overhead.
+  5. ``handoff`` — the control thread waits on its lanes while none of them runs: a lane thread
+     has not picked up (or handed back) its work yet;
+  6. ``other`` — none of them, outside any wait: gaps between the control thread's own events
+     (the executors record its attention/router, planning and dispatch as ``dense``, ``plan`` and
+     ``dispatch`` events, so in their runs this is microseconds of clock reads).
 
 * **critical path** of a step (:meth:`Timeline.critical_path`): the longest chain, by summed
   duration, through the step's events other than waits, along these dependencies (an edge is
@@ -39,7 +43,12 @@ Every figure here is computed from the events table alone, so a real run and a s
 * **fate** of an expert-compute event (:meth:`Timeline.fates`): ``hit``, ``prefetch-hit``,
   ``miss-host``, ``miss-fetch``, ``deferred``. Older runs' causes are mapped: ``miss`` on the
   host is ``miss-host``; a device call ``hit+fetch`` (or ``miss``/``fetch``) is ``miss-fetch`` when
-  a demand copy fed it, else ``hit``.
+  a demand copy fed it, else ``hit``. Events are per expert where the executor records one per
+  expert (the simulator does); a fused device call (``expert`` -1, the real executor today)
+  carries one fate for all its experts, so it cannot show a prefetch hit: the summary's fates are
+  then counted **per expert from the run's plans** (``plans.jsonl``, read by :meth:`open`), and
+  ``fates_basis`` says which count it is (``per expert (plans)``, ``per expert (events)`` or
+  ``per call (fused device calls)``).
 * **tokens/s**: tokens the run generated (``summary.json`` of a run directory, or ``tokens=``)
   over the events' wall; the events alone give steps/s and (token, expert) pairs/s.
 """
@@ -63,7 +72,7 @@ log = logging.getLogger(__name__)
 
 FATES = ("hit", "prefetch-hit", "miss-host", "miss-fetch", "deferred")
 EXPERT_KINDS = ("expert-device", "expert-host", "expert-deferred")
-STALL_CAUSES = ("copy", "deferred", "host", "device", "other")
+STALL_CAUSES = ("copy", "deferred", "host", "device", "handoff", "other")
 _DTYPES = {"run": str, "step": np.int64, "layer": np.int64, "lane": str, "kind": str, "expert": np.int64,
            "tokens": np.int64, "bytes": np.int64, "t_start_us": np.float64, "t_end_us": np.float64, "cause": str}
 _GROUP_ORDER = {"control": 0, "device": 1, "copy": 2, "host": 3}
@@ -149,6 +158,24 @@ def _as_frame(events: Any) -> pd.DataFrame:
                       f"run, or a run directory / events Parquet path; got {type(events).__name__}.")
 
 
+def plan_fates(path: str | Path) -> dict[str, int]:
+    """Per-expert fates of a run's layer plans (``plans.jsonl``): device experts that were cache
+    hits (``hit``; ``prefetch-hit`` when a prefetch brought them) or fetched misses
+    (``miss-fetch``), misses computed on the host (``miss-host``) and ``deferred`` experts."""
+    out = dict.fromkeys(FATES, 0)
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            if not line.strip():
+                continue
+            p = json.loads(line)
+            pre, hits, misses = set(p.get("prefetch_hits", ())), set(p.get("hits", ())), set(p.get("misses", ()))
+            for e, _ in p.get("device", ()):
+                out["prefetch-hit" if e in pre else "hit" if e in hits else "miss-fetch" if e in misses else "hit"] += 1
+            out["miss-host"] += len(p.get("host", ()))
+            out["deferred"] += len(p.get("deferred", ()))
+    return out
+
+
 class Timeline:
     """The events of one run (real or simulated) with summaries computed from them alone.
 
@@ -197,6 +224,9 @@ class Timeline:
             s = p / "summary.json"
             if s.exists():
                 meta.update(json.loads(s.read_text()))
+            plans = p / "plans.jsonl"
+            if plans.exists():
+                meta["plan_fates"] = plan_fates(plans)
         elif p.exists():
             f = p
         else:
@@ -310,6 +340,19 @@ class Timeline:
         self._cache["feeds"] = res
         return res
 
+    def fate_counts(self) -> tuple[dict[str, int], str]:
+        """``(counts by fate, basis)``: per expert from the run's plans where :meth:`open` read them,
+        else from the events — per expert, or per call where the executor fused device calls."""
+        if self.meta.get("plan_fates"):
+            return {f: int(self.meta["plan_fates"].get(f, 0)) for f in FATES}, "per expert (plans)"
+        fates = self.fates()
+        counts = {f: int((fates == f).sum()) for f in FATES}
+        df = self.events
+        fused = bool(((df["expert"] < 0) & df["kind"].isin(EXPERT_KINDS)).any())
+        basis = ("per call (fused device calls: one fate per call, so prefetch hits cannot show; a run "
+                 "directory's plans.jsonl has them per expert)") if fused else "per expert (events)"
+        return counts, basis
+
     def fates(self) -> pd.Series:
         """The fate of each expert-compute event (``''`` for other events); see the module docs."""
         if "fates" in self._cache:
@@ -347,7 +390,7 @@ class Timeline:
             windows = union(w["a"].to_numpy(), w["b"].to_numpy())
             stall = subtract(windows, _spans(ctl[ctl["kind"] != "wait"]))
             waits = ctl[ctl["kind"] == "wait"]
-            for c in STALL_CAUSES[:-1]:
+            for c in STALL_CAUSES[:4]:
                 explicit = intersect(stall, _spans(waits[waits["cause"] == c]))
                 res[c] += length(explicit)
                 stall = subtract(stall, explicit)
@@ -363,7 +406,11 @@ class Timeline:
                 part = intersect(stall, _spans(rows))
                 res[c] += length(part)
                 stall = subtract(stall, part)
-            res["other"] += length(stall)
+            # waiting on lanes while none runs: a lane thread has not yet picked up (or handed back)
+            # the work it was given — thread hand-off latency (the GIL on a CPU-only machine)
+            part = intersect(stall, _spans(waits))
+            res["handoff"] += length(part)
+            res["other"] += length(subtract(stall, part))
         self._cache["stalls"] = res
         return res
 
@@ -442,8 +489,7 @@ class Timeline:
                                "stall_us": self.stalls(), **self.rates()}
         kinds = self.events.assign(d=self.events["t_end_us"] - self.events["t_start_us"]).groupby("kind")["d"].sum()
         out["time_by_kind_us"] = {str(k): float(v) for k, v in kinds.items()}
-        fates = self.fates()
-        out["fates"] = {f: int((fates == f).sum()) for f in FATES}
+        out["fates"], out["fates_basis"] = self.fate_counts()
         if critical_path and len(self):
             steps = self.steps
             if len(steps) > max_path_steps:

@@ -30,10 +30,10 @@ from moelab.timeline.core import FATES, Timeline, lane_order
 COLORS: dict[str, str] = {
     "hit": "#2ca02c", "prefetch-hit": "#98df8a", "miss-host": "#1f77b4", "miss-fetch": "#d62728",
     "deferred": "#9467bd", "expert-device": "#2ca02c", "expert-host": "#1f77b4", "expert-deferred": "#9467bd",
-    "dense": "#7f7f7f", "wait": "#e0e0e0", "transfer-demand": "#ff7f0e", "transfer-prefetch": "#ffbb78",
+    "dense": "#7f7f7f", "plan": "#c49c94", "dispatch": "#dbdb8d", "wait": "#e0e0e0", "transfer-demand": "#ff7f0e", "transfer-prefetch": "#ffbb78",
     "transfer-insert": "#bcbd22", "evict": "#8c564b", "other": "#17becf",
 }
-ORDER = [*FATES, "expert-device", "expert-host", "expert-deferred", "dense", "transfer-demand",
+ORDER = [*FATES, "expert-device", "expert-host", "expert-deferred", "dense", "plan", "dispatch", "transfer-demand",
          "transfer-prefetch", "transfer-insert", "evict", "wait"]
 MAX_FLOWS = 20_000
 MAX_COUNTER_POINTS = 20_000
