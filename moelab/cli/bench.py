@@ -36,6 +36,8 @@ def register(subparsers) -> None:
     k.add_argument("--repeat", type=positive_int, default=5, help="timed repetitions per point (median)")
     k.add_argument("--quick", action="store_true", help="T=1 and 256 only, first shape, 3 repetitions")
     k.add_argument("--json", action="store_true", help="print the results as JSON instead of a table")
+    k.add_argument("--allow-busy", action="store_true",
+                   help="print figures measured on a busy machine (flagged) instead of refusing them")
     k.set_defaults(func=run_kernels)
     h = sub.add_parser(
         "hybrid",
@@ -124,4 +126,9 @@ def run_kernels(args) -> int:
         emit_json(result)
     else:
         print(format_table(result))
+    if result["machine"].get("busy") and not args.allow_busy:
+        from moelab.measure import BusyMachineError
+
+        raise BusyMachineError(f"the kernel figures above were measured on a busy machine "
+                               f"({result['machine']['busy_reason']}); rerun on a quiet machine, or pass --allow-busy.")
     return 0

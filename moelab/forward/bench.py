@@ -69,8 +69,13 @@ def run(model_name: str | None = None, steps: int = 256, repeats: int = 7) -> di
     for _ in range(repeats):
         for k, fn in settings.items():
             times[k].append(fn())
+    from moelab.measure import from_samples
+
     med = {k: statistics.median(v) for k, v in times.items()}
+    m = from_samples(times["plain"], warmup=1)
     return {
+        "spread_pct": round(max(from_samples(v).spread for v in times.values()) * 100, 1),
+        "load": m.load_after, "busy": m.busy, "busy_reason": m.reason,
         "model": name,
         "threads": torch.get_num_threads(),
         "steps": steps,
@@ -100,7 +105,9 @@ def main(argv: list[str] | None = None) -> int:
             f"{r['model']}: decode step {r['plain_ms']:.3f} ms plain; after handlers were removed "
             f"{r['after_vs_plain_pct']:+.1f} %; per-forward context {r['context_vs_plain_pct']:+.1f} %; "
             f"experts dispatch with a plan {r['experts_vs_plain_pct']:+.1f} % "
-            f"(median of {r['repeats']} x {r['steps']} steps, A/B interleaved, {r['threads']} threads)"
+            f"(median of {r['repeats']} x {r['steps']} steps, A/B interleaved, {r['threads']} threads; spread "
+            f"±{r['spread_pct']:.1f} %, load {r['load']['load1']:.1f} on {r['load']['cpus']} CPUs)"
+            + (f" — BUSY machine: {r['busy_reason']}" if r["busy"] else "")
         )
     return 0
 

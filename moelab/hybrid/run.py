@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from moelab.errors import MoelabError
 from moelab.hybrid.config import HybridConfig
 from moelab.hybrid.runtime import HybridRun
 
@@ -60,3 +61,34 @@ def run_prompts(
         res.abort()
         raise
     return {**run.summary(), **extra}
+
+
+def measure_runs(model: Any, tokenizer: Any, prompts: list[str], configs: dict[str, Any], out: str | Path, *,
+                 repeat: int = 3, warmup: int = 1, max_new_tokens: int = 8, batch_size: int = 1):
+    """Tokens/s of several hybrid configurations as a fair comparison: each configuration runs
+    ``warmup`` untimed times, then the configurations take turns ``repeat`` times (A, B, A, B, …:
+    no run-order artefact); per configuration the median of the runs' tokens/s (decode tokens
+    over decode wall, :func:`moelab.events.decode_rate`), its spread, the load and a ``busy`` flag
+    (:mod:`moelab.measure`). Run directories go under ``out/<name>/<i>``; returns a DataFrame."""
+    import pandas as pd
+
+    from moelab.measure import from_samples, machine_load
+
+    if repeat < 1 or warmup < 0:
+        raise MoelabError(f"measure_runs needs repeat ≥ 1 and warmup ≥ 0 (got {repeat}, {warmup}).")
+    out = Path(out)
+    rates: dict[str, list[float]] = {name: [] for name in configs}
+    before = machine_load()
+    for i in range(warmup + repeat):
+        for name, cfg in configs.items():
+            d = out / name.replace(" ", "-") / str(i)
+            s = run_prompts(model, tokenizer, prompts, cfg, d, max_new_tokens=max_new_tokens, batch_size=batch_size,
+                            overwrite=True, progress=False)
+            if i >= warmup and s.get("tokens_per_s"):
+                rates[name].append(1.0 / s["tokens_per_s"])  # seconds per token: a time to summarise
+    rows = []
+    for name, secs in rates.items():
+        m = from_samples(secs, warmup=warmup, load_before=before)
+        rows.append({"config": name, "tokens_per_s": 1.0 / m.median, "spread": m.spread, "runs": len(secs),
+                     "load": m.load_after.get("load1"), "busy": m.busy, "why": m.reason})
+    return pd.DataFrame(rows)

@@ -14,6 +14,7 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 import torch
 
@@ -93,26 +94,32 @@ class Row:
     rel_err_vs_bf16: float | None = None
 
 
+_BUSY: list[str] = []  # reasons any timing of the current run was flagged busy
+
+
 def _median_time(fn: Callable[[], object], repeat: int, setup: Callable[[], None] | None = None) -> float:
-    times = []
-    for _ in range(repeat + 1):
-        if setup:
-            setup()
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    times = sorted(times[1:])  # first run is warm-up
-    return times[len(times) // 2]
+    """Median seconds of ``repeat`` timed calls after one warm-up (:func:`moelab.measure.measure`)."""
+    from moelab.measure import measure
+
+    m = measure(fn, warmup=1, repeat=repeat, setup=setup)
+    if m.busy:
+        _BUSY.append(m.reason)
+    return m.median
 
 
-def memory_bandwidth(mib: int = 1024, repeat: int = 5) -> dict[str, float]:
-    """STREAM-like read (``sum``) and copy bandwidth in GB/s, best of ``repeat``, all threads."""
+def memory_bandwidth(mib: int = 1024, repeat: int = 5) -> dict[str, Any]:
+    """STREAM-like read (``sum``) and copy bandwidth in GB/s, best of ``repeat`` after a warm-up,
+    all threads; with the machine's load and whether it made the figure meaningless (``busy``)."""
+    from moelab.measure import measure
+
     n = mib * 2**20 // 4
     a = torch.ones(n)
     b = torch.empty(n)
-    read = min(_timed(lambda: a.sum()) for _ in range(repeat))
-    copy = min(_timed(lambda: b.copy_(a)) for _ in range(repeat))
-    return {"read_gbps": 4 * n / read / 1e9, "copy_gbps": 8 * n / copy / 1e9}
+    read = measure(lambda: a.sum(), warmup=1, repeat=repeat)
+    copy = measure(lambda: b.copy_(a), warmup=1, repeat=repeat)
+    reasons = [m.reason for m in (read, copy) if m.busy]
+    return {"read_gbps": 4 * n / read.best / 1e9, "copy_gbps": 8 * n / copy.best / 1e9,
+            "load": read.load_after, "busy": bool(reasons), "busy_reason": "; ".join(reasons)}
 
 
 def _timed(fn: Callable[[], object]) -> float:
@@ -241,6 +248,7 @@ def run_bench(config: BenchConfig, progress: Callable[[str], None] | None = None
     }
     torch.manual_seed(0)
     say("measuring memory bandwidth")
+    _BUSY.clear()
     bw = memory_bandwidth(config.bandwidth_mib)
     machine = {
         **bw, "threads": torch.get_num_threads(), "isa": active_isa(),
@@ -250,6 +258,9 @@ def run_bench(config: BenchConfig, progress: Callable[[str], None] | None = None
     rows: list[Row] = []
     for shape in shapes:
         rows += _bench_shape(shape, config, specs, bw["read_gbps"], say)
+    reasons = sorted(set(_BUSY + ([bw["busy_reason"]] if bw["busy"] else [])))
+    machine.update(busy=bool(reasons), busy_reason=(reasons[0] + (f" (and {len(reasons) - 1} more timings flagged)"
+                                                                 if len(reasons) > 1 else "")) if reasons else "")
     return {"machine": machine, "rows": [asdict(r) for r in rows]}
 
 
@@ -260,7 +271,11 @@ def format_table(result: dict) -> str:
         f"read bandwidth {m['read_gbps']:.1f} GB/s, copy {m['copy_gbps']:.1f} GB/s; "
         f"{m['threads']} threads; ISA {m['isa']}; torch {m['torch']}; int group {m['group_size']}"
         + (f"; fp8 block {m['fp8_block'][0]}x{m['fp8_block'][1]}" if "fp8_block" in m else ""),
+        f"machine load {m['load']['load1']:.1f} on {m['load']['cpus']} CPUs when measured" if m.get("load", {}).get(
+            "load1") is not None else "machine load unknown",
     ]
+    if m.get("busy"):
+        lines.append(f"WARNING — measured on a busy machine, figures are not meaningful: {m['busy_reason']}")
     base_names = sorted({k for r in result["rows"] for k in r["baseline_ms"]})
     head = f"{'shape HxIxExK':<17}{'E':>4} {'dtype':<6}{'T':>5}{'ms':>10}{'GB/s':>8}{'%read':>7}"
     head += "".join(f"{b + ' ms':>15}" for b in base_names) + f"{'speedup':>9}{'err vs bf16':>13}"

@@ -8,6 +8,7 @@ cannot beat it).
 
 from __future__ import annotations
 
+import html
 from contextlib import contextmanager
 
 from moelab.report import ReportContext, Section, SectionUnavailable, html_table, register_section
@@ -94,8 +95,13 @@ def kernels_section(ctx: ReportContext) -> Section:
         + (f"; the last-level cache holds {llc / 2**20:.0f} MiB, so {', '.join(cached)} can be served partly from "
            "cache and exceed the DRAM line (a demo-sized layer; real layers are far larger)." if cached else ".")
     )
+    flagged = bool(m.get("busy"))
+    # a share of a read bandwidth measured under load means nothing (it reached 467 % on a busy machine)
     table = [{"dtype": r["dtype"], "tokens T": r["tokens"], "ms": r["ms"], "GB/s": r["gbps"],
-              "% of read bw": r["pct_read_bw"]} for r in rows]
+              "% of read bw": "busy" if flagged else r["pct_read_bw"]} for r in rows]
+    if flagged:
+        busy += (f" <b class='err'>Measured on a busy machine ({html.escape(m['busy_reason'])}): the figures are not "
+                 "meaningful and the share of read bandwidth is not shown; rerun on a quiet machine.</b>")
     intro = (
         f"<p>One MoE layer's experts of shape {shape} (hidden × intermediate × experts × top-k; "
         f"{rows[0]['experts_used']} experts built), uniform random routing redrawn every call so weights are "
@@ -125,7 +131,8 @@ def bandwidth_figure(result: dict, shape: str):
         fig.add_hline(y=m[key], line_dash=dash, line_color="black" if key == "read_gbps" else "gray",
                       annotation_text=f"{label} {m[key]:.1f} GB/s", annotation_position="top left")
     fig.update_layout(
-        title=f"Native expert kernels: weight bandwidth vs the machine's ({shape}, {m['threads']} threads)",
+        title=f"Native expert kernels: weight bandwidth vs the machine's ({shape}, {m['threads']} threads)"
+              + (" — MEASURED ON A BUSY MACHINE" if m.get("busy") else ""),
         xaxis={"title": "tokens per layer call (T)", "type": "log"},
         yaxis={"title": "weight bandwidth (GB/s)", "rangemode": "tozero"},
         legend_title="kernel",

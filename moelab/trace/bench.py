@@ -65,8 +65,13 @@ def run(model_name: str | None = None, steps: int = 512, repeats: int = 7, hidde
             per_step, finalise = _decode_loop(model, ids, steps, recorder)
             rec.append(per_step)
             fin.append(finalise)
+    from moelab.measure import from_samples
+
     b, m = statistics.median(base), statistics.median(rec)
+    meas = [from_samples(base, warmup=1), from_samples(rec, warmup=1)]
     return {
+        "spread_pct": round(max(x.spread for x in meas) * 100, 1), "load": meas[1].load_after,
+        "busy": any(x.busy for x in meas), "busy_reason": "; ".join(x.reason for x in meas if x.busy),
         "model": name,
         "threads": torch.get_num_threads(),
         "steps": steps,
@@ -189,8 +194,10 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"{res['model']}: decode step {res['decode_step_ms']:.3f} ms, with recording "
             f"{res['decode_step_recording_ms']:.3f} ms -> overhead {res['overhead_pct']:+.1f} % "
-            f"(median of {res['repeats']} x {res['steps']} steps, {res['threads']} threads); "
+            f"(median of {res['repeats']} x {res['steps']} steps, {res['threads']} threads, spread "
+            f"±{res['spread_pct']:.1f} %, load {res['load']['load1']:.1f} on {res['load']['cpus']} CPUs); "
             f"finalising the trace: {res['finalise_ms']:.1f} ms once"
+            + (f" — BUSY machine: {res['busy_reason']}" if res["busy"] else "")
         )
     return 0
 

@@ -1,0 +1,159 @@
+"""One way to measure speed: warm-up, repeats, median and spread, the machine's load, a verdict.
+
+Every speed figure moelab prints (benchmarks, the demo report, notebooks, the simulator's
+validation) comes from :func:`measure`: the callable runs ``warmup`` times untimed, then
+``repeat`` times timed; the result is the median with its spread (the relative half-width of
+the inter-quartile range, or of min–max with fewer than 5 repeats) and the load average before
+and after, per CPU. :attr:`Measurement.busy` says when the load or the spread makes the median
+meaningless (load above ``max_load_per_cpu`` per CPU, or spread above ``max_spread``):
+reports flag such a figure, benchmarks refuse it (:class:`BusyMachineError`) unless told to
+go on. Standard library only.
+
+>>> m = measure(lambda: model(x), warmup=2, repeat=7)
+>>> print(m)            # 12.3 ms (median of 7, spread ±3.1 %, load 0.4 on 2 CPUs)
+>>> m.check()           # raises BusyMachineError on a busy machine (benchmarks)
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from moelab.errors import MoelabError
+
+#: Above this load average per CPU the machine is busy (other work competes for the cores).
+MAX_LOAD_PER_CPU = 0.75
+#: Above this relative spread of the repeats the median is not a stable figure.
+MAX_SPREAD = 0.25
+
+
+class BusyMachineError(MoelabError):
+    """A benchmark refused to report a figure measured on a busy machine."""
+
+
+def machine_load() -> dict[str, Any]:
+    """``{"load1": 1-minute load average (None where unknown), "cpus": usable CPUs, "per_cpu"}``."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cpus = os.cpu_count() or 1
+    try:
+        load = os.getloadavg()[0]
+    except (AttributeError, OSError):
+        load = None
+    return {"load1": load, "cpus": cpus, "per_cpu": None if load is None else load / cpus}
+
+
+@dataclass
+class Measurement:
+    """Repeated timings of one callable (see the module docstring). Times in seconds."""
+
+    samples: list[float]
+    warmup: int
+    load_before: dict[str, Any]
+    load_after: dict[str, Any]
+    max_load_per_cpu: float = MAX_LOAD_PER_CPU
+    max_spread: float = MAX_SPREAD
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.samples)
+
+    @property
+    def best(self) -> float:
+        return min(self.samples)
+
+    @property
+    def spread(self) -> float:
+        """Relative half-width of the IQR (5 or more repeats) or of min–max, around the median."""
+        s = sorted(self.samples)
+        if len(s) < 2 or self.median <= 0:
+            return 0.0
+        if len(s) >= 5:
+            q = statistics.quantiles(s, n=4, method="inclusive")
+            lo, hi = q[0], q[2]
+        else:
+            lo, hi = s[0], s[-1]
+        return (hi - lo) / 2 / self.median
+
+    @property
+    def load(self) -> float | None:
+        """The larger of the load averages per CPU before and after (None where unknown)."""
+        vals = [x["per_cpu"] for x in (self.load_before, self.load_after) if x.get("per_cpu") is not None]
+        return max(vals) if vals else None
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.reason)
+
+    @property
+    def reason(self) -> str:
+        """Why the figure is not trustworthy ('' when it is)."""
+        why = []
+        if self.load is not None and self.load > self.max_load_per_cpu:
+            why.append(f"load average {self.load * self.load_after['cpus']:.1f} on {self.load_after['cpus']} CPUs "
+                       f"(> {self.max_load_per_cpu:g} per CPU)")
+        if self.spread > self.max_spread:
+            why.append(f"repeats spread ±{self.spread:.0%} (> ±{self.max_spread:.0%})")
+        return "; ".join(why)
+
+    def describe(self, scale: float = 1e3, unit: str = "ms") -> str:
+        load = self.load_after.get("load1")
+        load_s = f"load {load:.1f} on {self.load_after['cpus']} CPUs" if load is not None else "load unknown"
+        flag = f" — BUSY: {self.reason}" if self.busy else ""
+        return (f"{self.median * scale:.4g} {unit} (median of {len(self.samples)}, spread ±{self.spread:.1%}, "
+                f"{load_s}){flag}")
+
+    def __str__(self) -> str:
+        return self.describe()
+
+    def check(self, allow_busy: bool = False) -> Measurement:
+        """Raise :class:`BusyMachineError` when :attr:`busy` (benchmarks), unless ``allow_busy``."""
+        if self.busy and not allow_busy:
+            raise BusyMachineError(f"refusing a speed figure measured on a busy machine: {self.reason}. Run it on a "
+                                   "quiet machine (stop other work), or pass --allow-busy to print it flagged.")
+        return self
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d.update(median_s=self.median, spread=self.spread, busy=self.busy, reason=self.reason)
+        return d
+
+
+def measure(fn: Callable[[], Any], *, warmup: int = 2, repeat: int = 7, setup: Callable[[], Any] | None = None,
+            max_load_per_cpu: float = MAX_LOAD_PER_CPU, max_spread: float = MAX_SPREAD) -> Measurement:
+    """Time ``fn`` (``setup`` runs untimed before each call): ``warmup`` untimed calls, then
+    ``repeat`` timed ones; the load average is read before and after."""
+    if repeat < 1 or warmup < 0:
+        raise MoelabError(f"measure needs repeat ≥ 1 and warmup ≥ 0 (got repeat={repeat}, warmup={warmup}).")
+    before = machine_load()
+    for _ in range(warmup):
+        if setup is not None:
+            setup()
+        fn()
+    samples = []
+    for _ in range(repeat):
+        if setup is not None:
+            setup()
+        t0 = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - t0)
+    return Measurement(samples, warmup, before, machine_load(), max_load_per_cpu, max_spread)
+
+
+def from_samples(samples: list[float], *, warmup: int = 0, load_before: dict | None = None,
+                 max_load_per_cpu: float = MAX_LOAD_PER_CPU, max_spread: float = MAX_SPREAD) -> Measurement:
+    """A :class:`Measurement` of timings taken elsewhere (e.g. interleaved A/B loops)."""
+    if not samples:
+        raise MoelabError("no timings to summarise (0 repeats).")
+    now = machine_load()
+    return Measurement(list(samples), warmup, load_before or now, now, max_load_per_cpu, max_spread)
+
+
+__all__ = ["MAX_LOAD_PER_CPU", "MAX_SPREAD", "BusyMachineError", "Measurement", "from_samples", "machine_load",
+           "measure"]

@@ -1,0 +1,50 @@
+"""The one measurement function: warm-up, repeats, median and spread, the load, and a verdict
+that benchmarks enforce and reports show (tests use fake clocks and loads, never wall time)."""
+
+from __future__ import annotations
+
+import pytest
+
+from moelab import measure as M
+
+
+def _fake_load(monkeypatch, load: float, cpus: int = 2):
+    monkeypatch.setattr(M, "machine_load", lambda: {"load1": load, "cpus": cpus, "per_cpu": load / cpus})
+
+
+def test_warm_up_is_untimed_and_the_median_and_spread_are_of_the_repeats(monkeypatch):
+    _fake_load(monkeypatch, 0.1)
+    calls = []
+    m = M.measure(lambda: calls.append(1), warmup=3, repeat=7)
+    assert len(calls) == 10 and len(m.samples) == 7
+    m = M.from_samples([1.0, 1.0, 1.1, 1.0, 0.9, 1.0, 5.0])
+    assert m.median == 1.0 and m.spread == pytest.approx(0.025) and not m.busy  # the IQR ignores one outlier
+    assert "1000 ms (median of 7, spread ±2.5%, load 0.1 on 2 CPUs)" in str(m)
+
+
+def test_a_loaded_machine_or_a_wide_spread_is_busy_and_a_benchmark_refuses_it(monkeypatch):
+    _fake_load(monkeypatch, 4.0)
+    m = M.from_samples([1.0, 1.0, 1.0])
+    assert m.busy and "load average 4.0 on 2 CPUs" in m.reason and "BUSY" in str(m)
+    with pytest.raises(M.BusyMachineError, match="busy machine.*--allow-busy"):
+        m.check()
+    assert m.check(allow_busy=True) is m
+    _fake_load(monkeypatch, 0.1)
+    wide = M.from_samples([1.0, 2.0, 3.0])
+    assert wide.busy and "spread ±50%" in wide.reason
+    with pytest.raises(M.MoelabError, match="repeat ≥ 1"):
+        M.measure(lambda: None, repeat=0)
+
+
+def test_the_kernel_report_hides_the_bandwidth_share_when_busy(monkeypatch, tmp_path):
+    """The demo's kernel section showed 467 % of a read bandwidth measured under load; now it
+    says the machine was busy and shows no share."""
+    pytest.importorskip("moelab.kernels.op")
+    from moelab.report import ReportContext
+    from moelab.report.kernels import kernels_section
+
+    _fake_load(monkeypatch, 9.0)
+    ctx = ReportContext(model=None, tokenizer=None, model_name="m", trace=None, workdir=tmp_path, quick=True)
+    sec = kernels_section(ctx)
+    assert "Measured on a busy machine" in sec.html and "<td>busy</td>" in sec.html
+    assert "BUSY MACHINE" in sec.figures[0].layout.title.text
