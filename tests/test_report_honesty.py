@@ -263,3 +263,28 @@ def test_a_kernel_build_lock_left_by_a_killed_build_is_cleared(tmp_path):
     old = time.time() - 3600
     os.utime(lock, (old, old))
     assert clear_stale_lock(tmp_path) and not lock.exists()
+
+
+def test_the_sweep_report_is_small_says_what_was_cut_and_ticks_whole_experts(tmp_path):
+    from moelab.sweeps.driver import run_sweep
+    from moelab.sweeps.report import collect, curves_figure, write_html
+    from moelab.sweeps.spec import load_spec
+
+    (tmp_path / "s.yaml").write_text(
+        "name: small\nmodels: [tiny-random-mixtral]\npolicies:\n  - none\n"
+        "  - {policy: deferral, min_immediate: 0, grid: {deferred: [1]}}\n"
+        "  - {policy: skipping, min_kept: 0, grid: {skipped: [1]}}\n"
+        "tasks:\n  - {task: arith, limit: 1}\neval: {max_gen_toks: 3}\n")
+    spec = load_spec(tmp_path / "s.yaml")
+    run_sweep(spec, store=tmp_path / "store", threads=1, progress=False)
+    statuses = collect(spec, tmp_path / "store")
+    page_path = write_html(spec, statuses, tmp_path / "out" / "r.html")
+    page = page_path.read_text()
+    assert page_path.stat().st_size < 300_000  # was 4.8 MB for 3 cells: plotly.js is beside it, once
+    assert (tmp_path / "out" / "plotly.min.js").stat().st_size > 1_000_000 and "src='plotly.min.js'" in page
+    assert "immediate=None" not in page
+    assert "Notes from the evaluations" in page and "max_gen_toks" in page  # answers cut at the cap are said
+    fig = curves_figure(statuses, "tiny-random-mixtral", "arith")
+    assert fig.layout.xaxis.dtick == 1 and "<br>" in fig.layout.title.text  # whole experts; a title that fits
+    embedded = write_html(spec, statuses, tmp_path / "one.html", self_contained=True)
+    assert embedded.stat().st_size > 1_000_000 and "src='plotly.min.js'" not in embedded.read_text()

@@ -45,6 +45,8 @@ def register(subparsers) -> None:
     h.add_argument("--html", required=True, metavar="OUT", help="the HTML file to write")
     h.add_argument("--markdown", action="store_true", help="also print the tables as Markdown")
     h.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
+    h.add_argument("--self-contained", action="store_true",
+                   help="embed plotly.js in OUT (one ~5 MB file) instead of writing plotly.min.js beside it")
     h.set_defaults(func=_report)
 
 
@@ -90,7 +92,7 @@ def _report(args) -> int:
 
     spec = load_spec(args.spec)
     statuses = collect(spec, args.store)
-    out = write_html(spec, statuses, args.html, overwrite=args.overwrite)
+    out = write_html(spec, statuses, args.html, overwrite=args.overwrite, self_contained=args.self_contained)
     if args.markdown:
         print(markdown_tables(spec, statuses))
         print(markdown_latency(statuses))

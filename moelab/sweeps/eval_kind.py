@@ -131,7 +131,7 @@ class EvalKind(CellKind):
 
     def row(self, cell: Cell, record: dict[str, Any] | None) -> dict[str, Any]:
         r = record or {}
-        settings = {k: v for k, v in cell.settings.items() if k in ("deferred", "immediate", "skipped")}
+        settings = {k: v for k, v in cell.settings.items() if k in ("deferred", "immediate", "skipped") and v is not None}
         return {
             "model": cell.model, "task": cell.task, "policy": cell.policy,
             "settings": ", ".join(f"{k}={v}" for k, v in settings.items()) or "-",

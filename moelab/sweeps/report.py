@@ -165,8 +165,8 @@ def pareto_figure(points: list[SpeedPoint], profile: str):
                                  name=f"Pareto front · {name}", line={"shape": "hv", "color": color},
                                  legendgroup=name, text=[_label(p) for p in front],
                                  hovertemplate="%{text}<extra>Pareto front</extra>"))
-    fig.update_layout(title=f"accuracy vs simulated tokens/s on {profile} (± 1 standard error; "
-                            "up and right is better)",
+    fig.update_layout(title={"text": f"Accuracy vs simulated tokens/s on {profile}<br><sup>± 1 standard error; "
+                                     "up and right is better</sup>"}, margin={"t": 80},
                       xaxis_title="simulated decode tokens/s", yaxis_title="accuracy", height=440)
     fig.update_xaxes(type="log")
     return fig
@@ -279,15 +279,35 @@ def curves_figure(statuses: list[CellStatus], model: str, task: str):
             text=[score_text(r["score"], r["score_stderr"], r["n_docs"]) for r in recs],
             hovertemplate="n=%{x}: %{text}<extra>" + name + "</extra>",
         ))
-    fig.update_layout(title=f"{model} · {task}: accuracy vs experts deferred or skipped per token "
-                            "(± 1 standard error; Wilson 95% where every document scored the same)",
-                      xaxis_title="experts affected per token", yaxis_title="accuracy", height=420)
+    fig.update_layout(title={"text": f"{model} · {task}: accuracy vs experts deferred or skipped per token<br><sup>"
+                                     "± 1 standard error; Wilson 95% where every document scored the same</sup>"},
+                      xaxis_title="experts affected per token", yaxis_title="accuracy", height=420, margin={"t": 80})
+    fig.update_xaxes(tick0=0, dtick=1)  # whole experts: no 0.2, 0.4 … ticks
     return fig
 
 
+def notes_html(statuses: list[CellStatus]) -> str:
+    """What each finished cell's evaluation noted (answers cut at ``max_gen_toks``, truncated
+    prompts, a limit above the task's size), one line per distinct note with the cells it holds for."""
+    notes: dict[str, list[str]] = {}
+    for x in statuses:
+        for n in (x.record or {}).get("notes") or []:
+            notes.setdefault(str(n), []).append(x.cell.label())
+    if not notes:
+        return ""
+    items = "".join(f"<li>{html.escape(n)} <i>({len(cells)} cell(s): {html.escape('; '.join(cells[:3]))}"
+                    f"{' …' if len(cells) > 3 else ''})</i></li>" for n, cells in notes.items())
+    return f"<h2>Notes from the evaluations</h2><ul>{items}</ul>"
+
+
+PLOTLY_FILE = "plotly.min.js"
+
+
 def write_html(spec: SweepSpec, statuses: list[CellStatus], out: str | os.PathLike, *,
-               overwrite: bool = False) -> Path:
-    """The sweep's report as one self-contained HTML file (plotly embedded), written atomically."""
+               overwrite: bool = False, self_contained: bool = False) -> Path:
+    """The sweep's report as HTML, written atomically. plotly.js is written once beside it
+    (``plotly.min.js``, shared by the reports in that folder: a report stays small and opens
+    offline); ``self_contained=True`` embeds it instead (one ~5 MB file to send around)."""
     from moelab._output import reserve_output
 
     parts = [f"<h1>Sweep {html.escape(spec.name)}</h1>"]
@@ -295,7 +315,10 @@ def write_html(spec: SweepSpec, statuses: list[CellStatus], out: str | os.PathLi
         parts.append(f"<p>{html.escape(spec.description)}</p>")
     n_done = sum(x.state == "done" for x in statuses)
     parts.append(f"<p>{n_done} of {len(statuses)} cells done.</p>")
-    first = True
+    parts.append(notes_html(statuses))
+    first = self_contained  # embed plotly.js with the first figure, or load plotly.min.js beside the report
+    if not self_contained:
+        parts.insert(0, f"<script src='{PLOTLY_FILE}'></script>")
     for m in (spec.models if spec.kind == "eval" else []):
         for t in spec.tasks:
             ns, rows = grid_table(statuses, m.name, t.name)
@@ -343,8 +366,24 @@ def write_html(spec: SweepSpec, statuses: list[CellStatus], out: str | os.PathLi
     with reserve_output(target, overwrite=overwrite, what="report", kind="file",
                         hint="pass --overwrite or choose another path") as res:
         res.staging.write_text(page, encoding="utf-8")
+        if not self_contained:
+            _write_plotly(target.parent)
         res.commit()
     return target
+
+
+def _write_plotly(folder: Path) -> None:
+    """plotly.js beside the report (atomically; kept when an identical copy is there)."""
+    from plotly.offline import get_plotlyjs
+
+    from moelab._output import write_file_atomic
+
+    js = get_plotlyjs()
+    dest = folder / PLOTLY_FILE
+    if dest.exists() and dest.stat().st_size == len(js.encode("utf-8")):
+        return
+    folder.mkdir(parents=True, exist_ok=True)
+    write_file_atomic(dest, js)
 
 
 _TEMPLATE = """<!doctype html>

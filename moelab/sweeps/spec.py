@@ -184,7 +184,7 @@ class Cell:
                 "seed": self.seed}
 
     def label(self) -> str:
-        s = ",".join(f"{k}={v}" for k, v in self.settings.items() if k in self._shown())
+        s = ",".join(f"{k}={v}" for k, v in self.settings.items() if k in self._shown() and v is not None)
         return f"{self.model} · {self.policy}{'(' + s + ')' if s else ''} · {self.task} · seed {self.seed}"
 
     def _shown(self) -> set[str]:
