@@ -79,3 +79,34 @@ def format_score(p: float, stderr: float | None, n: int, *, digits: int = 3, sep
         lo, hi = wilson_interval(p, n)
         text += f" [95% CI {lo:.{digits}f}–{hi:.{digits}f}]"
     return f"{text} (n={n})"
+
+
+def mcnemar_exact(n01: int, n10: int) -> float:
+    """Two-sided exact McNemar p-value: under no difference the ``n01 + n10`` discordant documents
+    split like fair coin flips (1.0 when there are none)."""
+    n, k = n01 + n10, min(n01, n10)
+    if n == 0:
+        return 1.0
+    tail = sum(math.comb(n, i) for i in range(k + 1)) / 2**n
+    return min(1.0, 2 * tail)
+
+
+def paired_difference(base: dict, other: dict) -> dict:
+    """``other − base`` over the documents both scored (dicts ``doc id → score``): the mean
+    difference, its paired standard error (sd of the per-document differences / √n), the
+    unpaired one for comparison, and for 0/1 scores the discordant counts and McNemar's p."""
+    docs = sorted(set(base) & set(other), key=str)
+    n = len(docs)
+    if n == 0:
+        return {"n": 0, "diff": None, "paired_se": None, "unpaired_se": None, "n01": 0, "n10": 0, "mcnemar_p": None}
+    d = [float(other[k]) - float(base[k]) for k in docs]
+    mean = sum(d) / n
+    paired = math.sqrt(sum((x - mean) ** 2 for x in d) / (n - 1) / n) if n > 1 else 0.0
+    a = [float(base[k]) for k in docs]
+    b = [float(other[k]) for k in docs]
+    unpaired = math.sqrt(iid_stderr(a) ** 2 + iid_stderr(b) ** 2) if n > 1 else 0.0
+    binary = all(x in (0.0, 1.0) for x in a + b)
+    n01 = sum(1 for x, y in zip(a, b) if x == 0 and y == 1) if binary else 0
+    n10 = sum(1 for x, y in zip(a, b) if x == 1 and y == 0) if binary else 0
+    return {"n": n, "diff": mean, "paired_se": paired, "unpaired_se": unpaired, "n01": n01, "n10": n10,
+            "mcnemar_p": mcnemar_exact(n01, n10) if binary else None}

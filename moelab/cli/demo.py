@@ -62,7 +62,9 @@ def run(args) -> int:
     for s in report.sections:
         print(f"  {s.name:<12} {s.status:<12} {s.seconds:6.1f} s  {s.figures} figure(s)"
               + (f"  {s.error}" if s.error else ""))
-    print(f"wrote {report.path}")
+    from moelab.report import load_text
+
+    print(f"wrote {report.path}: sections took {sum(s.seconds for s in report.sections):.0f} s ({load_text()})")
     if report.failed:
         names = ", ".join(s.name for s in report.failed)
         print(f"moelab: error: {len(report.failed)} report section(s) failed: {names} "

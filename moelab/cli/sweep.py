@@ -92,9 +92,15 @@ def _report(args) -> int:
 
     spec = load_spec(args.spec)
     statuses = collect(spec, args.store)
-    out = write_html(spec, statuses, args.html, overwrite=args.overwrite, self_contained=args.self_contained)
+    out = write_html(spec, statuses, args.html, overwrite=args.overwrite, self_contained=args.self_contained,
+                     store=args.store)
     if args.markdown:
+        from moelab.sweeps.driver import store_path
+        from moelab.sweeps.report import markdown_paired, paired_rows
+
         print(markdown_tables(spec, statuses))
         print(markdown_latency(statuses))
+        if spec.kind == "eval":
+            print(markdown_paired(paired_rows(statuses, store_path(spec, args.store))))
     print(f"wrote {out}")
     return 0

@@ -285,6 +285,7 @@ def build_report(ctx: ReportContext, out: str | Path, *, sections: Sequence[str]
         version=__version__,
         created=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         seconds=f"{sum(o.seconds for o in outcomes):.0f}",
+        load=load_text(),
         toc="".join(toc),
         body="\n".join(parts),
     )
@@ -309,11 +310,22 @@ th {{ background: #f4f4f4; }} .err {{ color: #b00; }} section {{ margin-top: 2.5
 figure.fig {{ margin: 1em 0; }}
 </style></head><body>
 <h1>{title}</h1>
-<p class="meta">model <b>{model}</b> · moelab {version} · {created} · sections took {seconds} s</p>
+<p class="meta">model <b>{model}</b> · moelab {version} · {created} · sections took {seconds} s ({load})</p>
 <ul>{toc}</ul>
 {body}
 </body></html>
 """
+
+
+def load_text() -> str:
+    """The machine's load when the report was written: section seconds mean little without it."""
+    from moelab.measure import machine_load
+
+    m = machine_load()
+    if m["load1"] is None:
+        return "load average unknown"
+    busy = " — a busy machine: the times are inflated" if m["per_cpu"] > 0.75 else ""
+    return f"load average {m['load1']:.1f} on {m['cpus']} CPUs when written{busy}"
 
 
 def html_table(rows: list[dict[str, Any]], floatfmt: str = "{:.3f}") -> str:

@@ -14,6 +14,7 @@ there is none. Specs of other kinds (``cache``, ``predictor``) get the table of 
 from __future__ import annotations
 
 import html
+import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -300,11 +301,91 @@ def notes_html(statuses: list[CellStatus]) -> str:
     return f"<h2>Notes from the evaluations</h2><ul>{items}</ul>"
 
 
+def doc_scores(store: Path, record: dict[str, Any], task: str) -> dict[str, float]:
+    """``doc id → score`` of a finished eval cell, from the per-document log lm-eval wrote
+    (``samples_<task>.jsonl`` in the cell's folder), on the record's primary metric and filter."""
+    rel = record.get("samples_path")
+    if not rel:
+        return {}
+    metric, _, filt = str(record.get("primary_metric") or "").partition(",")
+    out: dict[str, float] = {}
+    for f in sorted((Path(store) / rel).glob(f"samples_{task}*.jsonl")):
+        for line in f.read_text(encoding="utf-8").splitlines():
+            row = json.loads(line)
+            if filt and row.get("filter") not in (None, filt):
+                continue
+            v = row.get(metric)
+            if isinstance(v, (int, float)) and not isinstance(v, bool):
+                out[str(row["doc_id"])] = float(v)
+    return out
+
+
+def paired_rows(statuses: list[CellStatus], store: str | os.PathLike) -> list[dict[str, Any]]:
+    """Every finished eval cell against the unmodified model's cell of the same model, task, limit
+    and seed, document by document (:func:`moelab.stats.paired_difference`): the accuracy
+    difference with its paired and unpaired standard errors, the discordant documents and McNemar's p."""
+    from moelab.stats import paired_difference
+
+    done = [x for x in statuses if x.state == "done" and x.cell.kind == "eval"]
+    base = {(x.cell.model, x.cell.task, x.cell.limit, x.cell.seed): x for x in done if x.cell.policy == "none"}
+    rows, cache = [], {}
+
+    def scores(x):
+        if x.cell.hash not in cache:
+            cache[x.cell.hash] = doc_scores(Path(store), x.record, x.cell.task)
+        return cache[x.cell.hash]
+
+    for x in done:
+        b = base.get((x.cell.model, x.cell.task, x.cell.limit, x.cell.seed))
+        if b is None or b is x:
+            continue
+        r = paired_difference(scores(b), scores(x))
+        if not r["n"]:
+            continue
+        label = x.cell.label().split(" · ")
+        rows.append({"model": x.cell.model, "task": x.cell.task, "cell": " · ".join(label[1:2] + label[3:]),
+                     **r})
+    return rows
+
+
+def markdown_paired(rows: list[dict[str, Any]]) -> str:
+    """:func:`paired_rows` as a Markdown table (empty when there is nothing to pair)."""
+    if not rows:
+        return ""
+    lines = ["| model | task | cell | docs | Δ accuracy | paired SE | unpaired SE | discordant +/− | McNemar p |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        p = "" if r["mcnemar_p"] is None else f"{r['mcnemar_p']:.3g}"
+        lines.append(f"| {r['model']} | {r['task']} | {r['cell']} | {r['n']} | {r['diff']:+.3f} | {r['paired_se']:.3f} "
+                     f"| {r['unpaired_se']:.3f} | {r['n01']} / {r['n10']} | {p} |")
+    return "\n".join(lines)
+
+
+def paired_html(rows: list[dict[str, Any]]) -> str:
+    if not rows:
+        return ""
+
+    def f(v, fmt):
+        return "" if v is None else fmt.format(v)
+
+    body = "".join(
+        f"<tr><td>{html.escape(r['model'])}</td><td>{html.escape(r['task'])}</td><td>{html.escape(r['cell'])}</td>"
+        f"<td>{r['n']}</td><td>{f(r['diff'], '{:+.3f}')}</td><td>{f(r['paired_se'], '{:.3f}')}</td>"
+        f"<td>{f(r['unpaired_se'], '{:.3f}')}</td><td>{r['n01']} / {r['n10']}</td>"
+        f"<td>{f(r['mcnemar_p'], '{:.3g}')}</td></tr>" for r in rows)
+    return ("<h2>Paired differences against the unmodified model</h2><p>Per document: the same documents "
+            "scored with and without the policy, so the standard error of the difference is the paired one "
+            "(the unpaired one beside it, for comparison); discordant = documents only the policy got right / "
+            "only the unmodified model got right; McNemar's exact test on them.</p><table><tr><th>model</th>"
+            "<th>task</th><th>cell</th><th>docs</th><th>Δ accuracy</th><th>paired SE</th><th>unpaired SE</th>"
+            f"<th>discordant +/−</th><th>McNemar p</th></tr>{body}</table>")
+
+
 PLOTLY_FILE = "plotly.min.js"
 
 
 def write_html(spec: SweepSpec, statuses: list[CellStatus], out: str | os.PathLike, *,
-               overwrite: bool = False, self_contained: bool = False) -> Path:
+               overwrite: bool = False, self_contained: bool = False, store: str | os.PathLike | None = None) -> Path:
     """The sweep's report as HTML, written atomically. plotly.js is written once beside it
     (``plotly.min.js``, shared by the reports in that folder: a report stays small and opens
     offline); ``self_contained=True`` embeds it instead (one ~5 MB file to send around)."""
@@ -316,6 +397,10 @@ def write_html(spec: SweepSpec, statuses: list[CellStatus], out: str | os.PathLi
     n_done = sum(x.state == "done" for x in statuses)
     parts.append(f"<p>{n_done} of {len(statuses)} cells done.</p>")
     parts.append(notes_html(statuses))
+    if spec.kind == "eval":
+        from moelab.sweeps.driver import store_path
+
+        parts.append(paired_html(paired_rows(statuses, store_path(spec, store))))
     first = self_contained  # embed plotly.js with the first figure, or load plotly.min.js beside the report
     if not self_contained:
         parts.insert(0, f"<script src='{PLOTLY_FILE}'></script>")
