@@ -42,7 +42,7 @@ import numpy as np
 from moelab.caches import _codes
 from moelab.caches.base import ExpertCache, Scope, register_policy, resolve_capacity
 from moelab.caches.stream import AccessStream, belady_future
-from moelab.errors import MoelabError
+from moelab.errors import MoelabError, unknown_name
 
 
 @register_policy("lru")
@@ -133,7 +133,9 @@ class MRSCache(ExpertCache):
     """
 
     needs_scores = True
-    params = frozenset({"alpha", "p"})
+    params = frozenset({"alpha", "p", "pairing", "rows"})
+    #: Options the compiled kernel implements only at these values (others replay in Python).
+    kernel_defaults = {"pairing": "paper", "rows": "all"}
     kernel = _codes.MRS
     victim_order = ("_score", "_last_use")
 
@@ -143,16 +145,30 @@ class MRSCache(ExpertCache):
         alpha: float = 0.5,
         p: int | Sequence[int] | None = None,
         top_k: Sequence[int] | None = None,
+        pairing: str = "paper",
+        rows: str = "all",
         **kwargs: Any,
     ) -> None:
         self.alpha = alpha
         self.p = p
         self.top_k = top_k
+        self.pairing = pairing
+        """``paper`` (eq. 3: each top-p expert gets its own score) or ``published`` (HybriMoE's
+        published code: the top-p scores sorted descending are paired with the top-p experts in
+        ascending id, so the highest score goes to the lowest id; with it MRS falls below LRU)."""
+        self.rows = rows
+        """``all`` (every token's score vector updates S) or ``first`` (HybriMoE's code: only row 0
+        of a multi-token forward)."""
         super().__init__(*args, **kwargs)
 
     def _reset_policy(self) -> None:
         if not 0.0 < self.alpha <= 1.0:
             raise MoelabError(f"mrs alpha must lie in (0, 1], got {self.alpha!r}.")
+        for name, allowed in (("pairing", ("paper", "published")), ("rows", ("all", "first"))):
+            if getattr(self, name) not in allowed:
+                raise unknown_name(f"mrs {name}", getattr(self, name), allowed)
+        if self.pairing != "paper" or self.rows != "all":
+            self.fast = False  # the variants are defined on the reference path only
         self.p_ = mrs_p(self.p, self.top_k, self.num_experts)
         self._score = [0.0] * self.key_offset_[-1]
 
@@ -188,10 +204,14 @@ class MRSCache(ExpertCache):
         a = self.alpha
         if not np.isfinite(rows[:, :E]).all():
             raise MoelabError(nan_scores_message(None, layer))
+        if self.rows == "first":
+            rows = rows[:1]
         for s in rows:
             s = [float(x) for x in s[:E]]
             top = sorted(range(E), key=lambda e: (-s[e], e))[:p]
             kept = {e: s[e] for e in top}
+            if self.pairing == "published":  # sorted scores onto ascending ids
+                kept = dict(zip(sorted(top), (s[e] for e in top)))
             for e in range(E):
                 self._score[off + e] = a * kept.get(e, 0.0) + (1 - a) * self._score[off + e]
 
@@ -292,18 +312,22 @@ class BeladyCache(ExpertCache):
 
     needs_future = True
     accepts_prefetch = False
-    params = frozenset()
+    params = frozenset({"oracle_scope"})
     kernel = _codes.BELADY
 
-    def __init__(self, *args: Any, stream: AccessStream | None = None, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, stream: AccessStream | None = None, oracle_scope: str = "stream",
+                 **kwargs: Any) -> None:
         if stream is None:
             raise MoelabError(f"{self.name} reads the future: build it with stream=<AccessStream> (offline only).")
         self.stream = stream
+        self.scope_future = oracle_scope
+        """``stream`` (default: the whole replay's future) or ``sequence`` (ProMoE's MIN oracle: only
+        the current sequence's future)."""
         super().__init__(*args, **kwargs)
 
     def _reset_policy(self) -> None:
         unit = "group" if self.insertion == "always" else "access"
-        self._nxt, first, self._never = belady_future(self.stream, unit)
+        self._nxt, first, self._never = belady_future(self.stream, unit, self.scope_future)
         self._next = first.tolist()  # per key: when it is needed next, from now
         self._pos = 0
 
@@ -362,7 +386,7 @@ class BeladyBypassCache(BeladyCache):
     """
 
     bypasses = True
-    params = frozenset()
+    params = frozenset({"oracle_scope"})
     kernel = _codes.BELADY
 
 

@@ -30,7 +30,7 @@ from moelab.caches.policies import mrs_p, nan_scores_message, popular_keys
 from moelab.caches.prefetch import get_prefetcher, proposals
 from moelab.caches.results import CacheResult, CacheSweep
 from moelab.caches.stream import AccessStream, Replay, belady_future, build_stream
-from moelab.errors import MoelabError
+from moelab.errors import MoelabError, unknown_name
 
 logger = logging.getLogger(__name__)
 
@@ -211,6 +211,7 @@ def simulate(
     keep_hits: bool = False,
     insertion: Insertion = "always",
     replay: Replay = "forward",
+    access_order: str = "weight",
     **policy_kwargs: Any,
 ) -> CacheResult:
     """Replay ``source``'s access stream through one policy at one capacity.
@@ -238,12 +239,22 @@ def simulate(
         replay: ``forward`` (default; one group per forward pass and MoE layer, the batch's
             union) or ``sequence`` (per sequence, step and layer). Only when building from a
             trace.
-        policy_kwargs: policy parameters (``alpha``, ``p`` for mrs; ``reset_on_evict`` for
+        access_order: ``weight`` (default; each step's experts served in descending router
+            weight) or ``id`` (ascending expert id, as mixtral-offloading serves a step's misses;
+            it matters when the slots are fewer than the top-k).
+        policy_kwargs: policy parameters (``alpha``, ``p``, ``pairing``, ``rows`` for mrs;
+            ``oracle_scope`` (``stream``/``sequence``) for the Belady oracles; ``reset_on_evict`` for
             lfu; ``pinned`` for static).
     """
+    from moelab.caches.stream import ordered_by_id
+
     cls = get_policy(policy)
     check_insertion(insertion)
+    if access_order not in ("weight", "id"):
+        raise unknown_name("access order", access_order, ("weight", "id"))
     stream = load_stream(source, include_prefill, scores=cls.needs_scores, replay=replay)
+    if access_order == "id":
+        stream = ordered_by_id(stream)
     return _simulate_stream(
         stream, cls, capacity, scope, warm, prefetch, backend, expert_bytes, profile, keep_hits, insertion,
         policy_kwargs,
@@ -343,9 +354,12 @@ def _simulate_stream(
         per_group = prefetch.per_layer
 
     kernel = cls.__dict__.get("kernel")  # the class's own: a subclass that changes behaviour has none
-    fast_ok = _fast.HAVE_NUMBA and kernel is not None
+    variant = {k: v for k, v in (cls.__dict__.get("kernel_defaults") or {}).items()
+               if policy_kwargs.get(k, v) != v}
+    fast_ok = _fast.HAVE_NUMBA and kernel is not None and not variant
     if backend == "fast" and not fast_ok:
-        why = "numba is not installed" if not _fast.HAVE_NUMBA else f"{cls.__name__} has no compiled kernel"
+        why = ("numba is not installed" if not _fast.HAVE_NUMBA else f"{cls.__name__} has no compiled kernel"
+               if kernel is None else f"{', '.join(f'{k}={policy_kwargs[k]!r}' for k in variant)} replays in Python only")
         raise MoelabError(f"backend 'fast' is unavailable: {why}; use backend='reference'.")
     if backend not in ("auto", "fast", "reference"):
         raise MoelabError(f"backend must be 'auto', 'fast' or 'reference', got {backend!r}.")
@@ -355,7 +369,7 @@ def _simulate_stream(
             stream, cls, slots, scope, warm_keys, pf_ptr, pf_keys, budget, per_group, insertion, policy_kwargs
         )
     else:
-        if backend == "auto" and kernel is not None and not _fast.HAVE_NUMBA:
+        if backend == "auto" and kernel is not None and not _fast.HAVE_NUMBA and not variant:
             logger.warning("numba is not installed: replaying %s in pure Python (slow)", cls.name)
         raw = _run_reference(
             stream, cls, capacity, scope, warm_keys, pf_ptr, pf_keys, budget, per_group, expert_bytes, insertion,
@@ -445,7 +459,8 @@ def _run_fast(stream, cls, slots, scope, warm_keys, pf_ptr, pf_keys, budget, per
             raise MoelabError(nan_scores_message(int(bad)))
     nxt, first, never = np.zeros(0, dtype=np.int64), np.zeros(NK, dtype=np.int64), 0
     if code == _fast.BELADY:
-        nxt, first, never = belady_future(stream, "group" if insertion == "always" else "access")
+        nxt, first, never = belady_future(stream, "group" if insertion == "always" else "access",
+                                          kw.get("oracle_scope", "stream"))
     pinned = np.zeros(NK, dtype=np.bool_)
     if code == _fast.STATIC:
         keys = kw.get("pinned")

@@ -328,17 +328,28 @@ def next_use(stream: AccessStream) -> np.ndarray:
     return nxt
 
 
-def belady_future(stream: AccessStream, unit: Literal["access", "group"] = "access") -> tuple[np.ndarray, np.ndarray, int]:
+def belady_future(stream: AccessStream, unit: Literal["access", "group"] = "access",
+                  scope: Literal["stream", "sequence"] = "stream") -> tuple[np.ndarray, np.ndarray, int]:
     """Belady's view of the future: ``(next use of each access (n,), first use of each key, never)``.
 
     ``unit="access"``: positions in the access stream, ``never = n``; ``unit="group"``: the
     group of the next use (time advances once per (forward, layer), as in ProMoE's oracle),
-    ``never = G``. Values ``>= never`` mean "not used again". O(n log n).
+    ``never = G``. Values ``>= never`` mean "not used again". ``scope="sequence"``: the oracle
+    sees only the current sequence's future (ProMoE's MIN oracle is per sequence): a next use in
+    another sequence counts as never. O(n log n).
     """
+    if scope not in ("stream", "sequence"):
+        raise unknown_name("belady oracle scope", scope, ("stream", "sequence"))
     n = stream.num_accesses
     first = np.full(stream.num_keys, n, dtype=np.int64)
     np.minimum.at(first, stream.keys, np.arange(n))
     nxt = next_use(stream)
+    if scope == "sequence":
+        seq_of = np.repeat(stream.group_seq, np.diff(stream.group_ptr))
+        later = nxt < n
+        other = np.zeros(n, dtype=bool)
+        other[later] = seq_of[nxt[later]] != seq_of[later]
+        nxt = np.where(other, n, nxt)
     if unit == "access":
         return nxt, first, n
     if unit != "group":
@@ -346,3 +357,16 @@ def belady_future(stream: AccessStream, unit: Literal["access", "group"] = "acce
     G = stream.num_groups
     group_of = np.append(np.repeat(np.arange(G, dtype=np.int64), np.diff(stream.group_ptr)), G)
     return group_of[nxt], group_of[first], G
+
+
+def ordered_by_id(stream: AccessStream) -> AccessStream:
+    """The same stream with each group's accesses in ascending expert id instead of descending
+    router weight (mixtral-offloading serves a step's misses in ascending id; with fewer slots
+    than top-k the order decides which of them stay)."""
+    import dataclasses
+
+    keys = stream.keys.copy()
+    for g in range(stream.num_groups):
+        a, b = stream.group_ptr[g], stream.group_ptr[g + 1]
+        keys[a:b] = np.sort(keys[a:b])
+    return dataclasses.replace(stream, keys=keys)

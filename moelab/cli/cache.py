@@ -47,6 +47,17 @@ def register(subparsers) -> None:
                    help="forward (default): one access group per forward pass and MoE layer (the batch's union, "
                    "what a running model's cache sees); sequence: per sequence, step and layer")
     s.add_argument("--warm", action="store_true", help="start with the most popular experts cached")
+    s.add_argument("--access-order", choices=["weight", "id"], default="weight",
+                   help="serve each step's experts by descending router weight (default) or ascending expert id "
+                        "(mixtral-offloading's order)")
+    s.add_argument("--oracle-scope", choices=["stream", "sequence"], default="stream",
+                   help="the Belady oracles see the whole replay's future (default) or only the current "
+                        "sequence's (ProMoE's MIN)")
+    s.add_argument("--mrs-pairing", choices=["paper", "published"], default="paper",
+                   help="MRS as HybriMoE's paper defines it (eq. 3; default) or as its published code pairs sorted "
+                        "scores with ascending expert ids")
+    s.add_argument("--mrs-rows", choices=["all", "first"], default="all",
+                   help="MRS updated with every token's scores (default) or only row 0 (HybriMoE's code)")
     s.add_argument("--json", action="store_true", help="machine-readable output")
     s.add_argument("--store", metavar="DIR", help="keep the simulated cells in this sweep store: a repeated or "
                    "interrupted sweep resumes from it (default: a temporary store)")
@@ -127,14 +138,25 @@ def run_simulate(args) -> int:
     # the sweep is a spec run by the sweep engine (cells resumable with --store); the stream is handed over
     from moelab.sweeps.shortcuts import cache_spec, run_cache_sweep
 
+    params: dict[str, dict] = {}
+    for p in policies:
+        kw = {}
+        if p.startswith("belady") and args.oracle_scope != "stream":
+            kw["oracle_scope"] = args.oracle_scope
+        if p == "mrs":
+            kw.update({k: v for k, v in (("pairing", args.mrs_pairing), ("rows", args.mrs_rows))
+                       if v != {"pairing": "paper", "rows": "all"}[k]})
+        params[p] = kw
+    settings = {"access_order": args.access_order} if args.access_order != "weight" else {}
     spec = cache_spec(args.trace, policies, capacities, scopes, prefetch=pf_setting,
                       include_prefill=args.include_prefill, insertion=args.insertion, replay=args.replay,
-                      warm=args.warm, expert_bytes=args.expert_bytes)
+                      warm=args.warm, expert_bytes=args.expert_bytes, params=params, **settings)
     results = run_cache_sweep(spec, stream, store=args.store)
     ignoring = [p for p in policies if not get_policy(p).accepts_prefetch]
     if args.json:
         emit_json({"trace": args.trace, "accesses": stream.num_accesses, "insertion": args.insertion,
-                   "replay": args.replay, "results": [r.to_dict() for r in results]})
+                   "replay": args.replay, "access_order": args.access_order, "oracle_scope": args.oracle_scope,
+                   "results": [r.to_dict() for r in results]})
         return 0
     print(f"trace {args.trace}: {stream.num_accesses} expert accesses, {stream.num_layers} MoE layers, "
           f"E={stream.num_experts.tolist()}, {'with' if args.include_prefill else 'decode only, no'} prefill; "

@@ -95,7 +95,8 @@ def run_policy_comparison(spec: SweepSpec, model: Any, tokenizer: Any, *, deferr
 
 # --------------------------------------------------------------------------- cache sweep
 def cache_spec(trace: str | os.PathLike, policies: list[str], capacities: list[float | int], scopes: list[str],
-               prefetch: dict[str, Any] | None = None, **settings: Any) -> TraceSweepSpec:
+               prefetch: dict[str, Any] | None = None, params: dict[str, dict[str, Any]] | None = None,
+               **settings: Any) -> TraceSweepSpec:
     """The cells of ``moelab cache simulate``: scopes × policies × capacities (one prefetch setting)."""
     unknown = set(settings) - set(CACHE_SETTINGS)
     if unknown:
@@ -105,7 +106,7 @@ def cache_spec(trace: str | os.PathLike, policies: list[str], capacities: list[f
     if pf and Path(str(pf["predictor"])).exists():
         pf["predictor"] = str(Path(pf["predictor"]).resolve())
     return TraceSweepSpec(name="cache-sweep", kind="cache", traces=[{"train": str(Path(trace).resolve()), "test": None}],
-                          methods=[(p, {}) for p in policies],
+                          methods=[(p, dict((params or {}).get(p, {}))) for p in policies],
                           points=[{"capacity": c, "scope": s, "prefetch": pf} for s in scopes for c in capacities],
                           settings={**CACHE_SETTINGS, **settings}, seeds=[0])
 

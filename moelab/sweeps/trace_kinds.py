@@ -190,7 +190,7 @@ def _traces(r: Any, items: Any, with_test: bool) -> list[dict[str, str | None]]:
 
 # --------------------------------------------------------------------------- cache
 CACHE_SETTINGS = {"include_prefill": False, "insertion": "always", "replay": "forward", "warm": False,
-                  "expert_bytes": None}
+                  "expert_bytes": None, "access_order": "weight"}
 PREFETCH_KEYS = ("predictor", "distance", "budget", "budget_bytes", "link_gbps", "step_ms", "link_latency_us", "budget_scope")
 
 
@@ -323,7 +323,8 @@ class CacheKind(CellKind):
         s = cell.settings
         result = simulate(resource, cell.method, cell.point["capacity"], cell.point["scope"],
                           prefetch=prefetch_config(cell.point["prefetch"], cell.trace), warm=s["warm"],
-                          expert_bytes=s["expert_bytes"], insertion=s["insertion"], **cell.params)
+                          expert_bytes=s["expert_bytes"], insertion=s["insertion"],
+                          access_order=s.get("access_order", "weight"), **cell.params)
         return {"key": trace_cell_key(cell, moelab.__version__), "metrics": result.to_dict(),
                 "score": result.hit_rate, "score_stderr": None, "n_docs": result.accesses,
                 "versions": _versions(), "samples_path": None, "trace_path": None, "timeline_path": None}, {}
