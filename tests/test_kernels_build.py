@@ -48,10 +48,22 @@ def test_bench_kernels_cli_prints_json(capsys):
     from moelab.cli import main
 
     code = main(["bench", "kernels", "--json", "--shapes", "64x96x8x2", "--tokens", "1", "4",
-                 "--dtypes", "bf16", "int4", "--repeat", "1"])
+                 "--dtypes", "bf16", "int4", "--repeat", "1", "--allow-busy"])
     assert code == 0
     data = json.loads(capsys.readouterr().out)
     assert data["machine"]["read_gbps"] > 0
     rows = data["rows"]
     assert {(r["dtype"], r["tokens"]) for r in rows} == {("bf16", 1), ("bf16", 4), ("int4", 1), ("int4", 4)}
     assert all(r["ms"] > 0 and set(r["baseline_ms"]) == {"eager", "grouped_mm"} for r in rows)
+
+
+def test_bench_kernels_cli_refuses_a_busy_machine_without_allow_busy(monkeypatch, capsys):
+    """The bench's figures are refused (exit 2, the reason named) when the machine is busy."""
+    from moelab import measure
+    from moelab.cli import main
+
+    monkeypatch.setattr(measure, "machine_load", lambda: {"load1": 99.0, "cpus": 1, "per_cpu": 99.0})
+    code = main(["bench", "kernels", "--json", "--shapes", "64x96x8x2", "--tokens", "1",
+                 "--dtypes", "bf16", "--repeat", "1"])
+    assert code == 2
+    assert "--allow-busy" in capsys.readouterr().err
