@@ -31,8 +31,10 @@ def trace(tmp_path_factory):
     return record_trace(tmp_path_factory.mktemp("metrics") / "trace", n_seq=10)
 
 
-def _recompute(dump: pd.DataFrame, K: int, m_values: list[int]) -> dict:
-    """Metrics from the dump alone, with plain Python sets."""
+def _recompute(dump: pd.DataFrame, K: int, m_values: list[int], basis: str = "predicted") -> dict:
+    """Metrics from the dump alone, with plain Python sets. ``basis``: ProMoE's fetch rate (in-time
+    predicted experts / predicted experts; GoodPred = accuracy × that, per pair) or the share of
+    correct predictions in time (GoodPred = correct and in time / |actual|)."""
     out = {}
     for phase in ("prefill", "decode", "all"):
         d = dump if phase == "all" else dump[dump.phase == phase]
@@ -47,10 +49,16 @@ def _recompute(dump: pd.DataFrame, K: int, m_values: list[int]) -> dict:
                 rec[m].append(h / len(a))
                 prec[m].append(h / m)
             if ph == "decode":
-                g = sum(h and t for h, t in zip(hits, in_time[:K]))
-                good.append(g / len(a))
-                hits_total += sum(hits)
-                in_time_total += g
+                if basis == "correct":
+                    g = sum(h and t for h, t in zip(hits, in_time[:K]))
+                    good.append(g / len(a))
+                    hits_total += sum(hits)
+                    in_time_total += g
+                else:
+                    made = [t for p, t in zip(pred[:K], in_time[:K]) if p >= 0]
+                    good.append(sum(hits) / len(a) * (sum(made) / len(made) if made else 0.0))
+                    hits_total += len(made)  # the denominator: predicted experts
+                    in_time_total += sum(made)
         # standard error clustered by sequence, written out: sqrt(sum over sequences of the
         # squared sum of residuals) / n; and the naive iid one
         mean = sum(acc) / len(acc)
@@ -72,19 +80,21 @@ def _recompute(dump: pd.DataFrame, K: int, m_values: list[int]) -> dict:
     return out
 
 
-@pytest.mark.parametrize("kind", ["token", "learned"])
-def test_cli_metrics_match_an_independent_recomputation_from_the_dump(kind, trace, tmp_path, capsys):
+@pytest.mark.parametrize(("kind", "basis"), [("token", "predicted"), ("learned", "predicted"),
+                                             ("token", "correct")])
+def test_cli_metrics_match_an_independent_recomputation_from_the_dump(kind, basis, trace, tmp_path, capsys):
     dump = tmp_path / "dump.parquet"
     code = main(["predict", "eval", "--trace", str(trace.path), "--predictor", kind, "--distance", "2",
                  "--set", "progress=false", "--set", "max_epochs=3", "--json", "--dump", str(dump), "--m", "1,3",
                  "--expert-bytes", "qwen2-57b-a14b", "--layer-time-us", "3000"] if kind == "learned" else
                 ["predict", "eval", "--trace", str(trace.path), "--predictor", kind, "--distance", "2",
-                 "--json", "--dump", str(dump), "--m", "1,3"])
+                 "--json", "--dump", str(dump), "--m", "1,3", "--fetch-basis", basis])
     assert code == 0
     report = json.loads(capsys.readouterr().out)
+    assert report["fetch_basis"] == basis
     df = pd.read_parquet(dump)
     assert len(df) == report["overall"]["all"]["pairs"] and set(df.distance) == {2}
-    mine = _recompute(df, report["top_k"], report["m_values"])
+    mine = _recompute(df, report["top_k"], report["m_values"], basis)
     for phase, vals in mine.items():
         for key, v in vals.items():
             assert report["overall"][phase][key] == pytest.approx(v), (phase, key)
@@ -232,3 +242,29 @@ def test_predictor_plots_draw_clustered_stderr_bars_and_say_n(trace):
         assert (bars > 0).all() and "n = " in fig.layout.title.text and "pairs" in fig.layout.title.text
     fig, g = plots.goodpred_vs_bandwidth(reports, [5, 50], expert_bytes=reference_expert_bytes("deepseek-v2-lite"))
     assert all(tr.error_y.array is not None for tr in fig.data) and "goodpred_stderr" in g.columns
+
+
+def test_fetch_basis_follows_promoe_by_default_and_the_two_differ_when_only_early_ranks_arrive(trace):
+    """ProMoE: FetchRate = predicted experts fetchable in time / predicted experts. With a link that
+    delivers only the first rank in time, and a predictor whose top-k is all correct, ProMoE's
+    fetch rate is 1/k; the 'correct' basis says 1/k too — but with half the predictions wrong and
+    the right ones first, 'correct' counts the wrong late ones out and reads higher."""
+    from moelab.predictors.metrics import FETCH_BASES, PredictionReport, _aggregate
+
+    assert FETCH_BASES[0] == "predicted"
+    K = 2
+    # two decode pairs, top-2: rank 0 correct and in time, rank 1 wrong and late
+    match = np.array([[True, False], [True, False]])
+    in_time = np.array([[True, False], [True, False]])
+    valid = np.ones((2, K), bool)
+    n_actual = np.array([2, 2])
+    args = (match, n_actual, in_time, np.array([True, True]), K, [1, 2], np.array([0, 1]), valid)
+    promoe = _aggregate(*args)  # default basis
+    corr = _aggregate(*args, fetch_basis="correct")
+    # ProMoE: half the predicted experts arrive; accuracy 1/2, GoodPred 1/2 × 1/2
+    assert promoe["fetch_rate"] == pytest.approx(0.5) and promoe["goodpred"] == pytest.approx(0.25)
+    # correct basis: every correct prediction arrived; GoodPred = 1 in time / 2 actual
+    assert corr["fetch_rate"] == pytest.approx(1.0) and corr["goodpred"] == pytest.approx(0.5)
+    assert "fetch_basis" in {f.name for f in dataclasses.fields(PredictionReport)}
+    with pytest.raises(MoelabError, match="fetch_basis='promoe'.*predicted.*correct"):
+        evaluate(make_predictor("frequency", distance=1).fit(trace), trace, fetch_basis="promoe")

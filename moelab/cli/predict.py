@@ -65,9 +65,16 @@ def register(subparsers) -> None:
     c.add_argument("--layer-time-us", type=float, default=None, help="override the profile's decode layer time")
     c.add_argument("--link-gbps", dest="link_gbs", type=float, default=None, metavar="GBPS",
                    help="override the profile's link bandwidth (GB/s)")
+    _fetch_basis_arg(c)
     c.add_argument("--store", metavar="DIR", help="sweep store to keep the cells in (default: a temporary one)")
     c.add_argument("--json", action="store_true", help="print the reports as JSON")
     c.set_defaults(func=_compare)
+
+
+def _fetch_basis_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--fetch-basis", choices=("predicted", "correct"), default="predicted",
+                   help="GoodPred's fetch-rate denominator: 'predicted' (ProMoE's: the share of predicted experts "
+                        "fetched in time; default) or 'correct' (the share of correct predictions fetched in time)")
 
 
 def _common(p: argparse.ArgumentParser) -> None:
@@ -81,6 +88,7 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--link-gbps", "--link-gbs", dest="link_gbs", type=float, default=None, metavar="GBPS",
                    action=DeprecatedAlias, deprecated=("--link-gbs",),
                    help="override the profile's link bandwidth (GB/s; --link-gbs is a deprecated alias)")
+    _fetch_basis_arg(p)
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.add_argument("--overwrite", action="store_true", help="replace existing outputs")
 
@@ -119,7 +127,8 @@ def _evaluate(predictor, data, args, model):
 
     eb = reference_expert_bytes(args.expert_bytes) if args.expert_bytes else None
     return evaluate(predictor, data, m_values=_m_values(args.m), hardware=args.hardware, expert_bytes=eb,
-                    layer_time_us=args.layer_time_us, link_bandwidth_gbs=args.link_gbs, model=model)
+                    layer_time_us=args.layer_time_us, link_bandwidth_gbs=args.link_gbs, model=model,
+                    fetch_basis=args.fetch_basis)
 
 
 def _fit(args) -> int:
@@ -191,7 +200,7 @@ def _compare(args) -> int:
     spec = predictor_spec(args.trace, args.test_trace, kinds=[k.strip() for k in args.kinds.split(",") if k.strip()],
                           distances=distances, params=params, seed=args.seed, m=_m_values(args.m),
                           hardware=args.hardware, expert_bytes=args.expert_bytes, layer_time_us=args.layer_time_us,
-                          link_gbs=args.link_gbs)
+                          link_gbs=args.link_gbs, fetch_basis=args.fetch_basis)
     reports = run_predictor_comparison(spec, store=args.store, progress=not args.json)
     if args.json:
         emit_json(reports)
@@ -203,7 +212,8 @@ def _compare(args) -> int:
         print(f"{r['kind']:12} {r['distance']:>2} {_fmt(o['accuracy'])} {_fmt(o['accuracy_stderr'])} "
               f"{_fmt(dec['accuracy'])} {_fmt(o['fetch_rate'])} {_fmt(o['goodpred'])} {r['latency_us']:7.1f}  {rec}")
     print("# acc = mean |predicted ∩ actual| / top-k over all (token, layer) pairs of the scored sequences; "
-          "±se clustered by sequence; decode = decode steps only; µs = predictor latency per layer and token")
+          "±se clustered by sequence; decode = decode steps only; µs = predictor latency per layer and token; "
+          f"fetch = share of the {args.fetch_basis} experts fetched in time (--fetch-basis)")
     return 0
 
 
@@ -224,7 +234,8 @@ def _print(report, args, saved=None, dump=None) -> None:
     print(f"{r.kind} predictor, distance {r.distance}, model {r.model_name}; scored on {r.split}")
     print(f"latency {r.latency_us:.1f} µs per layer per token (batch 1, CPU); GoodPred on {r.transfer['profile']}: "
           f"{r.transfer['expert_bytes']} B/expert, transfer {r.transfer['transfer_us']:.1f} µs, "
-          f"layer {r.transfer['decode_layer_time_us']:.0f} µs")
+          f"layer {r.transfer['decode_layer_time_us']:.0f} µs; fetch rate over the {r.fetch_basis} experts "
+          f"(--fetch-basis)")
     print(f"{'phase':8} {'layer':>7} {'pairs':>7} {'seqs':>5} {'acc':>6} {'±se':>6} {'fetch':>6} {'goodpr':>6}")
     for row in r.per_layer:
         if row["phase"] == "all":

@@ -5,9 +5,19 @@ experts and ``A`` the experts the layer actually chose (``|A|`` = top-k):
 
 * ``accuracy = |P_K ∩ A| / |A|`` with K = top-k (ProMoE's accuracy);
 * ``recall@m = |P_m ∩ A| / |A|``, ``precision@m = |P_m ∩ A| / m``;
-* ``fetch_rate`` = share of the correct predictions ``P_K ∩ A`` whose transfer completes
-  before the layer routes (timing model: :mod:`moelab.predictors.timing`), decode only;
-* ``goodpred = |{e ∈ P_K ∩ A : in time}| / |A|`` (= accuracy × fetch rate).
+* ``fetch_rate`` and ``goodpred``, decode only, under one of two bases (``fetch_basis``):
+
+  - ``"predicted"`` (the default; ProMoE's prose, §3 of techniques.md): the fetch rate is the
+    share of the *predicted* experts ``P_K`` whose transfer completes before the layer routes
+    (timing model: :mod:`moelab.predictors.timing`), and per pair
+    ``goodpred = accuracy × |{e ∈ P_K : in time}| / |P_K|``, averaged over pairs (within one
+    target layer the fetch rate is one number, so there GoodPred = Accuracy × FetchRate exactly);
+  - ``"correct"`` (moelab before 2026-11-26): the fetch rate is the share of the *correct*
+    predictions ``P_K ∩ A`` that arrive in time, and ``goodpred = |{e ∈ P_K ∩ A : in time}| / |A|``.
+
+  The two agree whenever every predicted rank is in time or none is; they differ when only the
+  first ranks make it (the ``"correct"`` basis then credits a predictor whose right answers sit
+  in the early ranks).
 
 Every figure is the mean over the (token, layer) pairs of a group: per target layer and
 over all layers, for ``prefill``, ``decode`` and ``all`` tokens. Each group also carries its
@@ -41,6 +51,31 @@ from moelab.timing import DEFAULT_PROFILE, HardwareProfile, expert_bytes_of
 log = logging.getLogger(__name__)
 
 PHASES = ("prefill", "decode", "all")
+FETCH_BASES = ("predicted", "correct")  # the fetch rate's denominator (module docstring); the first is the default
+
+
+def check_fetch_basis(basis: str) -> str:
+    if basis not in FETCH_BASES:
+        raise MoelabError(f"fetch_basis={basis!r} is not one of {FETCH_BASES}: 'predicted' is ProMoE's "
+                          "definition (share of predicted experts fetched in time, the default), 'correct' the "
+                          "share of correct predictions fetched in time.")
+    return basis
+
+
+def _fetch_and_good(hits: np.ndarray, in_time: np.ndarray, valid: np.ndarray, n_actual: np.ndarray,
+                    basis: str) -> tuple[float, np.ndarray]:
+    """``(fetch rate, per-pair goodpred)`` of decode pairs: ``hits``/``in_time``/``valid`` are
+    (n, K) — prediction correct, transfer in time, a prediction made at that rank."""
+    denom = np.maximum(n_actual, 1)
+    if basis == "correct":
+        good = (hits & in_time).sum(1)
+        correct = hits.sum()
+        return (float(good.sum() / correct) if correct else float("nan")), good / denom
+    timely = (in_time & valid).sum(1)
+    made = valid.sum(1)
+    share = timely / np.maximum(made, 1)
+    fetch = float(timely.sum() / made.sum()) if made.sum() else float("nan")
+    return fetch, (hits.sum(1) / denom) * share
 
 
 @dataclass
@@ -60,10 +95,12 @@ class PredictionReport:
     per_layer: list[dict[str, Any]]
     overall: dict[str, dict[str, Any]]
     rows: dict[str, np.ndarray] = field(repr=False, default_factory=dict)
+    fetch_basis: str = "predicted"
 
     def to_dict(self) -> dict[str, Any]:
         d = {k: getattr(self, k) for k in ("kind", "distance", "params", "model_name", "trace_id", "split",
-                                            "top_k", "m_values", "latency_us", "transfer", "overall", "per_layer")}
+                                            "top_k", "m_values", "latency_us", "transfer", "fetch_basis", "overall",
+                                            "per_layer")}
         return _clean(d)
 
     def to_frame(self):
@@ -145,7 +182,8 @@ def _clean(obj):
 
 
 def _aggregate(match: np.ndarray, n_actual: np.ndarray, in_time: np.ndarray, decode: np.ndarray,
-               K: int, m_values: list[int], seq: np.ndarray) -> dict[str, Any]:
+               K: int, m_values: list[int], seq: np.ndarray, valid: np.ndarray,
+               fetch_basis: str = "predicted") -> dict[str, Any]:
     n = len(n_actual)
     nan = float("nan")
     out: dict[str, Any] = {"pairs": int(n), "sequences": int(len(np.unique(seq)))}
@@ -166,11 +204,11 @@ def _aggregate(match: np.ndarray, n_actual: np.ndarray, in_time: np.ndarray, dec
         out[f"recall@{m}"] = float(np.mean(hits / denom))
         out[f"precision@{m}"] = float(np.mean(hits / m))
     if decode.any():
-        good = (match[:, :K] & in_time[:, :K])[decode].sum(1)
-        correct = hits_k[decode].sum()
-        out["fetch_rate"] = float(good.sum() / correct) if correct else float("nan")
-        out["goodpred"] = float(np.mean(good / denom[decode]))
-        out["goodpred_stderr"] = clustered_stderr(good / denom[decode], seq[decode])
+        fetch, good = _fetch_and_good(match[decode, :K], in_time[decode, :K], valid[decode, :K], n_actual[decode],
+                                      fetch_basis)
+        out["fetch_rate"] = fetch
+        out["goodpred"] = float(np.mean(good))
+        out["goodpred_stderr"] = clustered_stderr(good, seq[decode])
     else:
         out["fetch_rate"] = out["goodpred"] = out["goodpred_stderr"] = nan
     return out
@@ -178,9 +216,10 @@ def _aggregate(match: np.ndarray, n_actual: np.ndarray, in_time: np.ndarray, dec
 
 def goodpred(report: PredictionReport, predictor: Predictor, *, hardware: str | HardwareProfile = DEFAULT_PROFILE,
              expert_bytes: int, layer_time_us: float | None = None, link_bandwidth_gbs: float | None = None,
-             latency_us: float | None = None) -> dict[str, float]:
+             latency_us: float | None = None, fetch_basis: str | None = None) -> dict[str, float]:
     """Decode fetch rate and GoodPred of ``report``'s predictions under another transfer model,
-    without predicting again (only the timing changes)."""
+    without predicting again (only the timing changes). ``fetch_basis`` defaults to the report's."""
+    basis = check_fetch_basis(report.fetch_basis if fetch_basis is None else fetch_basis)
     lat = report.latency_us if latency_us is None else latency_us
     lat = 0.0 if not math.isfinite(lat) else lat
     tm = transfer_model(hardware, expert_bytes, lat, layer_time_us, link_bandwidth_gbs)
@@ -189,16 +228,15 @@ def goodpred(report: PredictionReport, predictor: Predictor, *, hardware: str | 
     K = report.top_k
     decode = r["phase"] == "decode"
     pred, actual = r["predicted"][decode, :K], r["actual"][decode]
-    hits = (pred[:, :, None] == actual[:, None, :]).any(2)
+    hits = (pred[:, :, None] == actual[:, None, :]).any(2) & (pred >= 0)
     in_time = schedule[r["target"][decode]][:, :K]
-    good = (hits & in_time).sum(1)
     n_actual = np.maximum((actual >= 0).sum(1), 1)
-    correct = hits.sum()
+    fetch, good = _fetch_and_good(hits, in_time, pred >= 0, n_actual, basis)
     seq = r["seq"][decode]
     nan = float("nan")
-    return {"goodpred": float(np.mean(good / n_actual)) if len(good) else nan,
-            "goodpred_stderr": clustered_stderr(good / n_actual, seq),
-            "fetch_rate": float(good.sum() / correct) if correct else nan,
+    return {"goodpred": float(np.mean(good)) if len(good) else nan,
+            "goodpred_stderr": clustered_stderr(good, seq),
+            "fetch_rate": fetch, "fetch_basis": basis,
             "accuracy": float(np.mean(hits.sum(1) / n_actual)) if len(good) else nan,
             "accuracy_stderr": clustered_stderr(hits.sum(1) / n_actual, seq),
             "pairs": int(len(good)), "sequences": int(len(np.unique(seq)))}
@@ -216,6 +254,7 @@ def evaluate(
     link_bandwidth_gbs: float | None = None,
     latency_us: float | None = None,
     model: Any = None,
+    fetch_basis: str = "predicted",
 ) -> PredictionReport:
     """Score a fitted predictor on a trace (of the same model).
 
@@ -223,8 +262,10 @@ def evaluate(
     fitted on and it holds out validation sequences (``val_sequences_``), only those; else
     every sequence. ``expert_bytes`` defaults to the model's own expert size (recorded in the
     trace, else from the model, loaded by name if ``model`` is not given); ``latency_us`` defaults to the measured batch-1
-    latency (:func:`~moelab.predictors.timing.measure_latency_us`).
+    latency (:func:`~moelab.predictors.timing.measure_latency_us`). ``fetch_basis``: the fetch
+    rate's denominator (module docstring; ``"predicted"`` is ProMoE's).
     """
+    check_fetch_basis(fetch_basis)
     data = as_trace_data(trace)
     tr = data.trace
     predictor.check_model(tr.model_fingerprint, tr.meta["model"].get("name"))
@@ -286,7 +327,8 @@ def evaluate(
         "predicted": cat["predicted"], "actual": cat["actual"], "in_time": cat["in_time"],
     }
     pred, actual = cat["predicted"], cat["actual"]
-    match = (pred[:, :, None] == actual[:, None, :]).any(2) & (pred >= 0)  # (n, M)
+    valid = pred >= 0  # (n, M): a prediction made at that rank
+    match = (pred[:, :, None] == actual[:, None, :]).any(2) & valid  # (n, M)
     n_actual = (actual >= 0).sum(1)
     phase = rows["phase"]
     decode = phase == "decode"
@@ -295,12 +337,12 @@ def evaluate(
     for ph in PHASES:
         sel = np.ones(len(tok), bool) if ph == "all" else phase == ph
         overall[ph] = _aggregate(match[sel], n_actual[sel], cat["in_time"][sel], decode[sel], K, m_values,
-                                 rows["seq"][sel])
+                                 rows["seq"][sel], valid[sel], fetch_basis)
         for layer in predictor.source_layers():
             s = sel & (cat["source"] == layer)
             row = {"phase": ph, "source_layer": layer, "target_layer": layer + predictor.distance}
             row.update(_aggregate(match[s], n_actual[s], cat["in_time"][s], decode[s], K, m_values,
-                                  rows["seq"][s]))
+                                  rows["seq"][s], valid[s], fetch_basis))
             per_layer.append(row)
     return PredictionReport(
         kind=predictor.kind,
@@ -316,4 +358,5 @@ def evaluate(
         per_layer=per_layer,
         overall=overall,
         rows=rows,
+        fetch_basis=fetch_basis,
     )

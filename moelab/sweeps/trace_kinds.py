@@ -347,7 +347,7 @@ def cache_result(record: dict[str, Any]) -> Any:
 
 # --------------------------------------------------------------------------- predictor
 PREDICTOR_SETTINGS = {"m": [1, 2, 4, 8], "hardware": None, "expert_bytes": None, "layer_time_us": None,
-                      "link_gbs": None}
+                      "link_gbs": None, "fetch_basis": "predicted"}
 
 
 class PredictorKind(CellKind):
@@ -373,6 +373,11 @@ class PredictorKind(CellKind):
             from moelab.timing import DEFAULT_PROFILE
 
             settings["hardware"] = DEFAULT_PROFILE
+        from moelab.predictors.metrics import FETCH_BASES
+
+        if settings["fetch_basis"] not in FETCH_BASES:
+            raise r.fail(("settings", "fetch_basis"), f"fetch_basis={settings['fetch_basis']!r}: expected one of "
+                         f"{', '.join(FETCH_BASES)} (the fetch rate's denominator; 'predicted' is ProMoE's).")
         return TraceSweepSpec(kind="predictor", traces=traces, methods=methods,
                               points=[{"distance": d} for d in distances], settings=settings, seeds=seeds, **common)
 
@@ -424,7 +429,8 @@ class PredictorKind(CellKind):
         predictor = make_predictor(cell.method, distance=cell.point["distance"], **cell.params).fit(train)
         eb = reference_expert_bytes(s["expert_bytes"]) if s["expert_bytes"] else None
         report = evaluate(predictor, test, m_values=list(s["m"]), hardware=s["hardware"], expert_bytes=eb,
-                          layer_time_us=s["layer_time_us"], link_bandwidth_gbs=s["link_gbs"])
+                          layer_time_us=s["layer_time_us"], link_bandwidth_gbs=s["link_gbs"],
+                          fetch_basis=s.get("fetch_basis", "predicted"))
         overall = report.overall["all"]
         return {"key": trace_cell_key(cell, moelab.__version__), "metrics": report.to_dict(),
                 "score": overall.get("accuracy"), "score_stderr": overall.get("accuracy_stderr"),
