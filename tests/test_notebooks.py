@@ -13,6 +13,8 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
 PLOTLY = "application/vnd.plotly.v1+json"
+WIDGET = "application/vnd.jupyter.widget-view+json"
+SNAPSHOT_CLASS = "moelab-static-view"  # moelab.viz.fallback.SNAPSHOT_CLASS (written out: the test states it)
 TEXT_BAR = re.compile(r"\d+%\|.*\|")  # tqdm's text bar: " 40%|####      | 2/5 [...]"
 NAN = re.compile(r"(?<![A-Za-z_])NaN(?![A-Za-z_])")  # pandas' missing number in a printed table
 NUMBER = re.compile(r"(?<![\w.])[-+]?\d+\.\d+(?:e[-+]?\d+)?(?![\w.])")  # a printed measurement
@@ -86,6 +88,20 @@ def test_notebook_executes(path, tmp_path, monkeypatch):
 
         html, _ = HTMLExporter().from_notebook_node(nb)
         assert html.count("Plotly.newPlot(") >= len(figures), "figures are lost in the HTML export"
+    # widgets: each one also carries a static view, which the HTML export of a notebook saved
+    # without widget state (JupyterLab's default) shows instead of an empty box
+    widget_outputs = [o for o in outputs if WIDGET in o.get("data", {})
+                      and not TEXT_BAR.search(str(o["data"].get("text/plain", "")))]  # not progress bars
+    assert all("text/html" in o["data"] for o in widget_outputs), \
+        f"{path.name}: a widget has no static view (display it through moelab.viz.interactive / StaticView)"
+    if widget_outputs:
+        from nbconvert import HTMLExporter
+
+        saved = nbformat.from_dict(nb)
+        saved.metadata.pop("widgets", None)
+        html, _ = HTMLExporter().from_notebook_node(saved)
+        assert html.count(f'class="{SNAPSHOT_CLASS}"') == len(widget_outputs), \
+            f"{path.name}: the HTML export lost a widget's static view"
     # no empty results passing as a run: every figure plots data, no table shows NaN
     for o in figures:
         fig = o["data"][PLOTLY]

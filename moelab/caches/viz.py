@@ -63,11 +63,13 @@ def layer_heatmap(sweep: CacheSweep, capacity_fraction: float | None = None, sco
 
 def cache_panel(source: Any, policies: Sequence[str] = ("lru", "lfu", "fifo", "static", "mrs", "belady", "belady-bypass"),
                 capacities: Sequence[float] = (0.125, 0.25, 0.5, 0.75)):
-    """An ipywidgets panel: choose policy, capacity and scope; shows per-layer hit rates."""
+    """An ipywidgets panel: choose policy, capacity and scope; shows per-layer hit rates (with a
+    static view for HTML exports, :mod:`moelab.viz.fallback`)."""
     import ipywidgets as w
     import plotly.graph_objects as go
 
     from moelab.caches.simulation import load_stream, simulate
+    from moelab.viz.fallback import StaticView, controls_caption
 
     stream = load_stream(source, scores=True)
     policy = w.Dropdown(options=list(policies), value=policies[0], description="policy")
@@ -76,17 +78,22 @@ def cache_panel(source: Any, policies: Sequence[str] = ("lru", "lfu", "fifo", "s
     scope = w.ToggleButtons(options=["layer", "global"], description="scope")
     out = w.Output()
 
-    def redraw(*_: Any) -> None:
+    def draw() -> None:
         r = simulate(stream, policy.value, capacity.value, scope.value)
         fig = go.Figure(go.Bar(x=list(range(len(r.layer_hits))), y=r.layer_hit_rate))
         fig.update_layout(title=f"{r.policy}, {capacity.value:.1%} ({scope.value}): hit rate {r.hit_rate:.1%}, "
                                 f"{r.misses} misses, {r.bytes_moved} bytes moved",
                           xaxis_title="MoE layer", yaxis=dict(title="hit rate", tickformat=".0%", range=[0, 1]))
+        fig.show()
+
+    def redraw(*_: Any) -> None:
         out.clear_output(wait=True)
         with out:
-            fig.show()
+            draw()
 
     for c in (policy, capacity, scope):
         c.observe(redraw, names="value")
     redraw()
-    return w.VBox([w.HBox([policy, capacity, scope]), out])
+    return StaticView(w.VBox([w.HBox([policy, capacity, scope]), out]), draw,
+                      caption=lambda: controls_caption({"policy": policy.value, "capacity": capacity.value,
+                                                        "scope": scope.value}))

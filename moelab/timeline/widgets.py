@@ -135,10 +135,28 @@ class TimelinePanel:
             else:
                 display(fig)
 
-    def _ipython_display_(self) -> None:
-        from IPython.display import display
+    def _draw_static(self) -> None:
+        from IPython.display import HTML, display
 
-        display(self.widget)
+        if self.summary_html.value:
+            display(HTML(self.summary_html.value))
+        fig = self.figure()
+        if fig is None:
+            print("select at least one run")
+        else:
+            display(fig)
+
+    def static_view(self) -> Any:
+        """The panel with the static view an HTML export shows (:mod:`moelab.viz.fallback`): the
+        summary and the figure of the current selection."""
+        from moelab.viz.fallback import StaticView, controls_caption
+
+        return StaticView(self.widget, self._draw_static, caption=lambda: controls_caption({
+            "runs": list(self.run_select.value), "steps": tuple(self.step_range.value),
+            "layers": tuple(self.layer_range.value), "colour": self.color_by.value}))
+
+    def _repr_mimebundle_(self, include: Any = None, exclude: Any = None, **kwargs: Any) -> dict[str, Any]:
+        return self.static_view()._repr_mimebundle_(include=include, exclude=exclude, **kwargs)
 
 
 def _lanes(tls: list[Timeline]) -> list[str]:

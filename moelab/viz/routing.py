@@ -198,9 +198,12 @@ def overlap_figure(trace: RoutingTrace):
 
 
 def routing_explorer(trace: RoutingTrace, tokenizer=None):
-    """An ipywidgets panel: choose MoE layer and sequence; shows assignments and affinity."""
+    """An ipywidgets panel: choose MoE layer and sequence; shows assignments and affinity.
+    Displayed (with a static view for HTML exports, :mod:`moelab.viz.fallback`) and returned."""
     import ipywidgets as widgets
     from IPython.display import display
+
+    from moelab.viz.fallback import StaticView, controls_caption
 
     layer = widgets.Dropdown(
         options=[(f"MoE layer {i} (decoder {d})", i) for i, d in enumerate(trace.moe_layers)],
@@ -210,16 +213,20 @@ def routing_explorer(trace: RoutingTrace, tokenizer=None):
     seq = widgets.BoundedIntText(value=0, min=0, max=max(trace.meta["num_sequences"] - 1, 0), description="sequence")
     out = widgets.Output()
 
+    def draw() -> None:
+        token_assignments(trace, seq=seq.value, layer=layer.value, tokenizer=tokenizer).show()
+        if layer.value < trace.num_moe_layers - 1:
+            affinity_figure(trace, layer.value).show()
+
     def redraw(*_):
         out.clear_output(wait=True)
         with out:
-            token_assignments(trace, seq=seq.value, layer=layer.value, tokenizer=tokenizer).show()
-            if layer.value < trace.num_moe_layers - 1:
-                affinity_figure(trace, layer.value).show()
+            draw()
 
     layer.observe(redraw, names="value")
     seq.observe(redraw, names="value")
     redraw()
-    box = widgets.VBox([widgets.HBox([layer, seq]), out])
-    display(box)
-    return box
+    view = StaticView(widgets.VBox([widgets.HBox([layer, seq]), out]), draw,
+                      caption=lambda: controls_caption({"layer": layer.value, "sequence": seq.value}))
+    display(view)
+    return view
