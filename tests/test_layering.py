@@ -17,7 +17,8 @@ ROOT = Path(__file__).resolve().parent.parent / "moelab"
 #: ``<pkg>`` is ``moelab/__init__.py`` (``__version__``, lazy re-exports).
 LAYERS: list[set[str]] = [
     # foundation: no moelab imports beyond each other
-    {"errors", "registry", "stats", "events", "routing", "measure", "_lazy", "_output", "_resources", "<pkg>"},
+    {"errors", "registry", "stats", "events", "routing", "measure", "static_view", "_lazy", "_output", "_resources",
+     "<pkg>"},
     # components: the model view, kernels, tasks and everything that acts on a forward pass
     {"adapters", "compat", "kernels", "backends", "models", "tasks", "prompts", "loading", "forward", "hardware", "timing",
      "trace", "caches", "policies", "predictors"},

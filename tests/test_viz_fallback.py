@@ -30,8 +30,8 @@ def _bundle(obj) -> dict:
 def test_interactive_publishes_the_widget_and_a_static_view_at_the_controls_values():
     import ipywidgets as w
 
+    from moelab.static_view import SNAPSHOT_CLASS
     from moelab.viz import interactive
-    from moelab.viz.fallback import SNAPSHOT_CLASS
 
     calls = []
 

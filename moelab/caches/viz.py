@@ -64,12 +64,12 @@ def layer_heatmap(sweep: CacheSweep, capacity_fraction: float | None = None, sco
 def cache_panel(source: Any, policies: Sequence[str] = ("lru", "lfu", "fifo", "static", "mrs", "belady", "belady-bypass"),
                 capacities: Sequence[float] = (0.125, 0.25, 0.5, 0.75)):
     """An ipywidgets panel: choose policy, capacity and scope; shows per-layer hit rates (with a
-    static view for HTML exports, :mod:`moelab.viz.fallback`)."""
+    static view for HTML exports, :mod:`moelab.static_view`)."""
     import ipywidgets as w
     import plotly.graph_objects as go
 
     from moelab.caches.simulation import load_stream, simulate
-    from moelab.viz.fallback import StaticView, controls_caption
+    from moelab.static_view import StaticView, controls_caption
 
     stream = load_stream(source, scores=True)
     policy = w.Dropdown(options=list(policies), value=policies[0], description="policy")

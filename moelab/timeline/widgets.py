@@ -147,9 +147,9 @@ class TimelinePanel:
             display(fig)
 
     def static_view(self) -> Any:
-        """The panel with the static view an HTML export shows (:mod:`moelab.viz.fallback`): the
+        """The panel with the static view an HTML export shows (:mod:`moelab.static_view`): the
         summary and the figure of the current selection."""
-        from moelab.viz.fallback import StaticView, controls_caption
+        from moelab.static_view import StaticView, controls_caption
 
         return StaticView(self.widget, self._draw_static, caption=lambda: controls_caption({
             "runs": list(self.run_select.value), "steps": tuple(self.step_range.value),

@@ -1,5 +1,5 @@
 """Interactive plotly figures and ipywidgets panels over traces (plotly imported lazily)."""
 
-from moelab.viz.fallback import StaticView, interactive
+from moelab.static_view import StaticView, interactive
 
 __all__ = ["StaticView", "interactive"]

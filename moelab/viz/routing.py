@@ -199,11 +199,11 @@ def overlap_figure(trace: RoutingTrace):
 
 def routing_explorer(trace: RoutingTrace, tokenizer=None):
     """An ipywidgets panel: choose MoE layer and sequence; shows assignments and affinity.
-    Displayed (with a static view for HTML exports, :mod:`moelab.viz.fallback`) and returned."""
+    Displayed (with a static view for HTML exports, :mod:`moelab.static_view`) and returned."""
     import ipywidgets as widgets
     from IPython.display import display
 
-    from moelab.viz.fallback import StaticView, controls_caption
+    from moelab.static_view import StaticView, controls_caption
 
     layer = widgets.Dropdown(
         options=[(f"MoE layer {i} (decoder {d})", i) for i, d in enumerate(trace.moe_layers)],
