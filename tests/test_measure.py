@@ -48,3 +48,21 @@ def test_the_kernel_report_hides_the_bandwidth_share_when_busy(monkeypatch, tmp_
     sec = kernels_section(ctx)
     assert "Measured on a busy machine" in sec.html and "<td>busy</td>" in sec.html
     assert "BUSY MACHINE" in sec.figures[0].layout.title.text
+
+
+@pytest.mark.parametrize("argv", [["bench", "timeline", "--events", "2000", "--skip-perfetto"],
+                                  ["bench", "simulate", "--tokens", "4", "--reference-tokens", "2"]],
+                         ids=["timeline", "simulate"])
+def test_benches_print_medians_with_spread_and_load_and_refuse_a_busy_machine(argv, monkeypatch, capsys):
+    """Every bench reports a median of repeats with its spread and load; on a busy machine it
+    prints its figures flagged, then exits 2 unless --allow-busy."""
+    from moelab.cli import main
+
+    _fake_load(monkeypatch, 0.1)
+    assert main([*argv, "--repeat", "3", "--allow-busy"]) == 0
+    out = capsys.readouterr().out
+    assert "median" in out and "±" in out and "load" in out
+    _fake_load(monkeypatch, 9.0)
+    assert main([*argv, "--repeat", "3"]) == 2
+    captured = capsys.readouterr()
+    assert "BUSY" in captured.out and "--allow-busy" in captured.err

@@ -345,7 +345,7 @@ def test_synthetic_events_structure():
 
 
 def test_bench_cli_small(capsys):
-    assert _cli("bench", "timeline", "--events", "3000", "--skip-perfetto", "--json") == 0
+    assert _cli("bench", "timeline", "--events", "3000", "--skip-perfetto", "--json", "--allow-busy") == 0
     r = json.loads(capsys.readouterr().out)
     assert r["events"] >= 3000 and r["html_mb"] > 0 and r["chrome_s"] > 0 and set(r["targets"]) == {
         "figure_s", "html_mb", "chrome_s"}

@@ -49,6 +49,8 @@ def register(subparsers) -> None:
     h.add_argument("--layers", type=positive_int, default=3, help="MoE layers of the realistic model (default 3)")
     h.add_argument("--steps", type=positive_int, default=8, help="decode steps per realistic point (default 8)")
     h.add_argument("--skip-realistic", action="store_true", help="only the planner and functional checks")
+    h.add_argument("--allow-busy", action="store_true",
+                   help="print figures measured on a busy machine (flagged) instead of refusing them")
     h.set_defaults(func=run_hybrid)
     t = sub.add_parser(
         "timeline",
@@ -60,7 +62,10 @@ def register(subparsers) -> None:
     )
     t.add_argument("--events", type=positive_int, default=1_000_000, help="events to synthesise (default 1000000)")
     t.add_argument("--skip-perfetto", action="store_true", help="skip the (slow) Perfetto protobuf export")
+    t.add_argument("--repeat", type=positive_int, default=3, help="timed runs of each stage (median; default 3)")
     t.add_argument("--json", action="store_true", help="print the results as JSON")
+    t.add_argument("--allow-busy", action="store_true",
+                   help="print figures measured on a busy machine (flagged) instead of refusing them")
     t.set_defaults(func=run_timeline)
     sm = sub.add_parser(
         "simulate",
@@ -74,8 +79,10 @@ def register(subparsers) -> None:
     sm.add_argument("--reference-tokens", type=positive_int, default=16,
                     help="decode steps run by the reference too, for the parity check (default 16)")
     sm.add_argument("--hardware", default="ktransformers-a100", help="hardware profile (default ktransformers-a100)")
-    sm.add_argument("--repeat", type=positive_int, default=3, help="timed runs of the fast path (best; default 3)")
+    sm.add_argument("--repeat", type=positive_int, default=3, help="timed runs of the fast path (median; default 3)")
     sm.add_argument("--json", action="store_true", help="print the results as JSON")
+    sm.add_argument("--allow-busy", action="store_true",
+                   help="print figures measured on a busy machine (flagged) instead of refusing them")
     sm.set_defaults(func=run_simulate)
     p.set_defaults(func=lambda args: (p.print_help(), 2)[1])
 
@@ -83,13 +90,23 @@ def register(subparsers) -> None:
 def run_timeline(args) -> int:
     from moelab.timeline.bench import format_result, run
 
-    result = run(args.events, perfetto=not args.skip_perfetto,
+    result = run(args.events, perfetto=not args.skip_perfetto, repeat=args.repeat,
                  progress=None if args.json else (lambda s: print(s, file=sys.stderr, flush=True)))
     if args.json:
         emit_json(result)
     else:
         print(format_result(result))
+    _refuse_busy([result[f"{k}_busy"] for k in result["busy"]], args.allow_busy)
     return 0
+
+
+def _refuse_busy(reasons: list[str], allow_busy: bool) -> None:
+    """After a bench printed its figures: refuse them (exit 2) when any was measured on a busy machine."""
+    if reasons and not allow_busy:
+        from moelab.measure import BusyMachineError
+
+        raise BusyMachineError(f"the figures above were measured on a busy machine ({reasons[0]}); rerun on a "
+                               "quiet machine, or pass --allow-busy.")
 
 
 def run_simulate(args) -> int:
@@ -101,13 +118,17 @@ def run_simulate(args) -> int:
         emit_json(result)
     else:
         print(format_result(result))
-    return 0 if result["parity"] else 1
+    if not result["parity"]:
+        return 1
+    _refuse_busy([result["fast"]["busy"]] if result["fast"]["busy"] else [], args.allow_busy)
+    return 0
 
 
 def run_hybrid(args) -> int:
     from moelab.hybrid.bench import run
 
-    run(["moelab-tiny-mixtral", "moelab-tiny-qwen2moe"], args.layers, args.steps, not args.skip_realistic)
+    run(["moelab-tiny-mixtral", "moelab-tiny-qwen2moe"], args.layers, args.steps, not args.skip_realistic,
+        allow_busy=args.allow_busy)
     return 0
 
 

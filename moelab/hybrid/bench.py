@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from moelab.forward.bench import decode_loop as _decode
+from moelab.measure import BusyMachineError, Measurement, from_samples
 
 
 def planner_cost(model_name: str, steps: int = 64, repeats: int = 3) -> dict[str, Any]:
@@ -55,6 +56,7 @@ def planner_cost(model_name: str, steps: int = 64, repeats: int = 3) -> dict[str
     if pred_dir.is_dir():
         cfg["prefetch"] = {"predictor": str(pred_dir), "distance": 1}
     samples: dict[bool, list[int]] = {True: [], False: []}
+    per_repeat: dict[bool, list[float]] = {True: [], False: []}  # each repeat's median plan (s): the spread
     timing: dict[bool, dict[str, int]] = {True: {}, False: {}}
     replay: list[int] = []
     try:
@@ -70,6 +72,7 @@ def planner_cost(model_name: str, steps: int = 64, repeats: int = 3) -> dict[str
                     run.planner_samples = []
                     _decode(model, ids, steps)
                 samples[fast] += run.planner_samples
+                per_repeat[fast].append(statistics.median(run.planner_samples) / 1e9)
                 for key, v in run.timing.items():
                     timing[fast][key] = timing[fast].get(key, 0) + v
                 if fast:
@@ -78,9 +81,10 @@ def planner_cost(model_name: str, steps: int = 64, repeats: int = 3) -> dict[str
         ExpertCache.fast = True
     med = {f: statistics.median(samples[f]) / 1e3 for f in (True, False)}
     n = max(timing[True]["plans"], 1)
+    m = from_samples(per_repeat[True], warmup=4)
     return {
         "model": model_name, "moe_layers": layers, "prefetch": "prefetch" in cfg,
-        "planner_us_per_layer": med[True], "planner_us_reference": med[False],
+        "planner_us_per_layer": med[True], "planner_us_reference": med[False], "measurement": m,
         "planner_mean_us": timing[True]["planner_ns"] / n / 1e3,
         "planner_alone_us": statistics.median(replay) / 1e3,
         "predictor_us_per_layer": timing[True]["predictor_ns"] / n / 1e3,
@@ -134,8 +138,10 @@ def functional_overhead(model_name: str, steps: int = 128, repeats: int = 5) -> 
         plain.append(_decode(model, ids, steps))
         with HybridRun(model, {"cache": {"capacity": 0}}):
             hyb.append(_decode(model, ids, steps))
-    p, h = statistics.median(plain), statistics.median(hyb)
-    return {"model": model_name, "plain_ms": p * 1e3, "functional_ms": h * 1e3, "overhead_pct": (h / p - 1) * 100}
+    mp, mh = from_samples(plain, warmup=1), from_samples(hyb, warmup=1)
+    p, h = mp.median, mh.median
+    return {"model": model_name, "plain_ms": p * 1e3, "functional_ms": h * 1e3, "overhead_pct": (h / p - 1) * 100,
+            "plain": mp, "functional": mh}
 
 
 def realistic_model(layers: int = 3, dtype: torch.dtype = torch.bfloat16):
@@ -151,7 +157,9 @@ def realistic_model(layers: int = 3, dtype: torch.dtype = torch.bfloat16):
 
 
 def real_executor_grid(layers: int = 3, steps: int = 8, deferred=(0, 1, 2, 3, 4), capacity=(0.0, 0.25, 0.5),
-                       host_backend: str = "moelab_bf16") -> list[dict[str, Any]]:
+                       host_backend: str = "moelab_bf16", repeats: int = 3) -> list[dict[str, Any]]:
+    """Decode step time of each (capacity, deferred) point: the median of ``repeats`` loops of
+    ``steps`` steps after a warm-up loop, with its spread and the machine's load."""
     from moelab.hybrid.runtime import HybridRun
 
     model = realistic_model(layers)
@@ -165,9 +173,9 @@ def real_executor_grid(layers: int = 3, steps: int = 8, deferred=(0, 1, 2, 3, 4)
             run = HybridRun(model, cfg)
             with run:
                 _decode(model, ids, 2)  # warm-up (packing, first copies)
-                t = _decode(model, ids, steps)
+                m = from_samples([_decode(model, ids, steps) for _ in range(repeats)], warmup=1)
             s = run.summary()
-            rows.append({"capacity": cap, "deferred": d, "step_ms": t * 1e3,
+            rows.append({"capacity": cap, "deferred": d, "step_ms": m.median * 1e3, "measurement": m,
                          **{f"busy_{k}": v for k, v in s["busy_pct"].items()}, "overlap_pct": s["overlap_pct"]})
     return rows
 
@@ -180,18 +188,31 @@ def main(argv: list[str] | None = None) -> int:  # pragma: no cover - a benchmar
     p.add_argument("--layers", type=int, default=3, help="MoE layers of the realistic model (default 3)")
     p.add_argument("--steps", type=int, default=8, help="decode steps per point of the realistic grid")
     p.add_argument("--skip-realistic", action="store_true", help="only the planner and functional checks")
+    p.add_argument("--allow-busy", action="store_true", help="report figures measured on a busy machine (flagged)")
     args = p.parse_args(argv)
-    run(args.models, args.layers, args.steps, not args.skip_realistic)
+    run(args.models, args.layers, args.steps, not args.skip_realistic, allow_busy=args.allow_busy)
     return 0
 
 
-def run(models, layers: int, steps: int, realistic: bool) -> None:  # pragma: no cover - prints
+def _stat(m: Measurement) -> str:
+    """``spread ±3 %, load 0.4`` (and BUSY with the reason) of one figure."""
+    load = m.load_after.get("load1")
+    text = f"±{m.spread:.0%}, load {load:.1f}" if load is not None else f"±{m.spread:.0%}"
+    return text + (" BUSY" if m.busy else "")
+
+
+def run(models, layers: int, steps: int, realistic: bool, allow_busy: bool = False) -> None:  # pragma: no cover
+    """Print the three tables; every figure is a median with its spread and the load (``_stat``).
+    Raises :class:`BusyMachineError` after printing when one was measured on a busy machine,
+    unless ``allow_busy``."""
     out = print
+    flagged: list[Measurement] = []
     out("planner cost (batch 1 decode; MRS 25 %, greedy-hss, deferral, learned-d1 prefetch when bundled;")
     out("median per MoE layer and decode step; caches' fast paths vs their reference definitions, same run):")
     for m in models:
         r = planner_cost(m)
-        out(f"  {m}: planner {r['planner_us_per_layer']:.1f} µs (reference caches "
+        flagged.append(r["measurement"])
+        out(f"  {m}: planner {r['planner_us_per_layer']:.1f} µs [{_stat(r['measurement'])}] (reference caches "
             f"{r['planner_us_reference']:.1f} µs, x{r['planner_us_reference'] / r['planner_us_per_layer']:.2f}; "
             f"mean {r['planner_mean_us']:.1f} µs; the planner alone, replayed outside the model: "
             f"{r['planner_alone_us']:.1f} µs), predictor {r['predictor_us_per_layer']:.1f} µs "
@@ -199,14 +220,23 @@ def run(models, layers: int, steps: int, realistic: bool) -> None:  # pragma: no
     out("functional executor, nothing enabled, vs the plain model (median of 5 A/B pairs):")
     for m in models:
         r = functional_overhead(m)
-        out(f"  {m}: plain {r['plain_ms']:.3f} ms, functional {r['functional_ms']:.3f} ms per step "
-            f"({r['overhead_pct']:+.1f} %)")
-    if not realistic:
-        return
+        flagged += [r["plain"], r["functional"]]
+        out(f"  {m}: plain {r['plain_ms']:.3f} ms [{_stat(r['plain'])}], functional {r['functional_ms']:.3f} ms "
+            f"[{_stat(r['functional'])}] per step ({r['overhead_pct']:+.1f} %)")
+    if realistic:
+        _realistic_table(out, layers, steps, flagged)
+    busy = [m for m in flagged if m.busy]
+    if busy and not allow_busy:
+        raise BusyMachineError(f"{len(busy)} of the figures above were measured on a busy machine ({busy[0].reason}); "
+                               "rerun on a quiet machine, or pass --allow-busy.")
+
+
+def _realistic_table(out, layers: int, steps: int, flagged: list) -> None:  # pragma: no cover - prints
     out(f"real executor, DeepSeek-V2-Lite MoE shapes x {layers} layers, bf16, host-misses, "
         f"{torch.get_num_threads()} torch threads:")
-    out("  capacity  deferred  step ms  busy device/host/copy/control %  overlap %")
+    out("  capacity  deferred  step ms (median of 3, spread, load)  busy device/host/copy/control %  overlap %")
     for r in real_executor_grid(layers, steps):
-        out(f"  {r['capacity']:>8.2f}  {r['deferred']:>8d}  {r['step_ms']:7.1f}  "
+        flagged.append(r["measurement"])
+        out(f"  {r['capacity']:>8.2f}  {r['deferred']:>8d}  {r['step_ms']:7.1f} [{_stat(r['measurement']):>17}]  "
             f"{r.get('busy_device', 0):5.0f}/{r.get('busy_host', 0):4.0f}/{r.get('busy_copy', 0):4.0f}/"
             f"{r.get('busy_control', 0):4.0f}  {r['overlap_pct']:9.0f}")

@@ -10,10 +10,13 @@ next layer. The shape is the catalog's DeepSeek-V3 (:mod:`moelab.simulate.shapes
 from __future__ import annotations
 
 import logging
+import statistics
 import time
 from typing import Any
 
 import numpy as np
+
+from moelab.measure import measure
 
 log = logging.getLogger(__name__)
 
@@ -117,7 +120,7 @@ def events_equal(a, b) -> bool:
 
 def run(tokens: int = 512, hardware: str = "ktransformers-a100", reference_tokens: int = 16, seed: int = 0,
         repeat: int = 3) -> dict:
-    """Time the fast path on ``tokens`` decode steps (best of ``repeat``) and the reference on
+    """Time the fast path on ``tokens`` decode steps (median of ``repeat``) and the reference on
     ``reference_tokens`` (it runs at tens of thousands of events/s), and check parity on the
     reference's plans."""
     from moelab.simulate.executor import simulate_plans
@@ -128,11 +131,16 @@ def run(tokens: int = 512, hardware: str = "ktransformers-a100", reference_token
                          expert_bytes=int(shape.expert_bytes()), seed=seed)
     plan_s = time.perf_counter() - t
     simulate_plans(plans[: len(shape.moe_layers)], shape, hardware, engine="fast")  # build + warm up
-    fast_s = fast_cpu = float("inf")
-    for _ in range(repeat):  # best of ``repeat``: the machine may be shared
-        t, c = time.perf_counter(), time.process_time()
-        fast = simulate_plans(plans, shape, hardware, engine="fast")
-        fast_s, fast_cpu = min(fast_s, time.perf_counter() - t), min(fast_cpu, time.process_time() - c)
+    cpu: list[float] = []
+    box: dict = {}
+
+    def fast_path() -> None:
+        c = time.process_time()
+        box["fast"] = simulate_plans(plans, shape, hardware, engine="fast")
+        cpu.append(time.process_time() - c)
+
+    m = measure(fast_path, warmup=0, repeat=repeat)  # the median of ``repeat``, its spread and the load
+    fast, fast_s, fast_cpu = box["fast"], m.median, statistics.median(cpu)
     small = plans[: reference_tokens * len(shape.moe_layers)]
     t, c = time.perf_counter(), time.process_time()
     ref = simulate_plans(small, shape, hardware, engine="reference", reference_graph=True)
@@ -143,7 +151,8 @@ def run(tokens: int = 512, hardware: str = "ktransformers-a100", reference_token
         "shape": getattr(shape, "name", "?"), "hardware": hardware, "decode_tokens": tokens, "plans": len(plans),
         "plan_generation_s": plan_s,
         "fast": {"repeat": repeat, "events": len(fast.events), "tasks": fast.graph.n, "engine_events": fast.schedule.events,
-                 "seconds": fast_s, "cpu_seconds": fast_cpu, "events_per_s": len(fast.events) / fast_s,
+                 "seconds": fast_s, "spread": m.spread, "load": m.load_after.get("load1"), "busy": m.reason,
+                 "cpu_seconds": fast_cpu, "events_per_s": len(fast.events) / fast_s,
                  "events_per_cpu_s": len(fast.events) / max(fast_cpu, 1e-9)},
         "reference": {"decode_tokens": reference_tokens, "events": len(ref.events), "seconds": ref_s,
                       "cpu_seconds": ref_cpu, "events_per_s": len(ref.events) / ref_s,
@@ -161,8 +170,9 @@ def format_result(r: dict) -> str:
         f"({r['plans']} layer plans; generated in {r['plan_generation_s']:.2f} s)",
         f"  fast path : {f['events']:>9,d} events in {f['seconds']:.3f} s wall ({f['cpu_seconds']:.3f} s CPU) = "
         f"{f['events_per_s'] / 1e6:.2f} M events/s ({f['events_per_cpu_s'] / 1e6:.2f} M per CPU-second; "
-        f"{f['tasks']:,d} tasks, {f['engine_events']:,d} engine steps; plans → events, all included; best of "
-        f"{f['repeat']})",
+        f"{f['tasks']:,d} tasks, {f['engine_events']:,d} engine steps; plans → events, all included; median of "
+        f"{f['repeat']}, spread ±{f['spread']:.0%}, load {f['load'] if f['load'] is None else round(f['load'], 1)})"
+        + (f" — BUSY: {f['busy']}" if f["busy"] else ""),
         f"  reference : {ref['events']:>9,d} events ({ref['decode_tokens']} tokens) in {ref['seconds']:.3f} s wall = "
         f"{ref['events_per_s'] / 1e3:.1f} k events/s ({ref['events_per_cpu_s'] / 1e3:.1f} k per CPU-second)",
         f"  parity (reference vs fast, {ref['decode_tokens']} tokens): {'equal' if r['parity'] else 'DIFFERENT'}",
