@@ -274,3 +274,20 @@ def test_cache_and_prefetch_decisions_equal_an_offline_replay_with_the_same_pred
     assert run.cache.prefetched == off.prefetched > 0
     planned = sum(1 for p in run.plans for t in p.transfers if t.priority == "prefetch")
     assert planned == run.cache.prefetched
+
+
+def test_eval_cli_says_which_hybrid_configuration_it_scored(tmp_path, capsys):
+    """`moelab eval --hybrid` printed the scores and nothing about the configuration behind them."""
+    from moelab.cli import main
+
+    cfg = tmp_path / "h.yaml"
+    cfg.write_text("cache: {capacity: 0.25, policy: lfu}\nplacement: fetch-misses\n"
+                   "routing: {deferred: 1, min_immediate: 1}\n")
+    assert main(["eval", "--model", "tiny-random-mixtral", "--tasks", "arith", "--limit", "1",
+                 "--max-gen-toks", "4", "--hybrid", str(cfg)]) == 0
+    out = capsys.readouterr().out
+    assert ("scored under the hybrid configuration: executor functional; placement fetch-misses; "
+            "cache lfu capacity 0.25 (layer); deferred 1, skipped 0") in out
+    assert main(["eval", "--model", "tiny-random-mixtral", "--tasks", "arith", "--limit", "1",
+                 "--max-gen-toks", "4"]) == 0
+    assert "scored unmodified" in capsys.readouterr().out

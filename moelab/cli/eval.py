@@ -172,6 +172,8 @@ def run(args) -> int:
         emit_json(result.to_dict())
     else:
         print(f"model {result.model}")
+        for line in result.setup_lines() or ["scored unmodified (no routing policy, no hybrid configuration)"]:
+            print(line)
         print(result.table())
         for task in result.tasks.values():
             for note in task.notes:

@@ -118,6 +118,27 @@ class EvalResult:
         """A JSON-ready dict (``json.dumps(result.to_dict())``)."""
         return asdict(self)
 
+    def setup_lines(self) -> list[str]:
+        """What the model was scored under, one line each: the routing policies and the hybrid
+        configuration (empty for the unmodified model)."""
+        lines = []
+        for p in self.policies:
+            settings = ", ".join(f"{k}={v}" for k, v in p.items() if k != "policy")
+            lines.append(f"scored under {p['policy']}({settings})")
+        h = self.hybrid
+        if h:
+            cache, routing, prefetch = h.get("cache") or {}, h.get("routing") or {}, h.get("prefetch") or {}
+            parts = [f"executor {h.get('executor')}", f"placement {h.get('placement')}",
+                     f"cache {cache.get('policy')} capacity {cache.get('capacity')} ({cache.get('scope')})",
+                     f"deferred {routing.get('deferred')}, skipped {routing.get('skipped')} "
+                     f"(phase {routing.get('phase')}, min_immediate {routing.get('min_immediate')})",
+                     f"prefetch {prefetch.get('predictor') or 'none'}"
+                     + (f" at distance {prefetch.get('distance')}" if prefetch.get("predictor") else "")]
+            if h.get("hardware"):
+                parts.append(f"hardware {h['hardware']}")
+            lines.append("scored under the hybrid configuration: " + "; ".join(parts))
+        return lines
+
     def table(self) -> str:
         """A plain-text table: one row per task and metric, with lm-eval's standard error and n.
 
