@@ -3,9 +3,11 @@
 Every speed figure moelab prints (benchmarks, the demo report, notebooks, the simulator's
 validation) comes from :func:`measure`: the callable runs ``warmup`` times untimed, then
 ``repeat`` times timed; the result is the median with its spread (the relative half-width of
-the inter-quartile range, or of min–max with fewer than 5 repeats) and the load average before
-and after, per CPU. :attr:`Measurement.busy` says when the load or the spread makes the median
-meaningless (load above ``max_load_per_cpu`` per CPU, or spread above ``max_spread``):
+the inter-quartile range, or of min–max with fewer than 5 repeats) and the load before and
+after: the load average, and the part of it that is other work (less this process's own busy
+cores, which a multi-threaded benchmark adds itself). :attr:`Measurement.busy` says when the
+other work or the spread makes the median meaningless (other load above ``max_load_per_cpu``
+per CPU, or spread above ``max_spread``):
 reports flag such a figure, benchmarks refuse it (:class:`BusyMachineError`) unless told to
 go on. Standard library only.
 
@@ -16,6 +18,7 @@ go on. Standard library only.
 
 from __future__ import annotations
 
+import math
 import os
 import statistics
 import time
@@ -25,7 +28,8 @@ from typing import Any
 
 from moelab.errors import MoelabError
 
-#: Above this load average per CPU the machine is busy (other work competes for the cores).
+#: Above this load per CPU from other work (the load average less this process's own busy
+#: cores) the machine is busy: other work competes for the cores.
 MAX_LOAD_PER_CPU = 0.75
 #: Above this relative spread of the repeats the median is not a stable figure.
 MAX_SPREAD = 0.25
@@ -35,8 +39,43 @@ class BusyMachineError(MoelabError):
     """A benchmark refused to report a figure measured on a busy machine."""
 
 
+def _cpu_seconds() -> float:
+    """CPU seconds of this process (all threads) and of its waited-for children."""
+    t = os.times()
+    return t.user + t.system + t.children_user + t.children_system
+
+
+#: (monotonic s, CPU s) samples of this process, to estimate its own share of the load average
+_HISTORY: list[tuple[float, float]] = [(time.monotonic(), _cpu_seconds())]
+#: the span over which the 1-minute load average mostly averages
+_LOAD_WINDOW_S = 60.0
+
+
+def _own_cpus() -> float:
+    """This process's share of the 1-minute load average: its busy cores (CPU time over wall
+    time between samples) averaged the way the kernel averages the load, exponentially with a
+    60 s time constant, counting nothing before the process started."""
+    now, cpu = time.monotonic(), _cpu_seconds()
+    _HISTORY.append((now, cpu))
+    while len(_HISTORY) > 2 and now - _HISTORY[1][0] > 5 * _LOAD_WINDOW_S:  # weight below e^-5: forget
+        del _HISTORY[0]
+    del _HISTORY[1:-512]  # bounded
+    own = 0.0
+    for (t0, c0), (t1, c1) in zip(_HISTORY, _HISTORY[1:]):
+        if t1 > t0:
+            weight = math.exp(-(now - t1) / _LOAD_WINDOW_S) - math.exp(-(now - t0) / _LOAD_WINDOW_S)
+            own += (c1 - c0) / (t1 - t0) * weight
+    return max(0.0, own)
+
+
 def machine_load() -> dict[str, Any]:
-    """``{"load1": 1-minute load average (None where unknown), "cpus": usable CPUs, "per_cpu"}``."""
+    """The machine's load, and how much of it is other work.
+
+    ``load1``: the 1-minute load average (None where unknown); ``cpus``: usable CPUs;
+    ``per_cpu``: load1 / cpus; ``own``: cores this process kept busy over about the last
+    minute (CPU time / wall time, its threads and waited children included); ``other``:
+    ``load1 − own`` (at least 0), the load of everything else — what makes a timing
+    meaningless (a benchmark's own threads are in the load average too); ``other_per_cpu``."""
     try:
         cpus = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
@@ -45,7 +84,10 @@ def machine_load() -> dict[str, Any]:
         load = os.getloadavg()[0]
     except (AttributeError, OSError):
         load = None
-    return {"load1": load, "cpus": cpus, "per_cpu": None if load is None else load / cpus}
+    own = _own_cpus()
+    other = None if load is None else max(0.0, load - own)
+    return {"load1": load, "cpus": cpus, "per_cpu": None if load is None else load / cpus, "own": own,
+            "other": other, "other_per_cpu": None if other is None else other / cpus}
 
 
 @dataclass
@@ -83,8 +125,10 @@ class Measurement:
 
     @property
     def load(self) -> float | None:
-        """The larger of the load averages per CPU before and after (None where unknown)."""
-        vals = [x["per_cpu"] for x in (self.load_before, self.load_after) if x.get("per_cpu") is not None]
+        """The larger of the other work's load per CPU before and after (None where unknown):
+        the load average less this process's own busy cores (:func:`machine_load`)."""
+        vals = [x.get("other_per_cpu", x.get("per_cpu")) for x in (self.load_before, self.load_after)]
+        vals = [v for v in vals if v is not None]
         return max(vals) if vals else None
 
     @property
@@ -96,15 +140,17 @@ class Measurement:
         """Why the figure is not trustworthy ('' when it is)."""
         why = []
         if self.load is not None and self.load > self.max_load_per_cpu:
-            why.append(f"load average {self.load * self.load_after['cpus']:.1f} on {self.load_after['cpus']} CPUs "
-                       f"(> {self.max_load_per_cpu:g} per CPU)")
+            why.append(f"other work's load {self.load * self.load_after['cpus']:.1f} on {self.load_after['cpus']} CPUs "
+                       f"(> {self.max_load_per_cpu:g} per CPU; load average less this process's own)")
         if self.spread > self.max_spread:
             why.append(f"repeats spread ±{self.spread:.0%} (> ±{self.max_spread:.0%})")
         return "; ".join(why)
 
     def describe(self, scale: float = 1e3, unit: str = "ms") -> str:
-        load = self.load_after.get("load1")
-        load_s = f"load {load:.1f} on {self.load_after['cpus']} CPUs" if load is not None else "load unknown"
+        load, own = self.load_after.get("load1"), self.load_after.get("own")
+        load_s = (f"load {load:.1f} on {self.load_after['cpus']} CPUs" if load is not None else "load unknown")
+        if load is not None and own:
+            load_s += f", {own:.1f} of it this process"
         flag = f" — BUSY: {self.reason}" if self.busy else ""
         return (f"{self.median * scale:.4g} {unit} (median of {len(self.samples)}, spread ±{self.spread:.1%}, "
                 f"{load_s}){flag}")

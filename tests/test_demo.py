@@ -145,7 +145,7 @@ def test_the_kernel_bench_drops_to_one_thread_on_a_busy_machine(monkeypatch):
 
     from moelab.report.kernels import bench_threads
 
-    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: {0, 1})
     monkeypatch.setattr(os, "getloadavg", lambda: (9.5, 9.0, 8.0))
     threads, note = bench_threads(2)
     assert threads == 1 and "load average 9.5 on 2 CPUs" in note

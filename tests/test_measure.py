@@ -22,10 +22,33 @@ def test_warm_up_is_untimed_and_the_median_and_spread_are_of_the_repeats(monkeyp
     assert "1000 ms (median of 7, spread ±2.5%, load 0.1 on 2 CPUs)" in str(m)
 
 
+def test_the_own_share_of_the_load_average_is_its_exponential_average(monkeypatch):
+    """A process busy on one core for 60 s adds 1 − e^-1 ≈ 0.632 to the 1-minute load average
+    (the kernel's exponential average); what is left of the load average is other work, and
+    only that makes a machine busy: a 2-thread benchmark alone on 2 CPUs is not."""
+    import math
+
+    clock = {"t": 1000.0, "cpu": 50.0}
+    monkeypatch.setattr(M.time, "monotonic", lambda: clock["t"])
+    monkeypatch.setattr(M, "_cpu_seconds", lambda: clock["cpu"])
+    monkeypatch.setattr(M, "_HISTORY", [(1000.0, 50.0)])
+    clock.update(t=1060.0, cpu=110.0)  # one core for 60 s
+    assert M._own_cpus() == pytest.approx(1 - math.exp(-1))
+    clock.update(t=1120.0, cpu=110.0)  # then idle for 60 s: it decays
+    assert M._own_cpus() == pytest.approx((1 - math.exp(-1)) * math.exp(-1))
+    monkeypatch.setattr(M, "_HISTORY", [(1000.0, 0.0)])
+    clock.update(t=1600.0, cpu=1200.0)  # two threads for 10 minutes: the average has caught up
+    monkeypatch.setattr(M.os, "getloadavg", lambda: (2.05, 2.0, 2.0))
+    monkeypatch.setattr(M.os, "sched_getaffinity", lambda _pid: {0, 1})
+    load = M.machine_load()
+    assert load["own"] == pytest.approx(2.0, abs=1e-3) and load["other"] == pytest.approx(0.05, abs=1e-3)
+    assert not M.from_samples([1.0, 1.0, 1.0], load_before=load).busy
+
+
 def test_a_loaded_machine_or_a_wide_spread_is_busy_and_a_benchmark_refuses_it(monkeypatch):
     _fake_load(monkeypatch, 4.0)
     m = M.from_samples([1.0, 1.0, 1.0])
-    assert m.busy and "load average 4.0 on 2 CPUs" in m.reason and "BUSY" in str(m)
+    assert m.busy and "other work's load 4.0 on 2 CPUs" in m.reason and "BUSY" in str(m)
     with pytest.raises(M.BusyMachineError, match="busy machine.*--allow-busy"):
         m.check()
     assert m.check(allow_busy=True) is m

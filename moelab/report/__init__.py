@@ -319,13 +319,14 @@ figure.fig {{ margin: 1em 0; }}
 
 def load_text() -> str:
     """The machine's load when the report was written: section seconds mean little without it."""
-    from moelab.measure import machine_load
+    from moelab.measure import MAX_LOAD_PER_CPU, machine_load
 
     m = machine_load()
     if m["load1"] is None:
         return "load average unknown"
-    busy = " — a busy machine: the times are inflated" if m["per_cpu"] > 0.75 else ""
-    return f"load average {m['load1']:.1f} on {m['cpus']} CPUs when written{busy}"
+    busy = " — a busy machine: the times are inflated" if m["other_per_cpu"] > MAX_LOAD_PER_CPU else ""
+    return (f"load average {m['load1']:.1f} on {m['cpus']} CPUs when written, {m['own']:.1f} of it the report's own"
+            f"{busy}")
 
 
 def html_table(rows: list[dict[str, Any]], floatfmt: str = "{:.3f}") -> str:

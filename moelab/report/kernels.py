@@ -52,19 +52,21 @@ def torch_threads(n: int | None):
 
 def bench_threads(default: int | None) -> tuple[int | None, str]:
     """Threads for the bench and a sentence saying why: all of them (``default``) on a quiet
-    machine; one where the load average already exceeds the CPUs, because OpenMP threads that
+    machine; one where other work's load (the load average less this process's own,
+    :func:`moelab.measure.machine_load`) already fills the CPUs, because OpenMP threads that
     wait at every barrier for a descheduled sibling measure the other load, not the kernel."""
-    import os
+    from moelab.measure import machine_load
 
-    cpus = os.cpu_count() or 1
-    try:
-        load = os.getloadavg()[0]
-    except OSError:  # pragma: no cover - platforms without a load average
+    m = machine_load()
+    cpus, load, other = m["cpus"], m["load1"], m["other"]
+    if load is None:  # pragma: no cover - platforms without a load average
         return default, "Numbers move with other load on a shared machine."
-    if load >= cpus and (default or cpus) > 1:
-        return 1, (f"The machine was busy (load average {load:.1f} on {cpus} CPUs), so both the kernels and "
-                   "the bandwidth were measured on 1 thread; on a quiet machine all threads are used.")
-    return default, f"Load average {load:.1f} on {cpus} CPUs when measured; numbers move with other load."
+    if other >= cpus and (default or cpus) > 1:
+        return 1, (f"The machine was busy (load average {load:.1f} on {cpus} CPUs, {other:.1f} of it other work), "
+                   "so both the kernels and the bandwidth were measured on 1 thread; on a quiet machine all threads "
+                   "are used.")
+    return default, (f"Load average {load:.1f} on {cpus} CPUs when measured ({other:.1f} of it other work); numbers "
+                     "move with other load.")
 
 
 def kernels_section(ctx: ReportContext) -> Section:
