@@ -324,17 +324,24 @@ class ForwardHooks:
             if ctx is None or self.depth != 1:
                 return None
             tensor = output[0] if isinstance(output, tuple) else output
-            new = None
-            for h in self._fns[point]:
-                if h.layers is None or index in h.layers:
-                    got = h.fn(ctx, layer, tensor if new is None else new)
-                    if replace and got is not None:
-                        new = got
+            new = self._serve(point, ctx, layer, index, tensor, replace)
             if new is None:
                 return None
             return (new, *output[1:]) if isinstance(output, tuple) else new
 
         return hook
+
+    def _serve(self, point: str, ctx: Any, layer: MoELayer, index: int, tensor: torch.Tensor,
+               replace: bool) -> torch.Tensor | None:
+        """Run ``point``'s handlers for ``layer`` in order, each seeing the last replacement;
+        the final replacement (None: none)."""
+        new = None
+        for h in self._fns[point]:
+            if h.layers is None or index in h.layers:
+                got = h.fn(ctx, layer, tensor if new is None else new)
+                if replace and got is not None:
+                    new = got
+        return new
 
     def _layer_pre_hook(self, layer: MoELayer, point: str, replace: bool):
         """A forward pre-hook serving ``point``: handlers see the module's first input."""
@@ -348,12 +355,7 @@ class ForwardHooks:
             tensor = args[0] if args else kwargs.get(key)
             if not isinstance(tensor, torch.Tensor):
                 return None
-            new = None
-            for h in self._fns[point]:
-                if h.layers is None or index in h.layers:
-                    got = h.fn(ctx, layer, tensor if new is None else new)
-                    if replace and got is not None:
-                        new = got
+            new = self._serve(point, ctx, layer, index, tensor, replace)
             if new is None:
                 return None
             if args:
