@@ -148,6 +148,10 @@ def test_validate_machine_rows_from_the_real_runs_plans():
     assert all(r["reference"] > 0 or r["metric"] == "host busy %" for r in rows)
     text = format_rows(rows, info)
     assert "median |error|" in text and "moelab-tiny-mixtral cap 0.25 defer 1" in text
+    # a measured step time is a median of steps with its spread and the load (moelab.measure)
+    steps = [r for r in rows if r["metric"] == "decode step ms"]
+    assert all(r["spread"] >= 0 and "load1" in r["load"] for r in steps)
+    assert "the median of 3 decode steps after 1 warm-up (spread ±" in text and "load average" in text
 
 
 def test_grid_over_a_recorded_trace(tmp_path):

@@ -232,7 +232,10 @@ def _print(report, args, saved=None, dump=None) -> None:
         return
     r = report
     print(f"{r.kind} predictor, distance {r.distance}, model {r.model_name}; scored on {r.split}")
-    print(f"latency {r.latency_us:.1f} µs per layer per token (batch 1, CPU); GoodPred on {r.transfer['profile']}: "
+    lat = r.latency
+    how = (f" (median of {lat['calls']} calls, spread ±{lat['spread']:.0%}, load {lat['load']:.1f}"
+           + (f"; BUSY: {lat['busy']}" if lat["busy"] else "") + ")") if lat and lat.get("load") is not None else ""
+    print(f"latency {r.latency_us:.1f} µs per layer per token{how} (batch 1, CPU); GoodPred on {r.transfer['profile']}: "
           f"{r.transfer['expert_bytes']} B/expert, transfer {r.transfer['transfer_us']:.1f} µs, "
           f"layer {r.transfer['decode_layer_time_us']:.0f} µs; fetch rate over the {r.fetch_basis} experts "
           f"(--fetch-basis)")

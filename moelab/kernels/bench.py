@@ -92,19 +92,26 @@ class Row:
     baseline_ms: dict[str, float] = field(default_factory=dict)
     speedup_vs_best: float | None = None
     rel_err_vs_bf16: float | None = None
+    spread: float | None = None
+    """Relative spread of the repeats around the median ``ms`` (:mod:`moelab.measure`)."""
 
 
 _BUSY: list[str] = []  # reasons any timing of the current run was flagged busy
 
 
-def _median_time(fn: Callable[[], object], repeat: int, setup: Callable[[], None] | None = None) -> float:
-    """Median seconds of ``repeat`` timed calls after one warm-up (:func:`moelab.measure.measure`)."""
+def _measure(fn: Callable[[], object], repeat: int, setup: Callable[[], None] | None = None):
+    """``repeat`` timed calls after one warm-up (:func:`moelab.measure.measure`); a busy verdict is kept."""
     from moelab.measure import measure
 
     m = measure(fn, warmup=1, repeat=repeat, setup=setup)
     if m.busy:
         _BUSY.append(m.reason)
-    return m.median
+    return m
+
+
+def _median_time(fn: Callable[[], object], repeat: int, setup: Callable[[], None] | None = None) -> float:
+    """Median seconds of ``repeat`` timed calls after one warm-up."""
+    return _measure(fn, repeat, setup).median
 
 
 def memory_bandwidth(mib: int = 1024, repeat: int = 5) -> dict[str, Any]:
@@ -217,7 +224,8 @@ def _bench_shape(shape: Shape, config: BenchConfig, specs: dict, read_gbps: floa
                 used.append(int(torch.unique(r.ids).numel()))
                 moe_experts(x, r.ids, r.w, p)
 
-            sec = _median_time(fn, repeat, r.redraw)
+            m = _measure(fn, repeat, r.redraw)
+            sec = m.median
             gbps = sorted(used)[len(used) // 2] * packed.expert_nbytes() / sec / 1e9
             err = None
             if "bf16" in packs and d != "bf16":
@@ -226,7 +234,7 @@ def _bench_shape(shape: Shape, config: BenchConfig, specs: dict, read_gbps: floa
             rows.append(Row(
                 shape=str(shape), experts_used=e, dtype=d, tokens=t, ms=sec * 1e3, gbps=gbps,
                 pct_read_bw=100 * gbps / read_gbps, baseline_ms={k: v * 1e3 for k, v in base.items()},
-                speedup_vs_best=(best / sec) if best else None, rel_err_vs_bf16=err,
+                speedup_vs_best=(best / sec) if best else None, rel_err_vs_bf16=err, spread=m.spread,
             ))
     return rows
 
@@ -271,21 +279,24 @@ def format_table(result: dict) -> str:
         f"read bandwidth {m['read_gbps']:.1f} GB/s, copy {m['copy_gbps']:.1f} GB/s; "
         f"{m['threads']} threads; ISA {m['isa']}; torch {m['torch']}; int group {m['group_size']}"
         + (f"; fp8 block {m['fp8_block'][0]}x{m['fp8_block'][1]}" if "fp8_block" in m else ""),
-        f"machine load {m['load']['load1']:.1f} on {m['load']['cpus']} CPUs when measured" if m.get("load", {}).get(
-            "load1") is not None else "machine load unknown",
+        (f"machine load {m['load']['load1']:.1f} on {m['load']['cpus']} CPUs when measured"
+         + (f", {m['load']['own']:.1f} of it this bench" if m["load"].get("own") is not None else ""))
+        if m.get("load", {}).get("load1") is not None else "machine load unknown",
     ]
     if m.get("busy"):
         lines.append(f"WARNING — measured on a busy machine, figures are not meaningful: {m['busy_reason']}")
     base_names = sorted({k for r in result["rows"] for k in r["baseline_ms"]})
-    head = f"{'shape HxIxExK':<17}{'E':>4} {'dtype':<6}{'T':>5}{'ms':>10}{'GB/s':>8}{'%read':>7}"
+    head = f"{'shape HxIxExK':<17}{'E':>4} {'dtype':<6}{'T':>5}{'ms':>10}{'±':>5}{'GB/s':>8}{'%read':>7}"
     head += "".join(f"{b + ' ms':>15}" for b in base_names) + f"{'speedup':>9}{'err vs bf16':>13}"
     lines += [head, "-" * len(head)]
     for r in result["rows"]:
         s = f"{r['shape']:<17}{r['experts_used']:>4} {r['dtype']:<6}{r['tokens']:>5}{r['ms']:>10.3f}"
+        s += f"{r['spread']:>4.0%} " if r.get("spread") is not None else f"{'':>5}"
         s += f"{r['gbps']:>8.1f}{r['pct_read_bw']:>6.0f}%"
         s += "".join(f"{r['baseline_ms'].get(b, float('nan')):>15.3f}" for b in base_names)
         s += f"{r['speedup_vs_best']:>8.2f}x" if r["speedup_vs_best"] else f"{'':>9}"
         s += f"{r['rel_err_vs_bf16']:>13.2e}" if r["rel_err_vs_bf16"] is not None else f"{'':>13}"
         lines.append(s)
-    lines.append("speedup = fastest transformers built-in (bf16) / moelab; err = relative Frobenius error of the layer output vs moelab bf16.")
+    lines.append("ms = median of the repeats, ± its spread; speedup = fastest transformers built-in (bf16) / moelab; "
+                 "err = relative Frobenius error of the layer output vs moelab bf16.")
     return "\n".join(lines)

@@ -44,7 +44,7 @@ import numpy as np
 
 from moelab.errors import MoelabError
 from moelab.predictors.base import Predictor, as_trace_data
-from moelab.predictors.timing import in_time_schedule, measure_latency_us, transfer_model
+from moelab.predictors.timing import in_time_schedule, measure_latency, transfer_model
 from moelab.stats import clustered_stderr, iid_stderr
 from moelab.timing import DEFAULT_PROFILE, HardwareProfile, expert_bytes_of
 
@@ -96,10 +96,12 @@ class PredictionReport:
     overall: dict[str, dict[str, Any]]
     rows: dict[str, np.ndarray] = field(repr=False, default_factory=dict)
     fetch_basis: str = "predicted"
+    latency: dict[str, Any] = field(default_factory=dict)
+    """How ``latency_us`` was measured (calls, spread, load, busy reason); empty when given."""
 
     def to_dict(self) -> dict[str, Any]:
         d = {k: getattr(self, k) for k in ("kind", "distance", "params", "model_name", "trace_id", "split",
-                                            "top_k", "m_values", "latency_us", "transfer", "fetch_basis", "overall",
+                                            "top_k", "m_values", "latency_us", "latency", "transfer", "fetch_basis", "overall",
                                             "per_layer")}
         return _clean(d)
 
@@ -287,8 +289,13 @@ def evaluate(
     m_values = sorted({m for m in (m_values or [1, 2, 4, 8, K]) if 1 <= m <= E} | {K})
     M = max(m_values)
 
+    latency: dict[str, Any] = {}
     if latency_us is None:
-        latency_us = measure_latency_us(predictor, data)
+        m = measure_latency(predictor, data)
+        latency_us = float("nan") if m is None else m.median * 1e6
+        if m is not None:
+            latency = {"calls": len(m.samples), "spread": m.spread, "load": m.load_after.get("load1"),
+                       "busy": m.reason}
     timing_latency = 0.0 if not math.isfinite(latency_us) else latency_us
     if expert_bytes is None and tr.meta["model"].get("expert_bytes"):
         expert_bytes = int(max(tr.meta["model"]["expert_bytes"]))  # recorded: no need to load the model
@@ -359,4 +366,5 @@ def evaluate(
         overall=overall,
         rows=rows,
         fetch_basis=fetch_basis,
+        latency=latency,
     )

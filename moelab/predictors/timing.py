@@ -102,22 +102,26 @@ def in_time_schedule(timing: str, distance: int, top_k: list[int], model: Transf
     return out
 
 
-def measure_latency_us(predictor, data, *, calls: int = 200, warmup: int = 20) -> float:
-    """Median wall time (µs) of one online ``predict`` call for one token at one layer (batch 1).
+def measure_latency(predictor, data, *, calls: int = 200, warmup: int = 20):
+    """Wall times of ``calls`` online ``predict`` calls for one token at one layer (batch 1), after
+    ``warmup`` untimed ones, as a :class:`moelab.measure.Measurement` (median, spread, load).
 
     Inputs are real rows of ``data`` (router input of the first source layer as recorded,
     and the token id); input conversion is included, as it is part of the online path.
-    NaN for offline-only predictors (oracle).
+    None for offline-only predictors (oracle) and where no token pair exists.
     """
+    from moelab.measure import from_samples, machine_load
+
     if not predictor.online:
-        return float("nan")
+        return None
     layer = predictor.source_layers()[0]
     tokens = data.index.pairs(layer, layer + predictor.distance)[:64]
     if len(tokens) == 0:
-        return float("nan")
+        return None
     rows = data.index.rows[tokens, layer]
     hidden = data.hidden[rows] if predictor.needs_hidden else None
     ids = data.index.token_id[tokens]
+    before = machine_load()
     samples = []
     for i in range(warmup + calls):
         j = i % len(tokens)
@@ -125,8 +129,15 @@ def measure_latency_us(predictor, data, *, calls: int = 200, warmup: int = 20) -
         t0 = time.perf_counter_ns()
         predictor.predict(layer, hidden=h, token_ids=ids[j : j + 1])
         if i >= warmup:
-            samples.append(time.perf_counter_ns() - t0)
-    return float(np.median(samples) / 1e3)
+            samples.append((time.perf_counter_ns() - t0) / 1e9)
+    return from_samples(samples, warmup=warmup, load_before=before)
+
+
+def measure_latency_us(predictor, data, *, calls: int = 200, warmup: int = 20) -> float:
+    """Median wall time (µs) of one online ``predict`` call (:func:`measure_latency`); NaN for
+    offline-only predictors."""
+    m = measure_latency(predictor, data, calls=calls, warmup=warmup)
+    return float("nan") if m is None else m.median * 1e6
 
 
 def transfer_model(hardware: str | HardwareProfile | None, expert_bytes: int, latency_us: float,

@@ -186,6 +186,7 @@ def _real_case(model, ids, cfg: dict, steps: int, warmup: int, profile, shape) -
     from moelab.compat import cache_kwargs, output_cache
     from moelab.hybrid.events import summarize
     from moelab.hybrid.runtime import HybridRun
+    from moelab.measure import from_samples, machine_load
     from moelab.simulate.executor import simulate_plans
 
     run = HybridRun(model, cfg)
@@ -199,11 +200,14 @@ def _real_case(model, ids, cfg: dict, steps: int, warmup: int, profile, shape) -
         n0 = len(run.plans)
         ev0 = run.events_table()
         first_step = int(ev0["step"].max()) + 1 if len(ev0) else 0
-        t0 = time.perf_counter()
+        before = machine_load()
+        times = []
         for _ in range(steps):
+            t0 = time.perf_counter()
             out = model(input_ids=nxt, **cache_kwargs(output_cache(out), model), use_cache=True)
             nxt = out.logits[:, -1:].argmax(-1)
-        wall = time.perf_counter() - t0
+            times.append(time.perf_counter() - t0)
+        m = from_samples(times, warmup=warmup, load_before=before)  # the median step, its spread, the load
         plans = list(run.plans[n0:])
         ev = run.events_table()
     ev = ev[ev["step"] >= first_step]
@@ -212,7 +216,8 @@ def _real_case(model, ids, cfg: dict, steps: int, warmup: int, profile, shape) -
     sim = res.summary()
     host_real = sum(v for k, v in real["busy_pct"].items() if k.startswith("host"))
     host_sim = sum(v for k, v in sim["busy_pct"].items() if k.startswith("host"))
-    return {"step_ms": wall / steps * 1e3, "sim_step_ms": sim["decode_step_us"] / 1e3,
+    return {"step_ms": m.median * 1e3, "spread": m.spread, "load": m.load_after, "busy": m.reason,
+            "sim_step_ms": sim["decode_step_us"] / 1e3,
             "host_busy": host_real, "sim_host_busy": host_sim,
             "device_busy": real["busy_pct"].get("device", 0.0), "sim_device_busy": sim["busy_pct"].get("device", 0.0),
             "lanes_ms_per_step": {  # busy ms per step by lane, measured vs simulated (the per-lane comparison)
@@ -293,7 +298,8 @@ def machine_rows(profile: Any = None, *, quick: bool = False, progress: bool = F
         rows.append({"group": "machine", "case": label, "metric": "decode step ms", "reference": r["step_ms"],
                      "reference_kind": "measured", "simulated": r["sim_step_ms"], "error": err, "error_unit": "%",
                      "target": "≤ 10 % median", "ok": abs(err) <= 20, "unit": "ms",
-                     "assumed": "", "sensitivity": "", "lanes_ms_per_step": r["lanes_ms_per_step"]})
+                     "assumed": "", "sensitivity": "", "lanes_ms_per_step": r["lanes_ms_per_step"],
+                     "spread": r["spread"], "load": r["load"], "busy": r["busy"]})
         rows.append({"group": "machine", "case": label, "metric": "host busy %", "reference": r["host_busy"],
                      "reference_kind": "measured", "simulated": r["sim_host_busy"],
                      "error": r["sim_host_busy"] - r["host_busy"], "error_unit": "pts", "target": "",
@@ -302,8 +308,17 @@ def machine_rows(profile: Any = None, *, quick: bool = False, progress: bool = F
     if errs:
         info["machine_median_error_pct"] = statistics.median(errs)
         info["machine_worst_error_pct"] = max(errs)
-    info["machine_settings"] = (f"{steps} measured decode steps after {warmup} warm-up, {torch.get_num_threads()} "
-                                "torch threads; a shared machine: timings are noisy")
+    measured = [r for r in rows if r["metric"] == "decode step ms"]
+    if not measured:
+        return rows, info
+    loads = [r["load"]["load1"] for r in measured if r["load"].get("load1") is not None]
+    info["machine_settings"] = (
+        f"each measured step time is the median of {steps} decode steps after {warmup} warm-up "
+        f"(spread ±{min(r['spread'] for r in measured):.0%}–±{max(r['spread'] for r in measured):.0%}), "
+        f"{torch.get_num_threads()} torch threads, load average "
+        + (f"{min(loads):.1f}–{max(loads):.1f}" if loads else "unknown")
+        + (f"; {sum(bool(r['busy']) for r in measured)} of {len(measured)} flagged busy ({next(r['busy'] for r in measured if r['busy'])})"
+           if any(r["busy"] for r in measured) else ""))
     return rows, info
 
 

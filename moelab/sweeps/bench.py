@@ -115,10 +115,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-gen-toks", type=int, default=32)
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--skip-local-default", action="store_true", help="skip the all-threads local run")
+    p.add_argument("--repeat", type=int, default=3, help="paired local/Ray runs (the speed-up is their median)")
     args = p.parse_args(argv)
+    if args.repeat < 1:
+        p.error(f"--repeat {args.repeat}: expected at least 1 paired run")
 
     from moelab import load
+    from moelab.measure import from_samples, machine_load
     from moelab.sweeps.executors import LocalExecutor, RayExecutor
+
+    load_before = machine_load()
 
     spec = bench_spec(args.cells + args.workers, args.limit, args.max_gen_toks)
     every = expand(spec, {"tiny-random-mixtral": "bench"})
@@ -133,35 +139,43 @@ def main(argv: list[str] | None = None) -> int:
     if not args.skip_local_default:  # first: a 1-thread runner pins this process's torch threads
         results["local, default threads"] = r = _run(LocalExecutor(threads=None, preload=preload), cells)
         print(_describe("local, default threads", r, True), flush=True)
-    results["local, 1 thread"] = r = _run(LocalExecutor(threads=1, preload=preload), cells)
-    print(_describe("local, 1 thread", r, True), flush=True)
     ray_ex = RayExecutor(workers=args.workers, threads=1)
     ray_ex.keep = True
     t0 = time.perf_counter()
     ray_ex._init()
     init_s = time.perf_counter() - t0
+    local_runs, ray_runs = [], []
     try:
         ray_ex.start()
         first = _run(ray_ex, warmup)
-        r = _run(ray_ex, cells)
+        for i in range(args.repeat):  # paired: local 1 thread, then Ray (its actors idle meanwhile)
+            local_runs.append(_run(LocalExecutor(threads=1, preload=preload), cells))
+            print(_describe(f"local, 1 thread (run {i + 1})", local_runs[-1], True), flush=True)
+            ray_runs.append(_run(ray_ex, cells))
+            print(_describe(f"ray, {args.workers} workers × 1 thread, warm (run {i + 1})", ray_runs[-1], False),
+                  flush=True)
     finally:
         ray_ex.close()
         ray_ex.ray.shutdown()
-    results["ray"] = r
-    print(_describe(f"ray, {args.workers} workers × 1 thread, warm", r, False))
+    r = ray_runs[len(ray_runs) // 2]
     print(f"  once per Ray run (amortised over a sweep's cells): {init_s:.1f} s starting the local cluster, "
           f"{ray_ex.actors_start_s:.1f} s starting the actors (import torch, transformers, lm-eval), "
           f"{first['wall']:.1f} s for each actor's first cell (model load, first evaluation: "
           f"{statistics.mean(first['cell_cpus']):.1f} s CPU against {statistics.mean(r['cell_cpus']):.1f} s "
           "for a warm cell)")
-    base = results["local, 1 thread"]
-    print(f"SPEED-UP, warm (target ≥ 1.6×): {base['wall'] / r['wall']:.2f}× against local with 1 thread", end="")
+    speedup = from_samples([lo["wall"] / ra["wall"] for lo, ra in zip(local_runs, ray_runs, strict=True)],
+                           load_before=load_before)
+    print(f"SPEED-UP, warm (target ≥ 1.6×): {speedup.median:.2f}× against local with 1 thread (median of "
+          f"{args.repeat} paired runs, spread ±{speedup.spread:.0%}, other work's load "
+          f"{(speedup.load or 0) * speedup.load_after['cpus']:.1f} on {speedup.load_after['cpus']} CPUs)", end="")
     if "local, default threads" in results:
-        print(f", {results['local, default threads']['wall'] / r['wall']:.2f}× against local with all threads",
-              end="")
-    ov = r["overhead"]
+        print(f", {results['local, default threads']['wall'] / r['wall']:.2f}× against local with all threads "
+              "(one run)", end="")
+    ov = [x for run in ray_runs for x in run["overhead"]]
     print(f"\nray scheduling overhead per cell (target ≤ 1 s): median {statistics.median(ov):.3f} s, "
-          f"max {max(ov):.3f} s (submit→result in the driver minus the actor's run time)")
+          f"max {max(ov):.3f} s over {len(ov)} cells (submit→result in the driver minus the actor's run time)")
+    if speedup.busy:
+        print(f"BUSY machine: {speedup.reason} — the speed-up measures the machine, not the executor")
     print(f"load average after: {os.getloadavg()[0]:.1f}; a quiet machine has 'other processes' near 0 above "
           "(otherwise the workers shared their cores and the speed-up is not the executor's)")
     return 0
