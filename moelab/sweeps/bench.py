@@ -102,10 +102,21 @@ def _describe(name: str, r: dict[str, Any], own_cell_cpu: bool) -> str:
              f"driver {driver / wall:.2f} cores besides the cells"]
     if "ray system" in cpu and not own_cell_cpu:
         parts.append(f"ray processes {cpu['ray system'] / wall:.2f} cores")
-    if "machine" in cpu:
-        ours = cpu["driver"] + (0.0 if own_cell_cpu else cells_cpu + cpu.get("ray system", 0.0))
-        parts.append(f"other processes on the machine {max(cpu['machine'] - ours, 0.0) / wall:.2f} cores")
+    other = _other_cores(r, own_cell_cpu)
+    if other is not None:
+        parts.append(f"other processes on the machine {other:.2f} cores")
     return "; ".join(parts)
+
+
+def _other_cores(r: dict[str, Any], own_cell_cpu: bool) -> float | None:
+    """Cores the rest of the machine used during a run (None without psutil): the machine's CPU
+    time less the driver's, the cells' and Ray's own processes'. (The load average cannot say
+    this here: the Ray actors running the cells are processes of their own.)"""
+    cpu = r["cpu"]
+    if "machine" not in cpu:
+        return None
+    ours = cpu["driver"] + (0.0 if own_cell_cpu else sum(r["cell_cpus"]) + cpu.get("ray system", 0.0))
+    return max(cpu["machine"] - ours, 0.0) / r["wall"]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -163,11 +174,17 @@ def main(argv: list[str] | None = None) -> int:
           f"{first['wall']:.1f} s for each actor's first cell (model load, first evaluation: "
           f"{statistics.mean(first['cell_cpus']):.1f} s CPU against {statistics.mean(r['cell_cpus']):.1f} s "
           "for a warm cell)")
+    others = [x for x in ([_other_cores(lo, True) for lo in local_runs] + [_other_cores(ra, False) for ra in ray_runs])
+              if x is not None]
+    cpus = load_before["cpus"]
+    other = max(others) if others else load_before["other"]  # the busiest run's other work, in cores
+    load = {**load_before, "other": other, "other_per_cpu": None if other is None else other / cpus}
     speedup = from_samples([lo["wall"] / ra["wall"] for lo, ra in zip(local_runs, ray_runs, strict=True)],
-                           load_before=load_before)
+                           load_before=load)
+    speedup.load_after = load
     print(f"SPEED-UP, warm (target ≥ 1.6×): {speedup.median:.2f}× against local with 1 thread (median of "
-          f"{args.repeat} paired runs, spread ±{speedup.spread:.0%}, other work's load "
-          f"{(speedup.load or 0) * speedup.load_after['cpus']:.1f} on {speedup.load_after['cpus']} CPUs)", end="")
+          f"{args.repeat} paired runs, spread ±{speedup.spread:.0%}; other processes used at most "
+          f"{other if other is not None else float('nan'):.2f} of {cpus} cores during a run)", end="")
     if "local, default threads" in results:
         print(f", {results['local, default threads']['wall'] / r['wall']:.2f}× against local with all threads "
               "(one run)", end="")
