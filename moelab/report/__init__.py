@@ -324,9 +324,9 @@ def load_text() -> str:
     m = machine_load()
     if m["load1"] is None:
         return "load average unknown"
-    busy = " — a busy machine: the times are inflated" if m["other_per_cpu"] > MAX_LOAD_PER_CPU else ""
-    return (f"load average {m['load1']:.1f} on {m['cpus']} CPUs when written, {m['own']:.1f} of it the report's own"
-            f"{busy}")
+    busy = " — a busy machine: the times are inflated" if m.get("other_per_cpu", m["per_cpu"]) > MAX_LOAD_PER_CPU else ""
+    own = f", {m['own']:.1f} of it the report's own" if m.get("own") is not None else ""
+    return f"load average {m['load1']:.1f} on {m['cpus']} CPUs when written{own}{busy}"
 
 
 def html_table(rows: list[dict[str, Any]], floatfmt: str = "{:.3f}") -> str:

@@ -58,7 +58,8 @@ def bench_threads(default: int | None) -> tuple[int | None, str]:
     from moelab.measure import machine_load
 
     m = machine_load()
-    cpus, load, other = m["cpus"], m["load1"], m["other"]
+    cpus, load = m["cpus"], m["load1"]
+    other = m.get("other", load)
     if load is None:  # pragma: no cover - platforms without a load average
         return default, "Numbers move with other load on a shared machine."
     if other >= cpus and (default or cpus) > 1:
