@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import html
 
-from moelab.report import ReportContext, Section, html_table, register_section
+from moelab.report import ReportContext, Section, html_table, load_text, register_section
 
 #: The demo's hybrid configuration: a quarter of each layer's experts resident (LRU), misses placed by
 #: the greedy HybriMoE-style rule on a PCIe 4 cost model, two experts per token deferred.
@@ -58,7 +58,9 @@ def hybrid_section(ctx: ReportContext) -> Section:
     intro = (
         f"<p><code>moelab.hybrid(model, {html.escape(repr(cfg))})</code>, greedy generation of {new} tokens "
         f"for {n_prompts} arith prompts: {len(events)} events in {s['wall_us'] / 1e6:.2f} s "
-        f"({s['tokens_per_s'] or 0:.1f} generated tokens/s), host/device overlap "
+        f"({s['tokens_per_s'] or 0:.1f} generated tokens/s in this one run, {html.escape(load_text())}: a "
+        "description of this timeline, not a benchmark — <code>moelab.hybrid.run.measure_runs</code> compares "
+        "configurations with warm-up, turns and the median of repeats), host/device overlap "
         f"{s['overlap_pct']:.1f} % of the host lanes' busy time; experts' fates: {html.escape(fates)}. "
         "On this CPU-only machine the device lane is a CPU worker standing in for a GPU (it shares the cores), "
         "so the timeline shows the plan's concurrency, not a GPU's speed. The summary is "
