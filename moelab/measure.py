@@ -45,8 +45,23 @@ def _cpu_seconds() -> float:
     return t.user + t.system + t.children_user + t.children_system
 
 
+def _process_start() -> tuple[float, float]:
+    """(monotonic s, CPU s) at this process's start (Linux: ``/proc/self/stat``; elsewhere: now),
+    so work done before this module was imported counts as the process's own."""
+    now = time.monotonic()
+    try:
+        with open("/proc/self/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+        age = uptime - int(fields[19]) / os.sysconf("SC_CLK_TCK")  # field 22 (starttime), counted after ")"
+    except (OSError, ValueError, IndexError):
+        return now, _cpu_seconds()
+    return (now - age, 0.0) if 0 <= age < 1e7 else (now, _cpu_seconds())
+
+
 #: (monotonic s, CPU s) samples of this process, to estimate its own share of the load average
-_HISTORY: list[tuple[float, float]] = [(time.monotonic(), _cpu_seconds())]
+_HISTORY: list[tuple[float, float]] = [_process_start()]
 #: the span over which the 1-minute load average mostly averages
 _LOAD_WINDOW_S = 60.0
 
