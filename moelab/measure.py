@@ -5,11 +5,11 @@ validation) comes from :func:`measure`: the callable runs ``warmup`` times untim
 ``repeat`` times timed; the result is the median with its spread (the relative half-width of
 the inter-quartile range, or of min–max with fewer than 5 repeats) and the load before and
 after: the load average, and the part of it that is other work (less this process's own busy
-cores, which a multi-threaded benchmark adds itself). :attr:`Measurement.busy` says when the
-other work or the spread makes the median meaningless (other load above ``max_load_per_cpu``
-per CPU, or spread above ``max_spread``):
-reports flag such a figure, benchmarks refuse it (:class:`BusyMachineError`) unless told to
-go on. Standard library only.
+cores, which a multi-threaded benchmark adds itself). :attr:`Measurement.busy` says when other
+work makes the median meaningless (other load above ``max_load_per_cpu`` per CPU): reports
+flag such a figure, benchmarks refuse it (:class:`BusyMachineError`) unless told to go on.
+:attr:`Measurement.unstable` says when the repeats spread more than ``max_spread``: flagged,
+not refused (a quiet machine can be noisy; the spread is printed with every figure). Standard library only.
 
 >>> m = measure(lambda: model(x), warmup=2, repeat=7)
 >>> print(m)            # 12.3 ms (median of 7, spread ±3.1 %, load 0.4 on 2 CPUs)
@@ -21,6 +21,7 @@ from __future__ import annotations
 import math
 import os
 import statistics
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -64,19 +65,60 @@ def _process_start() -> tuple[float, float]:
 _HISTORY: list[tuple[float, float]] = [_process_start()]
 #: the span over which the 1-minute load average mostly averages
 _LOAD_WINDOW_S = 60.0
+#: how often the sampler thread records this process's CPU time (the kernel samples the load every 5 s)
+_SAMPLE_S = 5.0
+_LOCK = threading.Lock()
+_SAMPLER: list[threading.Thread] = []
+
+
+def _sample_forever() -> None:
+    while True:
+        time.sleep(_SAMPLE_S)
+        with _LOCK:
+            _HISTORY.append((time.monotonic(), _cpu_seconds()))
+            _trim(_HISTORY[-1][0])
+
+
+def _ensure_sampler() -> None:
+    """A daemon thread samples the CPU time every 5 s, so the own share follows the last minute
+    rather than the average since the previous call (before this module's import, only the
+    average since the process started is known)."""
+    if not _SAMPLER or not _SAMPLER[0].is_alive():
+        t = threading.Thread(target=_sample_forever, name="moelab-load-sampler", daemon=True)
+        t.start()
+        _SAMPLER[:] = [t]
+
+
+def _after_fork_in_child() -> None:  # the child's CPU time starts at 0 and no thread survives a fork
+    _HISTORY[:] = [_process_start()]
+    _SAMPLER.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def _trim(now: float) -> None:
+    while len(_HISTORY) > 2 and now - _HISTORY[1][0] > 5 * _LOAD_WINDOW_S:  # weight below e^-5: forget
+        del _HISTORY[0]
+    del _HISTORY[1:-512]  # bounded
 
 
 def _own_cpus() -> float:
     """This process's share of the 1-minute load average: its busy cores (CPU time over wall
-    time between samples) averaged the way the kernel averages the load, exponentially with a
-    60 s time constant, counting nothing before the process started."""
+    time between samples, taken every 5 s by a daemon thread) averaged the way the kernel
+    averages the load, exponentially with a 60 s time constant, counting nothing before the
+    process started. CPU time, not runnable threads: a process with more runnable threads than
+    cores (a benchmark's lanes on 2 CPUs) adds more to the load average than this counts, and
+    the excess reads as other work."""
+    _ensure_sampler()
     now, cpu = time.monotonic(), _cpu_seconds()
-    _HISTORY.append((now, cpu))
-    while len(_HISTORY) > 2 and now - _HISTORY[1][0] > 5 * _LOAD_WINDOW_S:  # weight below e^-5: forget
-        del _HISTORY[0]
-    del _HISTORY[1:-512]  # bounded
+    with _LOCK:
+        _HISTORY.append((now, cpu))
+        _trim(now)
+        history = list(_HISTORY)
     own = 0.0
-    for (t0, c0), (t1, c1) in zip(_HISTORY, _HISTORY[1:]):
+    for (t0, c0), (t1, c1) in zip(history, history[1:]):
         if t1 > t0:
             weight = math.exp(-(now - t1) / _LOAD_WINDOW_S) - math.exp(-(now - t0) / _LOAD_WINDOW_S)
             own += (c1 - c0) / (t1 - t0) * weight
@@ -148,25 +190,32 @@ class Measurement:
 
     @property
     def busy(self) -> bool:
+        """Other work's load made the figure meaningless (benchmarks refuse it)."""
         return bool(self.reason)
 
     @property
     def reason(self) -> str:
-        """Why the figure is not trustworthy ('' when it is)."""
-        why = []
+        """Why the machine was busy ('' when it was not): other work's load per CPU above the limit."""
         if self.load is not None and self.load > self.max_load_per_cpu:
-            why.append(f"other work's load {self.load * self.load_after['cpus']:.1f} on {self.load_after['cpus']} CPUs "
-                       f"(> {self.max_load_per_cpu:g} per CPU; load average less this process's own)")
+            return (f"other work's load {self.load * self.load_after['cpus']:.1f} on {self.load_after['cpus']} CPUs "
+                    f"(> {self.max_load_per_cpu:g} per CPU; load average less this process's own)")
+        return ""
+
+    @property
+    def unstable(self) -> str:
+        """Why the median is not a stable figure ('' when it is): the repeats spread more than
+        ``max_spread``. Flagged beside the figure, not refused: a quiet machine can be noisy."""
         if self.spread > self.max_spread:
-            why.append(f"repeats spread ±{self.spread:.0%} (> ±{self.max_spread:.0%})")
-        return "; ".join(why)
+            return f"repeats spread ±{self.spread:.0%} (> ±{self.max_spread:.0%})"
+        return ""
 
     def describe(self, scale: float = 1e3, unit: str = "ms") -> str:
         load, own = self.load_after.get("load1"), self.load_after.get("own")
         load_s = (f"load {load:.1f} on {self.load_after['cpus']} CPUs" if load is not None else "load unknown")
         if load is not None and own:
             load_s += f", {own:.1f} of it this process"
-        flag = f" — BUSY: {self.reason}" if self.busy else ""
+        flag = (f" — BUSY: {self.reason}" if self.busy else "") + (f" — UNSTABLE: {self.unstable}"
+                                                                     if self.unstable else "")
         return (f"{self.median * scale:.4g} {unit} (median of {len(self.samples)}, spread ±{self.spread:.1%}, "
                 f"{load_s}){flag}")
 
@@ -182,7 +231,7 @@ class Measurement:
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
-        d.update(median_s=self.median, spread=self.spread, busy=self.busy, reason=self.reason)
+        d.update(median_s=self.median, spread=self.spread, busy=self.busy, reason=self.reason, unstable=self.unstable)
         return d
 
 

@@ -23,10 +23,10 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 PLOTLY_MIME = "application/vnd.plotly.v1+json"
-SNAPSHOT_CLASS = "moelab-static-view"
+SNAPSHOT_CLASS = "moelab-static-view"  # the class of the <div> every snapshot is wrapped in
 # plotly renderers that publish a mime bundle (the others open a browser or write a file)
 MIME_RENDERERS = {"plotly_mimetype", "notebook", "notebook_connected", "jupyterlab", "nteract", "vscode", "colab",
-                  "kaggle", "azure", "cocalc", "databricks", "iframe", "iframe_connected", "png", "svg", "jpeg"}  # the class of the <div> every snapshot is wrapped in
+                  "kaggle", "azure", "cocalc", "databricks", "iframe", "iframe_connected", "png", "svg", "jpeg"}
 
 
 def _rich_html(data: dict[str, Any]) -> str:
@@ -40,8 +40,9 @@ def _rich_html(data: dict[str, Any]) -> str:
         return pio.to_html(data[PLOTLY_MIME], full_html=False, include_plotlyjs=False)
     if "image/svg+xml" in data:
         return data["image/svg+xml"]
-    if "image/png" in data:
-        return f'<img src="data:image/png;base64,{data["image/png"]}"/>'
+    for mime in ("image/png", "image/jpeg"):
+        if mime in data:
+            return f'<img src="data:{mime};base64,{data[mime]}"/>'
     text = data.get("text/plain", "")
     return f"<pre>{html.escape(text if isinstance(text, str) else ''.join(text))}</pre>"
 
@@ -85,8 +86,12 @@ def snapshot_html(render: Callable[[], Any], caption: str | None = None) -> str:
     return f'<div class="{SNAPSHOT_CLASS}">{head}{"".join(parts)}</div>'
 
 
+_OWN = ("widget", "_render", "_caption")
+
+
 class StaticView:
     """A widget displayed with a static snapshot of its current view (see the module docstring).
+    To put the panel inside another box, use ``view.widget`` (the ipywidgets object).
 
     ``caption``: a line above the snapshot, or a function giving it at snapshot time. Attribute
     access goes to the widget (``view.children``, ``view.observe`` ...); ``view.widget`` is the
@@ -99,9 +104,14 @@ class StaticView:
         self._caption = caption
 
     def snapshot(self) -> str:
-        """The ``text/html`` a static export shows: the view as it is now."""
-        caption = self._caption() if callable(self._caption) else self._caption
-        return snapshot_html(self._render, caption)
+        """The ``text/html`` a static export shows: the view as it is now. A view that fails to
+        render says so here instead of hiding the live widget."""
+        try:
+            caption = self._caption() if callable(self._caption) else self._caption
+            return snapshot_html(self._render, caption)
+        except Exception as exc:  # noqa: BLE001 - the live widget must still display
+            return (f'<div class="{SNAPSHOT_CLASS}"><pre>no static view: {html.escape(type(exc).__name__)}: '
+                    f"{html.escape(str(exc))}</pre></div>")
 
     def _repr_mimebundle_(self, include: Any = None, exclude: Any = None, **kwargs: Any) -> dict[str, Any]:
         bundle = dict(self.widget._repr_mimebundle_(include=include, exclude=exclude, **kwargs))
@@ -109,9 +119,15 @@ class StaticView:
         return bundle
 
     def __getattr__(self, name: str) -> Any:
-        if name.startswith("__") or name in ("widget", "_render", "_caption"):
+        if name.startswith("__") or name in _OWN:
             raise AttributeError(name)
         return getattr(self.widget, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in _OWN:
+            object.__setattr__(self, name, value)
+        else:  # view.layout = ..., view.value = ...: the widget's
+            setattr(self.widget, name, value)
 
     def __repr__(self) -> str:
         return f"StaticView({type(self.widget).__name__}; a static snapshot for exports without widgets)"

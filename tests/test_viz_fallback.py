@@ -14,8 +14,11 @@ WIDGET = "application/vnd.jupyter.widget-view+json"
 def shell():
     """An IPython shell, as in a kernel: display() publishes mime bundles (without one it prints)."""
     from IPython.core.interactiveshell import InteractiveShell
+    from traitlets.config import Config
 
-    yield InteractiveShell.instance()
+    config = Config()
+    config.HistoryManager.enabled = False  # no sqlite history under ~/.ipython (two xdist workers)
+    yield InteractiveShell.instance(config=config)
     InteractiveShell.clear_instance()  # the rest of the worker's tests run outside IPython again
 
 
@@ -58,10 +61,26 @@ def test_static_view_keeps_a_figure_html():
 
     from moelab.viz import StaticView
 
-    fig = go.Figure(go.Bar(x=[0, 1], y=[0.25, 0.75]))
+    fig = go.Figure(go.Bar(x=[0, 1], y=[0.25, 0.75], name="the-bars"))
     data = _bundle(StaticView(w.VBox([]), lambda: display(fig), caption="a caption"))
     assert "a caption" in data["text/html"]
-    assert fig.data[0].type in data["text/html"] and "0.75" in data["text/html"]
+    assert "the-bars" in data["text/html"] and "Plotly.newPlot(" in data["text/html"]
+
+
+def test_a_view_that_fails_to_render_still_shows_its_widget():
+    import ipywidgets as w
+
+    from moelab.viz import StaticView
+
+    def broken():
+        raise ValueError("no data")
+
+    box = w.VBox([])
+    view = StaticView(box, broken)
+    data = _bundle(view)
+    assert WIDGET in data and "no static view: ValueError: no data" in data["text/html"]
+    view.layout = w.Layout(width="50%")  # attributes set on the view reach the widget
+    assert box.layout.width == "50%"
 
 
 def test_timeline_panel_static_view_shows_the_selection():
@@ -74,7 +93,7 @@ def test_timeline_panel_static_view_shows_the_selection():
     assert WIDGET in data
     html = data["text/html"]
     assert "steps = (1, 2)" in html and "runs = ['real']" in html and "Plotly.newPlot(" in html
-    assert "<table" in html and "scatter" in html  # the summary and the figure (plotly's HTML)
+    assert "<table" in html and "Timeline \\u2014 real" in html  # the summary and the figure (its title, JSON-escaped)
 
 
 def test_cache_panel_static_view():

@@ -23,6 +23,7 @@ Three measurements, printed as tables:
 from __future__ import annotations
 
 import statistics
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -190,7 +191,11 @@ def main(argv: list[str] | None = None) -> int:  # pragma: no cover - a benchmar
     p.add_argument("--skip-realistic", action="store_true", help="only the planner and functional checks")
     p.add_argument("--allow-busy", action="store_true", help="report figures measured on a busy machine (flagged)")
     args = p.parse_args(argv)
-    run(args.models, args.layers, args.steps, not args.skip_realistic, allow_busy=args.allow_busy)
+    try:
+        run(args.models, args.layers, args.steps, not args.skip_realistic, allow_busy=args.allow_busy)
+    except BusyMachineError as exc:
+        print(f"moelab bench hybrid: error: {exc}", file=sys.stderr)
+        return 2
     return 0
 
 
@@ -198,7 +203,7 @@ def _stat(m: Measurement) -> str:
     """``spread ±3 %, load 0.4`` (and BUSY with the reason) of one figure."""
     load = m.load_after.get("load1")
     text = f"±{m.spread:.0%}, load {load:.1f}" if load is not None else f"±{m.spread:.0%}"
-    return text + (" BUSY" if m.busy else "")
+    return text + (" BUSY" if m.busy else "") + (" unstable" if m.unstable else "")
 
 
 def run(models, layers: int, steps: int, realistic: bool, allow_busy: bool = False) -> None:  # pragma: no cover

@@ -18,9 +18,11 @@ MoE layer j routes — and needs its experts on the device — at ``R_j = j × T
 * The queue order of one forward's experts is that of
   :func:`moelab.predictors.protocol.union_predictions`; GoodPred scores batch-1 decode
   (one token per forward), where it is the token's own ranking.
-* A correctly predicted expert is **fetched in time** if its transfer completes by
-  ``R_target``. FetchRate = in-time correct predictions / correct predictions;
-  GoodPred = Accuracy × FetchRate = in-time correct predictions / actual experts.
+* A predicted expert is **fetched in time** if its transfer completes by ``R_target``.
+  FetchRate (ProMoE's, the default) = in-time predicted experts / predicted experts and
+  GoodPred = Accuracy × FetchRate; with ``fetch_basis="correct"``, FetchRate = in-time
+  correct predictions / correct predictions and GoodPred = in-time correct predictions /
+  actual experts (:mod:`moelab.predictors.metrics`).
 
 **Assumptions** (all favour neither predictor kind): no expert cache — every predicted
 expert is transferred (a cache only helps, and is studied with ``moelab.caches``); the
@@ -112,7 +114,7 @@ def measure_latency(predictor, data, *, calls: int = 200, warmup: int = 20):
     """
     from moelab.measure import from_samples, machine_load
 
-    if not predictor.online:
+    if not predictor.online or calls < 1:
         return None
     layer = predictor.source_layers()[0]
     tokens = data.index.pairs(layer, layer + predictor.distance)[:64]

@@ -168,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         ray_ex.close()
         ray_ex.ray.shutdown()
-    r = ray_runs[len(ray_runs) // 2]
+    r = sorted(ray_runs, key=lambda x: x["wall"])[len(ray_runs) // 2]  # the median Ray run (by wall time)
     print(f"  once per Ray run (amortised over a sweep's cells): {init_s:.1f} s starting the local cluster, "
           f"{ray_ex.actors_start_s:.1f} s starting the actors (import torch, transformers, lm-eval), "
           f"{first['wall']:.1f} s for each actor's first cell (model load, first evaluation: "
