@@ -265,19 +265,26 @@ def test_a_kernel_build_lock_left_by_a_killed_build_is_cleared(tmp_path):
     assert clear_stale_lock(tmp_path) and not lock.exists()
 
 
-def test_the_sweep_report_is_small_says_what_was_cut_and_ticks_whole_experts(tmp_path):
+def _run_small_sweep(tmp_path, spec_yaml: str):
+    """Write ``spec_yaml``, run it into ``tmp_path/store`` (1 thread) and return (spec, statuses)."""
     from moelab.sweeps.driver import run_sweep
-    from moelab.sweeps.report import collect, curves_figure, write_html
+    from moelab.sweeps.report import collect
     from moelab.sweeps.spec import load_spec
 
-    (tmp_path / "s.yaml").write_text(
-        "name: small\nmodels: [tiny-random-mixtral]\npolicies:\n  - none\n"
+    (tmp_path / "s.yaml").write_text(spec_yaml)
+    spec = load_spec(tmp_path / "s.yaml")
+    run_sweep(spec, store=tmp_path / "store", threads=1, progress=False)
+    return spec, collect(spec, tmp_path / "store")
+
+
+def test_the_sweep_report_is_small_says_what_was_cut_and_ticks_whole_experts(tmp_path):
+    from moelab.sweeps.report import curves_figure, write_html
+
+    spec, statuses = _run_small_sweep(
+        tmp_path, "name: small\nmodels: [tiny-random-mixtral]\npolicies:\n  - none\n"
         "  - {policy: deferral, min_immediate: 0, grid: {deferred: [1]}}\n"
         "  - {policy: skipping, min_kept: 0, grid: {skipped: [1]}}\n"
         "tasks:\n  - {task: arith, limit: 1}\neval: {max_gen_toks: 3}\n")
-    spec = load_spec(tmp_path / "s.yaml")
-    run_sweep(spec, store=tmp_path / "store", threads=1, progress=False)
-    statuses = collect(spec, tmp_path / "store")
     page_path = write_html(spec, statuses, tmp_path / "out" / "r.html")
     page = page_path.read_text()
     assert page_path.stat().st_size < 300_000  # was 4.8 MB for 3 cells: plotly.js is beside it, once
@@ -305,17 +312,12 @@ def test_paired_differences_by_hand():
 
 
 def test_the_sweep_report_pairs_every_cell_with_the_unmodified_model_per_document(tmp_path):
-    from moelab.sweeps.driver import run_sweep
-    from moelab.sweeps.report import collect, paired_rows, write_html
-    from moelab.sweeps.spec import load_spec
+    from moelab.sweeps.report import paired_rows, write_html
 
-    (tmp_path / "s.yaml").write_text(
-        "name: paired\nmodels: [moelab-tiny-mixtral]\npolicies:\n  - none\n"
+    spec, statuses = _run_small_sweep(
+        tmp_path, "name: paired\nmodels: [moelab-tiny-mixtral]\npolicies:\n  - none\n"
         "  - {policy: skipping, min_kept: 0, grid: {skipped: [2]}}\n"
         "tasks:\n  - {task: arith, limit: 3}\neval: {max_gen_toks: 24}\n")
-    spec = load_spec(tmp_path / "s.yaml")
-    run_sweep(spec, store=tmp_path / "store", threads=1, progress=False)
-    statuses = collect(spec, tmp_path / "store")
     (row,) = paired_rows(statuses, tmp_path / "store")
     assert row["n"] == 3 and row["cell"].startswith("skipping")
     scores = {x.cell.policy: x.record["score"] for x in statuses}
