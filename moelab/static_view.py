@@ -91,11 +91,11 @@ _OWN = ("widget", "_render", "_caption")
 
 class StaticView:
     """A widget displayed with a static snapshot of its current view (see the module docstring).
-    To put the panel inside another box, use ``view.widget`` (the ipywidgets object).
 
-    ``caption``: a line above the snapshot, or a function giving it at snapshot time. Attribute
-    access goes to the widget (``view.children``, ``view.observe`` ...); ``view.widget`` is the
-    widget itself."""
+    ``render`` draws the view (it runs again for each snapshot); ``caption``: a line above the
+    snapshot, or a function giving it at snapshot time. Attributes read and set on the view are
+    the widget's (``view.children``, ``view.layout = ...``); to put the panel inside another
+    box, use ``view.widget``, the ipywidgets object itself."""
 
     def __init__(self, widget: Any, render: Callable[[], Any],
                  caption: str | Callable[[], str] | None = None) -> None:
