@@ -14,11 +14,11 @@ import torch
 
 import moelab.kernels  # noqa: F401  (registers the moelab experts implementations)
 from moelab.backends import BACKENDS, ExpertsBackend, get_backend, require_cpu
-from moelab.backends.kernel import KernelBackend
 from moelab.backends.reference import ReferenceBackend
 from moelab.errors import MoelabError
 from moelab.kernels import moe_experts, reference_experts
-from moelab.kernels.integration import IMPLEMENTATIONS, canonical_experts, packed_for, resolve_spec
+from moelab.kernels.backend import KernelBackend, packed_for
+from moelab.kernels.integration import IMPLEMENTATIONS, canonical_experts, resolve_spec
 from moelab.models.tiny import FAMILIES, build_tiny
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}

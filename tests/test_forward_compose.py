@@ -21,10 +21,9 @@ import torch
 
 import moelab
 from moelab.adapters import moe_layers
-from moelab.backends import use_backend
 from moelab.compat import cache_kwargs, output_cache, router_outputs
 from moelab.errors import MoelabError
-from moelab.forward import Order, forward_hooks, hooks
+from moelab.forward import Order, forward_hooks, hooks, use_backend
 from moelab.models.tiny import FAMILIES, build_tiny
 from moelab.policies import ExpertDeferral
 from moelab.predictors import attach, make_predictor

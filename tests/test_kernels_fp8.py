@@ -21,8 +21,8 @@ from moelab.kernels import (
     save_fp8_checkpoint,
     supported_isas,
 )
+from moelab.kernels.backend import packed_for
 from moelab.kernels.fp8 import FP8_MAX, stored_fp8_pack
-from moelab.kernels.integration import packed_for
 from moelab.models.tiny import build_tiny
 
 

@@ -9,7 +9,8 @@ import moelab.kernels  # noqa: F401  (registers the implementations)
 from moelab.backends import get_backend
 from moelab.errors import MoelabError
 from moelab.kernels import force_isa, supported_isas
-from moelab.kernels.integration import IMPLEMENTATIONS, canonical_experts, clear_packed
+from moelab.kernels.backend import clear_packed
+from moelab.kernels.integration import IMPLEMENTATIONS, canonical_experts
 from moelab.models.tiny import FAMILIES, build_tiny
 
 

@@ -20,11 +20,13 @@ LAYERS: list[set[str]] = [
     {"errors", "registry", "stats", "events", "routing", "measure", "static_view", "_lazy", "_output", "_resources",
      "<pkg>"},
     # components: the model view, kernels, tasks and everything that acts on a forward pass
-    {"adapters", "compat", "kernels", "backends", "models", "tasks", "prompts", "loading", "forward", "hardware", "timing",
+    {"adapters", "compat", "kernels", "backends", "models", "tasks", "prompts", "loading", "forward", "timing",
      "trace", "caches", "policies", "predictors"},
-    # runtimes composed from the components; the simulator (plans on hardware profiles) is the
-    # hybrid runtime's third executor, so the two import each other
-    {"hybrid", "simulate"},
+    # the hybrid runtime composed from the components: one planner, its executors
+    {"hybrid"},
+    # the simulator: plans of the hybrid planner on hardware profiles (its online executor is a
+    # lazy entry of the hybrid executors registry, a string, so the hybrid package never imports it)
+    {"simulate"},
     # what is built on the components: evaluation, plots, reports, training, the demo
     {"evals", "viz", "timeline", "report", "training", "demo", "attribution"},
     # experiments over evaluations (sweeps run evals over models, policies and tasks)
@@ -100,6 +102,65 @@ def test_imports_point_downward_only():
         if RANK.get(dst, 0) > RANK[src]
     ]
     assert not upward, "imports that point up a layer:\n" + "\n".join(upward)
+
+
+def _cycles(edges: list[tuple[str, str]]) -> list[list[str]]:
+    """The strongly connected components of more than one unit (Tarjan), each sorted."""
+    graph: dict[str, set[str]] = {}
+    for a, b in edges:
+        graph.setdefault(a, set()).add(b)
+        graph.setdefault(b, set())
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_no_package_imports_another_that_imports_it_back():
+    """No cycle between moelab's packages and top-level modules, at any depth: every import,
+    module- or function-level, counts (the package root ``<pkg>`` aside: it re-exports lazily)."""
+    graph = _graph()
+    edges = [(src, dst) for _, _, src, dst in graph if "<pkg>" not in (src, dst)]
+    cycles = _cycles(edges)
+    where = {(s, d): f"{f}:{line}" for f, line, s, d in graph}
+    detail = [
+        f"{' <-> '.join(c)}: " + "; ".join(f"{a} -> {b} ({where[(a, b)]})" for a in c for b in c if (a, b) in where)
+        for c in cycles
+    ]
+    assert not cycles, "package cycles:\n" + "\n".join(detail)
+
+
+def test_the_cycle_finder_finds_cycles_of_any_length():
+    assert _cycles([("a", "b"), ("b", "c"), ("c", "a"), ("c", "d")]) == [["a", "b", "c"]]
+    assert _cycles([("a", "b"), ("b", "a"), ("x", "y")]) == [["a", "b"]]
+    assert _cycles([("a", "b"), ("b", "c")]) == []
 
 
 def test_the_checker_sees_function_level_imports_and_skips_type_checking(tmp_path):

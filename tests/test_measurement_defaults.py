@@ -163,8 +163,8 @@ def test_answers_cut_by_the_generation_cap_are_reported(caplog):
 
 
 def test_demo_accuracy_section_uses_the_tasks_generation_cap(monkeypatch):
-    from moelab.evals import report
     from moelab.report import ReportContext
+    from moelab.report import accuracy as report
 
     seen = {}
 

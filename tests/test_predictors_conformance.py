@@ -245,11 +245,11 @@ def test_learned_accepts_promoe_settings(trace):
 
 def test_predictor_drives_cache_prefetch_through_the_adapter(trace):
     from moelab.caches import PrefetchConfig, simulate
-    from moelab.caches.prefetch import ExpertPredictor
+    from moelab.caches.prefetch import Prefetcher
     from moelab.predictors import as_prefetcher
 
     oracle = as_prefetcher(make("oracle", distance=1).fit(trace), trace)
-    assert isinstance(oracle, ExpertPredictor)
+    assert isinstance(oracle, Prefetcher)
     ours = simulate(trace.path, "lru", 0.25, prefetch=PrefetchConfig(predictor=oracle, distance=1))
     theirs = simulate(trace.path, "lru", 0.25, prefetch=PrefetchConfig(predictor="oracle", distance=1))
     assert ours.hit_rate == pytest.approx(theirs.hit_rate)

@@ -168,7 +168,8 @@ def test_as_prefetcher_unions_each_step_with_the_one_union(fitted, trace):
 
 def test_cache_prefetch_takes_propose_per_token_rows_and_refuses_a_bare_predictor(fitted):
     from moelab.caches import PrefetchConfig, simulate, stream_from_groups
-    from moelab.caches.prefetch import PREFETCHERS, proposals, register_prefetcher
+    from moelab.caches.prefetch import proposals
+    from moelab.predictors import OraclePredictor, RepeatPredictor
 
     stream = stream_from_groups([(0, [0]), (1, [2]), (0, [1]), (1, [3])], [4, 4])
 
@@ -179,18 +180,19 @@ def test_cache_prefetch_takes_propose_per_token_rows_and_refuses_a_bare_predicto
     ptr, keys = proposals(PerToken(), stream, 1)
     assert ptr.tolist() == [0, 2, 2, 4, 4] and (keys - 4).tolist()[:2] == [3, 1]
 
-    class Old:
+    class Old:  # the removed protocol, predict(context): refused, not silently adapted
         def predict(self, context):
             return [1]
 
-    with pytest.warns(DeprecationWarning, match="rename it to propose"):
-        r = simulate(stream, "lru", 1, prefetch=PrefetchConfig(Old(), 1))
-    assert r.prefetched == 2
+    with pytest.raises(MoelabError, match="propose"):
+        simulate(stream, "lru", 1, prefetch=PrefetchConfig(Old(), 1))
     with pytest.raises(MoelabError, match="as_prefetcher"):
         simulate(stream, "lru", 1, prefetch=PrefetchConfig(fitted["token"], 1))
-    with pytest.raises(MoelabError, match="already registered"):
-        register_prefetcher("oracle", PerToken)
-    with PREFETCHERS.temporarily("per-token-test", PerToken):
-        assert simulate(stream, "lru", 1, prefetch=PrefetchConfig("per-token-test", 1)).prefetched == 2
+    # the routing-reading kinds are predictor kinds: by name or as unfitted instances, the same proposals
+    for name, kind in (("oracle", OraclePredictor), ("repeat", RepeatPredictor)):
+        by_name, by_obj = proposals(name, stream, 1), proposals(kind(), stream, 1)
+        assert [a.tolist() for a in by_name] == [a.tolist() for a in by_obj]
     with pytest.raises(MoelabError, match="Did you mean 'repeat'"):
         simulate(stream, "lru", 1, prefetch=PrefetchConfig("repaet", 1))
+    with pytest.raises(MoelabError, match="as_prefetcher"):  # a kind that must be fitted is not a source by name
+        simulate(stream, "lru", 1, prefetch=PrefetchConfig("learned", 1))

@@ -165,7 +165,7 @@ def test_ray_missing_gives_the_install_command(tmp_path, monkeypatch, capsys):
     from moelab.cli import main
 
     monkeypatch.setitem(sys.modules, "ray", None)  # import ray -> ImportError
-    assert main(["sweep", "run", str(_spec(tmp_path)), "--executor", "ray"]) == 2
+    assert main(["sweep", "run", str(_spec(tmp_path)), "--backend", "ray"]) == 2
     assert "pip install" in capsys.readouterr().err
 
 
@@ -271,7 +271,7 @@ def test_ray_executor_equals_local_cell_for_cell(baseline, tmp_path):
     _, expected = baseline
     spec = load_spec(_spec(tmp_path))
     try:
-        summary = run_sweep(spec, executor="ray", workers=2, threads=1, store=tmp_path / "store", progress=False)
+        summary = run_sweep(spec, backend="ray", workers=2, threads=1, store=tmp_path / "store", progress=False)
     except MoelabError as exc:
         if "Ray local cluster did not start" in str(exc):
             pytest.skip(str(exc))
@@ -372,7 +372,7 @@ def test_ray_address_connects_to_an_existing_cluster(baseline, tmp_path):
                     "dashboard agent does not register within 15 s): " + log.read_text().strip().splitlines()[-1])
     try:
         spec = load_spec(_spec(tmp_path))
-        summary = run_sweep(spec, executor="ray", workers=2, threads=1, address=f"127.0.0.1:{port}",
+        summary = run_sweep(spec, backend="ray", workers=2, threads=1, address=f"127.0.0.1:{port}",
                             store=tmp_path / "store", progress=False)
         assert (summary.done, summary.failed) == (N_CELLS, {})
         assert _results(tmp_path / "store") == expected
@@ -387,7 +387,7 @@ def test_ray_address_where_nothing_listens_is_refused_before_the_store(tmp_path)
 
     spec = load_spec(_spec(tmp_path))
     with pytest.raises(MoelabError, match=r"cannot connect to the Ray cluster at '127.0.0.1:\d+' \(Connection refused"):
-        run_sweep(spec, executor="ray", address=f"127.0.0.1:{_free_port()}", store=tmp_path / "s", progress=False)
+        run_sweep(spec, backend="ray", address=f"127.0.0.1:{_free_port()}", store=tmp_path / "s", progress=False)
     assert not (tmp_path / "s").exists()
 
 

@@ -13,7 +13,6 @@ from moelab.timing import (
     DEFAULT_PROFILE,
     FIELDS,
     PROFILES,
-    HardwareProfile,
     Link,
     available_profiles,
     fifo_schedule,
@@ -201,15 +200,6 @@ def test_registry_did_you_mean_and_collisions():
             PROFILES.register("junk-for-test", {"name": "x"})
     finally:
         PROFILES.unregister("slow-box-for-test")
-
-
-def test_hardware_module_is_a_compatibility_name():
-    import moelab.hardware as hw_mod
-    import moelab.timing as timing
-
-    for name in hw_mod.__all__:
-        assert getattr(hw_mod, name) is getattr(timing, name)
-    assert isinstance(hw_mod.get_profile(), HardwareProfile)
 
 
 def test_prefetch_budget_from_a_profile_and_a_link_with_latency():

@@ -30,9 +30,6 @@ native kernels; ``moelab.kernels`` stays the home of the kernels themselves.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
-
 from moelab.backends.base import ExpertsBackend, Routing, check_expert_map, require_cpu, route
 from moelab.registry import Registry
 
@@ -46,7 +43,7 @@ for _name in (
     "moelab", "moelab_bf16", "moelab_int8", "moelab_int8_g32", "moelab_int8_g128",
     "moelab_int4", "moelab_int4_g32", "moelab_int4_g128", "moelab_fp8",
 ):
-    BACKENDS.register(_name, f"moelab.backends.kernel:DEFAULTS.{_name}")
+    BACKENDS.register(_name, f"moelab.kernels.backend:DEFAULTS.{_name}")
 
 
 def get_backend(name: str | ExpertsBackend) -> ExpertsBackend:
@@ -61,39 +58,8 @@ def register_backend(name: str, backend: ExpertsBackend | str, *, overwrite: boo
     BACKENDS.register(name, backend, overwrite=overwrite, stacklevel=2)  # the caller is the place
 
 
-@contextmanager
-def use_backend(model, backend: str | ExpertsBackend, *, layers=None, expert_map=None) -> Iterator[ExpertsBackend]:
-    """Run ``model``'s experts calls through ``backend`` inside the ``with`` block.
-
-    A handler at the ``experts`` point of the model's forward hooks
-    (:mod:`moelab.forward`, level ``BACKEND``) sets the backend of every MoE layer's
-    experts call (``layers``: only these MoE layer ordinals) and, if given, the expert map.
-    Deferral and skipping still apply: the backend runs whatever the plan keeps. Removed on
-    exit, also after an exception.
-
-    >>> with use_backend(model, "moelab_int4"):
-    ...     model.generate(**inputs, max_new_tokens=16)
-    """
-    from moelab.forward import Order, forward_hooks
-
-    chosen = get_backend(backend)
-
-    def choose(ctx, layer, call) -> None:
-        call.backend = chosen
-        if expert_map is not None:
-            call.expert_map = expert_map
-
-    handle = forward_hooks(model).add("experts", choose, order=Order.BACKEND, layers=layers,
-                                      name=f"experts backend {backend}")
-    try:
-        yield chosen
-    finally:
-        handle.remove()
-
-
 __all__ = [
     "BACKENDS",
-    "use_backend",
     "ExpertsBackend",
     "Routing",
     "check_expert_map",

@@ -1,172 +1,100 @@
-"""Prefetching into expert caches: the proposal protocol, built-in prefetchers, proposals.
+"""Prefetching into expert caches: prefetch sources resolved in one place, their proposals.
 
-After a step's MoE layer ``l`` is served, a *prefetcher* proposes the experts MoE layer
+After a step's MoE layer ``l`` is served, a prefetch source proposes the experts MoE layer
 ``l + d`` of the same step will need (``d`` = prediction distance). The cache inserts them
 as low-priority *speculative* entries within a transfer budget (per MoE layer by default, or per
 step: ``PrefetchConfig.budget_scope``); when layer ``l + d``
 runs, its exact needs are served with high priority and evict unused prefetches first
 (ProMoE's early preemption). Proposals beyond the last MoE layer are not made.
 
-Where proposals come from:
+Prefetch sources follow the one predictor protocol (:mod:`moelab.predictors.protocol`):
 
-* a fitted expert predictor (:class:`moelab.predictors.Predictor`, the one predictor
-  protocol — :mod:`moelab.predictors.protocol`): wrap it with
-  ``moelab.predictors.as_prefetcher(predictor, trace)``, which predicts over the trace and
-  unions each step's tokens with :func:`moelab.predictors.protocol.union_predictions`
-  (the CLI's ``--prefetch DIRECTORY`` does this);
-* a registered prefetcher (:data:`PREFETCHERS`: ``oracle``, ``repeat``; add your own with
-  :func:`register_prefetcher`), which reads the access stream itself;
-* any object with ``propose(context) -> experts`` (:class:`Prefetcher`); it may return one
-  ranked list, or (T, m) per-token predictions (padding rows ``-1``), which are unioned
-  with ``union_predictions``. ``model_name`` / ``num_experts`` attributes, when present,
-  are checked against the trace. ``propose_stream(stream, distance)`` makes every proposal
-  at once (the built-ins do). Objects written for the old protocol, ``predict(context)``,
-  still work (with a DeprecationWarning): ``predict`` is the expert predictors' method.
+* a predictor kind that reads the recorded routing, by name or as an instance, unfitted:
+  ``"oracle"`` (what layer ``l + d`` needs in the same step) and ``"repeat"`` (what it needed
+  at the previous step of the same sequence) — :attr:`moelab.predictors.Predictor.reads_routing`;
+* a fitted expert predictor, wrapped with ``moelab.predictors.as_prefetcher(predictor,
+  trace)``, which predicts over the trace and unions each step's tokens with
+  :func:`moelab.predictors.protocol.union_predictions` (the CLI's ``--prefetch DIRECTORY``
+  does this);
+* any object with ``propose(context) -> experts`` (:class:`Prefetcher`, one
+  :class:`PredictContext`); it may return one ranked list, or (T, m) per-token predictions
+  (padding rows ``-1``), unioned with ``union_predictions``. ``model_name`` / ``num_experts``
+  attributes, when present, are checked against the trace. ``propose_stream(stream,
+  distance)`` makes every proposal at once.
 """
 
 from __future__ import annotations
 
 import logging
-import warnings
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from typing import Any
 
 import numpy as np
 
 from moelab.caches.stream import AccessStream
-from moelab.errors import MoelabError
-from moelab.registry import Registry
+from moelab.errors import MoelabError, unknown_name
+from moelab.predictors.protocol import PredictContext, Prefetcher, union_predictions
 
 logger = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class PredictContext:
-    """What a predictor sees when asked, after MoE layer ``layer`` of one step, about ``target_layer``."""
+def routing_kinds() -> dict[str, str]:
+    """The predictor kinds that read the recorded routing, ``{name: rule}`` (``same`` / ``previous``)."""
+    from moelab.predictors import PREDICTORS
 
-    stream: AccessStream
-    """The access stream being replayed (gives ``num_experts``, ``top_k`` and the past)."""
-    group: int
-    """Index of the (seq, step, layer) group just served."""
-    seq: int
-    """Sequence id."""
-    step: int
-    """Step (0 = prefill, n = n-th decode step)."""
-    layer: int
-    """MoE-layer ordinal just served (``l``)."""
-    target_layer: int
-    """MoE-layer ordinal to predict (``l + d``)."""
-    experts: np.ndarray
-    """Experts layer ``l`` used in this step, in access order."""
-    scores: np.ndarray | None
-    """(tokens, E) router scores of layer ``l`` in this step, or None if not recorded."""
+    return {n: PREDICTORS.get(n).reads_routing for n in PREDICTORS.names() if PREDICTORS.get(n).reads_routing}
 
 
-@runtime_checkable
-class Prefetcher(Protocol):
-    """What the cache's prefetch path calls: ``propose(context)`` returns expert ids of
-    ``context.target_layer``, most confident first (or (T, m) per-token predictions, unioned
-    in order by :func:`moelab.predictors.protocol.union_predictions`). Optional:
-    ``model_name: str``, ``num_experts: list[int]`` (checked against the trace), and
-    ``propose_stream(stream, distance) -> (ptr, experts)`` for a vectorised offline path.
-    """
-
-    def propose(self, context: PredictContext) -> Sequence[int] | np.ndarray: ...
+def routing_rule(source: Any) -> str | None:
+    """``same`` / ``previous`` when ``source`` is a routing-reading predictor kind (its name, its
+    class or an instance), else None."""
+    if isinstance(source, str):
+        return routing_kinds().get(source)
+    return getattr(source, "reads_routing", None) if isinstance(getattr(source, "reads_routing", None), str) else None
 
 
-#: Former name of :class:`Prefetcher` (its method was ``predict(context)``, renamed
-#: ``propose`` so that ``predict`` means one thing: the expert predictors' method).
-ExpertPredictor = Prefetcher
+class _RoutingProposals:
+    """A routing-reading kind's rule over an access stream: the experts of the group of layer
+    ``l + d`` in the same pass (``same``) or the previous pass of the same sequence (``previous``)."""
 
+    def __init__(self, name: str, rule: str) -> None:
+        self.name, self.rule = name, rule
 
-class OraclePrefetcher:
-    """Reads the future from the trace: proposes exactly the experts layer ``l + d`` will use."""
-
-    name = "oracle"
-
-    def propose(self, context: PredictContext) -> Sequence[int]:
-        tgt = _target_groups(context.stream, context.target_layer - context.layer, same_pass=True)
+    def propose(self, context: PredictContext) -> list[int]:
+        tgt = _target_groups(context.stream, context.target_layer - context.layer, same_pass=self.rule == "same")
         g = tgt[context.group]
         return [] if g < 0 else context.stream.group_experts(g).tolist()
 
     def propose_stream(self, stream: AccessStream, distance: int) -> tuple[np.ndarray, np.ndarray]:
-        return _gather(stream, _target_groups(stream, distance, same_pass=True))
+        return _gather(stream, _target_groups(stream, distance, same_pass=self.rule == "same"))
 
 
-class RepeatPrefetcher:
-    """Proposes the experts layer ``l + d`` used at the previous step of the same sequence.
-
-    A training-free baseline that bets on temporal locality.
-    """
-
-    name = "repeat"
-
-    def propose(self, context: PredictContext) -> Sequence[int]:
-        tgt = _target_groups(context.stream, context.target_layer - context.layer, same_pass=False)
-        g = tgt[context.group]
-        return [] if g < 0 else context.stream.group_experts(g).tolist()
-
-    def propose_stream(self, stream: AccessStream, distance: int) -> tuple[np.ndarray, np.ndarray]:
-        return _gather(stream, _target_groups(stream, distance, same_pass=False))
-
-
-#: Prefetchers by name (``--prefetch NAME`` on the CLI): factories called with no arguments.
-PREFETCHERS: Registry[Callable[[], Any]] = Registry("prefetch predictor", check=callable)
-PREFETCHERS.register("oracle", OraclePrefetcher)
-PREFETCHERS.register("repeat", RepeatPrefetcher)
-
-
-def register_prefetcher(name: str, factory: Callable[[], Any], *, overwrite: bool = False) -> None:
-    """Make a prefetcher available by name (``--prefetch NAME`` on the CLI); a repeated
-    name raises unless ``overwrite=True``."""
-    PREFETCHERS.register(name, factory, overwrite=overwrite)
-
-
-def available_prefetchers() -> list[str]:
-    return sorted(PREFETCHERS.names())
-
-
-class _LegacyPredict:
-    """An object of the old protocol (``predict(context)``) seen through ``propose``."""
-
-    def __init__(self, obj: Any) -> None:
-        self.obj = obj
-        for attr in ("model_name", "num_experts", "name"):
-            if hasattr(obj, attr):
-                setattr(self, attr, getattr(obj, attr))
-
-    def propose(self, context: PredictContext):
-        return self.obj.predict(context)
-
-
-def get_prefetcher(predictor: str | Any) -> Any:
-    """A prefetcher from a registered name, or the object itself (see the module docstring)."""
-    if isinstance(predictor, str):
-        return PREFETCHERS.get(predictor)()
-    if callable(getattr(predictor, "predict_trace", None)) and callable(getattr(predictor, "source_layers", None)):
+def get_prefetcher(source: str | Any) -> Any:
+    """The prefetch source ``source`` (see the module docstring) as an object with ``propose``."""
+    rule = routing_rule(source)
+    if rule is not None:
+        name = source if isinstance(source, str) else (getattr(source, "kind", "") or type(source).__name__)
+        return _RoutingProposals(name, rule)
+    if isinstance(source, str):
+        err = unknown_name("prefetch predictor", source, routing_kinds())
+        raise MoelabError(f"{err} A predictor that must be fitted drives a prefetch through "
+                          "moelab.predictors.as_prefetcher(fitted predictor, trace).")
+    if callable(getattr(source, "predict_trace", None)) and callable(getattr(source, "source_layers", None)):
         raise MoelabError(
-            f"{type(predictor).__name__} is an expert predictor: it predicts from router inputs and token ids, "
+            f"{type(source).__name__} is an expert predictor: it predicts from router inputs and token ids, "
             "which the cache's access stream does not hold; pass moelab.predictors.as_prefetcher(predictor, "
             "trace) (the trace it should predict over) as the prefetch predictor."
         )
-    if callable(getattr(predictor, "propose", None)) or callable(getattr(predictor, "propose_stream", None)):
-        return predictor
-    if callable(getattr(predictor, "predict", None)):
-        warnings.warn(
-            f"{type(predictor).__name__}.predict(context) is the old prefetch protocol; rename it to "
-            "propose(context) (see moelab.caches.prefetch.Prefetcher).", DeprecationWarning, stacklevel=3,
-        )
-        return _LegacyPredict(predictor)
+    if callable(getattr(source, "propose", None)) or callable(getattr(source, "propose_stream", None)):
+        return source
     raise MoelabError(
-        f"{type(predictor).__name__} is not a prefetcher: it needs propose(context) -> expert ids "
-        "(see moelab.caches.prefetch.Prefetcher), or wrap a fitted predictor with moelab.predictors.as_prefetcher."
+        f"{type(source).__name__} is not a prefetch source: it needs propose(context) -> expert ids "
+        "(see moelab.predictors.protocol.Prefetcher), or wrap a fitted predictor with moelab.predictors.as_prefetcher."
     )
 
 
 def check_compatible(predictor: Any, stream: AccessStream) -> None:
     """Refuse a predictor built for another model (by name or by expert counts)."""
-    who = type(predictor.obj if isinstance(predictor, _LegacyPredict) else predictor).__name__
+    who = type(predictor).__name__
     name = getattr(predictor, "model_name", None)
     if name and stream.model_name and name != stream.model_name:
         raise MoelabError(
@@ -197,8 +125,6 @@ def proposals(predictor: Any, stream: AccessStream, distance: int) -> tuple[np.n
     if callable(getattr(predictor, "propose_stream", None)):
         return predictor.propose_stream(stream, distance)
     from tqdm.auto import tqdm
-
-    from moelab.predictors.protocol import union_predictions
 
     G, L = stream.num_groups, stream.num_layers
     ptr = np.zeros(G + 1, dtype=np.int64)
@@ -263,3 +189,7 @@ def _gather(stream: AccessStream, target: np.ndarray) -> tuple[np.ndarray, np.nd
     starts = np.repeat(np.where(target >= 0, stream.group_ptr[target], 0), sizes)
     within = np.arange(ptr[-1]) - np.repeat(ptr[:-1], sizes)
     return ptr, stream.keys[starts + within].astype(np.int64)
+
+
+__all__ = ["PredictContext", "Prefetcher", "check_compatible", "get_prefetcher", "proposals", "routing_kinds",
+           "routing_rule"]

@@ -64,9 +64,10 @@ class PrefetchConfig:
     """
 
     predictor: Any = "oracle"
-    """A registered prefetcher name (``oracle``, ``repeat``), a fitted predictor wrapped by
+    """A prefetch source (:func:`moelab.caches.prefetch.get_prefetcher`): a predictor kind that
+    reads the recorded routing (``oracle``, ``repeat``), a fitted predictor wrapped by
     :func:`moelab.predictors.as_prefetcher`, or an object with ``propose(context)`` /
-    ``propose_stream(stream, distance)`` (:class:`moelab.caches.prefetch.Prefetcher`)."""
+    ``propose_stream(stream, distance)`` (:class:`moelab.predictors.protocol.Prefetcher`)."""
     distance: int = 1
     """Prediction distance d: after MoE layer l, prefetch for layer l + d."""
     budget: int | None = None

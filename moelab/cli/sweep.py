@@ -25,7 +25,7 @@ def register(subparsers) -> None:
     r = sub.add_parser("run", help="run the unfinished cells of a spec",
                        description="Run every cell of SPEC that the store does not hold yet.")
     common(r)
-    r.add_argument("--executor", choices=("local", "ray"), default="local",
+    r.add_argument("--backend", choices=("local", "ray"), default="local",
                    help="local: in this process, one cell at a time (default); ray: Ray actors")
     r.add_argument("--workers", type=positive_int, default=None,
                    help="Ray workers (actors), each with its model loaded (default 2 for ray)")
@@ -54,13 +54,13 @@ def _run(args) -> int:
     from moelab.sweeps.driver import run_sweep
     from moelab.sweeps.spec import load_spec
 
-    workers = args.workers if args.workers is not None else (2 if args.executor == "ray" else 1)
-    if args.executor == "ray":  # the install hint before reading the spec (which loads torch)
-        from moelab.sweeps.executors import import_ray
+    workers = args.workers if args.workers is not None else (2 if args.backend == "ray" else 1)
+    if args.backend == "ray":  # the install hint before reading the spec (which loads torch)
+        from moelab.sweeps.backends import import_ray
 
         import_ray()
     spec = load_spec(args.spec)
-    summary = run_sweep(spec, executor=args.executor, workers=workers, address=args.address,
+    summary = run_sweep(spec, backend=args.backend, workers=workers, address=args.address,
                         threads=args.threads, store=args.store, progress=not args.no_progress)
     print(summary.line())
     for h, err in summary.failed.items():

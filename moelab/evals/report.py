@@ -2,7 +2,7 @@
 
 It scores ``arith`` (and ``pycode`` only when code execution was allowed; the demo never
 runs generated code without the opt-in) on a few documents and shows the numbers and a
-few answers. Importing this module registers the section as ``"accuracy"``.
+few answers. The report section itself, ``"accuracy"``, is :mod:`moelab.report.accuracy`.
 """
 
 from __future__ import annotations
@@ -15,10 +15,6 @@ from pathlib import Path
 from typing import Any
 
 logger = logging.getLogger(__name__)
-
-#: Report order: after the routing sections.
-ORDER = 80
-
 
 def report_section(
     model: Any,
@@ -130,34 +126,3 @@ def _se_text(value: float, se: float | None, n: int) -> str:
         lo, hi = wilson_interval(value, n)
         text += f" (Wilson 95% CI {lo:.3f}–{hi:.3f})"
     return text
-
-
-def accuracy_section(ctx):
-    """Report section (``moelab.report`` registry): accuracy on a few arith documents."""
-    from moelab.report import Section
-
-    limit = 3 if ctx.quick else 20
-    body = report_section(
-        ctx.model,
-        ctx.tokenizer,
-        limit=limit,
-        allow_code_execution=bool(ctx.extras.get("allow_code_execution", False)),
-        tasks=("arith", "pycode") if ctx.extras.get("allow_code_execution") else ("arith",),
-        workdir=ctx.workdir,
-    )
-    return Section(title="Accuracy (lm-eval)", html=body)
-
-
-def _register() -> None:
-    try:
-        from moelab.report import register_section
-    except ImportError:  # pragma: no cover - report package absent
-        return
-    register_section(
-        "accuracy", accuracy_section, order=ORDER, title="Accuracy (lm-eval)",
-        read="The unmodified model's scores with their standard errors (small samples: read the ± column); "
-             "they are the baseline every routing change is measured against.",
-    )
-
-
-_register()

@@ -9,6 +9,7 @@ See :mod:`moelab.forward.points` for the points and their order, and
 """
 
 from moelab.compat import past_length
+from moelab.forward.backend import use_backend
 from moelab.forward.context import (
     ForwardContext,
     ForwardInputs,
@@ -30,5 +31,5 @@ from moelab.forward.points import (
 __all__ = [
     "DEFERRED", "DROPPED", "IMMEDIATE", "POINTS", "ExpertsCall", "ForwardContext", "ForwardHooks",
     "ForwardInputs", "Handle", "Order", "Phase", "RouterCall", "SlotPlan", "forward_hooks", "hooks",
-    "inspect_forward", "past_length",
+    "inspect_forward", "past_length", "use_backend",
 ]

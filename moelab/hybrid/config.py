@@ -18,8 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from moelab.errors import MoelabError, did_you_mean, unknown_name
+from moelab.hybrid.executors import available_executors
 
-EXECUTORS = ("functional", "real", "simulated")
 DEVICES = ("auto", "cpu", "cuda")
 
 
@@ -82,10 +82,12 @@ class HybridConfig:
     host_backend: str | None = None
     """Experts backend of the host side (None: the model's own experts implementation)."""
     executor: str = "functional"
-    """``functional`` (exact outputs, plans only), ``real`` (plans run on concurrent lanes with
-    measured timestamps: :mod:`moelab.hybrid.real`) or ``simulated`` (functional outputs; each
-    forward's plans simulated on ``hardware`` with the live model's shape, the simulated events
-    written to the run's event log: :mod:`moelab.simulate.online`)."""
+    """A registered executor (:mod:`moelab.hybrid.executors`): ``functional`` (exact outputs,
+    plans only), ``real`` (plans run on concurrent lanes with measured timestamps:
+    :mod:`moelab.hybrid.real`; CUDA lanes on a GPU), ``cuda`` (the CUDA lanes, refused without a
+    GPU) or ``simulated`` (functional outputs; each forward's plans simulated on ``hardware`` with
+    the live model's shape, the simulated events written to the run's event log:
+    :mod:`moelab.simulate.online`)."""
     device: str = "auto"
     """Where the real executor's device lane runs: ``cuda`` (a CUDA stream, a GPU expert pool,
     the model's dense parts moved to the GPU while the run is applied), ``cpu`` (a CPU worker
@@ -97,13 +99,17 @@ class HybridConfig:
     file), for placements that need a cost model."""
 
     def __post_init__(self) -> None:
-        if self.executor not in EXECUTORS:
+        names = available_executors()
+        if self.executor not in names:
             raise MoelabError(
-                f"executor {self.executor!r} is not available;{did_you_mean(self.executor, EXECUTORS)} "
-                f"expected one of {', '.join(EXECUTORS)}."
+                f"executor {self.executor!r} is not available;{did_you_mean(self.executor, names)} "
+                f"expected one of {', '.join(names)}."
             )
         if self.device not in DEVICES:
             raise MoelabError(f"device {self.device!r}: expected one of {', '.join(DEVICES)}.")
+        if self.executor == "cuda" and self.device == "cpu":
+            raise MoelabError("executor 'cuda' runs its device lane on a GPU, but device is 'cpu'; use executor: "
+                              "real with device: cpu (a CPU worker stands in for the device), or device: auto.")
         if isinstance(self.hardware, str) and not self.hardware.endswith((".yaml", ".yml", ".json")):
             from moelab.timing import available_profiles
 
@@ -120,6 +126,8 @@ class HybridConfig:
         if self.device == "auto":
             import torch
 
+            if self.executor == "cuda":
+                return "cuda"
             return "cuda" if self.executor == "real" and torch.cuda.is_available() else "cpu"
         return self.device
 

@@ -38,8 +38,11 @@ from typing import Any
 
 import torch
 
+from moelab.backends import get_backend
 from moelab.errors import MoelabError
-from moelab.hybrid.events import EventLog, control_span
+from moelab.hybrid.events import control_span
+from moelab.hybrid.executors import LaneExecutor
+from moelab.hybrid.lanes import Lane, split_maps
 
 
 class DeviceSplit:
@@ -165,23 +168,25 @@ def _timed(stream: torch.cuda.Stream) -> torch.cuda.Event:
     return ev
 
 
-class CudaExecutor:
-    """The real executor's handlers with CUDA lanes (see the module docstring)."""
+class CudaExecutor(LaneExecutor):
+    """The real executor with CUDA lanes (see the module docstring); ``executor: real`` picks it
+    on a GPU (:meth:`moelab.hybrid.real.RealExecutor.create`), ``executor: cuda`` asks for it."""
 
-    def __init__(self, run: Any, device_backend: str | None, host_backend: str | None) -> None:
-        from moelab.backends import get_backend
-        from moelab.hybrid.real import Lane
+    name = "cuda"
 
-        self.run = run
-        self.log: EventLog = run.events
+    def __init__(self, run: Any) -> None:
+        if not torch.cuda.is_available():
+            raise MoelabError("executor 'cuda' needs a CUDA GPU, and none is available here; use executor: real "
+                              "(its device lane is a CPU worker without a GPU) or functional.")
+        super().__init__(run)
+        cfg = run.config
         self.device = torch.device("cuda", torch.cuda.current_device())
-        self.device_backend = get_backend(device_backend or "reference")
-        self.host_backend = get_backend(host_backend or "reference")
+        self.device_backend = get_backend(cfg.device_backend or "reference")
+        self.host_backend = get_backend(cfg.host_backend or "reference")
         self.split = DeviceSplit(run.model, run.layers, self.device)
         self.lanes: dict[str, Lane] = {}
         self._pending: list[tuple] = []
         self._lock = threading.Lock()
-        self._last_mark: dict[int, float] = {}
         self._seq = itertools.count()
         self.split.apply()
         try:
@@ -230,28 +235,9 @@ class CudaExecutor:
             self._pending = keep + self._pending
 
     # ------------------------------------------------------------------ handlers
-    def on_forward(self, ctx) -> None:
-        self._last_mark[ctx.index] = self.log.now_us()
-
-    def on_router(self, ctx, layer, call) -> None:
-        control_span(self.log, self._last_mark, ctx.index, layer.index, "dense", "attention+router")
-
-    def on_output(self, ctx, layer, call, out) -> None:
-        control_span(self.log, self._last_mark, ctx.index, layer.index, "dispatch", "merge")
-
     def on_forward_end(self, ctx, ok: bool) -> None:
-        if ok:  # the layers after the last MoE block, the final norm and the LM head
-            control_span(self.log, self._last_mark, ctx.index, -1, "dense", "head")
-        self._last_mark.pop(ctx.index, None)
+        super().on_forward_end(ctx, ok)
         self._flush(block=False)
-
-    def on_experts(self, ctx, layer, call) -> None:
-        lp = ctx.scratch.get(("hybrid-plan", layer.index))
-        if lp is None:
-            return
-        control_span(self.log, self._last_mark, ctx.index, layer.index, "plan", "planner")
-        call.backend = self._immediate(ctx, layer, lp)
-        call.deferred_backend = self._deferred(ctx, layer, lp)
 
     # ------------------------------------------------------------------ slots and copies
     def _copy(self, step: int, layer: int, expert: int, slot: int, priority: str) -> Future:
@@ -354,8 +340,6 @@ class CudaExecutor:
         return _Arrival(fut)
 
     def _immediate(self, ctx, layer, lp):
-        from moelab.hybrid.runtime import split_maps
-
         E, L = layer.num_experts, layer.index
         ebytes = self.run.expert_bytes[L]
 

@@ -16,14 +16,17 @@ plans of its own trace field by field (tests/test_hybrid_offline.py).
   weights): deferral defers the D lowest-weight slots of each token's top-k (decode forwards
   unless ``phase: all``, at least ``min_immediate`` left, never in the last MoE layer);
   skipping drops them.
-* **Prefetch** (``predictor=`` or ``config.prefetch.predictor``): ``"oracle"`` proposes the
-  experts MoE layer ``l + d`` of the same forward actually needs (the upper bound a
-  what-if grid shows beside every policy); ``"repeat"`` what layer ``l + d`` needed at the
-  previous step of the same sequences (the caches' training-free baseline); a fitted online predictor (a
-  :class:`~moelab.predictors.Predictor` or a saved directory) predicts from the forward's
-  router inputs (``ForwardRouting.hidden``, from a trace recorded with hidden states) and
-  token ids, exactly as the running model calls it; an object with
-  ``propose(routing, layer) -> experts`` is asked directly; None: no prefetch.
+* **Prefetch** (``predictor=`` or ``config.prefetch.predictor``), the prefetch sources of
+  :mod:`moelab.predictors.protocol`: the routing-reading kinds ``"oracle"`` (the experts MoE
+  layer ``l + d`` of the same forward actually needs: the upper bound a what-if grid shows
+  beside every policy) and ``"repeat"`` (what layer ``l + d`` needed at the previous step of the
+  same sequences: the caches' training-free baseline), by name or as unfitted instances; a
+  fitted online predictor (a :class:`~moelab.predictors.Predictor` or a saved directory),
+  asked ``predict_union`` with the forward's router inputs (``ForwardRouting.hidden``, from a
+  trace recorded with hidden states) and token ids, exactly as the running model asks it; an
+  object with ``propose(context) -> experts`` (:class:`~moelab.predictors.protocol.Prefetcher`),
+  asked with a :class:`~moelab.predictors.protocol.PredictContext` whose ``routing`` is the
+  forward; None: no prefetch.
 * **Cache** ``belady`` / ``belady-bypass`` read the future: plan_routing first derives every
   (forward, layer)'s needed experts from the routing source, builds their access stream
   (:func:`moelab.caches.stream.stream_from_groups`) and gives it to the cache. Belady's MIN
@@ -43,6 +46,7 @@ import numpy as np
 from moelab.errors import MoelabError
 from moelab.hybrid.config import HybridConfig, RoutingConfig
 from moelab.hybrid.planner import LayerPlan, Planner, slots_and_union
+from moelab.predictors.protocol import PredictContext, union_predictions
 from moelab.routing import ForwardRouting  # noqa: F401 - re-exported: the routing sources' type
 
 
@@ -188,20 +192,17 @@ def torch_index(rows: np.ndarray):
 # ---------------------------------------------------------------------- prefetch sources
 class _PredictorProposals:
     """A fitted online predictor asked as the running model asks it: at each source layer,
-    with the forward's real tokens' router inputs and token ids; the tokens' predictions
-    merged by :func:`moelab.predictors.protocol.union_predictions`."""
+    ``predict_union`` with the forward's real tokens' router inputs and token ids."""
 
     def __init__(self, predictor: Any, m: int | None) -> None:
         self.predictor = predictor
         self.m = m
-        self.distance = int(predictor.distance)
         self.sources = set(predictor.source_layers())
 
-    def propose(self, r: ForwardRouting, layer: int) -> list[int] | None:
+    def propose(self, context: PredictContext) -> list[int] | None:
+        r, layer = context.routing, context.layer
         if layer not in self.sources or r.tokens == 0:
             return None
-        from moelab.predictors.protocol import union_predictions
-
         p = self.predictor
         hidden = getattr(r, "hidden", None)  # optional: routing sources may not carry them
         h = hidden[layer] if hidden is not None else None
@@ -212,22 +213,27 @@ class _PredictorProposals:
             )
         ids = getattr(r, "token_ids", None)
         ids = ids if ids is not None and len(ids) == r.tokens else None
-        return union_predictions(p.predict(layer, hidden=h, token_ids=ids, m=self.m)).tolist()
+        return p.predict_union(layer, hidden=h, token_ids=ids, m=self.m).tolist()
 
 
 def _proposer(predictor: Any, config: HybridConfig, num_experts: Sequence[int]) -> Any:
+    """The prefetch source as ``"same"`` / ``"previous"`` (a routing-reading kind's rule, applied
+    to the forwards below) or an object with ``propose(PredictContext)``; None: no prefetch."""
+    from moelab.caches.prefetch import routing_kinds, routing_rule
+
     if predictor is None:
         predictor = config.prefetch.predictor
     if predictor is None:
         return None
-    if isinstance(predictor, str) and predictor in ("oracle", "repeat"):
-        return predictor
+    rule = routing_rule(predictor)
+    if rule is not None:
+        return rule
     if isinstance(predictor, (str, Path)):
         if not Path(predictor).is_dir():
             raise MoelabError(
-                f"prefetch predictor {str(predictor)!r} is neither 'oracle', 'repeat' nor a saved predictor "
-                "directory; pass one of those, a directory written by `moelab predict fit --out DIR`, or a "
-                "fitted predictor."
+                f"prefetch predictor {str(predictor)!r} is neither {', '.join(map(repr, sorted(routing_kinds())))} "
+                "nor a saved predictor directory; pass one of those, a directory written by `moelab predict fit "
+                "--out DIR`, or a fitted predictor."
             )
         from moelab.predictors import load_predictor
 
@@ -249,9 +255,18 @@ def _proposer(predictor: Any, config: HybridConfig, num_experts: Sequence[int]) 
     if callable(getattr(predictor, "propose", None)):
         return predictor
     raise MoelabError(
-        f"prefetch predictor {predictor!r}: expected 'oracle', a fitted predictor (or its directory), "
-        "an object with propose(routing, layer) -> experts, or None."
+        f"prefetch predictor {predictor!r}: expected 'oracle', 'repeat', a fitted predictor (or its directory), "
+        "an object with propose(context) -> experts (moelab.predictors.protocol.Prefetcher), or None."
     )
+
+
+def _ask(proposer: Any, context: PredictContext) -> list[int] | None:
+    """A ``propose`` object's answer as a ranked list (per-token rows unioned in order)."""
+    got = proposer.propose(context)
+    if got is None:
+        return None
+    got = np.asarray(got)
+    return (union_predictions(got) if got.ndim == 2 else got.astype(np.int64).reshape(-1)).tolist()
 
 
 # ---------------------------------------------------------------------- planning
@@ -283,13 +298,15 @@ def plan_routing(
     expert_params: float | None = None,
     predictor: Any = None,
     routing_policies: Sequence[Any] | None = None,
+    routing_memo: dict | None = None,
 ) -> list[LayerPlan]:
     """The plans of every MoE layer of every forward of ``routing`` under ``config``.
 
     Args:
         routing: a routing source (an iterable of :class:`ForwardRouting`).
         config: a :class:`HybridConfig` (or a dict / YAML path).
-        num_experts, top_k: per MoE layer.
+        num_experts: routed experts per MoE layer.
+        top_k: experts selected per token, per MoE layer.
         expert_bytes: bytes of one expert (one value, or one per MoE layer).
         expert_params: parameters of one expert (placements with a cost model).
         predictor: prefetch source; default ``config.prefetch.predictor`` (see the module
@@ -298,19 +315,29 @@ def plan_routing(
             ``ExpertSkipping(None, config=SkippingConfig(skipped=2, min_kept=0))``), run in order
             instead of ``config.routing``'s: settings a :class:`RoutingConfig` has no field for
             (``min_kept``, ``last_layer``, ``batch_rule``), or any registered policy.
+        routing_memo: a dict kept by the caller across calls that plan **the same routing
+            source** (a what-if grid's cells): the routing policy's slot states are computed once
+            per (deferral/skipping setting, forwards, layer, phase) and reused. Keys hold the
+            forwards' ``forward`` ids, not object identities, so a memo is safe to share between
+            threads; it is ignored with ``routing_policies`` (their settings are not in the key).
     """
     cfg = _as_config(config)
     from moelab.caches import get_policy
 
     L = len(num_experts)
     routing_policy = OfflineRouting(cfg.routing, top_k, routing_policies)
+    rc = cfg.routing
+    memo_key = None if routing_memo is None or routing_policies else (
+        repr(rc.deferred), repr(rc.skipped), rc.phase, rc.min_immediate)
     proposer = _proposer(predictor, cfg, num_experts)
     cap = cfg.cache.capacity
     future = cap != 0 and get_policy(cfg.cache.policy).needs_future
     if proposer is not None and cap == 0:
         raise MoelabError("prefetch needs a device cache to prefetch into; set cache.capacity > 0.")
     d = int(cfg.prefetch.distance)
-    want_needed = future or proposer in ("oracle", "repeat")
+    # the needed experts of every layer: for the future-reading cache, the routing-reading kinds
+    # and a propose object's context (a fitted predictor reads the router inputs instead)
+    want_needed = future or (proposer is not None and not isinstance(proposer, _PredictorProposals))
 
     def prepared() -> Iterator[tuple[Any, list]]:
         # the routing policy runs on chunks of forwards at once (one slot plan per layer and
@@ -323,9 +350,15 @@ def plan_routing(
                     _check(r, L)
                 for phase in {r.phase for r in chunk}:
                     idx = [i for i, r in enumerate(chunk) if r.phase == phase]
+                    forwards = tuple(chunk[i].forward for i in idx)
                     for ly in range(L):
-                        got = routing_policy.states_many(ly, phase, [chunk[i].ids[ly] for i in idx],
-                                                         [chunk[i].weights[ly] for i in idx])
+                        key = None if memo_key is None else (memo_key, forwards, ly, phase)
+                        got = routing_memo.get(key) if key is not None else None
+                        if got is None:
+                            got = routing_policy.states_many(ly, phase, [chunk[i].ids[ly] for i in idx],
+                                                             [chunk[i].weights[ly] for i in idx])
+                            if key is not None:
+                                routing_memo[key] = got
                         for i, st in zip(idx, got, strict=True):
                             states[i][ly] = st
             for r, sts in zip(chunk, states, strict=True):
@@ -351,7 +384,7 @@ def plan_routing(
     need_scores = planner.cache is not None and planner.cache.needs_scores
     plans: list[LayerPlan] = []
     prev: tuple[int, list] | None = None  # (step, layers) of the previous forward, for "repeat"
-    for r, layers in source:
+    for i, (r, layers) in enumerate(source):
         if need_scores and getattr(r, "scores", None) is None:
             raise MoelabError(
                 f"cache policy {cfg.cache.policy!r} reads the router scores, but forward {r.forward} of the routing "
@@ -359,13 +392,16 @@ def plan_routing(
             )
         for ly, (il, wl, sl, _) in enumerate(layers):
             proposal = None
-            if proposer == "oracle":
+            if proposer == "same":  # oracle: what layer l + d of this forward needs
                 proposal = layers[ly + d][3] if ly + d < L else None
-            elif proposer == "repeat":  # what layer l + d needed at the sequences' previous step
+            elif proposer == "previous":  # repeat: what layer l + d needed at the sequences' previous step
                 ok = prev is not None and prev[0] == r.step - 1 and r.step > 0 and ly + d < L
                 proposal = prev[1][ly + d][3] if ok else None
-            elif proposer is not None:
-                proposal = proposer.propose(r, ly)
+            elif proposer is not None and ly + d < L:
+                proposal = _ask(proposer, PredictContext(
+                    stream=None, group=i * L + ly, seq=-1, step=r.step, layer=ly, target_layer=ly + d,
+                    experts=np.asarray(layers[ly][3] if layers[ly][3] is not None else [], dtype=np.int64),
+                    scores=r.scores[ly] if getattr(r, "scores", None) is not None else None, routing=r))
             scores = r.scores[ly] if need_scores else None
             plans.append(planner.plan_layer(r.forward, r.step, r.phase, ly, il, wl, sl, scores, proposal))
         prev = (r.step, layers)

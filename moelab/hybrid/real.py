@@ -27,83 +27,26 @@ pool copy (same bytes, so the same memory traffic on a CPU stand-in).
 
 Every unit of work is an event (:mod:`moelab.hybrid.events`).
 
-With ``device: cuda`` (or ``auto`` on a machine with a GPU) :func:`make_executor` builds the
+With ``device: cuda`` (or ``auto`` on a machine with a GPU) :meth:`RealExecutor.create` builds the
 CUDA version instead (:mod:`moelab.hybrid.cuda`): a CUDA stream for the device lane, a copy
 stream from pinned masters into a GPU pool, host experts on hidden states copied back and forth.
 """
 
 from __future__ import annotations
 
-import itertools
 import logging
-import queue
 import threading
 from concurrent.futures import Future
 from typing import Any
 
 import torch
 
-from moelab.hybrid.events import EventLog, control_span
+from moelab.backends import get_backend
+from moelab.hybrid.events import control_span
+from moelab.hybrid.executors import LaneExecutor
+from moelab.hybrid.lanes import Lane, split_maps
 
 log = logging.getLogger(__name__)
-
-
-class Lane:
-    """One worker thread with a priority queue; every task becomes an event (with ``timed``; a CUDA
-    lane records its own events from CUDA events instead)."""
-
-    def __init__(self, name: str, log: EventLog, *, timed: bool = True) -> None:
-        self.name = name
-        self.log = log
-        self.timed = timed
-        self._q: queue.PriorityQueue = queue.PriorityQueue()
-        self._seq = itertools.count()
-        self._thread = threading.Thread(target=self._work, name=f"moelab-{name}", daemon=True)
-        self._thread.start()
-
-    def submit(self, fn, *, priority: int = 0, step: int, layer: int, kind: str, expert: int = -1, tokens: int = 0,
-               nbytes: int = 0, cause: str = "", after: list[Future] | None = None, post=None) -> Future:
-        """Queue ``fn``; with ``after``, the lane first waits for those futures (a ``wait`` event);
-        ``post(result)`` runs on the lane after the future is resolved, before the next task."""
-        fut: Future = Future()
-        meta = (step, layer, kind, expert, tokens, nbytes, cause, after or [], post)
-        self._q.put((priority, next(self._seq), fut, fn, meta))
-        return fut
-
-    def _work(self) -> None:
-        while True:
-            _, _, fut, fn, meta = self._q.get()
-            if fut is None:
-                return
-            if not fut.set_running_or_notify_cancel():
-                continue
-            step, layer, kind, expert, tokens, nbytes, cause, after, post = meta
-            try:
-                if after:
-                    tw = self.log.now_us()
-                    for f in after:
-                        f.result()
-                    self.log.add(step, layer, self.name, "wait", tw, self.log.now_us(), cause="copy")
-                t0 = self.log.now_us()
-                result = fn()
-            except BaseException as e:  # noqa: BLE001 - handed to the waiting thread
-                fut.set_exception(e)
-                continue
-            t1 = self.log.now_us()
-            if self.timed:
-                self.log.add(step, layer, self.name, kind, t0, t1, expert=expert, tokens=tokens, nbytes=nbytes,
-                             cause=cause)
-            fut.set_result(result)
-            if post is not None:
-                try:
-                    post(result)
-                except Exception as e:  # noqa: BLE001 - the result is already handed over; say what failed
-                    log.warning("moelab %s lane: after-task step of layer %d failed: %s: %s", self.name, layer,
-                                type(e).__name__, e)
-
-    def close(self) -> None:
-        self._q.put((float("inf"), next(self._seq), None, None, None))
-        self._thread.join()
 
 
 class ExpertPool:
@@ -146,57 +89,35 @@ class ExpertPool:
                 self.free.append(slot)
 
 
-def make_executor(run: Any, device: str, device_backend: str | None, host_backend: str | None):
-    """The real executor for ``device``: CUDA lanes (:mod:`moelab.hybrid.cuda`) or CPU lanes (this module)."""
-    if device == "cuda":
-        from moelab.hybrid.cuda import CudaExecutor
+class RealExecutor(LaneExecutor):
+    """Runs a :class:`~moelab.hybrid.HybridRun`'s plans on real lanes (the device lane a CPU
+    worker; :mod:`moelab.hybrid.cuda` has the CUDA lanes, which :meth:`create` picks on a GPU)."""
 
-        return CudaExecutor(run, device_backend, host_backend)
-    return RealExecutor(run, device_backend, host_backend)
+    name = "real"
 
+    @classmethod
+    def create(cls, run: Any) -> LaneExecutor:
+        """The real executor for the run's device: CUDA lanes on ``cuda``, CPU lanes otherwise."""
+        if run.device_ == "cuda":
+            from moelab.hybrid.cuda import (
+                CudaExecutor,  # imports torch.cuda state only when a GPU is used
+            )
 
-class RealExecutor:
-    """Handlers that run a :class:`~moelab.hybrid.HybridRun`'s plans on real lanes (the device lane a
-    CPU worker; :mod:`moelab.hybrid.cuda` has the CUDA lanes)."""
+            return CudaExecutor(run)
+        return cls(run)
 
-    def __init__(self, run: Any, device_backend: str | None, host_backend: str | None) -> None:
-        from moelab.backends import get_backend
-
-        self.run = run
-        self.log: EventLog = run.events
-        self.device_backend = get_backend(device_backend or "reference")
-        self.host_backend = get_backend(host_backend or "reference")
+    def __init__(self, run: Any) -> None:
+        super().__init__(run)
+        cfg = run.config
+        self.device_backend = get_backend(cfg.device_backend or "reference")
+        self.host_backend = get_backend(cfg.host_backend or "reference")
         self.lanes = {name: Lane(name, self.log) for name in ("device", "host", "copy")}
         slots = 0 if run.cache is None else int(sum(run.cache.slots_))
         self.pool = ExpertPool(run.layers, max(slots, 1), torch.device("cpu"))
-        self._last_mark: dict[int, float] = {}
 
     def close(self) -> None:
         for lane in self.lanes.values():
             lane.close()
-
-    # ------------------------------------------------------------------ handlers
-    def on_forward(self, ctx) -> None:
-        self._last_mark[ctx.index] = self.log.now_us()
-
-    def on_router(self, ctx, layer, call) -> None:
-        control_span(self.log, self._last_mark, ctx.index, layer.index, "dense", "attention+router")
-
-    def on_output(self, ctx, layer, call, out) -> None:
-        control_span(self.log, self._last_mark, ctx.index, layer.index, "dispatch", "merge")
-
-    def on_forward_end(self, ctx, ok: bool) -> None:
-        if ok:  # the layers after the last MoE block, the final norm and the LM head
-            control_span(self.log, self._last_mark, ctx.index, -1, "dense", "head")
-        self._last_mark.pop(ctx.index, None)
-
-    def on_experts(self, ctx, layer, call) -> None:
-        lp = ctx.scratch.get(("hybrid-plan", layer.index))
-        if lp is None:
-            return
-        control_span(self.log, self._last_mark, ctx.index, layer.index, "plan", "planner")
-        call.backend = self._immediate(ctx, layer, lp)
-        call.deferred_backend = self._deferred(ctx, layer, lp)
 
     # ------------------------------------------------------------------ work
     def _submit_transfers(self, ctx, lp) -> dict[int, Future]:
@@ -214,8 +135,6 @@ class RealExecutor:
         return demand
 
     def _immediate(self, ctx, layer, lp):
-        from moelab.hybrid.runtime import split_maps
-
         E = layer.num_experts
         device = sorted({e for e, _ in lp.device})
         n_host = len({e for e, _ in lp.host})

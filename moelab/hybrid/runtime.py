@@ -46,6 +46,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from moelab.caches.prefetch import routing_rule
 from moelab.errors import MoelabError
 from moelab.forward import (
     ExpertsCall,
@@ -57,7 +58,9 @@ from moelab.forward import (
 )
 from moelab.hybrid.config import HybridConfig
 from moelab.hybrid.events import EventLog
+from moelab.hybrid.executors import get_executor
 from moelab.hybrid.planner import LayerPlan, Planner, Transfer
+from moelab.predictors.online import router_inputs
 
 log = logging.getLogger(__name__)
 
@@ -176,45 +179,8 @@ class HybridRun:
         self._handles.append(mgr.add("forward_end", self._on_forward_done, order=Order.OBSERVE + 10,
                                      name="hybrid clock"))
         self.device_ = cfg.resolved_device()
-        if cfg.executor == "real":
-            from moelab.hybrid.real import make_executor
-
-            self._executor = make_executor(self, self.device_, cfg.device_backend, cfg.host_backend)
-            ex = self._executor
-            for point, fn in (("forward", ex.on_forward), ("router", ex.on_router), ("output", ex.on_output),
-                              ("forward_end", ex.on_forward_end)):
-                self._handles.append(mgr.add(point, fn, order=Order.OBSERVE, name="real executor"))
-            self._handles.append(mgr.add("experts", ex.on_experts, order=Order.BACKEND + 50, name="real executor"))
-        elif cfg.executor == "simulated":
-            from moelab.simulate.online import SimulatedExecutor
-
-            self._executor = SimulatedExecutor(self)
-            self._handles.append(mgr.add("forward_end", self._executor.on_forward_end, order=Order.OBSERVE,
-                                         name="simulated executor"))
-        if cfg.executor != "real" and (cfg.device_backend is not None or cfg.host_backend is not None):
-            from moelab.backends import get_backend
-
-            self._backends = (get_backend(cfg.device_backend or "reference"), get_backend(cfg.host_backend or "reference"))
-            self._handles.append(mgr.add("experts", self._functional_split, order=Order.BACKEND + 50,
-                                         name="functional executor"))
-
-    def _functional_split(self, ctx: ForwardContext, layer, call: ExpertsCall) -> None:
-        """Device experts through the device backend, the rest through the host backend, summed."""
-        lp = ctx.scratch.get(("hybrid-plan", layer.index))
-        if lp is None:
-            return
-        dev_b, host_b = self._backends
-        device = sorted({e for e, _ in lp.device})
-        E = layer.num_experts
-
-        def backend(module, hidden, ids, weights, expert_map=None):
-            dmap, hmap = split_maps(E, device, ids.device)
-            return dev_b(module, hidden, ids, weights, expert_map=dmap) + host_b(module, hidden, ids, weights,
-                                                                               expert_map=hmap)
-
-        call.backend = backend
-        call.deferred_backend = lambda module, hidden, ids, weights, expert_map=None: host_b(module, hidden, ids,
-                                                                                           weights)
+        self._executor = get_executor(cfg.executor).create(self)
+        self._handles.extend(self._executor.install(mgr))
 
     def remove(self) -> None:
         if _ACTIVE.get(self.model) is self:
@@ -239,9 +205,10 @@ class HybridRun:
         from moelab.adapters import model_fingerprint
         from moelab.predictors import load_predictor
 
-        if p.predictor in ("oracle", "repeat"):
+        rule = routing_rule(p.predictor)
+        if rule is not None:
             why = ("reads the routing of the layer it prefetches for, which a live run knows only after it"
-                   if p.predictor == "oracle" else "is implemented by the offline planner only")
+                   if rule == "same" else "is implemented by the offline planner only")
             raise MoelabError(
                 f"prefetch predictor {p.predictor!r} works only offline (it {why}): use it with "
                 "moelab.hybrid.offline.plan_routing, `moelab cache simulate` or `moelab simulate`; a live run "
@@ -280,20 +247,11 @@ class HybridRun:
             self.timing["predictor_ns"] += time.perf_counter_ns() - t0
 
     def _predict(self, ctx: ForwardContext, layer, call: RouterCall) -> None:
-        hidden = call.hidden.reshape(-1, call.hidden.shape[-1])
-        valid = ctx.valid(hidden.device)
-        if valid is not None and valid.numel() == hidden.shape[0]:
-            hidden = hidden[valid]
-        if hidden.shape[0] == 0:
+        got = router_inputs(ctx, call)  # the real tokens' router inputs and ids, as moelab.predictors.online reads them
+        if got is None:
             return
-        from moelab.predictors.protocol import union_predictions
-
-        ids = None  # token ids too, for predictors that read them (as moelab.predictors.online does)
-        if ctx.inputs.input_ids is not None:
-            ids = ctx.real_token_ids
-            ids = ids if len(ids) == hidden.shape[0] else None
-        pred = self.predictor.predict(layer.index, hidden=hidden, token_ids=ids, m=self.config.prefetch.m)
-        ctx.scratch[("hybrid-prefetch", layer.index + self.predictor.distance)] = union_predictions(pred).tolist()
+        ctx.scratch[("hybrid-prefetch", layer.index + self.predictor.distance)] = self.predictor.predict_union(
+            layer.index, hidden=got[0], token_ids=got[1], m=self.config.prefetch.m).tolist()
 
     def _on_plan(self, ctx: ForwardContext, layer, call: ExpertsCall) -> None:
         t0 = time.perf_counter_ns()
@@ -423,19 +381,7 @@ class HybridRun:
         }, indent=2))
 
 
-def split_maps(num_experts: int, device_experts: list[int], device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Expert maps (``-1`` = not here) of the device side (``device_experts``) and the host side
-    (every other expert), as the experts backends take them."""
-    dmap = torch.full((num_experts,), -1, dtype=torch.long, device=device)
-    hmap = torch.arange(num_experts, device=device)
-    if device_experts:
-        d = torch.tensor(device_experts, dtype=torch.long, device=device)
-        dmap[d] = d
-        hmap[d] = -1
-    return dmap, hmap
-
-
-__all__ = ["HybridRun", "LayerPlan", "Transfer", "active_hybrid", "hybrid", "split_maps"]
+__all__ = ["HybridRun", "LayerPlan", "Transfer", "active_hybrid", "hybrid"]
 
 
 def hybrid(model: Any, config: HybridConfig | dict | str | Path | None = None) -> HybridRun:

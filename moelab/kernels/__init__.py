@@ -14,6 +14,7 @@ Shape legend: T tokens, K top-k, E experts, H hidden, I intermediate.
 
 from __future__ import annotations
 
+from moelab.kernels.backend import clear_packed, packed_for, register
 from moelab.kernels.build import active_isa, cpu_features, force_isa, load_extension, supported_isas
 from moelab.kernels.fp8 import (
     Fp8Weights,
@@ -23,7 +24,7 @@ from moelab.kernels.fp8 import (
     quantize_fp8_blockwise,
     save_fp8_checkpoint,
 )
-from moelab.kernels.integration import IMPLEMENTATIONS, clear_packed, packed_for, register
+from moelab.kernels.integration import IMPLEMENTATIONS
 from moelab.kernels.op import moe_experts
 from moelab.kernels.packing import KernelSpec, PackedExperts, pack_experts
 from moelab.kernels.quant import dequantize_groupwise, quant_error, quantize_groupwise

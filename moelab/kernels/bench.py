@@ -192,7 +192,7 @@ class _Routing:
 
 
 def _bench_shape(shape: Shape, config: BenchConfig, specs: dict, read_gbps: float, say) -> list[Row]:
-    from moelab.kernels.integration import packed_for
+    from moelab.kernels.backend import packed_for
     from moelab.kernels.op import moe_experts
     from moelab.kernels.quant import quant_error
 

@@ -16,14 +16,14 @@
 =====================  ==============================================================
 
 Select one with ``model.set_experts_implementation("moelab_int4")``. Each name runs the
-default experts backend for its spec (:mod:`moelab.backends.kernel`, also reachable as
+default experts backend for its spec (:mod:`moelab.kernels.backend`, also reachable as
 ``moelab.backends.get_backend("moelab_int4")``). The backend packs a module the first
 time it runs it and owns the pack (a weak-keyed table, not the module's ``__dict__``),
 keyed by the spec; a pack is invalidated when a weight tensor is replaced, modified in
 place (its version counter changes) or changes dtype. The module keeps its own
 parameters, so other implementations keep working: a cached bf16 pack costs as much
-memory as the weights, int8 about half, int4 about a quarter. :func:`clear_packed` frees
-the packs.
+memory as the weights, int8 about half, int4 about a quarter. :func:`moelab.kernels.backend.clear_packed`
+frees the packs.
 
 Supported experts modules: gated (``has_gate``), with or without biases, plain or
 transposed, concatenated or interleaved gate/up, SiLU activation or gpt_oss's clamped
@@ -34,13 +34,12 @@ activation) is refused with a :class:`~moelab.errors.MoelabError` naming the rea
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from moelab.errors import MoelabError
-from moelab.kernels.fp8 import Fp8Weights, forget_fp8_pack, store_fp8_pack
+from moelab.kernels.fp8 import Fp8Weights, store_fp8_pack
 from moelab.kernels.packing import Activation, KernelSpec, PackedExperts, pack_experts
 
 logger = logging.getLogger(__name__)
@@ -125,29 +124,6 @@ def resolve_spec(module: torch.nn.Module, spec: KernelSpec | None) -> KernelSpec
     return KernelSpec("bf16" if dtype == torch.bfloat16 else "fp32")
 
 
-def packed_for(module: torch.nn.Module, spec: KernelSpec | None = None) -> PackedExperts:
-    """The module's packed weights for ``spec``, packed (and kept) by the default backend for ``spec``."""
-    from moelab.backends.kernel import kernel_backend
-
-    return kernel_backend(spec).packed(module)
-
-
-def clear_packed(model: torch.nn.Module) -> int:
-    """Drop every pack any kernel backend holds for modules under ``model`` (stored fp8 packs too).
-
-    Returns how many modules had one.
-    """
-    from moelab.backends.kernel import all_kernel_backends
-
-    backends = all_kernel_backends()
-    n = 0
-    for m in model.modules():
-        had = [b.forget(m) for b in backends]
-        if forget_fp8_pack(m) or any(had):
-            n += 1
-    return n
-
-
 def install_fp8(module: torch.nn.Module, gate: Fp8Weights, up: Fp8Weights, down: Fp8Weights) -> PackedExperts:
     """Give a SiLU-gated experts module stored e4m3 weights: gate/up ``(E, I, H)``, down ``(E, H, I)``.
 
@@ -172,40 +148,3 @@ def install_fp8(module: torch.nn.Module, gate: Fp8Weights, up: Fp8Weights, down:
     packed = pack_experts(gate, up, down, KernelSpec("fp8", block=gate.block))
     store_fp8_pack(module, cache_key(module), packed)
     return packed
-
-
-_warned_grad = False
-
-
-def make_experts_forward(spec: KernelSpec | None) -> Callable[..., torch.Tensor]:
-    """An ``ExpertsInterface`` function running the module's experts on the default backend for ``spec``."""
-    backend = None
-
-    def forward(
-        self: torch.nn.Module,
-        hidden_states: torch.Tensor,
-        top_k_index: torch.Tensor,
-        top_k_weights: torch.Tensor,
-    ) -> torch.Tensor:
-        nonlocal backend
-        global _warned_grad
-        if torch.is_grad_enabled() and not _warned_grad and self.gate_up_proj.requires_grad:
-            logger.warning("moelab experts kernels are forward-only: no gradients flow through the experts.")
-            _warned_grad = True
-        if backend is None:
-            from moelab.backends.kernel import kernel_backend
-
-            backend = kernel_backend(spec)
-        return backend(self, hidden_states, top_k_index, top_k_weights)
-
-    forward.__name__ = "moelab_experts_forward"
-    return forward
-
-
-def register() -> tuple[str, ...]:
-    """Register the ``moelab*`` experts implementations with transformers (idempotent)."""
-    from transformers.integrations.moe import ExpertsInterface
-
-    for name, spec in IMPLEMENTATIONS.items():
-        ExpertsInterface.register(name, make_experts_forward(spec))
-    return tuple(IMPLEMENTATIONS)

@@ -7,54 +7,45 @@
 >>> report = evaluate(p, test_trace)                             # accuracy, recall@m, GoodPred, latency
 >>> p.save("predictors/my-model/learned-d2"); load_predictor("predictors/my-model/learned-d2")
 
-Kinds (``available_predictors()``): ``frequency``, ``oracle``, ``token``, ``skip``,
+Kinds (``available_predictors()``): ``frequency``, ``oracle``, ``repeat``, ``token``, ``skip``,
 ``learned``; add your own with :func:`register_predictor`.
 """
 
-from moelab.predictors import baselines, learned, skip, token  # noqa: F401  (register the built-in kinds)
-from moelab.predictors.base import Predictor, TraceData, clone
-from moelab.predictors.baselines import FrequencyPredictor, OraclePredictor
-from moelab.predictors.compare import compare, frame
-from moelab.predictors.io import load_predictor, read_predictor_meta, save_predictor
-from moelab.predictors.learned import LearnedPredictor
-from moelab.predictors.metrics import PredictionReport, evaluate
-from moelab.predictors.online import attach
-from moelab.predictors.prefetch import PredictorPrefetcher, as_prefetcher
-from moelab.predictors.protocol import to_numpy, union_predictions
-from moelab.predictors.registry import (
-    PREDICTORS,
-    available_predictors,
-    get_predictor_class,
-    make_predictor,
-    register_predictor,
-)
-from moelab.predictors.skip import SkipPredictor
-from moelab.predictors.token import TokenPredictor
+from __future__ import annotations
 
-__all__ = [
-    "PREDICTORS",
-    "FrequencyPredictor",
-    "LearnedPredictor",
-    "OraclePredictor",
-    "PredictionReport",
-    "PredictorPrefetcher",
-    "Predictor",
-    "SkipPredictor",
-    "TokenPredictor",
-    "TraceData",
-    "as_prefetcher",
-    "attach",
-    "available_predictors",
-    "clone",
-    "compare",
-    "evaluate",
-    "frame",
-    "get_predictor_class",
-    "load_predictor",
-    "make_predictor",
-    "read_predictor_meta",
-    "register_predictor",
-    "save_predictor",
-    "to_numpy",
-    "union_predictions",
-]
+from moelab._lazy import lazy_attributes
+
+#: Names of the package, imported on first use (``import moelab.predictors.protocol`` stays cheap:
+#: the built-in kinds, sklearn and torch load when a kind or a predictor is first asked for).
+_LAZY: dict[str, str] = {
+    "PREDICTORS": "moelab.predictors.registry",
+    "available_predictors": "moelab.predictors.registry",
+    "get_predictor_class": "moelab.predictors.registry",
+    "make_predictor": "moelab.predictors.registry",
+    "register_predictor": "moelab.predictors.registry",
+    "Predictor": "moelab.predictors.base",
+    "TraceData": "moelab.predictors.base",
+    "clone": "moelab.predictors.base",
+    "FrequencyPredictor": "moelab.predictors.baselines",
+    "OraclePredictor": "moelab.predictors.baselines",
+    "RepeatPredictor": "moelab.predictors.baselines",
+    "compare": "moelab.predictors.comparison",
+    "frame": "moelab.predictors.comparison",
+    "load_predictor": "moelab.predictors.io",
+    "read_predictor_meta": "moelab.predictors.io",
+    "save_predictor": "moelab.predictors.io",
+    "LearnedPredictor": "moelab.predictors.learned",
+    "PredictionReport": "moelab.predictors.metrics",
+    "evaluate": "moelab.predictors.metrics",
+    "attach": "moelab.predictors.online",
+    "PredictorPrefetcher": "moelab.predictors.prefetch",
+    "as_prefetcher": "moelab.predictors.prefetch",
+    "to_numpy": "moelab.predictors.protocol",
+    "union_predictions": "moelab.predictors.protocol",
+    "SkipPredictor": "moelab.predictors.skip",
+    "TokenPredictor": "moelab.predictors.token",
+}
+
+__all__ = sorted(_LAZY)
+
+__getattr__, __dir__ = lazy_attributes(__name__, _LAZY, globals())

@@ -91,6 +91,11 @@ class Predictor(BaseEstimator):
     """Whether fit needs the model itself (its routers), not only the trace."""
     online: ClassVar[bool] = True
     """False for predictors that need the future (oracle): offline only."""
+    reads_routing: ClassVar[str | None] = None
+    """For kinds that read the recorded routing itself instead of predicting from inputs
+    (``oracle``: ``"same"``, ``repeat``: ``"previous"``): as a prefetch source they propose,
+    unfitted, what MoE layer ``l + d`` needs in the same forward, or needed at the previous step
+    of the same sequence, in access order. None for every kind that predicts."""
     timing: ClassVar[Timing] = "layer"
     """When a prediction can be issued in a forward pass: ``layer`` (once MoE layer l's
     router input exists), ``iteration`` (from the token id, before layer 0) or ``static``

@@ -1,4 +1,13 @@
-"""Baselines: ``frequency`` (static popularity per layer) and ``oracle`` (perfect, for bounds)."""
+"""Baselines: ``frequency`` (static popularity per layer), ``oracle`` (perfect, for bounds) and
+``repeat`` (the previous step's experts: temporal locality, training-free).
+
+``oracle`` and ``repeat`` read the recorded routing itself (:attr:`Predictor.reads_routing`), so
+they need no fitting to drive a prefetch: the cache simulator and the offline planner propose,
+after MoE layer ``l`` of a forward, the experts MoE layer ``l + d`` needs in the same forward
+(oracle) or needed in the previous step of the same sequence (repeat), in access order
+(:func:`moelab.caches.prefetch.proposals`, :func:`moelab.hybrid.offline.plan_routing`). Fitted, they
+also give per-token predictions over a trace (``predict_trace``) for the accuracy metrics.
+"""
 
 from __future__ import annotations
 
@@ -63,9 +72,11 @@ class FrequencyPredictor(Predictor):
 class OraclePredictor(Predictor):
     """The recorded future: ranks the experts layer ``l + d`` actually chose first (by
     weight), then the rest by their recorded router score. Offline only; an upper bound
-    (accuracy 1 at m = top-k, and a fetch rate limited only by timing)."""
+    (accuracy 1 at m = top-k, and a fetch rate limited only by timing). As a prefetch source
+    it proposes what layer ``l + d`` of the same forward needs (``reads_routing = "same"``)."""
 
     online = False
+    reads_routing = "same"
 
     def __init__(self, distance: int = 1) -> None:
         self.distance = distance
@@ -85,4 +96,59 @@ class OraclePredictor(Predictor):
         K = actual.shape[1]
         r, c = np.nonzero(actual >= 0)
         scores[r, actual[r, c]] = 2.0 + (K - c)  # chosen experts first, in weight order
+        return scores
+
+
+@register_predictor("repeat")
+class RepeatPredictor(Predictor):
+    """Temporal locality: predicts for a token of step ``s`` the experts MoE layer ``l + d``
+    chose at step ``s - 1`` of the same sequence, the most chosen first (by the number of
+    that step's tokens choosing each, then by their best rank, then the lower id), the rest
+    by their recorded router score at that step. No learned state; offline only (it reads the
+    recorded previous step). As a prefetch source it proposes what layer ``l + d`` needed at the
+    previous step of the same sequence (``reads_routing = "previous"``); a prompt (step 0) has
+    no previous step and gets no proposal."""
+
+    online = False
+    reads_routing = "previous"
+
+    def __init__(self, distance: int = 1) -> None:
+        self.distance = distance
+
+    def _fit(self, data: TraceData, model: Any) -> None:
+        pass
+
+    def _scores_offline(self, data: TraceData, layer: int, tokens: np.ndarray) -> np.ndarray:
+        target = layer + self.distance
+        idx = data.index
+        E = max(self.num_experts_)
+        scores = np.zeros((len(tokens), E), dtype=np.float32)
+        if len(tokens) == 0:
+            return scores
+        # every token of each (seq, step) recorded at the target layer: the previous step's votes
+        at = np.flatnonzero(idx.rows[:, target] >= 0)
+        step_of = {}
+        for t in at.tolist():
+            step_of.setdefault((int(idx.seq[t]), int(idx.step[t])), []).append(t)
+        K = data.experts.shape[1]
+        cache: dict[tuple[int, int], np.ndarray] = {}
+        for i, t in enumerate(tokens.tolist()):
+            key = (int(idx.seq[t]), int(idx.step[t]) - 1)
+            if key[1] < 0 or key not in step_of:
+                continue
+            if key not in cache:
+                rows = idx.rows[step_of[key], target]
+                chosen = data.experts[rows]
+                count = np.zeros(E, dtype=np.float64)
+                best = np.full(E, K, dtype=np.float64)  # K: never chosen
+                for c in range(K):
+                    ok = chosen[:, c] >= 0
+                    np.add.at(count, chosen[ok, c], 1.0)
+                    np.minimum.at(best, chosen[ok, c], float(c))
+                # lexicographic: votes, then best rank, then the router's mean score (in [0, 1))
+                v = count * (K + 2) + (K - best)
+                if data.scores is not None:
+                    v += 0.999 * np.clip(data.scores[rows, :E], 0.0, 1.0).mean(axis=0)
+                cache[key] = v.astype(np.float32)
+            scores[i] = cache[key]
         return scores

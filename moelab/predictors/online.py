@@ -19,13 +19,36 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from moelab.predictors.base import Predictor
+if TYPE_CHECKING:
+    from moelab.predictors.base import Predictor
 
 Callback = Callable[[int, int, np.ndarray], None]
+
+
+def router_inputs(ctx: Any, call: Any) -> tuple[Any, np.ndarray | None] | None:
+    """What a layer-wise predictor reads at the ``router`` point of an MoE layer: the real
+    tokens' router inputs (T, H) (padding rows dropped) and their token ids (None when the
+    forward has none, or they do not line up with the router's rows); None when the router
+    saw no input or no real token. One place for every online caller: :func:`attach` and the
+    hybrid runtime's prefetch (:class:`moelab.hybrid.runtime.HybridRun`)."""
+    hidden = call.hidden
+    if hidden is None:
+        return None
+    hidden = hidden.reshape(-1, hidden.shape[-1])
+    valid = ctx.valid(hidden.device)
+    if valid is not None and valid.numel() == hidden.shape[0]:
+        hidden = hidden[valid]
+    if hidden.shape[0] == 0:
+        return None
+    ids = None
+    if ctx.inputs.input_ids is not None:
+        ids = ctx.real_token_ids
+        ids = ids if len(ids) == hidden.shape[0] else None
+    return hidden, ids
 
 
 @contextmanager
@@ -51,21 +74,10 @@ def attach(model: Any, predictor: Predictor, callback: Callback, *, m: int | Non
             callback(s, s + predictor.distance, predictor.predict(s, token_ids=ids, m=m))
 
     def on_router(ctx, layer, call) -> None:
-        hidden = call.hidden
-        if hidden is None:
-            return
-        hidden = hidden.reshape(-1, hidden.shape[-1])
-        valid = ctx.valid(hidden.device)
-        if valid is not None and valid.numel() == hidden.shape[0]:
-            hidden = hidden[valid]
-        if hidden.shape[0] == 0:
-            return
-        ids = None
-        if ctx.inputs.input_ids is not None:
-            ids = ctx.real_token_ids
-            ids = ids if len(ids) == hidden.shape[0] else None
-        s = layer.index
-        callback(s, s + predictor.distance, predictor.predict(s, hidden=hidden, token_ids=ids, m=m))
+        got = router_inputs(ctx, call)
+        if got is not None:
+            s = layer.index
+            callback(s, s + predictor.distance, predictor.predict(s, hidden=got[0], token_ids=got[1], m=m))
 
     handles = []
     try:

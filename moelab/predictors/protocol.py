@@ -19,13 +19,24 @@ serves three callers:
   ``moelab.caches.PrefetchConfig``; a group with several tokens (a prompt) is unioned
   with :func:`union_predictions`.
 
+Prefetch sources. The cache simulator and the offline planner (and through it the what-if
+grids) take one kind of prefetch source, resolved by ``moelab.caches.prefetch.get_prefetcher``:
+a predictor kind that reads the recorded routing (``"oracle"``, ``"repeat"``: by name or as an
+instance, unfitted; :attr:`~moelab.predictors.base.Predictor.reads_routing`), a fitted predictor
+(through :func:`moelab.predictors.as_prefetcher` for a cache's access stream, which holds no
+router inputs; directly in the planner and a running model, which ask ``predict_union`` with
+the forward's router inputs), or any object following :class:`Prefetcher`: ``propose(context)``
+with one :class:`PredictContext`, the same type in the cache simulator and the planner.
+
 :func:`union_predictions` is the one place that merges several tokens' predictions and
 orders them (see its docstring for the order and why).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -145,4 +156,43 @@ def union_predictions(predicted: Any, valid: Any = None, scores: Any = None, *, 
     return out.astype(np.int64, copy=False)
 
 
-__all__ = ["to_cpu_tensor", "to_numpy", "union_predictions", "valid_mask"]
+@dataclass(frozen=True)
+class PredictContext:
+    """What a prefetch source sees when asked, after MoE layer ``layer`` of one forward (a
+    step), about ``target_layer``: the same type in the cache simulator and the offline planner."""
+
+    stream: Any
+    """The cache simulator's access stream (``num_experts``, ``top_k`` and the past), or None
+    in the offline planner."""
+    group: int
+    """Index of the (seq, step, layer) group just served in ``stream``; in the planner, the
+    forward's index in the routing source times the MoE layers plus ``layer``."""
+    seq: int
+    """Sequence id (-1 in the planner: a forward may hold several sequences)."""
+    step: int
+    """Step (0 = prefill, n = n-th decode step)."""
+    layer: int
+    """MoE-layer ordinal just served (``l``)."""
+    target_layer: int
+    """MoE-layer ordinal to predict (``l + d``)."""
+    experts: np.ndarray
+    """Experts layer ``l`` used in this step, in access order."""
+    scores: np.ndarray | None
+    """Router scores of layer ``l`` in this step, or None if not recorded."""
+    routing: Any = None
+    """The planner's :class:`moelab.routing.ForwardRouting` of this forward (its router inputs
+    and token ids, when recorded); None in the cache simulator."""
+
+
+@runtime_checkable
+class Prefetcher(Protocol):
+    """A prefetch source written by hand: ``propose(context)`` returns expert ids of
+    ``context.target_layer``, most confident first, or (T, m) per-token predictions (padding
+    rows ``-1``), unioned in order by :func:`union_predictions`. Optional: ``model_name: str``,
+    ``num_experts: list[int]`` (checked against the trace), and ``propose_stream(stream,
+    distance) -> (ptr, keys)`` for a vectorised path over a cache's whole access stream."""
+
+    def propose(self, context: PredictContext) -> Sequence[int] | np.ndarray: ...
+
+
+__all__ = ["PredictContext", "Prefetcher", "to_cpu_tensor", "to_numpy", "union_predictions", "valid_mask"]

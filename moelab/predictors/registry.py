@@ -16,7 +16,7 @@ from moelab.registry import Registry
 
 
 def _load_builtins() -> None:
-    import moelab.predictors  # noqa: F401  (its modules register the built-in kinds)
+    from moelab.predictors import baselines, learned, skip, token  # noqa: F401  (they register the built-in kinds)
 
 
 #: Predictor kinds by name (``Predictor`` subclasses).

@@ -168,7 +168,7 @@ def check_sections(sections: Sequence[str] | None, skip: Sequence[str] | None = 
 
 #: Modules that register sections when imported.
 BUILTIN_SECTION_MODULES: list[str] = [
-    "moelab.report.routing", "moelab.evals.report", "moelab.report.policies", "moelab.report.predictors",
+    "moelab.report.routing", "moelab.report.accuracy", "moelab.report.policies", "moelab.report.predictors",
     "moelab.report.caches", "moelab.report.kernels", "moelab.report.hybrid", "moelab.report.simulate",
     "moelab.report.attribution",
 ]

@@ -139,7 +139,7 @@ def _on_lane(measure: Callable[[], object], name: str = "calibrate"):
     """Run ``measure`` on a fresh :class:`moelab.hybrid.real.Lane` thread (where the real
     executor's device and host calls run) and return its result."""
     from moelab.hybrid.events import EventLog
-    from moelab.hybrid.real import Lane
+    from moelab.hybrid.lanes import Lane
 
     lane = Lane(name, EventLog(name), timed=False)
     try:
@@ -352,7 +352,7 @@ def _launch_us(repeat: int) -> float:
 
 def _lane_roundtrip_us(repeat: int) -> float:
     from moelab.hybrid.events import EventLog
-    from moelab.hybrid.real import Lane
+    from moelab.hybrid.lanes import Lane
 
     lane = Lane("calibrate", EventLog("calibrate"))
     try:

@@ -99,17 +99,14 @@ class Costs:
     @classmethod
     def of(cls, shape: Any, profile: HardwareProfile | str) -> Costs:
         hw = get_profile(profile)
-        bpp_act = 2.0 if getattr(shape, "dtype", "bf16") in ("bf16", "fp16") else float(shape.bytes_per_param())
-        if getattr(shape, "dtype", "bf16") == "fp32":
-            bpp_act = 4.0
+        # the LM head is read in the activation dtype: 2 bytes for bf16/fp16, 4 for fp32, else the
+        # shape's bytes per parameter
+        bpp_act = {"bf16": 2.0, "fp16": 2.0, "fp32": 4.0}.get(shape.dtype, float(shape.bytes_per_param()))
         shared_b = float(shape.shared_bytes()) if shape.num_shared_experts else 0.0
-        shared_f = (float(shape.shared_flops(1)) if hasattr(shape, "shared_flops")
-                    else 2.0 * shape.num_shared_experts * 3 * shape.hidden_size * shape.shared_intermediate)
+        shared_f = float(shape.shared_flops(1))
         dense_b = float(shape.dense_mlp_bytes())
-        dense_f = (float(shape.dense_mlp_flops(1)) if hasattr(shape, "dense_mlp_flops")
-                   else 2.0 * 3 * shape.hidden_size * shape.dense_intermediate)
-        router_b = (float(shape.router_bytes()) if hasattr(shape, "router_bytes")
-                    else shape.num_experts * shape.hidden_size * bpp_act)
+        dense_f = float(shape.dense_mlp_flops(1))
+        router_b = float(shape.router_bytes())
         return cls(
             profile=hw, num_experts=int(shape.num_experts), num_moe_layers=len(shape.moe_layers),
             moe_layers=tuple(int(x) for x in shape.moe_layers), num_layers=int(shape.num_layers),

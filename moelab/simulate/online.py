@@ -18,12 +18,16 @@ import logging
 from typing import Any
 
 from moelab.errors import MoelabError
+from moelab.hybrid.executors import Executor
 
 log = logging.getLogger(__name__)
 
 
-class SimulatedExecutor:
-    """Handlers that simulate each forward's plans and write the events into the run's log."""
+class SimulatedExecutor(Executor):
+    """Simulates each forward's plans and writes the events into the run's log
+    (``executor: simulated``, a lazy entry of :data:`moelab.hybrid.executors.EXECUTORS`)."""
+
+    name = "simulated"
 
     def __init__(self, run: Any) -> None:
         if run.config.hardware is None:
@@ -40,8 +44,10 @@ class SimulatedExecutor:
         self.context = 0
         self._done = 0  # plans already simulated
 
-    def close(self) -> None:
-        pass
+    def install(self, mgr: Any) -> list[Any]:
+        from moelab.forward import Order
+
+        return [mgr.add("forward_end", self.on_forward_end, order=Order.OBSERVE, name="simulated executor")]
 
     def on_forward_end(self, ctx, ok: bool) -> None:
         from moelab.hybrid.events import Event

@@ -29,7 +29,6 @@ column; default ``lru``), ``skipping``, ``min_immediate`` (experts per token def
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import json
 import logging
@@ -256,16 +255,19 @@ def _config(cell: dict, hardware: str, *, oracle: bool, prefetch: bool, cache: s
 
 
 def simulate_cell(routing: list, shape: Any, hardware: str, profile: Any, cell: dict, *, context: int,
-                  oracle: bool = False, prefetch: bool = False, warmup: int = 0, cache: str | None = None) -> dict:
+                  oracle: bool = False, prefetch: bool = False, warmup: int = 0, cache: str | None = None,
+                  routing_memo: dict | None = None) -> dict:
     """Plan and simulate one configuration; tokens/s, decode step time, stalls (s), busy % over
-    the decode forwards after the first ``warmup`` (the planner's caches start empty)."""
+    the decode forwards after the first ``warmup`` (the planner's caches start empty).
+    ``routing_memo``: see :func:`moelab.hybrid.offline.plan_routing` (one dict per routing source)."""
     from moelab.hybrid.offline import plan_routing
     from moelab.simulate.executor import simulate_plans, summarize_sim
 
     L = shape.num_moe_layers
     plans = plan_routing(routing, _config(cell, hardware, oracle=oracle, prefetch=prefetch, cache=cache),
                          num_experts=[shape.num_experts] * L, top_k=[shape.top_k] * L,
-                         expert_bytes=shape.expert_bytes(), expert_params=shape.expert_params())
+                         expert_bytes=shape.expert_bytes(), expert_params=shape.expert_params(),
+                         routing_memo=routing_memo)
     res = simulate_plans(plans, shape, profile, context=context)
     fw, ev = res.forwards, res.events
     dec = fw[fw["phase"] == "decode"]
@@ -283,51 +285,19 @@ def simulate_cell(routing: list, shape: Any, hardware: str, profile: Any, cell: 
     return out
 
 
-@contextlib.contextmanager
-def _memo_routing_states():
-    """Within a grid, each (deferral, skipping) policy's slot states of a layer are computed once
-    (the offline planner recomputes them for every configuration; they depend only on the
-    routing policy and the recorded ids/weights, which the grid shares)."""
-    from moelab.hybrid import offline
-
-    base = offline.OfflineRouting
-    memo: dict = {}
-
-    class Memo(base):
-        def __init__(self, routing, top_k, policies=None):
-            super().__init__(routing, top_k, policies)
-            # explicit policy objects carry settings a RoutingConfig has not: those are not memoised
-            self._key = None if policies else (repr(routing.deferred), repr(routing.skipped), routing.phase,
-                                               routing.min_immediate)
-
-        def states(self, layer, phase, ids, weights):
-            if self._key is None:
-                return super().states(layer, phase, ids, weights)
-            key = (self._key, layer, phase, id(ids), id(weights))
-            if key not in memo:
-                memo[key] = (ids, weights, super().states(layer, phase, ids, weights))  # keep ids alive
-            return memo[key][2]
-
-    offline.OfflineRouting = Memo
-    try:
-        yield
-    finally:
-        offline.OfflineRouting = base
-
-
 #: The oracle's variants: Belady's MIN (inserting every miss, or bypassing the cache where the
 #: expert's next use is farther than every resident's), each without and with the oracle prefetch.
 ORACLE_VARIANTS = (("belady", False), ("belady-bypass", False), ("belady", True), ("belady-bypass", True))
 
 
-def _oracle(routing, shape, hardware, profile, cell, context, warmup) -> dict:
+def _oracle(routing, shape, hardware, profile, cell, context, warmup, memo=None) -> dict:
     """The best of :data:`ORACLE_VARIANTS` at this cell (prefetch needs a device cache)."""
     best = None
     for cache, prefetch in ORACLE_VARIANTS:
         if prefetch and not cell["capacity"]:
             continue
         r = simulate_cell(routing, shape, hardware, profile, cell, context=context, oracle=True, prefetch=prefetch,
-                          warmup=warmup, cache=cache)
+                          warmup=warmup, cache=cache, routing_memo=memo)
         if best is None or r["tokens_per_s"] > best["tokens_per_s"]:
             best = {**r, "variant": cache + (" + oracle prefetch" if prefetch else "")}
     return best
@@ -366,14 +336,15 @@ def whatif(shape: Any, hardware: Any, *, trace: Any = None, synthetic: bool = Fa
                                batch=batch, seed=seed, calibrate_synthetic=calibrate_synthetic, stats=stats)
     t_routing = time.perf_counter() - t0
     rows = []
-    with _memo_routing_states():
-        for cell in tqdm(todo, desc="what-if", unit="cell", disable=not progress):
-            row = dict(cell)
-            row.update(simulate_cell(routing.forwards, shape, hw_arg, profile, cell, context=context, warmup=warmup))
-            if oracle:
-                row.update({f"oracle_{k}": v for k, v in _oracle(routing.forwards, shape, hw_arg, profile, cell,
-                                                                 context, warmup).items()})
-            rows.append(row)
+    memo: dict = {}  # the routing policies' slot states, computed once per setting for the whole grid
+    for cell in tqdm(todo, desc="what-if", unit="cell", disable=not progress):
+        row = dict(cell)
+        row.update(simulate_cell(routing.forwards, shape, hw_arg, profile, cell, context=context, warmup=warmup,
+                                 routing_memo=memo))
+        if oracle:
+            row.update({f"oracle_{k}": v for k, v in _oracle(routing.forwards, shape, hw_arg, profile, cell,
+                                                             context, warmup, memo).items()})
+        rows.append(row)
     df = pd.DataFrame(rows)
     wall = time.perf_counter() - t0
     df.attrs.update({

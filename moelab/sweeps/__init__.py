@@ -3,11 +3,11 @@
 >>> from moelab.sweeps import load_spec, run_sweep
 >>> spec = load_spec("evals/sweeps/deferral_vs_skipping.yaml")
 >>> run_sweep(spec)                                   # local; run it again to resume
->>> run_sweep(spec, executor="ray", workers=2)        # one model-holding actor per worker
+>>> run_sweep(spec, backend="ray", workers=2)        # one model-holding actor per worker
 
 A spec (:mod:`moelab.sweeps.spec`) expands into cells with stable hashes; the results store
 (:mod:`moelab.sweeps.store`, SQLite) keeps one checked record per finished cell; the driver
-(:mod:`moelab.sweeps.driver`) is its single writer; executors (:mod:`moelab.sweeps.executors`)
+(:mod:`moelab.sweeps.driver`) is its single writer; sweep backends (:mod:`moelab.sweeps.backends`)
 run cells locally or on Ray; :mod:`moelab.sweeps.report` reads the results back. Cells come
 in registered kinds (:mod:`moelab.sweeps.kinds`: ``eval`` accuracy cells, and the trace-based
 ``cache`` and ``predictor`` cells); :mod:`moelab.sweeps.shortcuts` turns ``compare-policies``,

@@ -1,4 +1,4 @@
-"""Benchmark: the Ray executor against the local one on a CPU-bound spec.
+"""Benchmark: the Ray sweep backend against the local one on a CPU-bound spec.
 
     python -m moelab.sweeps.bench [--cells 8] [--limit 8] [--max-gen-toks 32] [--workers 2]
 
@@ -12,7 +12,7 @@ worker and then runs its cells (the shipped spec: 44 cells, an hour). The one-ti
 Per run it prints the wall time, each cell's wall and CPU time (their ratio: the cores a cell
 got), the driver's own CPU use besides the cells, the Ray processes' (raylet, GCS, agents) and
 the rest of the machine's (other users: on a shared machine the workers do not get a core
-each, and the speed-up measures the machine, not the executor). Then the speed-up and the
+each, and the speed-up measures the machine, not the backend). Then the speed-up and the
 scheduling overhead per cell on Ray: the time from handing a cell to an actor to having its
 result in the driver, minus the time the actor spent running it. Targets (issue #15): ≥ 1.6×
 with 2 workers on 2 cores; overhead ≤ 1 s per cell.
@@ -133,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from moelab import load
     from moelab.measure import from_samples, machine_load
-    from moelab.sweeps.executors import LocalExecutor, RayExecutor
+    from moelab.sweeps.backends import LocalBackend, RayBackend
 
     load_before = machine_load()
 
@@ -145,12 +145,12 @@ def main(argv: list[str] | None = None) -> int:
     # warm on both sides: the local runner gets the loaded model and one untimed cell (first-use
     # costs); each Ray actor runs one untimed cell (its model load, its first evaluation)
     preload = {cells[0].resource(): load("tiny-random-mixtral")}
-    _run(LocalExecutor(threads=None, preload=preload), warmup[:1])
+    _run(LocalBackend(threads=None, preload=preload), warmup[:1])
     results = {}
     if not args.skip_local_default:  # first: a 1-thread runner pins this process's torch threads
-        results["local, default threads"] = r = _run(LocalExecutor(threads=None, preload=preload), cells)
+        results["local, default threads"] = r = _run(LocalBackend(threads=None, preload=preload), cells)
         print(_describe("local, default threads", r, True), flush=True)
-    ray_ex = RayExecutor(workers=args.workers, threads=1)
+    ray_ex = RayBackend(workers=args.workers, threads=1)
     ray_ex.keep = True
     t0 = time.perf_counter()
     ray_ex._init()
@@ -160,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
         ray_ex.start()
         first = _run(ray_ex, warmup)
         for i in range(args.repeat):  # paired: local 1 thread, then Ray (its actors idle meanwhile)
-            local_runs.append(_run(LocalExecutor(threads=1, preload=preload), cells))
+            local_runs.append(_run(LocalBackend(threads=1, preload=preload), cells))
             print(_describe(f"local, 1 thread (run {i + 1})", local_runs[-1], True), flush=True)
             ray_runs.append(_run(ray_ex, cells))
             print(_describe(f"ray, {args.workers} workers × 1 thread, warm (run {i + 1})", ray_runs[-1], False),
@@ -192,9 +192,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nray scheduling overhead per cell (target ≤ 1 s): median {statistics.median(ov):.3f} s, "
           f"max {max(ov):.3f} s over {len(ov)} cells (submit→result in the driver minus the actor's run time)")
     if speedup.busy:
-        print(f"BUSY machine: {speedup.reason} — the speed-up measures the machine, not the executor")
+        print(f"BUSY machine: {speedup.reason} — the speed-up measures the machine, not the backend")
     print(f"load average after: {os.getloadavg()[0]:.1f}; a quiet machine has 'other processes' near 0 above "
-          "(otherwise the workers shared their cores and the speed-up is not the executor's)")
+          "(otherwise the workers shared their cores and the speed-up is not the backend's)")
     return 0
 
 

@@ -1,10 +1,10 @@
 """The sweep driver: expand a spec, skip finished cells, run the rest, write each result.
 
 >>> from moelab.sweeps import load_spec, run_sweep
->>> summary = run_sweep(load_spec("evals/sweeps/deferral_vs_skipping.yaml"), executor="ray", workers=2)
+>>> summary = run_sweep(load_spec("evals/sweeps/deferral_vs_skipping.yaml"), backend="ray", workers=2)
 
 The driver is the single writer of the store (it holds the store's lock for the run);
-executors hand results back to it. Interrupting it at any moment (``kill -9`` included)
+sweep backends hand results back to it. Interrupting it at any moment (``kill -9`` included)
 and running it again gives the results of an uninterrupted run: finished cells are
 skipped, unfinished ones run from scratch, and no cell is recorded twice.
 """
@@ -60,22 +60,22 @@ def plan(spec: Any, store: Store, fingerprints: dict[str, str] | None = None) ->
     return kind.expand(spec, store)
 
 
-def run_sweep(spec: Any, *, executor: str | Any = "local", workers: int = 1, address: str | None = None,
+def run_sweep(spec: Any, *, backend: str | Any = "local", workers: int = 1, address: str | None = None,
               threads: int | None = None, store: str | os.PathLike | None = None,
               progress: bool = True, fingerprints: dict[str, str] | None = None,
               log_failures: bool = True) -> SweepSummary:
     """Run every unfinished cell of ``spec`` and record it (see the module docstring).
 
-    ``executor``: ``local``, ``ray``, or an executor object (:mod:`moelab.sweeps.executors`);
+    ``backend``: ``local``, ``ray``, or a sweep backend object (:mod:`moelab.sweeps.backends`);
     ``fingerprints``: model fingerprints already known (a shortcut that loaded the model);
     ``log_failures=False``: failed cells are only returned (a shortcut raises the error itself).
     """
     from tqdm.auto import tqdm
 
-    from moelab.sweeps.executors import make_executor
+    from moelab.sweeps.backends import make_backend
 
     # refuses before taking the store
-    runner = make_executor(executor, workers, address, threads) if isinstance(executor, str) else executor
+    runner = make_backend(backend, workers, address, threads) if isinstance(backend, str) else backend
     path = store_path(spec, store)
     with open_store(path, writable=True) as st:
         cells = plan(spec, st, fingerprints)

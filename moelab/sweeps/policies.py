@@ -5,11 +5,10 @@ module checks the settings against the policy's config dataclass (unknown settin
 closest names), fills in the defaults (so the cell hash covers every setting that decides
 the result) and applies the policy to a loaded model.
 
-The adapter is the one place that knows the policy classes: where ``moelab.policies`` has its
-registry (``moelab.policies.registry``: ``make_policy(name, model, **params)``, issue #11) the
-names, settings and classes come from it, so a registered policy can be swept; otherwise from
-the built-in table below. ``_BUILTIN`` also names each policy's "experts affected" setting (the
-x axis of deferral-vs-skipping curves). Nothing else in ``moelab.sweeps`` names a policy class.
+The adapter is the one place that knows the policy classes: the names, settings and classes come
+from ``moelab.policies``' registry (``moelab.policies.registry``), so a registered policy can be
+swept. ``_AFFECTED`` names the built-ins' "experts affected" setting (the x axis of
+deferral-vs-skipping curves). Nothing else in ``moelab.sweeps`` names a policy class.
 """
 
 from __future__ import annotations
@@ -19,6 +18,7 @@ import dataclasses
 from typing import Any
 
 from moelab.errors import MoelabError, did_you_mean
+from moelab.policies import registry
 
 #: ``none`` is the unmodified model.
 NONE = "none"
@@ -26,37 +26,17 @@ NONE = "none"
 #: ``config``: its fields as a mapping, or in a spec a YAML file) with :class:`HybridRun`.
 HYBRID = "hybrid"
 
-#: name -> (module, policy class, config class, the setting that counts affected experts)
-_BUILTIN: dict[str, tuple[str, str, str, str]] = {
-    "deferral": ("moelab.policies.deferral", "ExpertDeferral", "DeferralConfig", "deferred"),
-    "skipping": ("moelab.policies.skipping", "ExpertSkipping", "SkippingConfig", "skipped"),
-}
-
-
-def _registry() -> Any:
-    """``moelab.policies.registry`` where this moelab has it (issue #11), else None."""
-    try:
-        from moelab.policies import registry
-    except ImportError:
-        return None
-    return registry
+#: policy name -> the setting that counts the experts it affects per token
+_AFFECTED: dict[str, str] = {"deferral": "deferred", "skipping": "skipped"}
 
 
 def policy_names() -> list[str]:
-    reg = _registry()
-    return [NONE, *(reg.available_policies() if reg is not None else _BUILTIN), HYBRID]
+    return [NONE, *registry.available_policies(), HYBRID]
 
 
 def _classes(name: str) -> tuple[type, type]:
-    reg = _registry()
-    if reg is not None:
-        cls = reg.POLICIES.get(name)
-        return cls, cls.config_class
-    import importlib
-
-    module, policy_cls, config_cls, _ = _BUILTIN[name]
-    mod = importlib.import_module(module)
-    return getattr(mod, policy_cls), getattr(mod, config_cls)
+    cls = registry.POLICIES.get(name)
+    return cls, cls.config_class
 
 
 def check_policy_name(name: Any) -> str:
@@ -102,9 +82,9 @@ def affected(name: str, settings: dict[str, Any]) -> int | None:
     ``none``; None where the setting is per layer (a list or mapping) or the policy has no count."""
     if name == NONE:
         return 0
-    if name not in _BUILTIN:
+    if name not in _AFFECTED:
         return None
-    value = settings.get(_BUILTIN[name][3])
+    value = settings.get(_AFFECTED[name])
     return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
@@ -118,11 +98,7 @@ def make_policy(name: str, model: Any, settings: dict[str, Any]) -> Any:
         from moelab.hybrid.runtime import HybridRun
 
         return HybridRun(model, HybridConfig.from_dict(settings["config"]))
-    reg = _registry()
-    if reg is not None:
-        return reg.make_policy(name, model, **settings)
-    policy_cls, config_cls = _classes(name)
-    return policy_cls(model, config=config_cls(**settings))
+    return registry.make_policy(name, model, **settings)
 
 
 def offline_policies(name: str, settings: dict[str, Any]) -> list[Any] | None:

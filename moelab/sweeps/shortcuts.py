@@ -24,14 +24,14 @@ def run_shortcut(spec: Any, store: str | os.PathLike | None, *, preload: dict[tu
                  threads: int | None = None) -> list[dict[str, Any]]:
     """Run ``spec`` in this process (into ``store``, or a temporary one) and return its records
     in cell order; the first failed cell's error is raised (a :class:`MoelabError`)."""
+    from moelab.sweeps.backends import LocalBackend
     from moelab.sweeps.driver import plan, run_sweep
-    from moelab.sweeps.executors import LocalExecutor
     from moelab.sweeps.store import open_store
 
     with tempfile.TemporaryDirectory(prefix="moelab-sweep-") as tmp:
         path = Path(store) if store is not None else Path(tmp) / "store"
         spec.retries = 0
-        summary = run_sweep(spec, executor=LocalExecutor(threads, preload=preload), store=path, progress=progress,
+        summary = run_sweep(spec, backend=LocalBackend(threads, preload=preload), store=path, progress=progress,
                             fingerprints=fingerprints, log_failures=False)
         if summary.failed:
             raise MoelabError(next(iter(summary.failed.values())))

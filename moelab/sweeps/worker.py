@@ -1,6 +1,6 @@
 """Run one cell of any kind: load (or reuse) its resource, run it, build its record.
 
-:class:`CellRunner` is what every executor runs: in the driver's process (local) or as a
+:class:`CellRunner` is what every sweep backend runs: in the driver's process (local) or as a
 Ray actor (one per worker), where it keeps the last resource (a model, a trace's access
 stream) loaded across cells. It never touches the results store: it returns the cell's
 record and files to the driver, the store's single writer.

@@ -1,7 +1,10 @@
-"""Executors: where cells run. The driver stays the single writer of the store.
+"""Sweep backends: where cells run. The driver stays the single writer of the store.
 
-* :class:`LocalExecutor` runs cells one after another in the driver's process.
-* :class:`RayExecutor` runs them on Ray actors (one per worker, each keeping its model
+(Called backends, not executors: an *executor* is what runs a hybrid run's plans,
+:mod:`moelab.hybrid.executors`.)
+
+* :class:`LocalBackend` runs cells one after another in the driver's process.
+* :class:`RayBackend` runs them on Ray actors (one per worker, each keeping its model
   loaded across cells and its torch threads pinned); a local cluster by default, an
   existing one with ``address``. ``ray`` is imported only here, when it is used.
 
@@ -28,10 +31,10 @@ OnFailed = Callable[[Cell, int, str, bool], None]
 OnStart = Callable[[Cell], None]
 
 RAY_INSTALL = 'pip install "moelab[ray]"  (or: pip install ray==2.60.0)'
-EXECUTORS = ("local", "ray")
+SWEEP_BACKENDS = ("local", "ray")
 
 
-class LocalExecutor:
+class LocalBackend:
     """Cells in order, in this process, on one :class:`~moelab.sweeps.worker.CellRunner`."""
 
     name = "local"
@@ -66,12 +69,12 @@ def import_ray():
     try:
         import ray
     except ImportError:
-        raise MoelabError(f"--executor ray needs the 'ray' package, which is not installed; install it with: "
+        raise MoelabError(f"--backend ray needs the 'ray' package, which is not installed; install it with: "
                           f"{RAY_INSTALL}") from None
     return ray
 
 
-class RayExecutor:
+class RayBackend:
     """Cells on ``workers`` Ray actors (see the module docstring)."""
 
     name = "ray"
@@ -150,7 +153,7 @@ class RayExecutor:
         self._loaded: list[tuple | None] = [None] * n
 
     def close(self) -> None:
-        """Stop the actors, and the local cluster if this executor started it."""
+        """Stop the actors, and the local cluster if this backend started it."""
         for a in getattr(self, "_actors", None) or []:
             self.ray.kill(a)
         self._actors = None
@@ -234,16 +237,16 @@ def _moelab_root() -> str:
     return str(Path(moelab.__file__).resolve().parent.parent)
 
 
-def make_executor(name: str, workers: int = 1, address: str | None = None,
-                  threads: int | None = None) -> LocalExecutor | RayExecutor:
+def make_backend(name: str, workers: int = 1, address: str | None = None,
+                  threads: int | None = None) -> LocalBackend | RayBackend:
     if name == "local":
         if workers != 1:
-            raise MoelabError(f"--workers {workers} needs --executor ray; the local executor runs one cell at a time.")
+            raise MoelabError(f"--workers {workers} needs --backend ray; the local backend runs one cell at a time.")
         if address:
-            raise MoelabError("--address is for --executor ray.")
-        return LocalExecutor(threads)
+            raise MoelabError("--address is for --backend ray.")
+        return LocalBackend(threads)
     if name == "ray":
-        return RayExecutor(workers, address, threads)
+        return RayBackend(workers, address, threads)
     from moelab.errors import unknown_name
 
-    raise unknown_name("executor", name, EXECUTORS)
+    raise unknown_name("sweep backend", name, SWEEP_BACKENDS)

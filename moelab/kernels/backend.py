@@ -1,4 +1,9 @@
-"""The native CPU kernels as experts backends, each owning its packed weights.
+"""The native CPU kernels as experts backends, each owning its packed weights, and the
+transformers experts implementations (``moelab``, ``moelab_int4`` ...) that run them.
+
+The kernels build on the backends' interface (:class:`moelab.backends.base.ExpertsBackend`);
+the backends registry names these backends lazily (``moelab.backends.get_backend("moelab_int4")``),
+so the torch backends never import the kernels.
 
 A :class:`KernelBackend` runs :func:`moelab.kernels.op.moe_experts` with one
 :class:`~moelab.kernels.packing.KernelSpec` (``None``: follow the weights' dtype — fp32,
@@ -24,12 +29,13 @@ from __future__ import annotations
 import logging
 import threading
 import weakref
+from collections.abc import Callable
 from types import SimpleNamespace
 
 import torch
 
 from moelab.backends.base import ExpertsBackend, Routing
-from moelab.kernels.fp8 import stored_fp8_pack
+from moelab.kernels.fp8 import forget_fp8_pack, stored_fp8_pack
 from moelab.kernels.integration import IMPLEMENTATIONS, cache_key, canonical_experts, resolve_spec
 from moelab.kernels.op import moe_experts
 from moelab.kernels.packing import KernelSpec, PackedExperts, pack_experts
@@ -95,7 +101,7 @@ class KernelBackend(ExpertsBackend):
 
 
 def all_kernel_backends() -> list[KernelBackend]:
-    """Every live :class:`KernelBackend` (for :func:`~moelab.kernels.integration.clear_packed`)."""
+    """Every live :class:`KernelBackend` (for :func:`clear_packed`)."""
     return list(_ALL)
 
 
@@ -112,3 +118,61 @@ def kernel_backend(spec: KernelSpec | None = None) -> KernelBackend:
     if backend is None:
         backend = _BY_SPEC.setdefault(spec, KernelBackend(spec))
     return backend
+
+
+def packed_for(module: torch.nn.Module, spec: KernelSpec | None = None) -> PackedExperts:
+    """The module's packed weights for ``spec``, packed (and kept) by the default backend for ``spec``."""
+    return kernel_backend(spec).packed(module)
+
+
+def clear_packed(model: torch.nn.Module) -> int:
+    """Drop every pack any kernel backend holds for modules under ``model`` (stored fp8 packs too).
+
+    Returns how many modules had one.
+    """
+    backends = all_kernel_backends()
+    n = 0
+    for m in model.modules():
+        had = [b.forget(m) for b in backends]
+        if forget_fp8_pack(m) or any(had):
+            n += 1
+    return n
+
+
+_warned_grad = False
+
+
+def make_experts_forward(spec: KernelSpec | None) -> Callable[..., torch.Tensor]:
+    """An ``ExpertsInterface`` function running the module's experts on the default backend for ``spec``."""
+    backend = None
+
+    def forward(
+        self: torch.nn.Module,
+        hidden_states: torch.Tensor,
+        top_k_index: torch.Tensor,
+        top_k_weights: torch.Tensor,
+    ) -> torch.Tensor:
+        nonlocal backend
+        global _warned_grad
+        if torch.is_grad_enabled() and not _warned_grad and self.gate_up_proj.requires_grad:
+            logger.warning("moelab experts kernels are forward-only: no gradients flow through the experts.")
+            _warned_grad = True
+        if backend is None:
+            backend = kernel_backend(spec)
+        return backend(self, hidden_states, top_k_index, top_k_weights)
+
+    forward.__name__ = "moelab_experts_forward"
+    return forward
+
+
+def register() -> tuple[str, ...]:
+    """Register the ``moelab*`` experts implementations with transformers (idempotent)."""
+    from transformers.integrations.moe import ExpertsInterface
+
+    for name, spec in IMPLEMENTATIONS.items():
+        ExpertsInterface.register(name, make_experts_forward(spec))
+    return tuple(IMPLEMENTATIONS)
+
+
+__all__ = ["DEFAULTS", "KernelBackend", "all_kernel_backends", "clear_packed", "kernel_backend", "make_experts_forward",
+           "packed_for", "register"]

@@ -1,0 +1,96 @@
+"""Lanes: the worker threads the real executors run work on, and the maps that split a layer's
+experts between the device side and the host side.
+
+A :class:`Lane` is one worker thread with a priority queue in front; every task it runs becomes
+an event of the run's :class:`~moelab.hybrid.events.EventLog` (a CUDA lane records its own events
+from CUDA events instead: ``timed=False``). The CPU real executor (:mod:`moelab.hybrid.real`), the
+CUDA one (:mod:`moelab.hybrid.cuda`) and the simulator's calibration
+(:mod:`moelab.simulate.calibrate`, which measures a lane's round trip) use these lanes.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import queue
+import threading
+from concurrent.futures import Future
+
+import torch
+
+from moelab.hybrid.events import EventLog
+
+log = logging.getLogger(__name__)
+
+
+class Lane:
+    """One worker thread with a priority queue; every task becomes an event (with ``timed``; a CUDA
+    lane records its own events from CUDA events instead)."""
+
+    def __init__(self, name: str, log: EventLog, *, timed: bool = True) -> None:
+        self.name = name
+        self.log = log
+        self.timed = timed
+        self._q: queue.PriorityQueue = queue.PriorityQueue()
+        self._seq = itertools.count()
+        self._thread = threading.Thread(target=self._work, name=f"moelab-{name}", daemon=True)
+        self._thread.start()
+
+    def submit(self, fn, *, priority: int = 0, step: int, layer: int, kind: str, expert: int = -1, tokens: int = 0,
+               nbytes: int = 0, cause: str = "", after: list[Future] | None = None, post=None) -> Future:
+        """Queue ``fn``; with ``after``, the lane first waits for those futures (a ``wait`` event);
+        ``post(result)`` runs on the lane after the future is resolved, before the next task."""
+        fut: Future = Future()
+        meta = (step, layer, kind, expert, tokens, nbytes, cause, after or [], post)
+        self._q.put((priority, next(self._seq), fut, fn, meta))
+        return fut
+
+    def _work(self) -> None:
+        while True:
+            _, _, fut, fn, meta = self._q.get()
+            if fut is None:
+                return
+            if not fut.set_running_or_notify_cancel():
+                continue
+            step, layer, kind, expert, tokens, nbytes, cause, after, post = meta
+            try:
+                if after:
+                    tw = self.log.now_us()
+                    for f in after:
+                        f.result()
+                    self.log.add(step, layer, self.name, "wait", tw, self.log.now_us(), cause="copy")
+                t0 = self.log.now_us()
+                result = fn()
+            except BaseException as e:  # noqa: BLE001 - handed to the waiting thread
+                fut.set_exception(e)
+                continue
+            t1 = self.log.now_us()
+            if self.timed:
+                self.log.add(step, layer, self.name, kind, t0, t1, expert=expert, tokens=tokens, nbytes=nbytes,
+                             cause=cause)
+            fut.set_result(result)
+            if post is not None:
+                try:
+                    post(result)
+                except Exception as e:  # noqa: BLE001 - the result is already handed over; say what failed
+                    log.warning("moelab %s lane: after-task step of layer %d failed: %s: %s", self.name, layer,
+                                type(e).__name__, e)
+
+    def close(self) -> None:
+        self._q.put((float("inf"), next(self._seq), None, None, None))
+        self._thread.join()
+
+
+def split_maps(num_experts: int, device_experts: list[int], device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Expert maps (``-1`` = not here) of the device side (``device_experts``) and the host side
+    (every other expert), as the experts backends take them."""
+    dmap = torch.full((num_experts,), -1, dtype=torch.long, device=device)
+    hmap = torch.arange(num_experts, device=device)
+    if device_experts:
+        d = torch.tensor(device_experts, dtype=torch.long, device=device)
+        dmap[d] = d
+        hmap[d] = -1
+    return dmap, hmap
+
+
+__all__ = ["Lane", "split_maps"]
