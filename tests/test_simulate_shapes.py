@@ -32,7 +32,7 @@ def test_published_parameter_counts(name):
 
 
 def test_techniques_md_shapes():
-    """The numbers techniques.md §9 states."""
+    """The numbers docs/techniques.md §9 states."""
     v3 = get_shape("deepseek-v3")
     assert (v3.num_layers, v3.num_moe_layers, v3.num_experts, v3.top_k, v3.num_shared_experts,
             v3.hidden_size, v3.expert_intermediate) == (61, 58, 256, 8, 1, 7168, 2048)

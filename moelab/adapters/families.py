@@ -1,6 +1,6 @@
 """Adapters for the ten supported families (transformers 5 fused-experts MoE blocks).
 
-Router semantics, per family (see ``../shared/design/ecosystem-notes.md``):
+Router semantics, per family (see ``docs/ecosystem.md``):
 
 =============  =======  ===========================  =============================
 family         router   weights                      shared experts

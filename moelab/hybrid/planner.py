@@ -23,9 +23,9 @@ prefetch proposal for layer ``l + d`` is inserted as speculative entries within 
 Prefetch budget (``HybridConfig.prefetch.budget``): by default **per MoE layer** — at most
 that many prefetched experts are issued after each MoE layer of each forward (ProMoE's
 per-layer link budget: the prefetches of layer ``l + d`` must cross the link while layer
-``l`` computes, so the budget is what the link moves in one layer's time; techniques.md
-§3). ``budget_scope: forward`` makes it a budget per forward pass shared by all its MoE
-layers, first come first served (the offline cache simulation's historical ``PrefetchConfig``
+``l`` computes, so the budget is what the link moves in one layer's time;
+docs/techniques.md §3). ``budget_scope: forward`` makes it a budget per forward pass shared
+by all its MoE layers, first come first served (the offline cache simulation's historical ``PrefetchConfig``
 budget, :mod:`moelab.caches.simulation`).
 """
 
@@ -190,7 +190,9 @@ class Planner:
 
     Args:
         config: the hybrid configuration (its cache, placement, prefetch and routing parts).
-        num_experts, top_k, expert_bytes: per MoE layer.
+        num_experts: routed experts per MoE layer.
+        top_k: experts selected per token, per MoE layer.
+        expert_bytes: bytes of one expert, per MoE layer.
         cost: the cost model (placements ``greedy-hss`` / ``min-cost``), or None.
         cache: the expert cache (:func:`make_cache`), or None (nothing resident).
         placement: a placement policy; default ``config.placement``.
@@ -214,9 +216,10 @@ class Planner:
         self.cost = cost
         pf = config.prefetch
         self.distance = int(pf.distance)
-        self.budget = pf.budget
         if pf.budget_scope not in ("layer", "forward"):
             raise MoelabError(f"prefetch.budget_scope={pf.budget_scope!r}: expected 'layer' or 'forward'.")
+        # in experts; a budget in bytes or from a link counts the largest layer's experts
+        self.budget = pf.experts_budget(max(self.expert_bytes, default=1))
         self.budget_per_forward = pf.budget_scope == "forward"
         self._budget_left: int | None = None
         self._budget_forward: int | None = None
@@ -256,11 +259,13 @@ class Planner:
         """The plan of MoE layer ``layer`` of one forward.
 
         Args:
-            forward, step, phase: the forward's ordinal, step and phase (recorded on the plan).
+            forward: the forward's ordinal (recorded on the plan).
+            step: the forward's step (recorded on the plan).
+            phase: the forward's phase (recorded on the plan).
             layer: the MoE layer's ordinal.
-            ids, weights: per real token, its top-k expert ids (router order, ``-1`` = none)
-                and combine weights, as lists (the weights may be None for one token: they
-                only order a union of several tokens' experts).
+            ids: per real token, its top-k expert ids (router order, ``-1`` = none), as lists.
+            weights: per real token, its combine weights, as lists (may be None for one token:
+                they only order a union of several tokens' experts).
             state: per real token, its slots' states (``IMMEDIATE``/``DEFERRED``/``DROPPED`` of
                 :mod:`moelab.forward.plan`), or None (every slot immediate).
             scores: (tokens, E) router scores of the real tokens (numpy), for score-aware caches.

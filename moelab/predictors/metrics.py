@@ -7,7 +7,7 @@ experts and ``A`` the experts the layer actually chose (``|A|`` = top-k):
 * ``recall@m = |P_m ∩ A| / |A|``, ``precision@m = |P_m ∩ A| / m``;
 * ``fetch_rate`` and ``goodpred``, decode only, under one of two bases (``fetch_basis``):
 
-  - ``"predicted"`` (the default; ProMoE's prose, §3 of techniques.md): the fetch rate is the
+  - ``"predicted"`` (the default; ProMoE's prose, docs/techniques.md §3): the fetch rate is the
     share of the *predicted* experts ``P_K`` whose transfer completes before the layer routes
     (timing model: :mod:`moelab.predictors.timing`), and per pair
     ``goodpred = accuracy × |{e ∈ P_K : in time}| / |P_K|``, averaged over pairs (within one

@@ -5,7 +5,7 @@ profile (:mod:`moelab.timing.profiles`), the hybrid configuration and simulation
 paper ran, the metric and the published value, the target the issue sets (points or a
 relative error) and — the part a reader needs most — what the paper does **not** state and we
 assume, with the range over which a simulation should be repeated to show how sensitive the
-result is to it. The sources are ``../shared/design/techniques.md`` §2 and §9.
+result is to it. The sources are ``docs/techniques.md`` §2 and §9.
 
 Metrics (what a simulator reports for a case):
 
@@ -122,7 +122,7 @@ _KT_UNSTATED = (
     Assumption("which MoE layer", 29, "Fig. 10 shows 'one layer'; a middle MoE layer is taken",
                sweep=(0, 29, 57)),
     Assumption("CPU kernel efficiency", "the profile's AMX/AVX-512 BF16 bandwidth efficiency",
-               "not stated; techniques.md §6: KTransformers' decode implies ~50 % of 220 GB/s per socket",
+               "not stated; docs/techniques.md §6: KTransformers' decode implies ~50 % of 220 GB/s per socket",
                sweep=(0.4, 0.5, 0.6)),
     Assumption("sockets used by the CPU experts", 2,
                "the paper's NUMA-aware kernels use both sockets (MLC: 220 GB/s within, 125 GB/s across)",
