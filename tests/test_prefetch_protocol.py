@@ -118,3 +118,29 @@ def test_removed_protocol_objects_are_refused_with_the_fix():
 
     for gone in ("PREFETCHERS", "ExpertPredictor", "register_prefetcher", "OraclePrefetcher"):
         assert not hasattr(caches, gone)
+
+
+def test_one_prefetch_config_for_the_cache_simulator_the_planner_and_a_run():
+    from moelab.caches import PrefetchConfig as Caches
+    from moelab.hybrid import HybridConfig
+    from moelab.hybrid import PrefetchConfig as Hybrid
+
+    assert Caches is Hybrid
+    routing = _routing([[[0], [1]], [[2], [3]], [[0], [2]]])
+    base = {"cache": {"capacity": 0.5, "policy": "lru"}}
+
+    def prefetched(prefetch):
+        plans = plan_routing(routing, {**base, "prefetch": prefetch}, **SHAPE)
+        return [(t.layer, t.expert) for p in plans for t in p.transfers if t.priority == "prefetch"]
+
+    # a budget in bytes (150 B of 100-B experts: one expert) or from a link equals one in experts
+    one = prefetched({"predictor": "oracle", "budget": 1})
+    assert one and prefetched({"predictor": "oracle", "budget_bytes": 150}) == one
+    link = {"predictor": "oracle", "link": {"bandwidth_gbs": 0.15, "latency_us": 0.0}, "window_us": 1.0}
+    assert prefetched(link) == one  # at 0.15 GB/s a 100-B expert takes 0.67 µs: one fits in 1 µs
+    cfg = HybridConfig.from_dict({**base, "prefetch": link})
+    assert HybridConfig.from_dict(cfg.to_dict()) == cfg  # the link survives a round trip through plain data
+    # no source: no prefetch, in the cache simulator as in the planner
+    stream = stream_from_groups([(0, [0]), (1, [2])], [4, 4])
+    assert simulate(stream, "lru", 1, prefetch=PrefetchConfig()).prefetched == 0
+    assert prefetched({}) == []

@@ -26,6 +26,7 @@ Prefetch sources follow the one predictor protocol (:mod:`moelab.predictors.prot
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -35,6 +36,125 @@ from moelab.errors import MoelabError, unknown_name
 from moelab.predictors.protocol import PredictContext, Prefetcher, union_predictions
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass
+class PrefetchConfig:
+    """Predictor-driven prefetch into the cache.
+
+    The transfer budget is given one of three ways: ``budget`` (experts), ``budget_bytes``
+    (bytes; whole experts that fit), or a ``link`` and a time window (:meth:`from_link`,
+    :meth:`from_profile`): the experts whose back-to-back transfers, all requested at the
+    start of the window, end within it on the FIFO link of :class:`moelab.timing.Link`
+    (``latency + bytes / bandwidth`` each) — the same link model as GoodPred.
+
+    One configuration for the cache simulator (``simulate(..., prefetch=PrefetchConfig(...))``),
+    the hybrid planner and a running hybrid model (``HybridConfig.prefetch``). What the budget
+    applies to (``budget_scope``) is one definition across moelab: by default
+    ``"layer"``, the literature's per-layer link budget (ProMoE: the prefetches issued
+    after MoE layer ``l`` for layer ``l + d`` must cross the link while the layers between
+    compute, so a budget is what the link moves per layer) — at most ``budget`` prefetch
+    transfers after each MoE layer of each forward; or ``"forward"``, one budget per forward
+    pass (a decode step) shared by its MoE layers in order. :meth:`from_link` and
+    :meth:`from_profile` state a window per step, so they use ``"forward"``.
+    """
+
+    predictor: Any = None
+    """The prefetch source, or None for no prefetch. In the cache simulator and the offline
+    planner (:func:`get_prefetcher`): a predictor kind that reads the recorded routing
+    (``oracle``, ``repeat``), a fitted predictor (in the cache simulator wrapped by
+    :func:`moelab.predictors.as_prefetcher`; in the planner and a running model a
+    :class:`~moelab.predictors.Predictor` or its saved directory), or an object with
+    ``propose(context)`` / ``propose_stream(stream, distance)`` (:class:`Prefetcher`)."""
+    distance: int = 1
+    """Prediction distance d: after MoE layer l, prefetch for layer l + d."""
+    budget: int | None = None
+    """Prefetch transfers per :attr:`budget_scope` (MoE layer, or forward pass), in experts;
+    None = unlimited."""
+    budget_bytes: float | None = None
+    """Alternatively, bytes per :attr:`budget_scope`; whole experts of ``expert_bytes`` each fit in it."""
+    link: Any = None
+    """Alternatively, a :class:`moelab.timing.Link` with :attr:`window_us`."""
+    window_us: float | None = None
+    """The time per :attr:`budget_scope` (µs) the link may spend on prefetches (with :attr:`link`)."""
+    budget_scope: str = "layer"
+    """``layer`` (default): the budget applies after each MoE layer of each forward;
+    ``forward``: one budget per forward pass (step), shared by its MoE layers."""
+    m: int | None = None
+    """Experts a fitted predictor proposes per token (default: the target layer's top-k), where
+    the planner or a running model asks it; the cache simulator's fitted predictors take it
+    once, in ``as_prefetcher(predictor, trace, m=...)``."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.link, dict):  # from YAML or a config's to_dict(): {bandwidth_gbs, latency_us}
+            from moelab.timing import Link
+
+            self.link = Link(**self.link)
+
+    @classmethod
+    def from_link(
+        cls, predictor: Any = "oracle", distance: int = 1, *, gb_per_s: float, step_ms: float,
+        latency_us: float = 0.0,
+    ) -> PrefetchConfig:
+        """A budget from a host-to-GPU link: ``gb_per_s`` GB/s for ``step_ms`` ms per step,
+        ``latency_us`` per transfer (0: the budget is bandwidth × step time, in whole experts)."""
+        from moelab.timing import Link
+
+        for name, v in (("gb_per_s", gb_per_s), ("step_ms", step_ms)):
+            if not v > 0:
+                raise MoelabError(f"{name} must be > 0, got {v!r}.")
+        return cls(predictor, distance, link=Link(float(gb_per_s), float(latency_us)), window_us=step_ms * 1e3,
+                   budget_scope="forward")
+
+    @classmethod
+    def from_profile(
+        cls, profile: Any = None, predictor: Any = "oracle", distance: int = 1, *, num_layers: int,
+    ) -> PrefetchConfig:
+        """A budget from a hardware profile (name, file or instance; default
+        :data:`moelab.timing.DEFAULT_PROFILE`): its link, over one decode step of
+        ``num_layers`` MoE layers × ``decode_layer_time_us``."""
+        from moelab.timing import get_profile
+
+        hw = get_profile(profile)
+        if isinstance(num_layers, bool) or not isinstance(num_layers, (int, np.integer)) or num_layers < 1:
+            raise MoelabError(f"num_layers must be an integer ≥ 1 (MoE layers per step), got {num_layers!r}.")
+        return cls(predictor, distance, link=hw.link, window_us=int(num_layers) * hw.decode_layer_time_us,
+                   budget_scope="forward")
+
+    @property
+    def needs_expert_bytes(self) -> bool:
+        """Whether the budget depends on the size of an expert (bytes or a link)."""
+        return self.budget_bytes is not None or self.link is not None
+
+    @property
+    def per_layer(self) -> bool:
+        """Whether the budget applies per (forward, MoE layer) rather than per forward."""
+        if self.budget_scope not in ("layer", "forward"):
+            raise MoelabError(f"prefetch budget_scope={self.budget_scope!r}: expected 'layer' or 'forward'.")
+        return self.budget_scope == "layer"
+
+    def experts_budget(self, expert_bytes: int) -> int | None:
+        given = [n for n, v in (("budget", self.budget), ("budget_bytes", self.budget_bytes), ("link", self.link))
+                 if v is not None]
+        if len(given) > 1:
+            raise MoelabError(f"give the prefetch budget in experts, in bytes or as a link, not {' and '.join(given)}.")
+        if self.link is not None:
+            if self.window_us is None or not self.window_us >= 0:
+                raise MoelabError(f"a prefetch link needs window_us ≥ 0 (µs per {self.budget_scope}), got {self.window_us!r}.")
+            return self.link.transfers_within(self.window_us, max(1, expert_bytes))
+        if self.budget_bytes is not None:
+            if not self.budget_bytes >= 0:
+                raise MoelabError(f"prefetch budget_bytes must be ≥ 0 bytes per {self.budget_scope}, got {self.budget_bytes!r}.")
+            return int(self.budget_bytes // max(1, expert_bytes))
+        if self.budget is not None and self.budget < 0:
+            raise MoelabError(f"prefetch budget must be ≥ 0 experts per step, got {self.budget}.")
+        return self.budget
+
+    def describe(self, expert_bytes: int = 1) -> str:
+        name = self.predictor if isinstance(self.predictor, str) else type(self.predictor).__name__
+        b = self.experts_budget(expert_bytes)
+        scope = "" if b is None else f"/{'layer' if self.per_layer else 'forward'}"
+        return f"{name} d={self.distance} budget={'inf' if b is None else b}{scope}"
 
 
 def routing_kinds() -> dict[str, str]:
@@ -191,5 +311,5 @@ def _gather(stream: AccessStream, target: np.ndarray) -> tuple[np.ndarray, np.nd
     return ptr, stream.keys[starts + within].astype(np.int64)
 
 
-__all__ = ["PredictContext", "Prefetcher", "check_compatible", "get_prefetcher", "proposals", "routing_kinds",
+__all__ = ["PredictContext", "PrefetchConfig", "Prefetcher", "check_compatible", "get_prefetcher", "proposals", "routing_kinds",
            "routing_rule"]

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -27,7 +26,7 @@ from moelab.caches.base import (
     resolve_capacity,
 )
 from moelab.caches.policies import mrs_p, nan_scores_message, popular_keys
-from moelab.caches.prefetch import get_prefetcher, proposals
+from moelab.caches.prefetch import PrefetchConfig, get_prefetcher, proposals
 from moelab.caches.results import CacheResult, CacheSweep
 from moelab.caches.stream import AccessStream, Replay, belady_future, build_stream
 from moelab.errors import MoelabError, unknown_name
@@ -41,112 +40,6 @@ RECORD_SCORES_HINT = (
     "record the trace with router scores: moelab.record(model, out, scores=True) "
     "(the default) or `moelab trace` without --no-scores"
 )
-
-
-@dataclass
-class PrefetchConfig:
-    """Predictor-driven prefetch into the cache.
-
-    The transfer budget is given one of three ways: ``budget`` (experts), ``budget_bytes``
-    (bytes; whole experts that fit), or a ``link`` and a time window (:meth:`from_link`,
-    :meth:`from_profile`): the experts whose back-to-back transfers, all requested at the
-    start of the window, end within it on the FIFO link of :class:`moelab.timing.Link`
-    (``latency + bytes / bandwidth`` each) — the same link model as GoodPred.
-
-    What the budget applies to (``budget_scope``) is one definition across moelab, the
-    hybrid planner's included (``HybridConfig.prefetch.budget_scope``): by default
-    ``"layer"``, the literature's per-layer link budget (ProMoE: the prefetches issued
-    after MoE layer ``l`` for layer ``l + d`` must cross the link while the layers between
-    compute, so a budget is what the link moves per layer) — at most ``budget`` prefetch
-    transfers after each MoE layer of each forward; or ``"forward"``, one budget per forward
-    pass (a decode step) shared by its MoE layers in order. :meth:`from_link` and
-    :meth:`from_profile` state a window per step, so they use ``"forward"``.
-    """
-
-    predictor: Any = "oracle"
-    """A prefetch source (:func:`moelab.caches.prefetch.get_prefetcher`): a predictor kind that
-    reads the recorded routing (``oracle``, ``repeat``), a fitted predictor wrapped by
-    :func:`moelab.predictors.as_prefetcher`, or an object with ``propose(context)`` /
-    ``propose_stream(stream, distance)`` (:class:`moelab.predictors.protocol.Prefetcher`)."""
-    distance: int = 1
-    """Prediction distance d: after MoE layer l, prefetch for layer l + d."""
-    budget: int | None = None
-    """Prefetch transfers per :attr:`budget_scope` (MoE layer, or forward pass), in experts;
-    None = unlimited."""
-    budget_bytes: float | None = None
-    """Alternatively, bytes per :attr:`budget_scope`; whole experts of ``expert_bytes`` each fit in it."""
-    link: Any = None
-    """Alternatively, a :class:`moelab.timing.Link` with :attr:`window_us`."""
-    window_us: float | None = None
-    """The time per :attr:`budget_scope` (µs) the link may spend on prefetches (with :attr:`link`)."""
-    budget_scope: str = "layer"
-    """``layer`` (default): the budget applies after each MoE layer of each forward;
-    ``forward``: one budget per forward pass (step), shared by its MoE layers."""
-
-    @classmethod
-    def from_link(
-        cls, predictor: Any = "oracle", distance: int = 1, *, gb_per_s: float, step_ms: float,
-        latency_us: float = 0.0,
-    ) -> PrefetchConfig:
-        """A budget from a host-to-GPU link: ``gb_per_s`` GB/s for ``step_ms`` ms per step,
-        ``latency_us`` per transfer (0: the budget is bandwidth × step time, in whole experts)."""
-        from moelab.timing import Link
-
-        for name, v in (("gb_per_s", gb_per_s), ("step_ms", step_ms)):
-            if not v > 0:
-                raise MoelabError(f"{name} must be > 0, got {v!r}.")
-        return cls(predictor, distance, link=Link(float(gb_per_s), float(latency_us)), window_us=step_ms * 1e3,
-                   budget_scope="forward")
-
-    @classmethod
-    def from_profile(
-        cls, profile: Any = None, predictor: Any = "oracle", distance: int = 1, *, num_layers: int,
-    ) -> PrefetchConfig:
-        """A budget from a hardware profile (name, file or instance; default
-        :data:`moelab.timing.DEFAULT_PROFILE`): its link, over one decode step of
-        ``num_layers`` MoE layers × ``decode_layer_time_us``."""
-        from moelab.timing import get_profile
-
-        hw = get_profile(profile)
-        if isinstance(num_layers, bool) or not isinstance(num_layers, (int, np.integer)) or num_layers < 1:
-            raise MoelabError(f"num_layers must be an integer ≥ 1 (MoE layers per step), got {num_layers!r}.")
-        return cls(predictor, distance, link=hw.link, window_us=int(num_layers) * hw.decode_layer_time_us,
-                   budget_scope="forward")
-
-    @property
-    def needs_expert_bytes(self) -> bool:
-        """Whether the budget depends on the size of an expert (bytes or a link)."""
-        return self.budget_bytes is not None or self.link is not None
-
-    @property
-    def per_layer(self) -> bool:
-        """Whether the budget applies per (forward, MoE layer) rather than per forward."""
-        if self.budget_scope not in ("layer", "forward"):
-            raise MoelabError(f"prefetch budget_scope={self.budget_scope!r}: expected 'layer' or 'forward'.")
-        return self.budget_scope == "layer"
-
-    def experts_budget(self, expert_bytes: int) -> int | None:
-        given = [n for n, v in (("budget", self.budget), ("budget_bytes", self.budget_bytes), ("link", self.link))
-                 if v is not None]
-        if len(given) > 1:
-            raise MoelabError(f"give the prefetch budget in experts, in bytes or as a link, not {' and '.join(given)}.")
-        if self.link is not None:
-            if self.window_us is None or not self.window_us >= 0:
-                raise MoelabError(f"a prefetch link needs window_us ≥ 0 (µs per {self.budget_scope}), got {self.window_us!r}.")
-            return self.link.transfers_within(self.window_us, max(1, expert_bytes))
-        if self.budget_bytes is not None:
-            if not self.budget_bytes >= 0:
-                raise MoelabError(f"prefetch budget_bytes must be ≥ 0 bytes per {self.budget_scope}, got {self.budget_bytes!r}.")
-            return int(self.budget_bytes // max(1, expert_bytes))
-        if self.budget is not None and self.budget < 0:
-            raise MoelabError(f"prefetch budget must be ≥ 0 experts per step, got {self.budget}.")
-        return self.budget
-
-    def describe(self, expert_bytes: int = 1) -> str:
-        name = self.predictor if isinstance(self.predictor, str) else type(self.predictor).__name__
-        b = self.experts_budget(expert_bytes)
-        scope = "" if b is None else f"/{'layer' if self.per_layer else 'forward'}"
-        return f"{name} d={self.distance} budget={'inf' if b is None else b}{scope}"
 
 
 # ---------------------------------------------------------------------- streams from traces
@@ -342,7 +235,13 @@ def _simulate_stream(
     pf_keys = np.zeros(0, dtype=np.int64)
     budget = None
     per_group = True
+    if prefetch is not None and prefetch.predictor is None:
+        prefetch = None  # a configuration without a source: no prefetch (HybridConfig's default)
     if prefetch is not None:
+        if prefetch.m is not None:
+            raise MoelabError(
+                f"prefetch m={prefetch.m}: the cache simulator's fitted predictors propose per token as "
+                "moelab.predictors.as_prefetcher(predictor, trace, m=...) fixed them; set m there.")
         if not cls.accepts_prefetch:
             logger.info("%s ignores prefetches", cls.name or cls.__name__)
         if prefetch.needs_expert_bytes and not size_known:

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from moelab.caches.prefetch import PrefetchConfig
 from moelab.errors import MoelabError, did_you_mean, unknown_name
 from moelab.hybrid.executors import available_executors
 
@@ -39,33 +40,37 @@ class CacheConfig:
 
 
 @dataclass
-class PrefetchConfig:
-    """Predictor-driven prefetch of experts for a later layer."""
-
-    predictor: str | None = None
-    """A saved predictor directory (``moelab predict fit --out DIR``), or None for no prefetch."""
-    distance: int = 1
-    """Predict for MoE layer ``l + distance`` at layer ``l`` (must match the predictor's)."""
-    budget: int | None = None
-    """At most this many prefetched experts per MoE layer and forward (None: as many as
-    predicted): ProMoE's per-layer link budget, what the link moves while one layer computes.
-    See :attr:`budget_scope`."""
-    budget_scope: str = "layer"
-    """``layer`` (default): :attr:`budget` applies after each MoE layer of each forward;
-    ``forward``: one budget per forward pass shared by its MoE layers in order (the offline
-    cache simulation's ``PrefetchConfig(budget_scope="forward")``)."""
-    m: int | None = None
-    """Experts proposed per token (default: the target layer's top-k)."""
-
-
-@dataclass
 class RoutingConfig:
-    """Deferral and skipping, with today's exact semantics (see ``moelab.policies``)."""
+    """Deferral and skipping in a hybrid configuration: the YAML face of the routing policies'
+    own configurations, which define every setting (:class:`moelab.policies.DeferralConfig`,
+    :class:`moelab.policies.SkippingConfig`). :meth:`deferral` and :meth:`skipping` give them;
+    the running model, the offline planner and the what-if grids all build their policies from
+    those, so a deferral count means one thing everywhere."""
 
     deferred: int | list[int] | dict[int, int] = 0
+    """Experts deferred per token (:attr:`moelab.policies.DeferralConfig.deferred`); 0: none."""
     skipped: int | list[int] | dict[int, int] = 0
+    """Experts skipped per token (:attr:`moelab.policies.SkippingConfig.skipped`); 0: none."""
     phase: str = "decode"
+    """Forwards both policies act in: ``decode`` or ``all``."""
     min_immediate: int = 2
+    """Deferral's guard (:attr:`moelab.policies.DeferralConfig.min_immediate`)."""
+
+    def deferral(self):
+        """The :class:`moelab.policies.DeferralConfig` of these settings, or None (nothing deferred)."""
+        from moelab.policies.deferral import DeferralConfig
+
+        if not self.deferred:
+            return None
+        return DeferralConfig(deferred=self.deferred, phase=self.phase, min_immediate=self.min_immediate)
+
+    def skipping(self):
+        """The :class:`moelab.policies.SkippingConfig` of these settings, or None (nothing skipped)."""
+        from moelab.policies.skipping import SkippingConfig
+
+        if not self.skipped:
+            return None
+        return SkippingConfig(skipped=self.skipped, phase=self.phase)
 
 
 @dataclass

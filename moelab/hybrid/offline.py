@@ -68,11 +68,10 @@ class OfflineRouting:
         if policies is not None:  # given policy objects (their own settings and guards), not routing's
             self.policies = list(policies)
         else:
-            if routing.skipped:
-                self.policies.append(ExpertSkipping(None, routing.skipped, phase=routing.phase))
-            if routing.deferred:
-                self.policies.append(ExpertDeferral(None, routing.deferred, phase=routing.phase,
-                                                    min_immediate=routing.min_immediate))
+            if (skipping := routing.skipping()) is not None:
+                self.policies.append(ExpertSkipping(None, config=skipping))
+            if (deferral := routing.deferral()) is not None:
+                self.policies.append(ExpertDeferral(None, config=deferral))
         for p in self.policies:
             p._resolve(self.layers)
 

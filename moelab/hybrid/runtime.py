@@ -228,12 +228,10 @@ class HybridRun:
         from moelab.policies import ExpertDeferral, ExpertSkipping
 
         r = self.config.routing
-        if r.skipped:
-            self._policies.append(ExpertSkipping(self.model, r.skipped, phase=r.phase).apply())
-        if r.deferred:
-            self._policies.append(
-                ExpertDeferral(self.model, r.deferred, phase=r.phase, min_immediate=r.min_immediate).apply()
-            )
+        if (skipping := r.skipping()) is not None:
+            self._policies.append(ExpertSkipping(self.model, config=skipping).apply())
+        if (deferral := r.deferral()) is not None:
+            self._policies.append(ExpertDeferral(self.model, config=deferral).apply())
 
     # ------------------------------------------------------------------ handlers
     def _on_router_scores(self, ctx: ForwardContext, layer, call: RouterCall) -> None:
