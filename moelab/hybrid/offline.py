@@ -43,6 +43,8 @@ from typing import Any
 
 import numpy as np
 
+from moelab.caches import get_policy
+from moelab.caches.stream import stream_from_groups
 from moelab.errors import MoelabError
 from moelab.hybrid.config import HybridConfig, RoutingConfig
 from moelab.hybrid.planner import LayerPlan, Planner, slots_and_union
@@ -321,60 +323,19 @@ def plan_routing(
             threads; it is ignored with ``routing_policies`` (their settings are not in the key).
     """
     cfg = _as_config(config)
-    from moelab.caches import get_policy
-
     L = len(num_experts)
-    routing_policy = OfflineRouting(cfg.routing, top_k, routing_policies)
-    rc = cfg.routing
-    memo_key = None if routing_memo is None or routing_policies else (
-        repr(rc.deferred), repr(rc.skipped), rc.phase, rc.min_immediate)
+    states = _RoutingStates(cfg.routing, top_k, routing_policies, routing_memo)
     proposer = _proposer(predictor, cfg, num_experts)
     cap = cfg.cache.capacity
     future = cap != 0 and get_policy(cfg.cache.policy).needs_future
     if proposer is not None and cap == 0:
         raise MoelabError("prefetch needs a device cache to prefetch into; set cache.capacity > 0.")
-    d = int(cfg.prefetch.distance)
     # the needed experts of every layer: for the future-reading cache, the routing-reading kinds
     # and a propose object's context (a fitted predictor reads the router inputs instead)
     want_needed = future or (proposer is not None and not isinstance(proposer, _PredictorProposals))
-
-    def prepared() -> Iterator[tuple[Any, list]]:
-        # the routing policy runs on chunks of forwards at once (one slot plan per layer and
-        # phase: its per-call cost dominated), then each forward's layers become lists
-        it = iter(routing)
-        while chunk := list(islice(it, _CHUNK)):
-            states: list[list] = [[None] * L for _ in chunk]
-            if routing_policy.policies:
-                for r in chunk:
-                    _check(r, L)
-                for phase in {r.phase for r in chunk}:
-                    idx = [i for i, r in enumerate(chunk) if r.phase == phase]
-                    forwards = tuple(chunk[i].forward for i in idx)
-                    for ly in range(L):
-                        key = None if memo_key is None else (memo_key, forwards, ly, phase)
-                        got = routing_memo.get(key) if key is not None else None
-                        if got is None:
-                            got = routing_policy.states_many(ly, phase, [chunk[i].ids[ly] for i in idx],
-                                                             [chunk[i].weights[ly] for i in idx])
-                            if key is not None:
-                                routing_memo[key] = got
-                        for i, st in zip(idx, got, strict=True):
-                            states[i][ly] = st
-            for r, sts in zip(chunk, states, strict=True):
-                _check(r, L)
-                layers = []
-                for ly in range(L):
-                    st = sts[ly]
-                    il, wl = r.ids[ly].tolist(), np.asarray(r.weights[ly], dtype=np.float32).tolist()
-                    sl = st.tolist() if st is not None else None
-                    layers.append((il, wl, sl, slots_and_union(il, wl, sl)[0] if want_needed else None))
-                yield r, layers
-
-    source: Iterable = prepared()
+    source: Iterable = _prepared(routing, states, L, want_needed)
     extra: dict[str, Any] = {}
     if future:
-        from moelab.caches.stream import stream_from_groups
-
         source = list(source)
         groups = [(ly, x[3]) for _, layers in source for ly, x in enumerate(layers)]
         extra["stream"] = stream_from_groups(groups, num_experts, top_k)
@@ -390,21 +351,77 @@ def plan_routing(
                 "has none; record the trace with scores (the default), or use lru, lfu or fifo."
             )
         for ly, (il, wl, sl, _) in enumerate(layers):
-            proposal = None
-            if proposer == "same":  # oracle: what layer l + d of this forward needs
-                proposal = layers[ly + d][3] if ly + d < L else None
-            elif proposer == "previous":  # repeat: what layer l + d needed at the sequences' previous step
-                ok = prev is not None and prev[0] == r.step - 1 and r.step > 0 and ly + d < L
-                proposal = prev[1][ly + d][3] if ok else None
-            elif proposer is not None and ly + d < L:
-                proposal = _ask(proposer, PredictContext(
-                    stream=None, group=i * L + ly, seq=-1, step=r.step, layer=ly, target_layer=ly + d,
-                    experts=np.asarray(layers[ly][3] if layers[ly][3] is not None else [], dtype=np.int64),
-                    scores=r.scores[ly] if getattr(r, "scores", None) is not None else None, routing=r))
+            proposal = _proposal(proposer, r, i, ly, layers, prev, int(cfg.prefetch.distance))
             scores = r.scores[ly] if need_scores else None
             plans.append(planner.plan_layer(r.forward, r.step, r.phase, ly, il, wl, sl, scores, proposal))
         prev = (r.step, layers)
     return plans
+
+
+class _RoutingStates:
+    """The routing policy's slot states of several forwards of one layer and phase, through the
+    caller's memo where one is given (see ``plan_routing``'s ``routing_memo``)."""
+
+    def __init__(self, routing: RoutingConfig, top_k: Sequence[int], policies: Sequence[Any] | None,
+                 memo: dict | None) -> None:
+        self.policy = OfflineRouting(routing, top_k, policies)
+        self.memo = memo
+        self.key = None if memo is None or policies else (
+            repr(routing.deferred), repr(routing.skipped), routing.phase, routing.min_immediate)
+
+    def __call__(self, chunk: list, idx: list[int], layer: int, phase: str) -> list:
+        key = None if self.key is None else (self.key, tuple(chunk[i].forward for i in idx), layer, phase)
+        got = self.memo.get(key) if key is not None else None
+        if got is None:
+            got = self.policy.states_many(layer, phase, [chunk[i].ids[layer] for i in idx],
+                                          [chunk[i].weights[layer] for i in idx])
+            if key is not None:
+                self.memo[key] = got
+        return got
+
+
+def _prepared(routing: Iterable[ForwardRouting], states: _RoutingStates, L: int, want_needed: bool
+              ) -> Iterator[tuple[Any, list]]:
+    """Each forward with its layers as ``(ids, weights, slot states, needed experts)`` lists. The
+    routing policy runs on chunks of forwards at once (one slot plan per layer and phase: its
+    per-call cost dominated)."""
+    it = iter(routing)
+    while chunk := list(islice(it, _CHUNK)):
+        per_forward: list[list] = [[None] * L for _ in chunk]
+        if states.policy.policies:
+            for r in chunk:
+                _check(r, L)
+            for phase in {r.phase for r in chunk}:
+                idx = [i for i, r in enumerate(chunk) if r.phase == phase]
+                for ly in range(L):
+                    for i, st in zip(idx, states(chunk, idx, ly, phase), strict=True):
+                        per_forward[i][ly] = st
+        for r, sts in zip(chunk, per_forward, strict=True):
+            _check(r, L)
+            layers = []
+            for ly in range(L):
+                il, wl = r.ids[ly].tolist(), np.asarray(r.weights[ly], dtype=np.float32).tolist()
+                sl = sts[ly].tolist() if sts[ly] is not None else None
+                layers.append((il, wl, sl, slots_and_union(il, wl, sl)[0] if want_needed else None))
+            yield r, layers
+
+
+def _proposal(proposer: Any, r: ForwardRouting, i: int, ly: int, layers: list, prev: tuple[int, list] | None,
+              d: int) -> list[int] | None:
+    """What the prefetch source proposes for layer ``ly + d`` after layer ``ly`` of forward ``r``
+    (the ``i``-th of the routing source), or None."""
+    L = len(layers)
+    if proposer is None or ly + d >= L:
+        return None
+    if proposer == "same":  # oracle: what layer l + d of this forward needs
+        return layers[ly + d][3]
+    if proposer == "previous":  # repeat: what layer l + d needed at the sequences' previous step
+        ok = prev is not None and prev[0] == r.step - 1 and r.step > 0
+        return prev[1][ly + d][3] if ok else None
+    return _ask(proposer, PredictContext(
+        stream=None, group=i * L + ly, seq=-1, step=r.step, layer=ly, target_layer=ly + d,
+        experts=np.asarray(layers[ly][3] if layers[ly][3] is not None else [], dtype=np.int64),
+        scores=r.scores[ly] if getattr(r, "scores", None) is not None else None, routing=r))
 
 
 __all__ = ["ForwardRouting", "OfflineRouting", "plan_routing", "routing_from_trace", "trace_shape"]
