@@ -32,6 +32,9 @@ def run_demo(
     section that failed is an error box in the file and is listed in ``report.failed``).
     ``threads``: torch threads for the model work (default 1 for models under 50 M
     parameters, else torch's default); benchmarks of the machine use all threads.
+
+    Size: keyword settings of a public entry point, each with a default (the CLI's options where it has a
+    command), so a call names only what it changes; a settings object would be one more thing to build.
     """
     import torch
 

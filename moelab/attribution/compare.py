@@ -377,7 +377,11 @@ def sequences(
     batch_size: int = 8,
 ) -> Sequences:
     """The prompts and continuations :func:`compare` reads (its input rules); build them once to
-    compare several policies on the same tokens (:func:`compare_many`)."""
+    compare several policies on the same tokens (:func:`compare_many`).
+
+    Size: keyword settings of a public entry point, each with a default (the CLI's options where it has a
+    command), so a call names only what it changes; a settings object would be one more thing to build.
+    """
     given = [x is not None for x in (prompts, trace, task)]
     if sum(given) != 1:
         raise MoelabError(f"compare needs exactly one of prompts=, trace= or task= (got {sum(given)}).")
@@ -431,6 +435,9 @@ def compare(
     trace or its folder: its recorded prompts and generated tokens), ``task`` (a local task's
     prompts and reference answers, ``limit`` documents) or ``seqs`` (from :func:`sequences`).
     ``layers=False`` skips the per-layer table; ``free_running=False`` the policy's own generation.
+
+    Size: keyword settings of a public entry point, each with a default (the CLI's options where it has a
+    command), so a call names only what it changes; a settings object would be one more thing to build.
     """
     import pandas as pd
 

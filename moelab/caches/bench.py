@@ -27,6 +27,9 @@ def run(
     reference: bool = False,
     seed: int = 0,
 ) -> dict:
+    """Size: keyword settings of a public entry point, each with a default (the CLI's options where it has a
+    command), so a call names only what it changes; a settings object would be one more thing to build.
+    """
     from moelab.caches import _fast
     from moelab.caches.simulation import simulate
     from moelab.caches.synthetic import synthetic_stream

@@ -190,6 +190,9 @@ def build_stream(
     optional (needed by ``mrs``). ``replay``: ``forward`` groups a forward's rows per MoE layer
     (``forward`` gives each row's forward ordinal, else :func:`forward_ids` derives it);
     ``sequence`` groups per (seq, step, moe_layer).
+
+    Size: keyword settings of a public entry point, each with a default (the CLI's options where it has a
+    command), so a call names only what it changes; a settings object would be one more thing to build.
     """
     if replay not in REPLAYS:
         raise unknown_name("replay order", replay, REPLAYS)

@@ -26,7 +26,10 @@ def synthetic_columns(
     locality: float = 0.6,
     seed: int = 0,
 ) -> dict[str, np.ndarray]:
-    """Trace-like columns: seq, step, moe_layer, experts (N, K), weights (N, K), scores (N, E)."""
+    """Trace-like columns: seq, step, moe_layer, experts (N, K), weights (N, K), scores (N, E).
+
+    Size: the knobs of a synthetic access stream, each with a default.
+    """
     rng = np.random.default_rng(seed)
     E_l = np.broadcast_to(np.asarray(num_experts), (num_layers,)).astype(int)
     E = int(E_l.max())

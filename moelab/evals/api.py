@@ -92,6 +92,9 @@ def evaluate(
     the result (default: the model's ``name_or_path``). ``reservation`` is a claim of
     ``log_samples_dir`` taken earlier with :func:`moelab._output.reserve_output` (what
     ``moelab eval`` does before loading the model); without it the directory is claimed here.
+
+    Size: keyword settings of a public entry point, each with a default (the CLI's options where it has a
+    command), so a call names only what it changes; a settings object would be one more thing to build.
     """
     if config is None:
         config = EvalConfig(

@@ -240,6 +240,9 @@ def compare_policies(
     ``eval_settings`` go to :func:`moelab.evals.evaluate` (``batch_size``, ``max_gen_toks``,
     ``allow_code_execution``, ``gsm8k_dir``, ...). All settings are checked against the
     model before anything is scored.
+
+    Size: keyword settings of a public entry point, each with a default (the CLI's options where it has a
+    command), so a call names only what it changes; a settings object would be one more thing to build.
     """
     from moelab.evals import evaluate
     from moelab.policies.registry import make_policy

@@ -320,6 +320,10 @@ class CudaExecutor(LaneExecutor):
     # ------------------------------------------------------------------ work
     def _host(self, ctx, layer, module, hidden, ids, weights, emap, *, kind: str, cause: str, tokens: int,
               nbytes: int) -> _Arrival:
+        """Size: what one layer's host task closes over (the module, its inputs, the expert map) and the columns
+        of the event it records; called per layer on the decode path, where a parameter object per call would
+        cost time.
+        """
         hb = torch.empty(hidden.shape, dtype=hidden.dtype, pin_memory=True)
         hb.copy_(hidden, non_blocking=True)
         ready = torch.cuda.Event()
@@ -385,6 +389,9 @@ class CudaExecutor(LaneExecutor):
         return backend
 
     def _device_work(self, step, L, hidden, ids, weights, smap, waits, slots, tokens, nbytes):
+        """Size: the inputs of one layer's device-stream work and the columns of its event; called per layer on
+        the decode path.
+        """
         inputs = torch.cuda.Event()
         inputs.record()  # on the control stream: hidden states, ids and weights are ready
         stream, view, backend, pool = self.streams["device"], self.views[L], self.device_backend, self.pool

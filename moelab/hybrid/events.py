@@ -56,6 +56,8 @@ class EventLog:
 
     def add(self, step: int, layer: int, lane: str, kind: str, t_start_us: float, t_end_us: float, *,
             expert: int = -1, tokens: int = 0, nbytes: int = 0, cause: str = "") -> None:
+        """Size: one parameter per column of the event schema (moelab.events.COLUMNS).
+        """
         ev = Event(self.run, step, layer, lane, kind, expert, tokens, nbytes, t_start_us, t_end_us, cause)
         with self._lock:
             self.events.append(ev)

@@ -39,7 +39,11 @@ class Lane:
     def submit(self, fn, *, priority: int = 0, step: int, layer: int, kind: str, expert: int = -1, tokens: int = 0,
                nbytes: int = 0, cause: str = "", after: list[Future] | None = None, post=None) -> Future:
         """Queue ``fn``; with ``after``, the lane first waits for those futures (a ``wait`` event);
-        ``post(result)`` runs on the lane after the future is resolved, before the next task."""
+        ``post(result)`` runs on the lane after the future is resolved, before the next task.
+
+        Size: the task, its ordering (priority, after, post) and one keyword per column of the event it
+        becomes.
+        """
         fut: Future = Future()
         meta = (step, layer, kind, expert, tokens, nbytes, cause, after or [], post)
         self._q.put((priority, next(self._seq), fut, fn, meta))

@@ -321,6 +321,9 @@ def plan_routing(
             per (deferral/skipping setting, forwards, layer, phase) and reused. Keys hold the
             forwards' ``forward`` ids, not object identities, so a memo is safe to share between
             threads; it is ignored with ``routing_policies`` (their settings are not in the key).
+
+    Size: keyword settings of a public entry point, each with a default (the CLI's options where it has a
+    command), so a call names only what it changes; a settings object would be one more thing to build.
     """
     cfg = _as_config(config)
     L = len(num_experts)

@@ -271,6 +271,10 @@ class Planner:
             scores: (tokens, E) router scores of the real tokens (numpy), for score-aware caches.
             prefetch: the experts proposed for MoE layer ``layer + distance`` (most confident
                 first), or None for no prefetch.
+
+        Size: one layer's routing as the model hands it (ids, weights, slot states, scores, the prefetch
+        proposal) and where it sits (forward, step, phase, layer), positional on the per-layer hot path, where
+        packing them into an object per call would cost a share of the planner's time.
         """
         lp = LayerPlan(forward, step, phase, layer, len(ids))
         needed, tokens, lp.deferred, lp.skipped = slots_and_union(ids, weights, state)

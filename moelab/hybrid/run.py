@@ -33,7 +33,11 @@ def run_prompts(
     progress: bool = True,
     model_name: str | None = None,
 ) -> dict:
-    """Greedy-generate on ``prompts`` under ``config`` while recording; returns the summary."""
+    """Greedy-generate on ``prompts`` under ``config`` while recording; returns the summary.
+
+    Size: keyword settings of a public entry point, each with a default (the CLI's options where it has a
+    command), so a call names only what it changes; a settings object would be one more thing to build.
+    """
     from moelab._output import reserve_output
     from moelab.trace.run import trace_prompts
 
@@ -69,7 +73,11 @@ def measure_runs(model: Any, tokenizer: Any, prompts: list[str], configs: dict[s
     ``warmup`` untimed times, then the configurations take turns ``repeat`` times (A, B, A, B, …:
     no run-order artefact); per configuration the median of the runs' tokens/s (decode tokens
     over decode wall, :func:`moelab.events.decode_rate`), its spread, the load and a ``busy`` flag
-    (:mod:`moelab.measure`). Run directories go under ``out/<name>/<i>``; returns a DataFrame."""
+    (:mod:`moelab.measure`). Run directories go under ``out/<name>/<i>``; returns a DataFrame.
+
+    Size: keyword settings of a public entry point, each with a default (the CLI's options where it has a
+    command), so a call names only what it changes; a settings object would be one more thing to build.
+    """
     import pandas as pd
 
     from moelab.measure import from_samples, machine_load

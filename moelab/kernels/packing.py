@@ -225,6 +225,9 @@ def pack_experts(
     With ``spec.dtype == "fp8"`` the weights may be :class:`~moelab.kernels.fp8.Fp8Weights`
     (packed intact, their own block shape) or float tensors (quantised in ``spec.block``
     blocks). Packs expert by expert so the temporaries stay at one expert's size.
+
+    Size: the weights and optional biases of every supported experts layout and the packing spec, as the
+    native operator takes them.
     """
     fp8_given = [isinstance(w, Fp8Weights) for w in (gate, up, down)]
     if any(fp8_given) and spec.dtype != "fp8":

@@ -68,6 +68,9 @@ def reference_experts(
 
     Shapes: x (T, H), index/weights (T, K), gate/up (E, I, H), down (E, H, I);
     :class:`~moelab.kernels.fp8.Fp8Weights` are dequantised as stored (fp8 spec only).
+
+    Size: the inputs, weights and optional biases of every supported experts layout, as the native operator
+    takes them (the reference mirrors its signature).
     """
     t, h = hidden_states.shape
     e, i, _ = gate.shape

@@ -83,6 +83,9 @@ class LearnedPredictor(Predictor):
         num_threads: int | None = 1,
         progress: bool = True,
     ) -> None:
+        """Size: scikit-learn style hyperparameters: one constructor argument with a default each
+        (get_params/set_params read them from this signature).
+        """
         self.distance = distance
         self.width = width
         self.depth = depth

@@ -186,6 +186,9 @@ def _clean(obj):
 def _aggregate(match: np.ndarray, n_actual: np.ndarray, in_time: np.ndarray, decode: np.ndarray,
                K: int, m_values: list[int], seq: np.ndarray, valid: np.ndarray,
                fetch_basis: str = "predicted") -> dict[str, Any]:
+    """Size: the per-pair arrays of one evaluation (matches, counts, timing, phase, sequence, validity) and its
+    settings; the arrays are built once by evaluate and shared by every metric here.
+    """
     n = len(n_actual)
     nan = float("nan")
     out: dict[str, Any] = {"pairs": int(n), "sequences": int(len(np.unique(seq)))}
@@ -266,6 +269,11 @@ def evaluate(
     trace, else from the model, loaded by name if ``model`` is not given); ``latency_us`` defaults to the measured batch-1
     latency (:func:`~moelab.predictors.timing.measure_latency_us`). ``fetch_basis``: the fetch
     rate's denominator (module docstring; ``"predicted"`` is ProMoE's).
+
+    Size: keyword settings of a public entry point, each with a default (the CLI's options where it has a
+    command), so a call names only what it changes; a settings object would be one more thing to build. Long
+    because the metrics of one source layer share their intermediate arrays (predictions, matches, lead
+    times), computed once, top to bottom.
     """
     check_fetch_basis(fetch_basis)
     data = as_trace_data(trace)

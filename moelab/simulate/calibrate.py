@@ -393,7 +393,11 @@ def _numa_nodes() -> int:
 
 
 def calibrate(cfg: CalibrateConfig | None = None, *, progress: bool = True) -> tuple[dict, dict]:
-    """Measure this machine; returns (profile file data, raw measurements)."""
+    """Measure this machine; returns (profile file data, raw measurements).
+
+    Size: long: a sequence of measurements read top to bottom, each a few lines feeding the profile under
+    construction; split, the pieces would pass that profile around.
+    """
     import torch
     from tqdm.auto import tqdm
 

@@ -305,7 +305,11 @@ def _ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
 
 # ---------------------------------------------------------------------- costs of every task
 def _task_costs(enc: Encoded, lay: Layout, costs: Costs, context: int):
-    """Per-task arrays: resource, priority, fixed, bytes, cap, pool, category, and per-item extras."""
+    """Per-task arrays: resource, priority, fixed, bytes, cap, pool, category, and per-item extras.
+
+    Size: long: one table of task costs by kind (dense, router, experts on either side, copies), in the order
+    of the cost model's definition.
+    """
     hw = costs.profile
     n = lay.n
     N = hw.numa_nodes

@@ -600,6 +600,8 @@ def _config_dtype(c: _Cfg) -> str:
 
 
 def _from_config(config: Any, *, name: str | None, dtype: str | None) -> ModelShape:
+    """Size: long: one branch per model family's config keys, a table read top to bottom.
+    """
     from moelab.adapters.families import BUILTIN_ADAPTERS
 
     cfg, where = _load_config_arg(config)

@@ -183,7 +183,11 @@ class RoutingStats:
                    source: str = "chosen by hand") -> RoutingStats:
         """Statistics stated by hand (what-if studies): the Zipf exponent and the reuse and
         adjacency lifts per layer (adjacent_lift[0] is ignored); chance levels are those of the
-        Zipf popularity at this E and K."""
+        Zipf popularity at this E and K.
+
+        Size: keyword settings of a public entry point, each with a default (the CLI's options where it has a
+        command), so a call names only what it changes; a settings object would be one more thing to build.
+        """
         L = len(skew)
         if len(reuse_lift) != L or len(adjacent_lift) != L:
             raise MoelabError(f"from_lifts: skew, reuse_lift and adjacent_lift need one value per layer "

@@ -135,6 +135,8 @@ _KT_UNSTATED = (
 def _kt(name: str, metric: str, published: float, deferred: int, tolerance: float, kind: str, *,
         baseline_deferred: int | None = None, settings: dict | None = None, derived: str = "",
         source: str = "") -> ValidationCase:
+    """Size: the fields of one published KTransformers figure, as the validation table lists them.
+    """
     hybrid = {**_KT_HYBRID, "routing": {"deferred": deferred}}
     baseline = None if baseline_deferred is None else {**_KT_HYBRID, "routing": {"deferred": baseline_deferred}}
     return ValidationCase(

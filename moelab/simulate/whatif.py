@@ -200,7 +200,11 @@ class Routing:
 def load_routing(shape: Any, *, trace: Any = None, synthetic: bool = False, fit_from: Any = None, steps: int = 32,
                  batch: int = 1, seed: int = 0, calibrate_synthetic: bool = False, stats: Any = None) -> Routing:
     """A trace's first ``steps`` decode forwards (and the prefills before them), or synthetic
-    routing of ``batch`` sequences × ``steps`` decode steps."""
+    routing of ``batch`` sequences × ``steps`` decode steps.
+
+    Size: keyword settings of a public entry point, each with a default (the CLI's options where it has a
+    command), so a call names only what it changes; a settings object would be one more thing to build.
+    """
     from moelab.simulate.synthetic import check_trace_shape, fit_routing_stats, synthetic_routing
 
     if (trace is None) == (not synthetic):
@@ -259,7 +263,11 @@ def simulate_cell(routing: list, shape: Any, hardware: str, profile: Any, cell: 
                   routing_memo: dict | None = None) -> dict:
     """Plan and simulate one configuration; tokens/s, decode step time, stalls (s), busy % over
     the decode forwards after the first ``warmup`` (the planner's caches start empty).
-    ``routing_memo``: see :func:`moelab.hybrid.offline.plan_routing` (one dict per routing source)."""
+    ``routing_memo``: see :func:`moelab.hybrid.offline.plan_routing` (one dict per routing source).
+
+    Size: keyword settings of a public entry point, each with a default (the CLI's options where it has a
+    command), so a call names only what it changes; a settings object would be one more thing to build.
+    """
     from moelab.hybrid.offline import plan_routing
     from moelab.simulate.executor import simulate_plans, summarize_sim
 
@@ -314,7 +322,11 @@ def whatif(shape: Any, hardware: Any, *, trace: Any = None, synthetic: bool = Fa
     file); returns a pandas DataFrame, one row per cell: the axes, ``tokens_per_s``,
     ``step_ms``, ``stall_<cause>_s`` (control-thread waits over the run, by what held them up)
     and ``busy_<lane>_pct``, and the oracle bound's ``oracle_*`` columns. ``df.attrs`` holds the
-    routing's source and statistics and the wall time."""
+    routing's source and statistics and the wall time.
+
+    Size: keyword settings of a public entry point, each with a default (the CLI's options where it has a
+    command), so a call names only what it changes; a settings object would be one more thing to build.
+    """
     import pandas as pd
     from tqdm.auto import tqdm
 

@@ -69,6 +69,9 @@ def run_sweep(spec: Any, *, backend: str | Any = "local", workers: int = 1, addr
     ``backend``: ``local``, ``ray``, or a sweep backend object (:mod:`moelab.sweeps.backends`);
     ``fingerprints``: model fingerprints already known (a shortcut that loaded the model);
     ``log_failures=False``: failed cells are only returned (a shortcut raises the error itself).
+
+    Size: keyword settings of a public entry point, each with a default (the CLI's options where it has a
+    command), so a call names only what it changes; a settings object would be one more thing to build.
     """
     from tqdm.auto import tqdm
 

@@ -45,7 +45,11 @@ def run_shortcut(spec: Any, store: str | os.PathLike | None, *, preload: dict[tu
 def policy_comparison_spec(model: str, dtype: str | None, tasks: list[str], *, deferred: list[int],
                            skipped: list[int], limit: int | None, phase: str, renormalize: bool,
                            **eval_settings: Any) -> SweepSpec:
-    """The cells of ``moelab compare-policies``: unmodified, each deferral and each skipping count."""
+    """The cells of ``moelab compare-policies``: unmodified, each deferral and each skipping count.
+
+    Size: keyword settings of a public entry point, each with a default (the CLI's options where it has a
+    command), so a call names only what it changes; a settings object would be one more thing to build.
+    """
     policies = [PolicySpec("none")]
     d = tuple(sorted({n for n in deferred if n}))
     s = tuple(sorted({n for n in skipped if n}))
@@ -63,7 +67,11 @@ def run_policy_comparison(spec: SweepSpec, model: Any, tokenizer: Any, *, deferr
                           phase: str, renormalize: bool, limit: int | None,
                           store: str | os.PathLike | None = None) -> Any:
     """Score ``spec`` (:func:`policy_comparison_spec`) with ``model`` already loaded; every
-    policy setting is checked against the model before anything is scored."""
+    policy setting is checked against the model before anything is scored.
+
+    Size: keyword settings of a public entry point, each with a default (the CLI's options where it has a
+    command), so a call names only what it changes; a settings object would be one more thing to build.
+    """
     from moelab.adapters import model_fingerprint
     from moelab.evals.compare import PolicyComparison, comparison_from_scores
     from moelab.sweeps.policies import full_settings, make_policy

@@ -218,7 +218,11 @@ def to_chrome(timelines: Timeline | Sequence[Timeline], path: str | Path | None 
 def to_perfetto(timelines: Timeline | Sequence[Timeline], path: str | Path | None = None, *,
                 labels: Sequence[str] | None = None) -> str | bytes:
     """A Perfetto ``Trace`` protobuf of one or several timelines (``perfetto.trace_builder``);
-    written atomically to ``path`` (returns the path) or returned as bytes when ``path`` is None."""
+    written atomically to ``path`` (returns the path) or returned as bytes when ``path`` is None.
+
+    Size: long: the Perfetto packets of each timeline, track by track (lanes, counters, flows), in the order
+    the trace format nests them.
+    """
     try:
         from perfetto.protos.perfetto.trace import perfetto_trace_pb2 as pb
         from perfetto.trace_builder.proto_builder import TraceProtoBuilder

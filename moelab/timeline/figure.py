@@ -64,7 +64,11 @@ def timeline_figure(timelines: Timeline | Sequence[Timeline], *, labels: Sequenc
     (:meth:`~moelab.timeline.Timeline.critical_path`) as a black chain over its events.
     ``origins`` (µs, one per timeline; default each one's first event) and ``rows`` (``(timeline
     index, lane)`` pairs) pin the axes, so that a redrawn part of a figure lines up with it
-    (``counters="always"`` keeps the counter row even where the part has no copies)."""
+    (``counters="always"`` keeps the counter row even where the part has no copies).
+
+    Size: keyword settings of a public entry point, each with a default (the CLI's options where it has a
+    command), so a call names only what it changes; a settings object would be one more thing to build.
+    """
     from plotly.subplots import make_subplots
 
     tls = [timelines] if isinstance(timelines, Timeline) else list(timelines)

@@ -22,7 +22,10 @@ def synthetic_events(*, steps: int | None = None, events: int | None = None, lay
                      deferred: int = 2, seed: int = 0, run: str = "synthetic",
                      fates: tuple[float, float, float, float] = (0.62, 0.12, 0.04, 0.22)) -> pd.DataFrame:
     """An events table of ``steps`` decode steps (or about ``events`` events); ``fates`` are the
-    probabilities of hit, prefetch-hit, miss-fetch and miss-host for each non-deferred slot."""
+    probabilities of hit, prefetch-hit, miss-fetch and miss-host for each non-deferred slot.
+
+    Size: long: the events of one synthetic step, lane by lane, in the order they happen.
+    """
     if steps is None:
         p = np.asarray(fates) / np.sum(fates)
         slots = top_k - 0.8 * deferred  # slots not deferred, on average
@@ -84,6 +87,8 @@ def synthetic_events(*, steps: int | None = None, events: int | None = None, lay
     parts = []
 
     def add(mask_b, lane, kind, t0, t1, *, e=-1, tok=0, nbytes=0, cause="", lay=None, stp=None):
+        """Size: the event rows' columns, one keyword each.
+        """
         n = len(t0)
         sel = (lambda a: a[mask_b]) if mask_b is not None else (lambda a: a)
         parts.append(pd.DataFrame({

@@ -27,7 +27,11 @@ def trace_prompts(
     progress: bool = True,
     **record_kwargs: Any,
 ) -> RoutingTrace:
-    """Greedy-generate ``max_new_tokens`` for every prompt while recording its routing."""
+    """Greedy-generate ``max_new_tokens`` for every prompt while recording its routing.
+
+    Size: keyword settings of a public entry point, each with a default (the CLI's options where it has a
+    command), so a call names only what it changes; a settings object would be one more thing to build.
+    """
     from tqdm.auto import tqdm
 
     if tokenizer is None:
