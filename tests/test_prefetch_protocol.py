@@ -14,22 +14,10 @@ from moelab.errors import MoelabError
 from moelab.hybrid.offline import plan_routing
 from moelab.predictors import OraclePredictor, RepeatPredictor, make_predictor
 from moelab.predictors.protocol import PredictContext
-from moelab.routing import ForwardRouting
+from tests.test_hybrid_offline import SHAPE2 as SHAPE
+from tests.test_hybrid_offline import _routing
 
 torch.set_num_threads(1)
-
-
-def _routing(layers_per_forward, E=4):
-    out = []
-    for f, layers in enumerate(layers_per_forward):
-        ids = [np.array([ex], dtype=np.int64) for ex in layers]
-        w = [np.array([np.linspace(0.9, 0.1, len(ex))], dtype=np.float32) for ex in layers]
-        sc = [np.full((1, E), 1.0 / E, dtype=np.float32) for _ in layers]
-        out.append(ForwardRouting(forward=f, step=f + 1, phase="decode", tokens=1, ids=ids, weights=w, scores=sc))
-    return out
-
-
-SHAPE = {"num_experts": [4, 4], "top_k": [1, 1], "expert_bytes": 100}
 
 
 @pytest.fixture(scope="module")

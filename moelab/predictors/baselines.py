@@ -68,21 +68,27 @@ class FrequencyPredictor(Predictor):
         self.frequency_ = tensors["frequency"]
 
 
-@register_predictor("oracle")
-class OraclePredictor(Predictor):
-    """The recorded future: ranks the experts layer ``l + d`` actually chose first (by
-    weight), then the rest by their recorded router score. Offline only; an upper bound
-    (accuracy 1 at m = top-k, and a fetch rate limited only by timing). As a prefetch source
-    it proposes what layer ``l + d`` of the same forward needs (``reads_routing = "same"``)."""
+class _RoutingReader(Predictor):
+    """A kind that reads the recorded routing instead of predicting from inputs (offline only,
+    nothing to learn); :attr:`~moelab.predictors.base.Predictor.reads_routing` says which forward."""
 
     online = False
-    reads_routing = "same"
 
     def __init__(self, distance: int = 1) -> None:
         self.distance = distance
 
     def _fit(self, data: TraceData, model: Any) -> None:
         pass
+
+
+@register_predictor("oracle")
+class OraclePredictor(_RoutingReader):
+    """The recorded future: ranks the experts layer ``l + d`` actually chose first (by
+    weight), then the rest by their recorded router score. Offline only; an upper bound
+    (accuracy 1 at m = top-k, and a fetch rate limited only by timing). As a prefetch source
+    it proposes what layer ``l + d`` of the same forward needs (``reads_routing = "same"``)."""
+
+    reads_routing = "same"
 
     def _scores_offline(self, data: TraceData, layer: int, tokens: np.ndarray) -> np.ndarray:
         target = layer + self.distance
@@ -100,7 +106,7 @@ class OraclePredictor(Predictor):
 
 
 @register_predictor("repeat")
-class RepeatPredictor(Predictor):
+class RepeatPredictor(_RoutingReader):
     """Temporal locality: predicts for a token of step ``s`` the experts MoE layer ``l + d``
     chose at step ``s - 1`` of the same sequence, the most chosen first (by the number of
     that step's tokens choosing each, then by their best rank, then the lower id), the rest
@@ -109,14 +115,7 @@ class RepeatPredictor(Predictor):
     previous step of the same sequence (``reads_routing = "previous"``); a prompt (step 0) has
     no previous step and gets no proposal."""
 
-    online = False
     reads_routing = "previous"
-
-    def __init__(self, distance: int = 1) -> None:
-        self.distance = distance
-
-    def _fit(self, data: TraceData, model: Any) -> None:
-        pass
 
     def _scores_offline(self, data: TraceData, layer: int, tokens: np.ndarray) -> np.ndarray:
         target = layer + self.distance
