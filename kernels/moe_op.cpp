@@ -111,6 +111,11 @@ at::Tensor moe_forward(const at::Tensor& x, const at::Tensor& ids, const at::Ten
     cnt[idp[s]]++;
   }
   for (int e = 0; e < E; ++e) off[e + 1] = off[e] + cnt[e];
+  // Every check above runs with the GIL held: a TORCH_CHECK builds a c10::Error, whose
+  // construction may consult Python (torch's stack-trace and warning hooks), so throwing it
+  // without the GIL can abort the process instead of raising (seen with torch 2.11). Nothing
+  // below throws; the GIL is released for the compute only, and reacquired before returning.
+  pybind11::gil_scoped_release nogil;
   {
     std::vector<int32_t> fill(off.begin(), off.end() - 1);
     for (int64_t s = 0; s < S; ++s) {
@@ -296,8 +301,7 @@ std::vector<std::string> cpu_features() {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "moelab fused MoE expert kernels (CPU)";
-  m.def("moe_forward", &moelab::moe_forward, "fused MoE experts forward",
-        py::call_guard<py::gil_scoped_release>());
+  m.def("moe_forward", &moelab::moe_forward, "fused MoE experts forward (releases the GIL after its checks)");
   m.def("cpu_features", &moelab::cpu_features, "x86 features detected at run time");
   m.attr("ABI_VERSION") = 2;
 }
