@@ -159,7 +159,7 @@ class PrefetchConfig:
 
 def routing_kinds() -> dict[str, str]:
     """The predictor kinds that read the recorded routing, ``{name: rule}`` (``same`` / ``previous``)."""
-    from moelab.predictors import PREDICTORS
+    from moelab.predictors.registry import PREDICTORS  # the kinds (sklearn): only when a source is resolved
 
     return {n: PREDICTORS.get(n).reads_routing for n in PREDICTORS.names() if PREDICTORS.get(n).reads_routing}
 
