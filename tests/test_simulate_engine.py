@@ -184,8 +184,17 @@ class HandShape:
     def shared_bytes(self):
         return 0
 
+    def shared_flops(self, tokens=1):
+        return 0
+
     def dense_mlp_bytes(self):
         return 0
+
+    def dense_mlp_flops(self, tokens=1):
+        return 0
+
+    def router_bytes(self):
+        return self.num_experts * self.hidden_size * 2  # bf16 router weights
 
     def attention_bytes(self, context, batch=1):
         return 5_000_000
