@@ -22,6 +22,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, ClassVar
 
+from moelab.backends import get_backend
+from moelab.forward import Order
+from moelab.hybrid.events import control_span
+from moelab.hybrid.lanes import split_maps
 from moelab.registry import Registry
 
 
@@ -61,16 +65,11 @@ class FunctionalExecutor(Executor):
         cfg = self.run.config
         if cfg.device_backend is None and cfg.host_backend is None:
             return []
-        from moelab.backends import get_backend
-        from moelab.forward import Order
-
         self._backends = (get_backend(cfg.device_backend or "reference"), get_backend(cfg.host_backend or "reference"))
         return [mgr.add("experts", self._split, order=Order.BACKEND + 50, name="functional executor")]
 
     def _split(self, ctx: Any, layer: Any, call: Any) -> None:
         """Device experts through the device backend, the rest through the host backend, summed."""
-        from moelab.hybrid.lanes import split_maps
-
         lp = ctx.scratch.get(("hybrid-plan", layer.index))
         if lp is None:
             return
@@ -99,8 +98,6 @@ class LaneExecutor(Executor):
         self._last_mark: dict[int, float] = {}
 
     def install(self, mgr: Any) -> list[Any]:
-        from moelab.forward import Order
-
         name = f"{self.name} executor"
         handles = [mgr.add(point, fn, order=Order.OBSERVE, name=name)
                    for point, fn in (("forward", self.on_forward), ("router", self.on_router),
@@ -112,25 +109,17 @@ class LaneExecutor(Executor):
         self._last_mark[ctx.index] = self.log.now_us()
 
     def on_router(self, ctx: Any, layer: Any, call: Any) -> None:
-        from moelab.hybrid.events import control_span
-
         control_span(self.log, self._last_mark, ctx.index, layer.index, "dense", "attention+router")
 
     def on_output(self, ctx: Any, layer: Any, call: Any, out: Any) -> None:
-        from moelab.hybrid.events import control_span
-
         control_span(self.log, self._last_mark, ctx.index, layer.index, "dispatch", "merge")
 
     def on_forward_end(self, ctx: Any, ok: bool) -> None:
-        from moelab.hybrid.events import control_span
-
         if ok:  # the layers after the last MoE block, the final norm and the LM head
             control_span(self.log, self._last_mark, ctx.index, -1, "dense", "head")
         self._last_mark.pop(ctx.index, None)
 
     def on_experts(self, ctx: Any, layer: Any, call: Any) -> None:
-        from moelab.hybrid.events import control_span
-
         lp = ctx.scratch.get(("hybrid-plan", layer.index))
         if lp is None:
             return

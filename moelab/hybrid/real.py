@@ -42,6 +42,7 @@ from typing import Any
 import torch
 
 from moelab.backends import get_backend
+from moelab.hybrid.cuda import CudaExecutor
 from moelab.hybrid.events import control_span
 from moelab.hybrid.executors import LaneExecutor
 from moelab.hybrid.lanes import Lane, split_maps
@@ -99,10 +100,6 @@ class RealExecutor(LaneExecutor):
     def create(cls, run: Any) -> LaneExecutor:
         """The real executor for the run's device: CUDA lanes on ``cuda``, CPU lanes otherwise."""
         if run.device_ == "cuda":
-            from moelab.hybrid.cuda import (
-                CudaExecutor,  # imports torch.cuda state only when a GPU is used
-            )
-
             return CudaExecutor(run)
         return cls(run)
 
