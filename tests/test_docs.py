@@ -30,7 +30,8 @@ def test_site_builds_strictly(tmp_path):
     took = time.perf_counter() - t0
     assert got.returncode == 0, f"mkdocs build --strict failed ({took:.0f} s):\n{got.stdout}\n{got.stderr}"
     site = tmp_path / "site"
-    for page in ("index.html", "tour/index.html", "api/caches/index.html", "recipes/cache-policy/index.html"):
+    for page in ("index.html", "tour/index.html", "api/caches/index.html", "recipes/cache-policy/index.html",
+                 "reference/index.html", "reference/caches/index.html"):
         assert (site / page).is_file(), f"the build wrote no {page}"
     api = (site / "api" / "caches" / "index.html").read_text(encoding="utf-8")
     assert "register_policy" in api and ":class:`" not in api  # docstrings rendered, reST roles converted
@@ -46,3 +47,6 @@ def test_readme_links_existing_docs_pages():
     assert linked, "the README's Documentation section links no docs page"
     for path in linked:
         assert (ROOT / path).is_file(), f"README links {path}, which does not exist"
+    # the README's reference sections moved to docs/reference/: its Documentation section lists each
+    reference = {p.relative_to(ROOT).as_posix() for p in (DOCS / "reference").glob("*.md")}
+    assert reference and reference <= set(linked), f"README links no {sorted(reference - set(linked))}"

@@ -128,14 +128,15 @@ def test_trainer_export_runs_its_final_validation_with_a_progress_bar(tmp_path, 
 
 
 def test_readme_task_manager_snippet_names_moelab_task_folder():
-    """The README's inline ``TaskManager(include_path=...)`` argument, run in a fresh interpreter
-    (``moelab._resources`` was not an attribute of a freshly imported ``moelab``)."""
+    """The README's inline ``TaskManager(include_path=...)`` argument (now on the reference page
+    docs/reference/lm-eval.md), run in a fresh interpreter (``moelab._resources`` was not an
+    attribute of a freshly imported ``moelab``)."""
     import re
     import subprocess
     import sys
     from pathlib import Path
 
-    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    readme = (Path(__file__).resolve().parent.parent / "docs" / "reference" / "lm-eval.md").read_text()
     arg = re.search(r"`TaskManager\(include_path=(.+?)\)`", readme).group(1)
     code = f"import moelab, pathlib\np = pathlib.Path({arg})\nprint(sorted(f.name for f in p.glob('*.yaml')))"
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
