@@ -41,7 +41,7 @@ def test_moelab_logits_match_eager_for_every_family(family):
         assert rel < (0.02 if impl == "moelab_int8" else 0.2), f"{impl}: relative error {rel:.3f}"
 
 
-# moelab_fp8 vs the bf16 model's eager logits: relative Frobenius error (README, "FP8 experts").
+# moelab_fp8 vs the bf16 model's eager logits: relative Frobenius error (docs/reference/fp8.md).
 # Measured 0.5-1.3 % on the tiny families, 2.5 % on gpt_oss (clamped SwiGLU amplifies it).
 FP8_LOGITS_TOL = 0.05
 

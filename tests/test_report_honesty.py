@@ -221,7 +221,7 @@ def test_the_browser_check_refuses_a_legend_over_empty_axes(tmp_path):
 
 
 def test_fates_per_expert_and_every_stall_with_a_cause(tmp_path):
-    """The README's configuration (learned prefetch, MRS, greedy-hss, deferral, real executor): the
+    """The hybrid reference page's configuration (docs/reference/hybrid.md) (learned prefetch, MRS, greedy-hss, deferral, real executor): the
     timeline summary counts fates per expert from the run's plans — prefetch hits included, which
     the fused device call's events cannot show — and the control thread's stalls all have a cause."""
     import json

@@ -61,7 +61,7 @@ process. Semantics differ from running both in one process where values cross: r
 must be plain data; arguments are copies (in-place changes of list, dict, set and
 bytearray arguments are written back, top level only); the tests cannot pass their own
 functions; exceptions arrive as the built-in type of that name with the same arguments
-(README, "Same verdicts as one process").
+(docs/reference/lm-eval.md, "Same verdicts as one process").
 
 :func:`run_program` runs one whole program (no separate tests): its ``passed`` only
 means that the program reached its end, which a hostile program can claim falsely — the
