@@ -139,6 +139,9 @@ def simulate(
         policy_kwargs: policy parameters (``alpha``, ``p``, ``pairing``, ``rows`` for mrs;
             ``oracle_scope`` (``stream``/``sequence``) for the Belady oracles; ``reset_on_evict`` for
             lfu; ``pinned`` for static).
+
+    Size: keyword settings of a public entry point, each with a default (the CLI's options where it has a
+    command), so a call names only what it changes; a settings object would be one more thing to build.
     """
     from moelab.caches.stream import ordered_by_id
 
@@ -172,6 +175,9 @@ def sweep(
     Prefetch settings are applied only to policies with ``accepts_prefetch`` (not to the
     Belady bounds, which stay demand-caching bounds, nor to ``static``, which ignores them).
     Other keyword arguments (``insertion``, ``warm``, ...) go to :func:`simulate`.
+
+    Size: keyword settings of a public entry point, each with a default (the CLI's options where it has a
+    command), so a call names only what it changes; a settings object would be one more thing to build.
     """
     from tqdm.auto import tqdm
 
@@ -211,6 +217,10 @@ def _simulate_stream(
     insertion: Insertion,
     policy_kwargs: dict[str, Any],
 ) -> CacheResult:
+    """Size: long and wide: simulate()'s settings resolved in one pass (capacity, warm set, profile, prefetch
+    proposals and budget, backend choice) before the replay; it is the one place these checks and their error
+    messages live.
+    """
     slots = resolve_capacity(capacity, stream.num_experts, scope)
     allowed = cls.__dict__.get("params")
     if allowed is not None and set(policy_kwargs) - allowed:
@@ -333,6 +343,8 @@ def _profile_counts(profile: Any, stream: AccessStream) -> np.ndarray:
 
 
 def _run_fast(stream, cls, slots, scope, warm_keys, pf_ptr, pf_keys, budget, per_group, insertion, kw):
+    """Size: the arrays the compiled replay takes (see moelab.caches._fast.replay).
+    """
     code = cls.kernel
     n, NK, G = stream.num_accesses, stream.num_keys, stream.num_groups
     key_layer = stream.key_layer().astype(np.int64)
@@ -407,6 +419,8 @@ def _run_fast(stream, cls, slots, scope, warm_keys, pf_ptr, pf_keys, budget, per
 
 def _run_reference(stream, cls, capacity, scope, warm_keys, pf_ptr, pf_keys, budget, per_group, expert_bytes,
                    insertion, kw):
+    """Size: the same settings as _run_fast, for the Python reference replay.
+    """
     kwargs = dict(kw)
     if cls.needs_future:
         kwargs["stream"] = stream

@@ -39,6 +39,8 @@ def random_plans(*, steps: int, layers: int, experts: int, top_k: int, expert_by
     KTransformers-style static set when ``insert`` is False). A miss is fetched (a demand copy,
     then cached) with probability ``fetch_share``, else it runs on the host (and is cached with
     an ``insert`` copy if ``insert``). ``prefetch`` guesses per layer are copied for the next one.
+
+    Size: the knobs of the benchmark's random plans, each with a default.
     """
     from collections import OrderedDict
 
