@@ -7,6 +7,9 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
+from moelab.prompts import prompt_sources, task_prompts
+from moelab.report import ReportContext, build_report, check_sections
+
 log = logging.getLogger(__name__)
 
 TINY_PARAMS = 50_000_000
@@ -40,7 +43,6 @@ def run_demo(
 
     from moelab.loading import load
     from moelab.models.bundled import default_model_name
-    from moelab.report import ReportContext, build_report, check_sections
     from moelab.trace.run import trace_prompts
 
     check_sections(sections, skip)
@@ -74,8 +76,6 @@ def run_demo(
 
 
 def _default_prompts(quick: bool) -> list[str]:
-    from moelab.prompts import prompt_sources, task_prompts
-
     n = 2 if quick else 4
     prompts: list[str] = []
     for task in ("arith", "pycode"):

@@ -2,7 +2,7 @@
 
 A task name resolves through a registry: ``demo`` (a few built-in prompts) is always
 there, and the synthetic tasks of :mod:`moelab.tasks` (``arith``, ``pycode``) are
-added when that module is present, as the contexts they are evaluated with
+added on first lookup, as the contexts they are evaluated with
 (``Question: {question}\\nAnswer:`` for arith). Register more with :func:`register_prompt_source`.
 Prompts from a file are used verbatim; a ``.jsonl`` file can hold newlines (``"\\n"``).
 """
@@ -13,6 +13,7 @@ import json
 from collections.abc import Callable
 from pathlib import Path
 
+from moelab import tasks
 from moelab.errors import MoelabError
 from moelab.registry import Registry
 
@@ -35,10 +36,6 @@ def _demo_prompts(limit: int | None) -> list[str]:
 
 def _load_task_sources() -> None:
     # the synthetic tasks of moelab.tasks, as the contexts they are evaluated with
-    try:
-        from moelab import tasks
-    except ImportError:  # pragma: no cover - moelab.tasks is part of the package
-        return
     for name in tasks.task_names():
         if name not in PROMPT_SOURCES:
             PROMPT_SOURCES.register(name, _task_prompts(name))
@@ -61,8 +58,6 @@ register_prompt_source("demo", _demo_prompts)
 
 def _task_prompts(name: str) -> PromptSource:
     def source(limit: int | None) -> list[str]:
-        from moelab import tasks
-
         # the context the task is evaluated (and the bundled models were trained) with,
         # e.g. "Question: ...\nAnswer:" for arith, not the bare question
         docs = tasks.generate(name, "test", n=limit)

@@ -11,6 +11,10 @@ from __future__ import annotations
 import argparse
 import time
 
+import moelab
+from moelab.measure import from_samples
+from moelab.tasks import generate, prompt_and_target
+
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -21,11 +25,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--allow-busy", action="store_true", help="report a figure measured on a busy machine (flagged)")
     args = p.parse_args(argv)
 
-    import moelab
     from moelab.attribution import compare
-    from moelab.measure import from_samples
     from moelab.models.bundled import default_model_name
-    from moelab.tasks import generate, prompt_and_target
 
     name = args.model or default_model_name()
     model, tok = moelab.load(name)

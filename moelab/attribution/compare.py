@@ -48,8 +48,11 @@ from typing import Any
 import numpy as np
 import torch
 
+import moelab
 from moelab.errors import MoelabError
 from moelab.forward import IMMEDIATE, Order, forward_hooks
+from moelab.policies.registry import POLICIES, make_policy
+from moelab.tasks import generate, prompt_and_target
 
 log = logging.getLogger(__name__)
 
@@ -122,7 +125,6 @@ def as_policy(policy: Any) -> PolicySpec:
             return _hybrid_spec(HybridConfig.from_dict(d.get("config", {})))
         if name is None:
             return _hybrid_spec(HybridConfig.from_dict(d))
-        from moelab.policies.registry import POLICIES, make_policy
 
         probe = make_policy(name, None, **d)
         return _routing_spec(name, POLICIES.get(name), probe.config)
@@ -238,7 +240,6 @@ def sequences_from_trace(trace: Any) -> Sequences:
 
 def sequences_from_task(task: str, tokenizer: Any, limit: int | None, split: str = "test") -> Sequences:
     """A local task's prompts with its reference answers as continuations."""
-    from moelab.tasks import generate, prompt_and_target
 
     docs = generate(task, split)[:limit] if limit else generate(task, split)
     prompts, conts, texts = [], [], []
@@ -574,8 +575,6 @@ def _meta(model, spec: PolicySpec, seqs: Sequences, batch_size: int, max_new_tok
     import platform
 
     import transformers
-
-    import moelab
 
     return {
         "policy": spec.label, "policy_phase": spec.phase, "settings": spec.settings,

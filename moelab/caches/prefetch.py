@@ -34,6 +34,7 @@ import numpy as np
 from moelab.caches.stream import AccessStream
 from moelab.errors import MoelabError, unknown_name
 from moelab.predictors.protocol import PredictContext, Prefetcher, union_predictions
+from moelab.timing import Link, get_profile
 
 logger = logging.getLogger(__name__)
 
@@ -87,8 +88,6 @@ class PrefetchConfig:
 
     def __post_init__(self) -> None:
         if isinstance(self.link, dict):  # from YAML or a config's to_dict(): {bandwidth_gbs, latency_us}
-            from moelab.timing import Link
-
             self.link = Link(**self.link)
 
     @classmethod
@@ -98,7 +97,6 @@ class PrefetchConfig:
     ) -> PrefetchConfig:
         """A budget from a host-to-GPU link: ``gb_per_s`` GB/s for ``step_ms`` ms per step,
         ``latency_us`` per transfer (0: the budget is bandwidth × step time, in whole experts)."""
-        from moelab.timing import Link
 
         for name, v in (("gb_per_s", gb_per_s), ("step_ms", step_ms)):
             if not v > 0:
@@ -113,7 +111,6 @@ class PrefetchConfig:
         """A budget from a hardware profile (name, file or instance; default
         :data:`moelab.timing.DEFAULT_PROFILE`): its link, over one decode step of
         ``num_layers`` MoE layers × ``decode_layer_time_us``."""
-        from moelab.timing import get_profile
 
         hw = get_profile(profile)
         if isinstance(num_layers, bool) or not isinstance(num_layers, (int, np.integer)) or num_layers < 1:
@@ -159,7 +156,8 @@ class PrefetchConfig:
 
 def routing_kinds() -> dict[str, str]:
     """The predictor kinds that read the recorded routing, ``{name: rule}`` (``same`` / ``previous``)."""
-    from moelab.predictors.registry import PREDICTORS  # the kinds (sklearn): only when a source is resolved
+    # the kinds (sklearn): only when a source is resolved
+    from moelab.predictors.registry import PREDICTORS
 
     return {n: PREDICTORS.get(n).reads_routing for n in PREDICTORS.names() if PREDICTORS.get(n).reads_routing}
 

@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from moelab.caches.results import CacheSweep
+from moelab.static_view import StaticView, controls_caption
 
 
 def hit_rate_curves(sweep: CacheSweep, scope: str = "layer", title: str | None = None):
@@ -69,7 +70,6 @@ def cache_panel(source: Any, policies: Sequence[str] = ("lru", "lfu", "fifo", "s
     import plotly.graph_objects as go
 
     from moelab.caches.simulation import load_stream, simulate
-    from moelab.static_view import StaticView, controls_caption
 
     stream = load_stream(source, scores=True)
     policy = w.Dropdown(options=list(policies), value=policies[0], description="policy")

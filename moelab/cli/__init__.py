@@ -13,6 +13,7 @@ import importlib
 import logging
 import sys
 
+from moelab import __version__
 from moelab.errors import MoelabError, did_you_mean
 
 #: Sub-command modules, in the order ``moelab --help`` lists them.
@@ -37,8 +38,6 @@ COMMAND_MODULES: list[str] = [
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from moelab import __version__
-
     parser = argparse.ArgumentParser(
         prog="moelab",
         description="Expert-routing experiments on Mixture-of-Experts language models.",

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from moelab.cli._util import emit_json, positive_int
-from moelab.errors import MoelabError
+from moelab.errors import MoelabError, unknown_name
 
 
 def register(subparsers) -> None:
@@ -89,7 +89,6 @@ def parse_capacity(text: str) -> float | int:
 def parse_scopes(text: str) -> list[str]:
     """``layer``, ``global``, ``layer,global`` or ``both`` (= layer,global) -> a list of scopes."""
     from moelab.caches.base import SCOPES
-    from moelab.errors import unknown_name
 
     scopes: list[str] = []
     for x in (x.strip() for x in text.split(",")):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from moelab.cli._util import emit_json, positive_int
+from moelab.errors import MoelabError
 
 
 def register(subparsers) -> None:
@@ -37,8 +38,6 @@ def run(args) -> int:
 
     out = Path(args.out)
     if out.exists() and not args.overwrite:  # refuse before a minute of measuring
-        from moelab.errors import MoelabError
-
         raise MoelabError(f"{str(out)!r} exists; pass --overwrite to replace it or choose another --out.")
     profile, raw = calibrate(cfg, progress=not args.json)
     path = write_profile(profile, raw, out, overwrite=args.overwrite, name=args.name)

@@ -12,11 +12,11 @@ from collections.abc import Iterator
 from typing import Any
 
 from moelab.cli._util import emit_json, non_negative_int, positive_int
+from moelab.errors import MoelabError
+from moelab.evals.data import GSM8K_ENV, HUMANEVAL_ENV
 
 
 def register(subparsers) -> None:
-    from moelab.evals.data import GSM8K_ENV, HUMANEVAL_ENV
-
     p = subparsers.add_parser(
         "eval",
         help="score accuracy with lm-eval",
@@ -111,7 +111,6 @@ def model_context(args, model: Any) -> Iterator[Any]:
     from moelab.cli.policy_args import policy_context
 
     if getattr(args, "hybrid", None):
-        from moelab.errors import MoelabError
         from moelab.hybrid.runtime import HybridRun
 
         if getattr(args, "deferred", None) or getattr(args, "skipped", None):

@@ -16,7 +16,7 @@ from typing import Any
 
 from moelab.cli._util import DeprecatedAlias, check_output_path, emit_json, positive_int
 from moelab.errors import MoelabError
-from moelab.timing import DEFAULT_PROFILE
+from moelab.timing import DEFAULT_PROFILE, reference_expert_bytes
 
 log = logging.getLogger(__name__)
 
@@ -123,7 +123,6 @@ def _model(args):
 
 def _evaluate(predictor, data, args, model):
     from moelab.predictors import evaluate
-    from moelab.timing import reference_expert_bytes
 
     eb = reference_expert_bytes(args.expert_bytes) if args.expert_bytes else None
     return evaluate(predictor, data, m_values=_m_values(args.m), hardware=args.hardware, expert_bytes=eb,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from moelab.cli._util import emit_json, non_negative_int, positive_int
+from moelab.errors import MoelabError
 
 
 def register(subparsers) -> None:
@@ -63,7 +64,6 @@ def register(subparsers) -> None:
 def run(args) -> int:
     import sys
 
-    from moelab.errors import MoelabError
     from moelab.simulate.shapes import get_shape
     from moelab.simulate.whatif import brief_stats, format_table, whatif
 

@@ -21,7 +21,9 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import moelab
 from moelab._output import OutputReservation, reserve_output
+from moelab._resources import resource_dir
 from moelab.errors import MoelabError
 from moelab.evals.metrics import sandbox_defaults
 from moelab.evals.registry import EvalTask, default_num_fewshot, parse_tasks
@@ -147,8 +149,6 @@ def _evaluate(
     with sandbox_defaults(sandbox), _quiet_lm_eval():
         from lm_eval.tasks import TaskManager
 
-        from moelab._resources import resource_dir
-
         # an lm-eval LM object (e.g. a test oracle) is used as is
         lm = model if _is_lm_eval_lm(model) else _wrap(model, tokenizer, config)
         task_manager = TaskManager(
@@ -190,8 +190,6 @@ def versions() -> dict[str, str]:
     """Versions of the packages an evaluation result depends on."""
     from importlib.metadata import PackageNotFoundError, version
 
-    import moelab
-
     out = {"moelab": moelab.__version__, "python": platform.python_version()}
     for pkg, dist in (("torch", "torch"), ("transformers", "transformers"), ("lm_eval", "lm_eval")):
         try:
@@ -225,7 +223,7 @@ def _check_tasks(tasks: list[EvalTask], config: EvalConfig) -> dict[str, Any]:
             raise MoelabError(
                 f"task {task.name!r} runs model-generated code to score it; {OPT_IN_HINT} to run "
                 "that code in moelab's sandbox (kernel namespaces: read-only files, no network, "
-                "time/memory/process limits — see README, 'Accuracy with lm-eval')."
+                "time/memory/process limits — see docs/reference/lm-eval.md)."
             )
         if task.executes_code:
             isolation_level(_sandbox_config(config))  # refuses a sandbox weaker than asked for

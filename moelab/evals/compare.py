@@ -22,6 +22,7 @@ from typing import Any, Literal
 
 from moelab.errors import MoelabError
 from moelab.policies.base import PolicyPhase
+from moelab.policies.registry import make_policy
 from moelab.stats import degenerate, format_score, wilson_interval
 
 log = logging.getLogger(__name__)
@@ -245,7 +246,6 @@ def compare_policies(
     command), so a call names only what it changes; a settings object would be one more thing to build.
     """
     from moelab.evals import evaluate
-    from moelab.policies.registry import make_policy
 
     task_list = [t.strip() for t in tasks.split(",")] if isinstance(tasks, str) else list(tasks)
     runs: list[tuple[str, int, Any]] = []

@@ -19,13 +19,14 @@ from __future__ import annotations
 import logging
 import sys
 
+from moelab._resources import resource_dir
+
 
 def main(argv: list[str] | None = None) -> None:
     """Run lm-eval's CLI on ``argv`` (default ``sys.argv[1:]``)."""
     from lm_eval.__main__ import cli_evaluate
 
     import moelab.evals.lm_model  # noqa: F401  (registers the "moelab" model class)
-    from moelab._resources import resource_dir
 
     args = list(sys.argv[1:] if argv is None else argv)
     if args and not any(a == "--include_path" or a.startswith("--include_path=") for a in args):

@@ -14,6 +14,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from moelab.stats import degenerate, wilson_interval
+
 logger = logging.getLogger(__name__)
 
 def report_section(
@@ -117,7 +119,6 @@ def _score_text(sample: dict) -> str:
 
 def _se_text(value: float, se: float | None, n: int) -> str:
     """``± 0.105``; at a score of 0 or 1 (stderr 0) also the Wilson 95 % interval."""
-    from moelab.stats import degenerate, wilson_interval
 
     if se is None:
         return ""

@@ -6,6 +6,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from moelab.errors import MoelabError
+from moelab.stats import degenerate, wilson_interval
 
 
 @dataclass
@@ -144,7 +145,6 @@ class EvalResult:
 
         Where a metric is 0 or 1 with a zero standard error (every document scored the same),
         the Wilson 95 % interval follows it in brackets (:func:`moelab.stats.wilson_interval`)."""
-        from moelab.stats import degenerate, wilson_interval
 
         rows = [("task", "metric", "value", "stderr", "n")]
         marked = False

@@ -16,6 +16,7 @@ import argparse
 import time
 
 from moelab.evals.sandbox import SandboxConfig, run_programs, run_tests_many
+from moelab.tasks import generate
 
 MUTATIONS = (
     (" < ", " <= "), (" <= ", " < "), (" > ", " >= "), (" >= ", " > "), (" == ", " != "),
@@ -71,8 +72,6 @@ def main(argv: list[str] | None = None) -> int:
 
         docs = read_jsonl(resolve_humaneval_file(args.humaneval_dir))
     else:
-        from moelab.tasks import generate
-
         docs = generate("pycode", "test")
     r = compare(docs, args.mutants, SandboxConfig(timeout_s=args.timeout))
     print(

@@ -26,6 +26,7 @@ import time
 import torch
 
 from moelab.forward.points import hooks
+from moelab.measure import from_samples
 
 
 @torch.no_grad()
@@ -69,7 +70,6 @@ def run(model_name: str | None = None, steps: int = 256, repeats: int = 7) -> di
     for _ in range(repeats):
         for k, fn in settings.items():
             times[k].append(fn())
-    from moelab.measure import from_samples
 
     med = {k: statistics.median(v) for k, v in times.items()}
     m = from_samples(times["plain"], warmup=1)

@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from moelab.caches.base import ExpertCache
 from moelab.forward.bench import decode_loop as _decode
 from moelab.measure import BusyMachineError, Measurement, from_samples
 
@@ -42,7 +43,6 @@ def planner_cost(model_name: str, steps: int = 64, repeats: int = 3) -> dict[str
     machine. Reports per-layer-plan medians (and the mean) of the decode steps.
     """
     from moelab.adapters import moe_layers
-    from moelab.caches.base import ExpertCache
     from moelab.hybrid.runtime import HybridRun
     from moelab.loading import load
 

@@ -20,6 +20,7 @@ from typing import Any
 from moelab.caches.prefetch import PrefetchConfig
 from moelab.errors import MoelabError, did_you_mean, unknown_name
 from moelab.hybrid.executors import available_executors
+from moelab.timing import available_profiles
 
 DEVICES = ("auto", "cpu", "cuda")
 
@@ -115,11 +116,9 @@ class HybridConfig:
         if self.executor == "cuda" and self.device == "cpu":
             raise MoelabError("executor 'cuda' runs its device lane on a GPU, but device is 'cpu'; use executor: "
                               "real with device: cpu (a CPU worker stands in for the device), or device: auto.")
-        if isinstance(self.hardware, str) and not self.hardware.endswith((".yaml", ".yml", ".json")):
-            from moelab.timing import available_profiles
-
-            if self.hardware not in available_profiles():  # checked for every executor, not only when costed
-                raise unknown_name("hardware profile", self.hardware, available_profiles())
+        named_profile = isinstance(self.hardware, str) and not self.hardware.endswith((".yaml", ".yml", ".json"))
+        if named_profile and self.hardware not in available_profiles():  # checked for every executor, not only when costed
+            raise unknown_name("hardware profile", self.hardware, available_profiles())
         if self.device == "cuda":
             import torch
 

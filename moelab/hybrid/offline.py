@@ -44,7 +44,8 @@ from typing import Any
 import numpy as np
 
 from moelab.caches import get_policy
-from moelab.caches.stream import stream_from_groups
+from moelab.caches.prefetch import routing_kinds, routing_rule
+from moelab.caches.stream import forward_ids, stream_from_groups
 from moelab.errors import MoelabError
 from moelab.hybrid.config import HybridConfig, RoutingConfig
 from moelab.hybrid.planner import LayerPlan, Planner, slots_and_union
@@ -125,7 +126,6 @@ def routing_from_trace(trace: Any, *, hidden: bool | None = None) -> Iterator[Fo
     ``hidden``: attach the recorded router inputs (``ForwardRouting.hidden``; default: when
     the trace has them), which learned predictors read.
     """
-    from moelab.caches.stream import forward_ids
     from moelab.trace import open_trace
 
     tr = open_trace(trace) if isinstance(trace, (str, Path)) else trace
@@ -220,7 +220,6 @@ class _PredictorProposals:
 def _proposer(predictor: Any, config: HybridConfig, num_experts: Sequence[int]) -> Any:
     """The prefetch source as ``"same"`` / ``"previous"`` (a routing-reading kind's rule, applied
     to the forwards below) or an object with ``propose(PredictContext)``; None: no prefetch."""
-    from moelab.caches.prefetch import routing_kinds, routing_rule
 
     if predictor is None:
         predictor = config.prefetch.predictor

@@ -31,6 +31,7 @@ from typing import ClassVar
 
 from moelab.errors import MoelabError
 from moelab.registry import Registry
+from moelab.timing import Link
 
 HOST, FETCH = "host", "fetch"
 
@@ -62,7 +63,6 @@ class CostModel:
 
     def fetch_us(self) -> float:
         """One expert over the host→device link (:class:`moelab.timing.Link`, the one link model)."""
-        from moelab.timing import Link
 
         return Link(self.link_bandwidth_gbs, self.link_latency_us).transfer_us(self.expert_bytes)
 

@@ -35,10 +35,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from moelab.caches import get_policy
+from moelab.caches import make_cache as _make
+from moelab.caches.online import union_small
 from moelab.errors import MoelabError
 from moelab.forward.plan import DEFERRED, DROPPED
 from moelab.hybrid.config import HybridConfig
 from moelab.hybrid.placement import FETCH, HOST, CostModel, Placement, get_placement
+from moelab.timing import get_profile
 
 
 @dataclass
@@ -87,7 +91,6 @@ def union_order(ids: list[list[int]], weights: list[list[float]]) -> list[int]:
     """The experts a layer needs, in access order: one token's in router order (``-1``
     skipped); several tokens' each once, by descending largest weight, ties lower id
     (:func:`moelab.caches.online.union_small`, the rule of the offline access stream)."""
-    from moelab.caches.online import union_small
 
     return union_small(ids, weights) if ids else []
 
@@ -141,8 +144,6 @@ def make_cache(config: HybridConfig, num_experts: Sequence[int], top_k: Sequence
                **extra: Any):
     """The expert cache of ``config`` for a model with these experts per MoE layer, or None
     (capacity 0). ``extra`` goes to the policy (``stream=`` for ``belady``: offline only)."""
-    from moelab.caches import get_policy
-    from moelab.caches import make_cache as _make
 
     c = config.cache
     cap = c.capacity
@@ -180,7 +181,6 @@ def make_cost_model(config: HybridConfig, expert_bytes: int, expert_params: floa
             f"placement {config.placement!r} needs the parameters of one expert for its cost model; "
             "pass expert_params= (e.g. ModelShape.expert_params())."
         )
-    from moelab.timing import get_profile
 
     return CostModel.from_profile(get_profile(config.hardware), int(expert_bytes), 2.0 * float(expert_params))
 

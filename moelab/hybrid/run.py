@@ -14,9 +14,11 @@ from typing import Any
 
 import torch
 
+from moelab._output import reserve_output
 from moelab.errors import MoelabError
 from moelab.hybrid.config import HybridConfig
 from moelab.hybrid.runtime import HybridRun
+from moelab.measure import from_samples, machine_load
 
 
 @torch.no_grad()
@@ -38,7 +40,6 @@ def run_prompts(
     Size: keyword settings of a public entry point, each with a default (the CLI's options where it has a
     command), so a call names only what it changes; a settings object would be one more thing to build.
     """
-    from moelab._output import reserve_output
     from moelab.trace.run import trace_prompts
 
     res = reserve_output(Path(out), overwrite, what="run directory")
@@ -79,8 +80,6 @@ def measure_runs(model: Any, tokenizer: Any, prompts: list[str], configs: dict[s
     command), so a call names only what it changes; a settings object would be one more thing to build.
     """
     import pandas as pd
-
-    from moelab.measure import from_samples, machine_load
 
     if repeat < 1 or warmup < 0:
         raise MoelabError(f"measure_runs needs repeat ≥ 1 and warmup ≥ 0 (got {repeat}, {warmup}).")

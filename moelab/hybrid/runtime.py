@@ -46,8 +46,11 @@ from typing import Any
 import numpy as np
 import torch
 
+from moelab import __version__
+from moelab._output import reserve_output
 from moelab.caches.prefetch import routing_rule
 from moelab.errors import MoelabError
+from moelab.events import decode_rate
 from moelab.forward import (
     ExpertsCall,
     ForwardContext,
@@ -332,7 +335,6 @@ class HybridRun:
     def summary(self) -> dict:
         """Lane busy %, host/device overlap % and wall time from the events, and the run's
         tokens/s (:func:`moelab.events.decode_rate`: decode tokens over decode wall)."""
-        from moelab.events import decode_rate
         from moelab.hybrid.events import summarize
 
         df = self.events_table()
@@ -341,7 +343,6 @@ class HybridRun:
 
     def save(self, out: str | Path, *, overwrite: bool = False) -> Path:
         """Write the run into a new directory ``out``, atomically (complete or absent); see :meth:`write`."""
-        from moelab._output import reserve_output
 
         res = reserve_output(Path(out), overwrite, what="hybrid run directory")
         try:
@@ -361,8 +362,6 @@ class HybridRun:
 
         import pyarrow.parquet as pq
         import transformers
-
-        from moelab import __version__
 
         d = Path(directory)
         with open(d / "plans.jsonl", "w") as f:

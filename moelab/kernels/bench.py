@@ -18,8 +18,9 @@ from typing import Any
 
 import torch
 
-from moelab.errors import MoelabError
+from moelab.errors import MoelabError, unknown_name
 from moelab.kernels.packing import PackedExperts
+from moelab.measure import measure
 
 logger = logging.getLogger(__name__)
 
@@ -101,7 +102,6 @@ _BUSY: list[str] = []  # reasons any timing of the current run was flagged busy
 
 def _measure(fn: Callable[[], object], repeat: int, setup: Callable[[], None] | None = None):
     """``repeat`` timed calls after one warm-up (:func:`moelab.measure.measure`); a busy verdict is kept."""
-    from moelab.measure import measure
 
     m = measure(fn, warmup=1, repeat=repeat, setup=setup)
     if m.busy:
@@ -117,7 +117,6 @@ def _median_time(fn: Callable[[], object], repeat: int, setup: Callable[[], None
 def memory_bandwidth(mib: int = 1024, repeat: int = 5) -> dict[str, Any]:
     """STREAM-like read (``sum``) and copy bandwidth in GB/s, best of ``repeat`` after a warm-up,
     all threads; with the machine's load and whether it made the figure meaningless (``busy``)."""
-    from moelab.measure import measure
 
     n = mib * 2**20 // 4
     a = torch.ones(n)
@@ -247,8 +246,6 @@ def run_bench(config: BenchConfig, progress: Callable[[str], None] | None = None
     say = progress or (lambda s: logger.info("%s", s))
     for b in config.baselines:
         if b not in BASELINES:
-            from moelab.errors import unknown_name
-
             raise unknown_name("baseline", b, BASELINES)
     shapes = [Shape.parse(s) for s in config.shapes]
     specs = {  # validates names

@@ -25,7 +25,8 @@ from pathlib import Path
 from types import ModuleType
 from typing import Literal
 
-from moelab.errors import MoelabError
+from moelab._resources import resource_dir
+from moelab.errors import MoelabError, unknown_name
 
 logger = logging.getLogger(__name__)
 
@@ -103,7 +104,6 @@ def load_extension() -> ModuleType:
     with _lock:
         if _module is not None:
             return _module
-        from moelab._resources import resource_dir
 
         src_dir = resource_dir("kernels")
         sources = sorted(str(p) for p in src_dir.glob("*.cpp"))
@@ -155,8 +155,6 @@ def supported_isas() -> tuple[Isa, ...]:
 
 def _validate(isa: str, source: str) -> Isa:
     if isa not in ISAS:
-        from moelab.errors import unknown_name
-
         raise unknown_name(f"instruction set (from {source})", isa, ISAS)
     if isa not in supported_isas():
         missing = sorted(set(_REQUIRED[isa]) - cpu_features())

@@ -21,7 +21,7 @@ from typing import Literal
 
 import torch
 
-from moelab.errors import MoelabError
+from moelab.errors import MoelabError, unknown_name
 from moelab.kernels.fp8 import (
     DEFAULT_BLOCK,
     FP8_DTYPE,
@@ -54,8 +54,6 @@ class KernelSpec:
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_CODES:
-            from moelab.errors import unknown_name
-
             raise unknown_name("kernel dtype", self.dtype, DTYPE_CODES)
         if self.quantized and self.group_size not in GROUP_SIZES:
             raise MoelabError(
@@ -243,8 +241,6 @@ def pack_experts(
     if _shape(down) != (e, h, i):
         raise MoelabError(f"down has shape {_shape(down)}; expected (E, H, I) = {(e, h, i)}.")
     if act not in ACT_CODES:
-        from moelab.errors import unknown_name
-
         raise unknown_name("activation", act, ACT_CODES)
     if spec.dtype == "fp8":
         blocks = {w.block for w in (gate, up, down) if isinstance(w, Fp8Weights)}

@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+from moelab.errors import unknown_name
+
 #: The families moelab supports, in the order we list them.
 FAMILIES: tuple[str, ...] = (
     "mixtral",
@@ -132,8 +134,6 @@ def tiny_config(family: str, **overrides: Any):
     from transformers import AutoConfig
 
     if family not in _FAMILY_KWARGS:
-        from moelab.errors import unknown_name
-
         raise unknown_name("model family", family, FAMILIES)
     # Deep copy: config classes may edit nested values in place (qwen3_next adds
     # partial_rotary_factor to rope_parameters), which must not leak into later models.

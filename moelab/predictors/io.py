@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from moelab import __version__
 from moelab._output import reserve_output
 from moelab.errors import MoelabError
 from moelab.predictors.base import Predictor
@@ -51,8 +52,6 @@ def save_predictor(predictor: Predictor, path: str | Path, *, metrics: dict | No
     ``reservation``: a claim of ``path`` taken before fitting (:func:`moelab._output.reserve_output`;
     ``moelab predict fit --out`` claims it before the work); without it, ``path`` is claimed here."""
     from safetensors.numpy import save_file
-
-    from moelab import __version__
 
     predictor._check_fitted()
     path = Path(path)

@@ -23,7 +23,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from moelab.errors import MoelabError
+from moelab.errors import MoelabError, unknown_name
 from moelab.predictors.base import Predictor, TraceData
 from moelab.predictors.data import multi_hot
 from moelab.predictors.protocol import to_numpy
@@ -110,8 +110,6 @@ class LearnedPredictor(Predictor):
             if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
                 raise MoelabError(f"{name}: {p} must be an integer ≥ 1, got {v!r}.")
         if self.loss not in _LOSSES:
-            from moelab.errors import unknown_name
-
             raise unknown_name(f"{name} loss", self.loss, _LOSSES)
         if not 0.0 <= self.dropout < 1.0:
             raise MoelabError(f"{name}: dropout must be in [0, 1), got {self.dropout!r}.")

@@ -42,6 +42,7 @@ from typing import Any
 
 import numpy as np
 
+from moelab._output import reserve_output
 from moelab.errors import MoelabError
 from moelab.predictors.base import Predictor, as_trace_data
 from moelab.predictors.timing import in_time_schedule, measure_latency, transfer_model
@@ -156,8 +157,6 @@ class PredictionReport:
         actual (top-k by weight), in_time (per predicted rank: transfer done before the
         target layer routes under the report's timing model; decode rows only)."""
         import pyarrow.parquet as pq
-
-        from moelab._output import reserve_output
 
         with reserve_output(path, overwrite=True, what="dump", kind="file") as res:
             pq.write_table(self.dump_table(), res.staging)

@@ -23,6 +23,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from moelab.errors import MoelabError
+
 if TYPE_CHECKING:
     from moelab.predictors.base import Predictor
 
@@ -55,7 +57,6 @@ def router_inputs(ctx: Any, call: Any) -> tuple[Any, np.ndarray | None] | None:
 def attach(model: Any, predictor: Predictor, callback: Callback, *, m: int | None = None) -> Iterator[None]:
     """Call ``callback(source_layer, target_layer, predicted)`` during every forward of ``model``."""
     from moelab.adapters import model_fingerprint
-    from moelab.errors import MoelabError
     from moelab.forward import Order, forward_hooks
 
     predictor.check_model(model_fingerprint(model), getattr(model, "name_or_path", type(model).__name__))

@@ -42,6 +42,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from moelab.measure import from_samples, machine_load
 from moelab.timing import EPS_US, HardwareProfile, fifo_schedule, get_profile
 
 
@@ -112,7 +113,6 @@ def measure_latency(predictor, data, *, calls: int = 200, warmup: int = 20):
     and the token id); input conversion is included, as it is part of the online path.
     None for offline-only predictors (oracle) and where no token pair exists.
     """
-    from moelab.measure import from_samples, machine_load
 
     if not predictor.online or calls < 1:
         return None

@@ -21,7 +21,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from moelab.errors import MoelabError
+from moelab import __version__
+from moelab._output import reserve_output
+from moelab.errors import MoelabError, unknown_name
+from moelab.measure import MAX_LOAD_PER_CPU, machine_load
 from moelab.registry import Registry
 
 log = logging.getLogger(__name__)
@@ -147,7 +150,6 @@ def check_sections(sections: Sequence[str] | None, skip: Sequence[str] | None = 
 
     Unknown names, and a choice that leaves nothing, are refused before any work is done.
     """
-    from moelab.errors import unknown_name
 
     known = section_names()
     for names in (sections, skip):
@@ -277,7 +279,6 @@ def build_report(ctx: ReportContext, out: str | Path, *, sections: Sequence[str]
         mark = {"ok": "", "failed": " — failed", "unavailable": " — not available"}[outcome.status]
         toc.append(f"<li><a href='#sec-{html.escape(entry.name)}'>{html.escape(outcome.title)}</a>{mark}</li>")
         outcomes.append(outcome)
-    from moelab import __version__
 
     doc = _TEMPLATE.format(
         title=html.escape(f"moelab report — {ctx.model_name}"),
@@ -289,7 +290,6 @@ def build_report(ctx: ReportContext, out: str | Path, *, sections: Sequence[str]
         toc="".join(toc),
         body="\n".join(parts),
     )
-    from moelab._output import reserve_output
 
     with reserve_output(out, overwrite=True, what="report", kind="file") as res:
         res.staging.write_text(doc, encoding="utf-8")
@@ -319,7 +319,6 @@ figure.fig {{ margin: 1em 0; }}
 
 def load_text() -> str:
     """The machine's load when the report was written: section seconds mean little without it."""
-    from moelab.measure import MAX_LOAD_PER_CPU, machine_load
 
     m = machine_load()
     if m["load1"] is None:

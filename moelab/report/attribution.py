@@ -9,6 +9,7 @@ from __future__ import annotations
 import html
 
 from moelab.report import ReportContext, Section, register_section
+from moelab.tasks import generate, prompt_and_target
 
 
 def attribution_section(ctx: ReportContext) -> Section:
@@ -17,7 +18,6 @@ def attribution_section(ctx: ReportContext) -> Section:
     from moelab.adapters import moe_layers
     from moelab.attribution import compare, sequences
     from moelab.attribution.figures import kl_by_changed_weight, token_layer_heatmap
-    from moelab.tasks import generate, prompt_and_target
 
     layers = moe_layers(ctx.model)
     d = max(1, min(layer.top_k for layer in layers) // 2)

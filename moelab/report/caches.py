@@ -6,6 +6,7 @@ Replays the demo trace's decode accesses through the cache policies at several c
 
 from __future__ import annotations
 
+from moelab.caches.viz import hit_rate_curves, layer_heatmap
 from moelab.report import ReportContext, Section, html_table, register_section
 
 POLICIES = ("lru", "lfu", "fifo", "static", "mrs", "belady", "belady-bypass")
@@ -14,7 +15,6 @@ CAPACITIES = (0.125, 0.25, 0.375, 0.5, 0.75)
 
 def caches_section(ctx: ReportContext) -> Section:
     from moelab.caches.simulation import sweep
-    from moelab.caches.viz import hit_rate_curves, layer_heatmap
 
     result = sweep(ctx.trace, policies=POLICIES, capacities=CAPACITIES, progress=False)
     df = result.to_frame()

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import html
 
+import moelab
+from moelab.prompts import task_prompts
 from moelab.report import ReportContext, Section, html_table, load_text, register_section
 
 #: The demo's hybrid configuration: a quarter of each layer's experts resident (LRU), misses placed by
@@ -29,9 +31,7 @@ SHOW_STEPS = 4
 
 
 def hybrid_section(ctx: ReportContext) -> Section:
-    import moelab
     from moelab.adapters import moe_layers
-    from moelab.prompts import task_prompts
     from moelab.timeline import Timeline
 
     cfg = dict(CONFIG)

@@ -11,6 +11,8 @@ from __future__ import annotations
 import html
 from contextlib import contextmanager
 
+from moelab.errors import MoelabError
+from moelab.measure import machine_load
 from moelab.report import ReportContext, Section, SectionUnavailable, html_table, register_section
 
 #: (shape HxIxExK, token counts, dtypes, bandwidth buffer MiB) — full and quick.
@@ -55,7 +57,6 @@ def bench_threads(default: int | None) -> tuple[int | None, str]:
     machine; one where other work's load (the load average less this process's own,
     :func:`moelab.measure.machine_load`) already fills the CPUs, because OpenMP threads that
     wait at every barrier for a descheduled sibling measure the other load, not the kernel."""
-    from moelab.measure import machine_load
 
     m = machine_load()
     cpus, load = m["cpus"], m["load1"]
@@ -71,8 +72,6 @@ def bench_threads(default: int | None) -> tuple[int | None, str]:
 
 
 def kernels_section(ctx: ReportContext) -> Section:
-    from moelab.errors import MoelabError
-
     try:
         from moelab.kernels.build import load_extension
 

@@ -7,20 +7,20 @@ synthetic tasks' train and test splits, fits each predictor kind at each distanc
 
 from __future__ import annotations
 
+from moelab.predictors import plots
 from moelab.report import ReportContext, Section, html_table, register_section
+from moelab.tasks import generate, prompt_and_target
 
 KINDS = ("frequency", "token", "skip", "learned")
 
 
 def _prompts(split: str, n: int) -> list[str]:
-    from moelab.tasks import generate, prompt_and_target
-
     out = [prompt_and_target("arith", ex)[0] for ex in generate("arith", split, n=n // 2)]
     return out + [prompt_and_target("pycode", ex)[0] for ex in generate("pycode", split, n=n - n // 2)]
 
 
 def predictors_section(ctx: ReportContext) -> Section:
-    from moelab.predictors import compare, frame, plots
+    from moelab.predictors import compare, frame
     from moelab.trace.run import trace_prompts
 
     n_train, n_test, new = (12, 6, 6) if ctx.quick else (32, 12, 12)

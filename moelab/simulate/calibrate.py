@@ -68,6 +68,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from moelab.errors import MoelabError
+from moelab.timing import parse_profile
 
 log = logging.getLogger(__name__)
 
@@ -566,8 +567,6 @@ def write_profile(profile: dict, raw: dict, out: str | Path, *, overwrite: bool 
     """Write ``profile`` to ``out`` (YAML) and ``raw`` to ``out``'s ``.raw.json`` sibling, atomically;
     the profile is validated by loading it back before it is put in place."""
     import yaml
-
-    from moelab.timing import parse_profile
 
     out = Path(out)
     if out.suffix not in (".yaml", ".yml"):

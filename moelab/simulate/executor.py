@@ -61,6 +61,7 @@ from typing import Any
 import numpy as np
 
 from moelab.errors import MoelabError
+from moelab.events import busy_spans, lane_group, length, summarize
 from moelab.hybrid.events import COLUMNS
 from moelab.simulate.engine import Graph, Schedule, simulate
 from moelab.timing import HardwareProfile, get_profile
@@ -764,7 +765,6 @@ def summarize_sim(df, forwards=None) -> dict:
     Wall time, busy % and overlap follow the one rule of :func:`moelab.events.summarize` (the real
     executor's and :class:`moelab.timeline.Timeline`'s), so real and simulated runs compare line by line.
     """
-    from moelab.events import busy_spans, lane_group, length, summarize
 
     if len(df) == 0:
         return {"wall_us": 0.0, "busy_pct": {}, "overlap_pct": 0.0, "stall_us": {}}

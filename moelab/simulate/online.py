@@ -19,6 +19,7 @@ from typing import Any
 
 from moelab.errors import MoelabError
 from moelab.hybrid.executors import Executor
+from moelab.timing import get_profile
 
 log = logging.getLogger(__name__)
 
@@ -33,7 +34,6 @@ class SimulatedExecutor(Executor):
         if run.config.hardware is None:
             raise MoelabError("executor 'simulated' needs a hardware profile to simulate on; set hardware: to a "
                               "profile name (moelab.timing.available_profiles()) or a profile YAML file.")
-        from moelab.timing import get_profile
 
         self.run = run
         self.profile = get_profile(run.config.hardware)

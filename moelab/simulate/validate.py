@@ -29,6 +29,10 @@ from typing import Any
 
 import numpy as np
 
+import moelab
+from moelab.measure import from_samples, machine_load
+from moelab.timing import get_profile, load_profile
+
 log = logging.getLogger(__name__)
 
 MACHINE_TARGET = "median ≤ 10 %, worst ≤ 20 % (decode step time)"
@@ -38,7 +42,6 @@ MACHINE_TARGET = "median ≤ 10 %, worst ≤ 20 % (decode step time)"
 def _profile_for(case, *, cpu_eff_scale: float = 1.0):
     """The case's profile; the CPU experts use both sockets as one host lane (each expert split
     over the NUMA nodes, as KTransformers' NUMA-aware kernels do) — an assumption, stated."""
-    from moelab.timing import get_profile
 
     hw = get_profile(case.profile)
     eff = min(hw.cpu_memory_efficiency * cpu_eff_scale, 1.0)
@@ -186,7 +189,6 @@ def _real_case(model, ids, cfg: dict, steps: int, warmup: int, profile, shape) -
     from moelab.compat import cache_kwargs, output_cache
     from moelab.hybrid.events import summarize
     from moelab.hybrid.runtime import HybridRun
-    from moelab.measure import from_samples, machine_load
     from moelab.simulate.executor import simulate_plans
 
     run = HybridRun(model, cfg)
@@ -249,7 +251,6 @@ def _machine_cases(quick: bool) -> list[tuple[str, str, dict]]:
 def calibrated_profile(*, quick: bool = True, progress: bool = False):
     """Calibrate this machine now (``moelab calibrate --quick``'s settings) into a temporary profile."""
     from moelab.simulate.calibrate import CalibrateConfig, calibrate, write_profile
-    from moelab.timing import load_profile
 
     # the backends the real runs use (see _machine_cases): calibration measures those kernels on
     # microbenchmarks, never the runs themselves
@@ -266,10 +267,8 @@ def machine_rows(profile: Any = None, *, quick: bool = False, progress: bool = F
     import torch
     from tqdm.auto import tqdm
 
-    import moelab
     from moelab.hybrid.bench import realistic_model
     from moelab.simulate.shapes import ModelShape
-    from moelab.timing import get_profile
 
     info: dict[str, Any] = {}
     t0 = time.perf_counter()

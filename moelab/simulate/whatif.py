@@ -39,7 +39,12 @@ from typing import Any
 
 import numpy as np
 
+import moelab
+from moelab._output import write_file_atomic
+from moelab.caches import available_policies
 from moelab.errors import MoelabError, did_you_mean
+from moelab.prompts import DEMO_PROMPTS
+from moelab.timing import get_profile
 
 log = logging.getLogger(__name__)
 
@@ -75,8 +80,6 @@ def _placement(text: str, key: str) -> str:
 
 
 def _policy(text: str, key: str) -> str:
-    from moelab.caches import available_policies
-
     names = available_policies()
     if text not in names:
         raise MoelabError(f"grid {key}={text!r} is not a cache policy;{did_you_mean(text, names)} "
@@ -159,7 +162,6 @@ def default_routing_stats(model: str = DEFAULT_FIT_MODEL, *, max_new_tokens: int
     """:class:`~moelab.simulate.synthetic.RoutingStats` fitted from a trace recorded now from the
     bundled ``model`` on the demo prompts (greedy, ``max_new_tokens``); cached on disk by moelab
     version, model and settings (the recording takes ~half a minute on 2 cores)."""
-    import moelab
     from moelab.simulate.synthetic import RoutingStats, fit_routing_stats
 
     path = _cache_dir() / f"stats-{model}-{moelab.__version__}-{max_new_tokens}.json"
@@ -170,7 +172,6 @@ def default_routing_stats(model: str = DEFAULT_FIT_MODEL, *, max_new_tokens: int
             log.warning("ignoring %s (%s)", path, e)
     import tempfile
 
-    from moelab.prompts import DEMO_PROMPTS
     from moelab.trace.run import trace_prompts
 
     m, tok = moelab.load(model)
@@ -178,7 +179,6 @@ def default_routing_stats(model: str = DEFAULT_FIT_MODEL, *, max_new_tokens: int
         tr = trace_prompts(m, tok, list(DEMO_PROMPTS), Path(d) / "trace", max_new_tokens=max_new_tokens,
                            progress=progress, model_name=model)
         stats = fit_routing_stats(tr)
-    from moelab._output import write_file_atomic
 
     write_file_atomic(path, json.dumps(stats.to_dict(), default=str))
     return stats
@@ -331,7 +331,6 @@ def whatif(shape: Any, hardware: Any, *, trace: Any = None, synthetic: bool = Fa
     from tqdm.auto import tqdm
 
     from moelab.simulate.shapes import ModelShape, get_shape
-    from moelab.timing import get_profile
 
     t0 = time.perf_counter()
     shape = shape if isinstance(shape, ModelShape) else get_shape(shape)

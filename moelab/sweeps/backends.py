@@ -21,7 +21,8 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-from moelab.errors import MoelabError
+import moelab
+from moelab.errors import MoelabError, unknown_name
 from moelab.sweeps.spec import Cell
 
 log = logging.getLogger(__name__)
@@ -232,8 +233,6 @@ def _check_reachable(address: str, timeout_s: float = 10.0) -> None:
 def _moelab_root() -> str:
     from pathlib import Path
 
-    import moelab
-
     return str(Path(moelab.__file__).resolve().parent.parent)
 
 
@@ -247,6 +246,5 @@ def make_backend(name: str, workers: int = 1, address: str | None = None,
         return LocalBackend(threads)
     if name == "ray":
         return RayBackend(workers, address, threads)
-    from moelab.errors import unknown_name
 
     raise unknown_name("sweep backend", name, SWEEP_BACKENDS)

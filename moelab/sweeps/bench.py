@@ -26,6 +26,7 @@ import statistics
 import time
 from typing import Any
 
+from moelab.measure import from_samples, machine_load
 from moelab.sweeps.spec import EvalSettings, ModelSpec, PolicySpec, SweepSpec, TaskSpec, expand
 
 
@@ -132,7 +133,6 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--repeat {args.repeat}: expected at least 1 paired run")
 
     from moelab import load
-    from moelab.measure import from_samples, machine_load
     from moelab.sweeps.backends import LocalBackend, RayBackend
 
     load_before = machine_load()

@@ -17,8 +17,13 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+import moelab
+from moelab.evals.api import evaluate
+from moelab.evals.results import EvalConfig
+from moelab.simulate.shapes import ModelShape
 from moelab.sweeps.kinds import CellKind
 from moelab.sweeps.spec import Cell, SweepSpec, cell_key, expand, parse_eval_spec
+from moelab.tasks import TASKS, generate, prompt_and_target
 
 log = logging.getLogger(__name__)
 
@@ -52,9 +57,6 @@ class EvalKind(CellKind):
     def run(self, cell: Cell, resource: Any, worker: Any) -> tuple[dict[str, Any], dict[str, bytes]]:
         import contextlib
 
-        import moelab
-        from moelab.evals.api import evaluate
-        from moelab.evals.results import EvalConfig
         from moelab.sweeps.policies import HYBRID, make_policy
 
         model, tokenizer = resource
@@ -63,7 +65,6 @@ class EvalKind(CellKind):
         want_trace = bool(cell.artifacts.get("trace"))
         shape = None
         if cell.hardware:  # the shape first: a mismatch fails the cell before its evaluation runs
-            from moelab.simulate.shapes import ModelShape
             from moelab.sweeps.latency import cell_shape, check_shape
 
             shape = cell_shape(cell, model)
@@ -148,7 +149,6 @@ def cell_attribution(cell: Cell, model: Any, tokenizer: Any) -> dict[str, Any]:
     """The cell's policy compared with the unmodified model (:func:`moelab.attribution.compare`)
     on the task's first ``limit`` test prompts, teacher-forced on the baseline's greedy generation."""
     from moelab.attribution import compare
-    from moelab.tasks import TASKS, generate, prompt_and_target
 
     if cell.task not in TASKS:
         return {"error": f"attribution needs a local task's prompts ({', '.join(TASKS)}); {cell.task!r} is not one"}

@@ -15,13 +15,14 @@ import json
 import logging
 from pathlib import Path
 
+import moelab
+from moelab.errors import MoelabError
 from moelab.sweeps.spec import ModelSpec
 
 log = logging.getLogger(__name__)
 
 
 def source_signature(model: ModelSpec) -> str:
-    import moelab
     from moelab.models.bundled import TINY_RANDOM_PREFIX, bundled_path
 
     parts: dict = {"name": model.name, "dtype": model.dtype}
@@ -71,8 +72,6 @@ def path_signature(path: str | Path) -> str:
     (a re-recorded trace gets new cells; an untouched one keeps its finished cells)."""
     root = Path(path).expanduser().resolve()
     if not root.exists():
-        from moelab.errors import MoelabError
-
         raise MoelabError(f"{str(path)!r} does not exist; give the path of a routing trace (moelab trace --out) "
                           "or a saved predictor directory.")
     files = [root] if root.is_file() else sorted(p for p in root.rglob("*") if p.is_file())

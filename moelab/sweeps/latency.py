@@ -37,7 +37,10 @@ import logging
 from pathlib import Path
 from typing import Any
 
+import moelab
 from moelab.errors import MoelabError, did_you_mean
+from moelab.simulate.shapes import ModelShape, get_shape
+from moelab.timing import get_profile
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +65,6 @@ def resolve_shape(override: dict[str, Any]) -> Any:
     the packaged shape (``moelab shapes``) with those fields replaced. ``num_layers`` alone keeps
     the shape's MoE layers below it (``{shape: mixtral-8x7b, num_layers: 4}``: four Mixtral-8x7B
     layers, for a 4-layer tiny model's routing)."""
-    from moelab.simulate.shapes import ModelShape, get_shape
 
     if not isinstance(override, dict) or not isinstance(override.get(_SHAPE_KEY), str):
         raise MoelabError(f"model_shape {override!r}: expected a shape name or {{shape: NAME, field: value, ...}}.")
@@ -107,7 +109,6 @@ def shape_overrides(data: Any, model_names: list[str]) -> dict[str, dict[str, An
 
 def profile_key(name: str) -> dict[str, Any]:
     """What of a hardware profile decides its figures: every field (not just the name)."""
-    from moelab.timing import get_profile
 
     return get_profile(name).to_dict()
 
@@ -133,7 +134,6 @@ def check_shape(shape: Any, num_experts: list[int], top_k: list[int], what: str)
 
 def cell_shape(cell: Any, model: Any) -> Any:
     """The shape a cell's routing is costed at (its override, or the live model's)."""
-    from moelab.simulate.shapes import ModelShape
 
     override = (cell.simulate or {}).get("model_shape")
     return resolve_shape(override) if override else ModelShape.from_model(model, name=cell.model)
@@ -234,8 +234,6 @@ def figures(summary: dict[str, Any]) -> dict[str, Any]:
 
 def cell_latency(cell: Any, trace_dir: str | Path, shape: Any) -> dict[str, dict[str, Any]]:
     """``{profile: figures}`` of a cell's recorded trace (module docstring); raises on bad input."""
-    import moelab
-    from moelab.timing import get_profile
     from moelab.trace import open_trace
 
     trace = open_trace(trace_dir)

@@ -20,6 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from moelab._output import reserve_output, write_file_atomic
+from moelab.stats import degenerate, format_score, paired_difference, wilson_interval
 from moelab.sweeps.spec import Cell, SweepSpec
 
 
@@ -66,8 +68,6 @@ def status_text(spec: SweepSpec, statuses: list[CellStatus], store: str) -> str:
 
 
 def score_text(score: float, se: float | None, n: int) -> str:
-    from moelab.stats import format_score
-
     return format_score(score, se, n)
 
 
@@ -255,8 +255,6 @@ def markdown_tables(spec: SweepSpec, statuses: list[CellStatus]) -> str:
 
 
 def _bar(score: float, se: float | None, n: int) -> tuple[float, float]:
-    from moelab.stats import degenerate, wilson_interval
-
     if degenerate(score, se):
         lo, hi = wilson_interval(score, n)
         return score - lo, hi - score
@@ -324,7 +322,6 @@ def paired_rows(statuses: list[CellStatus], store: str | os.PathLike) -> list[di
     """Every finished eval cell against the unmodified model's cell of the same model, task, limit
     and seed, document by document (:func:`moelab.stats.paired_difference`): the accuracy
     difference with its paired and unpaired standard errors, the discordant documents and McNemar's p."""
-    from moelab.stats import paired_difference
 
     done = [x for x in statuses if x.state == "done" and x.cell.kind == "eval"]
     base = {(x.cell.model, x.cell.task, x.cell.limit, x.cell.seed): x for x in done if x.cell.policy == "none"}
@@ -389,7 +386,6 @@ def write_html(spec: SweepSpec, statuses: list[CellStatus], out: str | os.PathLi
     """The sweep's report as HTML, written atomically. plotly.js is written once beside it
     (``plotly.min.js``, shared by the reports in that folder: a report stays small and opens
     offline); ``self_contained=True`` embeds it instead (one ~5 MB file to send around)."""
-    from moelab._output import reserve_output
 
     parts = [f"<h1>Sweep {html.escape(spec.name)}</h1>"]
     if spec.description:
@@ -460,8 +456,6 @@ def write_html(spec: SweepSpec, statuses: list[CellStatus], out: str | os.PathLi
 def _write_plotly(folder: Path) -> None:
     """plotly.js beside the report (atomically; kept when an identical copy is there)."""
     from plotly.offline import get_plotlyjs
-
-    from moelab._output import write_file_atomic
 
     js = get_plotlyjs()
     dest = folder / PLOTLY_FILE

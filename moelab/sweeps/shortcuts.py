@@ -14,9 +14,10 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from moelab.errors import MoelabError
+from moelab.errors import MoelabError, unknown_name
 from moelab.sweeps.spec import EvalSettings, ModelSpec, PolicySpec, SweepSpec, TaskSpec
 from moelab.sweeps.trace_kinds import CACHE_SETTINGS, PREDICTOR_SETTINGS, TraceSweepSpec
+from moelab.timing import DEFAULT_PROFILE
 
 
 def run_shortcut(spec: Any, store: str | os.PathLike | None, *, preload: dict[tuple, Any] | None = None,
@@ -136,9 +137,7 @@ def predictor_spec(train: str | os.PathLike, test: str | os.PathLike | None = No
                    kinds: list[str], distances: list[int], params: dict[str, dict[str, Any]] | None = None,
                    seed: int = 0, **settings: Any) -> TraceSweepSpec:
     """The cells of ``moelab predict compare`` (:func:`moelab.predictors.compare` as a spec)."""
-    from moelab.errors import unknown_name
     from moelab.predictors.registry import available_predictors
-    from moelab.timing import DEFAULT_PROFILE
 
     for k in [*kinds, *(params or {})]:
         if k not in available_predictors():

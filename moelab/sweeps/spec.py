@@ -41,9 +41,14 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+import moelab
+from moelab._resources import resource_dir
 from moelab.errors import MoelabError, did_you_mean
+from moelab.evals.registry import EVAL_TASKS, get_eval_task
+from moelab.evals.results import EvalConfig
 from moelab.sweeps import policies as pol
 from moelab.sweeps.yamlload import load_with_lines, read_text
+from moelab.timing import available_profiles, get_profile
 
 #: Bumped when the meaning of a cell key changes (old stores then recompute, never mix).
 KEY_VERSION = 1
@@ -234,9 +239,6 @@ def task_version(task: str) -> str:
     """The task's definition version: its lm-eval YAML's ``metadata`` (version, data seed)."""
     import yaml
 
-    from moelab._resources import resource_dir
-    from moelab.evals.registry import get_eval_task
-
     t = get_eval_task(task)
     path = Path(resource_dir("evals")) / f"{t.lm_eval_task}.yaml"
 
@@ -254,7 +256,6 @@ def expand(spec: SweepSpec, fingerprints: dict[str, str]) -> list[Cell]:
     ``fingerprints`` maps each model name to its fingerprint
     (:func:`moelab.sweeps.fingerprints.resolve`).
     """
-    import moelab
 
     _check_counts(spec)
     versions = {t.name: task_version(t.name) for t in spec.tasks}
@@ -438,8 +439,6 @@ def parse_eval_spec(r: _Reader, data: dict, common: dict[str, Any]) -> SweepSpec
     ev_data = r.keys(data.get("eval") or {}, ("eval",), ev_fields, "eval")
     try:
         ev = EvalSettings(**ev_data)
-        from moelab.evals.results import EvalConfig
-
         EvalConfig(tasks=[t.name for t in tasks], limit=None, num_fewshot=None, seed=0,
                    **{k: v for k, v in asdict(ev).items()})
     except MoelabError as exc:
@@ -470,7 +469,6 @@ def _attribution(r: _Reader, data: Any) -> dict[str, Any]:
 
 def _hardware(r: _Reader, h: Any, path: tuple) -> str:
     """A hardware profile name (unknown: the closest names) or a profile YAML file."""
-    from moelab.timing import available_profiles, get_profile
 
     if not isinstance(h, str) or not h:
         raise r.fail(path, f"hardware profile {h!r}: expected a profile name ({', '.join(available_profiles())}).")
@@ -590,8 +588,6 @@ def _policy(r: _Reader, p: Any, path: tuple, model_names: list[str]) -> PolicySp
 
 
 def _task(r: _Reader, t: Any, path: tuple) -> TaskSpec:
-    from moelab.evals.registry import EVAL_TASKS, get_eval_task
-
     if isinstance(t, str):
         t = {"task": t}
     r.keys(t, path, _TASK_KEYS, "a task entry")
@@ -610,8 +606,6 @@ def _task(r: _Reader, t: Any, path: tuple) -> TaskSpec:
 
 
 def _check_tasks(r: _Reader, spec: SweepSpec) -> None:
-    from moelab.evals.registry import get_eval_task
-
     for i, t in enumerate(spec.tasks):
         if get_eval_task(t.name).executes_code and not spec.eval.allow_code_execution:
             raise r.fail(("tasks", i), f"task {t.name!r} runs model-generated code to score it; set "

@@ -61,6 +61,8 @@ import sqlite3
 from pathlib import Path
 from typing import Any
 
+import moelab
+from moelab._output import reserve_output
 from moelab.errors import MoelabError
 
 log = logging.getLogger(__name__)
@@ -163,7 +165,6 @@ class Store:
         if create:
             self.db.executescript(_SCHEMA)
             self.db.execute("INSERT OR IGNORE INTO meta VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
-            import moelab
 
             self.db.execute("INSERT OR IGNORE INTO meta VALUES ('created_by', ?)", (f"moelab {moelab.__version__}",))
         try:
@@ -255,7 +256,6 @@ class Store:
 
         The record's ``*_path`` fields name files or folders relative to the cell's folder
         (``.`` for the folder itself; None: absent); they are stored relative to the store."""
-        from moelab._output import reserve_output
         from moelab.sweeps.kinds import cell_from_dict
 
         cell = record["cell"]

@@ -41,9 +41,13 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+import moelab
+from moelab.caches.base import SCOPES, available_policies, get_policy
+from moelab.caches.results import CacheResult
 from moelab.errors import MoelabError, did_you_mean
 from moelab.sweeps.kinds import CellKind
 from moelab.sweeps.spec import _store_path
+from moelab.timing import DEFAULT_PROFILE, reference_expert_bytes
 
 log = logging.getLogger(__name__)
 
@@ -133,8 +137,6 @@ def _add_unseen(cell: TraceCell, seen: set[str], cells: list[TraceCell]) -> None
 
 
 def _hash(cell: TraceCell) -> str:
-    import moelab
-
     blob = json.dumps(trace_cell_key(cell, moelab.__version__), sort_keys=True, separators=(",", ":"), default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:24]
 
@@ -243,8 +245,6 @@ class CacheKind(CellKind):
     spec_keys = ("traces", "policies", "capacities", "scopes", "prefetch", "settings")
 
     def parse(self, r: Any, data: dict[str, Any], common: dict[str, Any]) -> TraceSweepSpec:
-        from moelab.caches.base import SCOPES, available_policies
-
         r.required(data, ("traces", "policies"))
         traces = _traces(r, data["traces"], with_test=False)
         methods = _methods(r, data["policies"], ("policies",), "cache policies", "cache policy",
@@ -281,7 +281,6 @@ class CacheKind(CellKind):
                               seeds=[0], **common)
 
     def expand(self, spec: TraceSweepSpec, store: Any) -> list[TraceCell]:
-        from moelab.caches.base import get_policy
         from moelab.sweeps.fingerprints import path_signature
 
         scores = any(get_policy(m).needs_scores for m, _ in spec.methods)
@@ -317,7 +316,6 @@ class CacheKind(CellKind):
                            replay=cell.load["replay"])
 
     def run(self, cell: TraceCell, resource: Any, worker: Any) -> tuple[dict[str, Any], dict[str, bytes]]:
-        import moelab
         from moelab.caches.simulation import simulate
 
         s = cell.settings
@@ -339,7 +337,6 @@ class CacheKind(CellKind):
 
 def cache_result(record: dict[str, Any]) -> Any:
     """The :class:`moelab.caches.CacheResult` a ``cache`` cell's record holds."""
-    from moelab.caches.results import CacheResult
 
     m = record["metrics"]
     return CacheResult(**{f.name: m[f.name] for f in fields(CacheResult) if f.name in m and f.name != "hit"})
@@ -370,8 +367,6 @@ class PredictorKind(CellKind):
         settings = dict(PREDICTOR_SETTINGS)
         settings.update(r.keys(data.get("settings") or {}, ("settings",), tuple(PREDICTOR_SETTINGS), "settings"))
         if settings["hardware"] is None:
-            from moelab.timing import DEFAULT_PROFILE
-
             settings["hardware"] = DEFAULT_PROFILE
         from moelab.predictors.metrics import FETCH_BASES
 
@@ -417,10 +412,8 @@ class PredictorKind(CellKind):
         import numpy as np
         import torch
 
-        import moelab
         from moelab.predictors.metrics import evaluate
         from moelab.predictors.registry import make_predictor
-        from moelab.timing import reference_expert_bytes
 
         train, test = resource
         torch.manual_seed(cell.seed)
@@ -450,8 +443,6 @@ def _versions() -> dict[str, str]:
     import platform
 
     import numpy as np
-
-    import moelab
 
     return {"moelab": moelab.__version__, "numpy": np.__version__, "python": platform.python_version()}
 

@@ -42,8 +42,6 @@ class CellRunner:
         """Import the evaluation stack (lm-eval: seconds) now, at the worker's start, not in its first cell."""
         import lm_eval.tasks  # noqa: F401
 
-        import moelab.evals.api  # noqa: F401
-
         return self.info()
 
     @property

@@ -16,7 +16,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from moelab.measure import Measurement
+from moelab import __version__
+from moelab.measure import Measurement, measure
 
 TARGETS = {"figure_s": 3.0, "html_mb": 20.0, "chrome_s": 5.0}
 
@@ -29,8 +30,6 @@ def _timed(res: dict, name: str, m: Measurement, say: Callable[[str], None]) -> 
 
 def run(events: int = 1_000_000, *, perfetto: bool = True, progress: Callable[[str], None] | None = None,
         repeat: int = 3) -> dict:
-    from moelab import __version__
-    from moelab.measure import measure
     from moelab.timeline import Timeline
     from moelab.timeline.export import to_chrome, to_perfetto
     from moelab.timeline.figure import write_html

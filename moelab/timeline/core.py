@@ -66,7 +66,7 @@ import numpy as np
 import pandas as pd
 
 from moelab.errors import MoelabError
-from moelab.events import COLUMNS, lane_group, length, summarize, union
+from moelab.events import COLUMNS, RATE_BASIS, decode_rate, lane_group, length, summarize, union
 
 log = logging.getLogger(__name__)
 
@@ -461,7 +461,6 @@ class Timeline:
         """Steps and (token, expert) pairs per second of event wall, and the run's tokens/s:
         :func:`moelab.events.decode_rate` where the run recorded its forwards' phases (every run
         written by moelab now), else generated tokens over the events' wall, labelled as such."""
-        from moelab.events import RATE_BASIS, decode_rate
 
         wall_s = self.wall_us / 1e6 if len(self) else 0.0
         pairs = int(self.events.loc[self.events["kind"].isin(EXPERT_KINDS), "tokens"].sum())

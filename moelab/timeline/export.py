@@ -24,6 +24,7 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from moelab._output import write_file_atomic
 from moelab.errors import MoelabError
 from moelab.timeline.core import Timeline
 
@@ -75,8 +76,6 @@ def _as_list(timelines) -> list[Timeline]:
 
 
 def _write_atomic(path: str | Path, data: bytes | list[bytes]) -> str:
-    from moelab._output import write_file_atomic
-
     return str(write_file_atomic(path, data if isinstance(data, bytes) else b"".join(data)))
 
 

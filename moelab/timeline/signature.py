@@ -37,6 +37,10 @@ import numpy as np
 import pandas as pd
 
 from moelab.errors import MoelabError
+from moelab.simulate import whatif  # whatif.load_routing: looked up per call (tests replace it)
+from moelab.simulate.shapes import ModelShape, get_shape
+from moelab.simulate.validate import _profile_for
+from moelab.simulate.validate_cases import get_case
 from moelab.timeline.core import Timeline
 
 log = logging.getLogger(__name__)
@@ -114,12 +118,10 @@ def simulated_timeline(shape: Any, profile: Any, hybrid: dict, *, routing: Any =
     planned by the offline planner and simulated from ``context`` cached tokens."""
     from moelab.hybrid.offline import plan_routing
     from moelab.simulate.executor import simulate_plans
-    from moelab.simulate.shapes import ModelShape, get_shape
-    from moelab.simulate.whatif import load_routing
 
     shape = shape if isinstance(shape, ModelShape) else get_shape(shape)
     if routing is None:
-        routing = load_routing(shape, synthetic=True, steps=steps, batch=batch)
+        routing = whatif.load_routing(shape, synthetic=True, steps=steps, batch=batch)
     forwards = getattr(routing, "forwards", routing)
     L = shape.num_moe_layers
     plans = plan_routing(forwards, hybrid, num_experts=[shape.num_experts] * L, top_k=[shape.top_k] * L,
@@ -136,17 +138,13 @@ def simulated_fig10(deferrals: Sequence[int] = DEFERRALS, *, steps: int = 8, rou
     deferred experts, the cases' MoE layer in the last of ``steps`` decode steps. ``routing``: a
     :class:`moelab.simulate.whatif.Routing` (or a list of forwards) to use instead of
     the cases' synthetic routing (e.g. statistics fitted from another trace)."""
-    from moelab.simulate.shapes import get_shape
-    from moelab.simulate.validate import _profile_for
-    from moelab.simulate.validate_cases import get_case
-    from moelab.simulate.whatif import load_routing
 
     base = get_case(FIG10_CASES[0])
     st = base.settings
     shape = get_shape(base.shape, dtype=base.dtype)
     hw = _profile_for(base)
     if routing is None:
-        routing = load_routing(shape, synthetic=True, steps=steps, batch=int(st.get("batch", 1)))
+        routing = whatif.load_routing(shape, synthetic=True, steps=steps, batch=int(st.get("batch", 1)))
     moe_layer = int(st.get("moe_layer", shape.num_moe_layers // 2)) if layer is None else int(layer)
     panels = []
     for d in deferrals:
@@ -159,7 +157,6 @@ def simulated_fig10(deferrals: Sequence[int] = DEFERRALS, *, steps: int = 8, rou
 
 def simulated_setup() -> str:
     """One line: what :func:`simulated_fig10` simulates."""
-    from moelab.simulate.validate_cases import get_case
 
     c = get_case(FIG10_CASES[0])
     st = c.settings

@@ -15,6 +15,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from moelab.errors import MoelabError
+from moelab.static_view import StaticView, controls_caption
 from moelab.timeline.core import Timeline
 
 
@@ -149,7 +150,6 @@ class TimelinePanel:
     def static_view(self) -> Any:
         """The panel with the static view an HTML export shows (:mod:`moelab.static_view`): the
         summary and the figure of the current selection."""
-        from moelab.static_view import StaticView, controls_caption
 
         return StaticView(self.widget, self._draw_static, caption=lambda: controls_caption({
             "runs": list(self.run_select.value), "steps": tuple(self.step_range.value),

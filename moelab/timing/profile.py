@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from moelab.errors import MoelabError
+from moelab.errors import MoelabError, did_you_mean
 from moelab.registry import Registry
 
 #: The profile used when none is named (GoodPred, plots, the CLI's ``--hardware``).
@@ -231,8 +231,6 @@ def parse_profile(data: Any, path: Path | str = "<dict>") -> HardwareProfile:
     allowed = set(_TEXT_FIELDS) | set(FIELDS)
     for key in data:
         if key not in allowed:
-            from moelab.errors import did_you_mean
-
             raise _fail(path, f"unknown field {key!r}.{did_you_mean(str(key), allowed)} "
                               f"Allowed: {', '.join(sorted(allowed))}; remove or rename it.")
     kwargs: dict[str, Any] = {}

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from moelab.measure import from_samples
 from moelab.trace.recorder import TraceRecorder
 
 
@@ -65,7 +66,6 @@ def run(model_name: str | None = None, steps: int = 512, repeats: int = 7, hidde
             per_step, finalise = _decode_loop(model, ids, steps, recorder)
             rec.append(per_step)
             fin.append(finalise)
-    from moelab.measure import from_samples
 
     b, m = statistics.median(base), statistics.median(rec)
     meas = [from_samples(base, warmup=1), from_samples(rec, warmup=1)]

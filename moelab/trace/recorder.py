@@ -37,6 +37,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from moelab import __version__
 from moelab._output import reserve_output
 from moelab.adapters import MoELayer, get_adapter, make_routing, model_info, moe_layers
 from moelab.errors import MoelabError
@@ -383,7 +384,6 @@ class TraceRecorder:
         import pyarrow
         import transformers
 
-        from moelab import __version__
         from moelab.adapters import model_fingerprint
 
         info = model_info(self.model).to_dict()

@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from moelab.errors import MoelabError
 from moelab.trace.reader import RoutingTrace
 from moelab.trace.recorder import TraceRecorder
 
@@ -35,8 +36,6 @@ def trace_prompts(
     from tqdm.auto import tqdm
 
     if tokenizer is None:
-        from moelab.errors import MoelabError
-
         raise MoelabError("tracing prompts needs a tokenizer; pass tokenizer= to moelab.load or trace_prompts.")
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     metadata = {"prompts": len(prompts), "max_new_tokens": max_new_tokens, "batch_size": batch_size}

@@ -12,6 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from moelab.errors import MoelabError
+from moelab.static_view import StaticView, controls_caption
 from moelab.trace import RoutingTrace
 
 
@@ -202,8 +203,6 @@ def routing_explorer(trace: RoutingTrace, tokenizer=None):
     Displayed (with a static view for HTML exports, :mod:`moelab.static_view`) and returned."""
     import ipywidgets as widgets
     from IPython.display import display
-
-    from moelab.static_view import StaticView, controls_caption
 
     layer = widgets.Dropdown(
         options=[(f"MoE layer {i} (decoder {d})", i) for i, d in enumerate(trace.moe_layers)],

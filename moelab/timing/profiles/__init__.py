@@ -10,6 +10,8 @@ from __future__ import annotations
 from functools import cache
 from pathlib import Path
 
+from moelab.errors import MoelabError
+
 
 @cache
 def _load(name: str):
@@ -17,8 +19,6 @@ def _load(name: str):
 
     prof = load_profile(Path(__file__).resolve().parent / f"{name}.yaml")
     if prof.name != name:
-        from moelab.errors import MoelabError
-
         raise MoelabError(f"shipped hardware profile {name}.yaml says name: {prof.name!r}; the name must equal the file's stem.")
     return prof
 
