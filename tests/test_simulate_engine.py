@@ -364,7 +364,7 @@ def test_ktransformers_style_saturation_deferral_cuts_layer_time_to_the_cpu_busy
 def test_fast_path_events_equal_the_reference_over_random_plans():
     import transformers
 
-    from moelab.simulate.bench import events_equal, random_plans
+    from moelab.simulate.bench import bench_config, events_equal, random_plans
     from moelab.simulate.executor import Costs, build_graph, encode, simulate_plans
     from moelab.simulate.shapes import ModelShape
 
@@ -380,10 +380,11 @@ def test_fast_path_events_equal_the_reference_over_random_plans():
                           cpu_memory_efficiency=float(rng.uniform(0.3, 1)), link_latency_us=float(rng.uniform(0, 5)),
                           numa_node_bandwidth_gbs=float(rng.uniform(5, 50)), sync_us=2.0, gpu_launch_us=1.0,
                           device_shares_host_memory=bool(seed % 3 == 0))
-        plans = random_plans(steps=int(rng.integers(1, 6)), layers=4, experts=16, top_k=4, expert_bytes=shape.expert_bytes(),
-                             capacity=float(rng.choice([0.0, 0.25, 0.5])), deferred=int(rng.integers(0, 3)),
-                             fetch_share=float(rng.uniform(0, 1)), prefetch=int(rng.integers(0, 3)), seed=seed,
-                             insert=bool(seed % 2), tokens=int(rng.integers(1, 3)))
+        config = bench_config(capacity=float(rng.choice([0.0, 0.25, 0.5])), deferred=int(rng.integers(0, 3)),
+                              placement=str(rng.choice(["host-misses", "fetch-misses", "greedy-hss", "min-cost"])),
+                              policy=str(rng.choice(["lru", "lfu", "fifo"])), prefetch=int(rng.integers(0, 3)),
+                              predictor=str(rng.choice(["repeat", "oracle"])))
+        plans = random_plans(shape, config, steps=int(rng.integers(1, 6)), seed=seed, tokens=int(rng.integers(1, 3)))
         ref = simulate_plans(plans, shape, hw, engine="reference", reference_graph=True)
         fast = simulate_plans(plans, shape, hw, engine="fast")
         assert events_equal(ref.events, fast.events), seed

@@ -154,9 +154,6 @@ class ExpertCache:
     kernel: ClassVar[int | None] = None
     #: False: serve accesses by the plain reference definitions only (parity tests set it).
     fast: ClassVar[bool] = True
-    #: Names of the per-key lists :meth:`_priority` returns, in order (e.g. ``("_last_use",)``),
-    #: for the fast victim search; None: victims by :meth:`_rank` only.
-    victim_order: ClassVar[tuple[str, ...] | None] = None
     #: Former name of ``needs_scores``, kept in step with it for code written against it.
     uses_scores: ClassVar[bool] = False
 
@@ -215,13 +212,6 @@ class ExpertCache:
         self._has_replace = cls._replace is not ExpertCache._replace  # the base's always agrees
         self._plain_admit = cls._admit_prefetch is ExpertCache._admit_prefetch and cls._admit is ExpertCache._admit
         self._reset_policy()
-        # victims by _fast_victim where the class states its _priority as lists (victim_order)
-        # and keeps the _priority and _rank that order was written for
-        owner = next((c for c in cls.__mro__ if "victim_order" in c.__dict__), None)
-        self._victim_by = None
-        if (cls.fast and owner is not None and owner.victim_order and cls._priority is owner._priority
-                and cls._rank is ExpertCache._rank):
-            self._victim_by = tuple(getattr(self, name) for name in owner.victim_order)
         for key in self.warm or []:  # initial contents: not misses, not transfers
             part = self._partition(key)
             if len(self._resident[part]) < self.slots_[part]:
@@ -477,7 +467,7 @@ class ExpertCache:
         candidates = self._resident[part].difference(protected) if protected else self._resident[part]
         if not candidates:
             return False
-        victim = min(candidates, key=self._rank) if self._victim_by is None else self._fast_victim(candidates)
+        victim = min(candidates, key=self._rank)
         if self._has_replace and not self._replace(key, victim):
             return False
         self._resident[part].discard(victim)
@@ -491,25 +481,6 @@ class ExpertCache:
             self._on_evict(victim)
         return True
 
-    def _fast_victim(self, candidates) -> int:
-        """``min(candidates, key=self._rank)`` for a rank ``(speculative?, a[key], b[key], key)``
-        stated by ``victim_order = ("a", "b")`` (names of per-key lists): unused prefetches
-        first, then the least ``a``; ties (rare) by ``b``, then the key — with the comparisons
-        in C (``map``/``min``/``count``) rather than a Python tuple per candidate."""
-        spec = self._speculative
-        pool = spec.intersection(candidates) if spec else None
-        pool = list(pool or candidates)
-        first = self._victim_by[0]
-        vals = list(map(first.__getitem__, pool))
-        v = min(vals)
-        if vals.count(v) == 1:
-            return pool[vals.index(v)]
-        ties = [k for k, x in zip(pool, vals) if x == v]
-        if len(self._victim_by) == 1:
-            return min(ties)
-        second = self._victim_by[1]
-        return min(ties, key=lambda k: (second[k], k))
-
     def _store(self, key: int, speculative: bool) -> None:
         self._resident[self._partition(key)].add(key)
         if self._inserted_log is not None:
@@ -521,7 +492,10 @@ class ExpertCache:
             self._speculative.add(key)
 
     def _rank(self, key: int) -> tuple:
-        """Victim order (smallest goes first): unused prefetches, then the policy priority."""
+        """Victim order (smallest goes first): unused prefetches, then the policy priority.
+
+        With :meth:`_priority`, the reference definition of eviction; its one compiled
+        counterpart, for every built-in policy, is :mod:`moelab.caches._fast` (tested equal)."""
         return (0 if key in self._speculative else 1, *self._priority(key), key)
 
     # ------------------------------------------------------------------ policy hooks

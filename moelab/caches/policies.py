@@ -57,7 +57,6 @@ class LRUCache(ExpertCache):
 
     params = frozenset()
     kernel = _codes.LRU
-    victim_order = ("_last_use",)
 
     def _priority(self, key: int) -> tuple:
         return (self._last_use[key],)
@@ -71,7 +70,6 @@ class FIFOCache(ExpertCache):
 
     params = frozenset()
     kernel = _codes.FIFO
-    victim_order = ("_inserted_at",)
 
     def _priority(self, key: int) -> tuple:
         return (self._inserted_at[key],)
@@ -90,7 +88,6 @@ class LFUCache(ExpertCache):
 
     params = frozenset({"reset_on_evict"})
     kernel = _codes.LFU
-    victim_order = ("_freq", "_last_use")
 
     def __init__(self, *args: Any, reset_on_evict: bool = False, **kwargs: Any) -> None:
         self.reset_on_evict = reset_on_evict
@@ -137,7 +134,6 @@ class MRSCache(ExpertCache):
     #: Options the compiled kernel implements only at these values (others replay in Python).
     kernel_defaults = {"pairing": "paper", "rows": "all"}
     kernel = _codes.MRS
-    victim_order = ("_score", "_last_use")
 
     def __init__(
         self,

@@ -380,40 +380,14 @@ def _run_fast(stream, cls, slots, scope, warm_keys, pf_ptr, pf_keys, budget, per
             keys = popular_keys(kw["profile"], stream.num_experts, slots, scope)
         pinned[np.asarray(list(keys), dtype=np.int64)] = True
     hit = np.zeros(n, dtype=np.uint8)
-    counters = np.zeros(5, dtype=np.int64)
-    resident = np.zeros(NK, dtype=np.bool_)
-    spec = np.zeros(NK, dtype=np.bool_)
-    _fast.replay(
-        code,
-        stream.keys,
-        stream.group_ptr,
-        stream.group_layer,
-        stream.group_pass,
-        key_part,
-        slots.astype(np.int64),
-        stream.key_offset,
-        np.asarray(warm_keys, dtype=np.int64),
-        bool(kw.get("reset_on_evict", False)) and code == _fast.LFU,
-        alpha,
-        row_ptr,
-        top_v,
-        top_e,
-        p_layer,
-        nxt,
-        first,
-        np.int64(never),
-        pinned,
-        bool(cls.bypasses),
-        _fast.INSERTION_CODES[insertion],
-        pf_ptr,
-        pf_keys.astype(np.int64),
-        np.int64(-1 if budget is None else budget),
-        bool(per_group),
-        hit,
-        counters,
-        resident,
-        spec,
-    )
+    policy = _fast.Policy(code, _fast.INSERTION_CODES[insertion], bool(kw.get("reset_on_evict", False)), alpha,
+                          pinned, bool(cls.bypasses), int(never))
+    cache = _fast.new_cache(policy, key_part, slots, stream.key_offset, warm_keys, first)
+    _fast.replay(cache, _fast.Stream(stream.keys, stream.group_ptr, stream.group_layer, stream.group_pass, nxt),
+                 _fast.Scores(row_ptr, top_v, top_e, p_layer),
+                 _fast.Prefetches(pf_ptr, pf_keys.astype(np.int64), -1 if budget is None else int(budget),
+                                  bool(per_group)), hit)
+    counters, spec = cache.counters, cache.spec
     return hit, counters, int(spec.sum())
 
 

@@ -1,10 +1,12 @@
 """``moelab bench simulate``: simulated events per second, reference vs fast engine, and their parity.
 
 The workload is a DeepSeek-V3-sized decode (58 MoE layers, 256 experts, top-8, one shared
-expert) of ``--tokens`` steps planned by :func:`random_plans`: random routing with a
-popularity skew, a per-layer LRU device cache, misses on the host (inserted into the
-cache) or fetched, a share of each token's experts deferred, and a few prefetches for the
-next layer. The shape is the catalog's DeepSeek-V3 (:mod:`moelab.simulate.shapes`).
+expert) of ``--tokens`` steps of random routing with a popularity skew (:func:`random_routing`),
+planned by the hybrid planner itself (:func:`moelab.hybrid.offline.plan_routing`, as a running
+model plans) under :func:`bench_config`: a per-layer LRU device cache of 25 %, misses run on
+the host (and inserted into the cache), two of each token's experts deferred, and two
+prefetches per layer for the next one (the ``repeat`` predictor). The shape is the catalog's
+DeepSeek-V3 (:mod:`moelab.simulate.shapes`).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from moelab.measure import measure
+from moelab.routing import ForwardRouting
 
 log = logging.getLogger(__name__)
 
@@ -28,86 +31,53 @@ def deepseek_v3_shape() -> Any:
     return get_shape("deepseek-v3")
 
 
-def random_plans(*, steps: int, layers: int, experts: int, top_k: int, expert_bytes: int, capacity: float = 0.25,
-                 deferred: int = 2, fetch_share: float = 0.05, insert: bool = False, prefetch: int = 2,
-                 tokens: int = 1, seed: int = 0, skew: float = 1.0) -> list:
-    """Decode plans of a simple planner over random routing (see the module docstring).
+def bench_config(*, capacity: float = 0.25, policy: str = "lru", placement: str = "host-misses", deferred: int = 2,
+                 prefetch: int = 2, predictor: str = "repeat", hardware: str = "pcie4-x16") -> dict:
+    """The hybrid configuration the benchmark plans with (:class:`moelab.hybrid.config.HybridConfig`
+    as a dict): a ``policy`` device cache of ``capacity`` per MoE layer (none at 0), misses placed by
+    ``placement`` (its cost model on ``hardware`` where it has one), ``deferred`` experts of each
+    token deferred, and up to ``prefetch`` experts per layer prefetched for the next one by
+    ``predictor`` (``repeat``: what that layer needed at the previous step; ``oracle``: what it
+    needs now; none without a cache)."""
+    config: dict = {"cache": {"capacity": capacity, "policy": policy}, "placement": placement, "hardware": hardware,
+                    "routing": {"deferred": deferred, "min_immediate": 1}}
+    if prefetch and capacity:
+        config["prefetch"] = {"predictor": predictor, "distance": 1, "budget": prefetch}
+    return config
 
-    Routing: each token picks ``top_k`` distinct experts with Zipf(``skew``) popularity (a
-    random permutation per layer); the lowest-ranked ``deferred`` run deferred (not in the last
-    layer). Device cache: ``capacity`` × experts per layer, LRU, filled at the start (a
-    KTransformers-style static set when ``insert`` is False). A miss is fetched (a demand copy,
-    then cached) with probability ``fetch_share``, else it runs on the host (and is cached with
-    an ``insert`` copy if ``insert``). ``prefetch`` guesses per layer are copied for the next one.
 
-    Size: the knobs of the benchmark's random plans, each with a default.
-    """
-    from collections import OrderedDict
-
-    from moelab.hybrid.runtime import LayerPlan, Transfer
-
+def random_routing(*, steps: int, layers: int, experts: int, top_k: int, tokens: int = 1, seed: int = 0,
+                   skew: float = 1.0) -> list:
+    """Decode forwards (:class:`moelab.routing.ForwardRouting`) of random routing: each of ``tokens``
+    tokens picks ``top_k`` distinct experts per MoE layer with Zipf(``skew``) popularity (a random
+    permutation of the experts per layer), in descending weight (the softmax of their perturbed
+    logits)."""
     rng = np.random.default_rng(seed)
     logp = -skew * np.log(np.arange(1, experts + 1))
     perms = np.stack([rng.permutation(experts) for _ in range(layers)])
-    slots = min(max(int(round(capacity * experts)), 0), experts)
     # Gumbel top-k: the top_k of logp + Gumbel noise are a draw without replacement (sorted by rank)
     noise = logp + rng.gumbel(size=(steps, layers, tokens, experts))
     ranked = np.argsort(-noise, axis=-1)[..., :top_k]
-    chosen = perms[np.arange(layers)[None, :, None, None], ranked].tolist()
-    caches = [OrderedDict((int(e), True) for e in perms[layer][:slots]) for layer in range(layers)]
-    fetch_draw = rng.random((steps, layers, top_k * tokens)).tolist()
-    guesses_all = perms[np.arange(layers)[None, :, None], np.argsort(-(logp + rng.gumbel(
-        size=(steps, layers, experts))), axis=-1)[..., :prefetch]].tolist() if prefetch else None
-    plans = []
-    pending_prefetch: dict[int, set[int]] = {}
-    for step in range(steps):
-        for layer in range(layers):
-            lp = LayerPlan(forward=step, step=step, phase="decode", layer=layer, tokens=tokens)
-            counts: dict[int, int] = {}
-            deferred_counts: dict[int, int] = {}
-            d = deferred if layer < layers - 1 else 0
-            for row in chosen[step][layer]:
-                for j, e in enumerate(row):
-                    if j >= top_k - d:
-                        deferred_counts[e] = deferred_counts.get(e, 0) + 1
-                    else:
-                        counts[e] = counts.get(e, 0) + 1
-            lp.deferred = sorted(deferred_counts.items())
-            cache = caches[layer]
-            pf = pending_prefetch.pop(layer, set())
-            draws = fetch_draw[step][layer]
-            for k, (e, n) in enumerate(counts.items()):
-                lp.accessed.append(e)
-                if e in cache:
-                    cache.move_to_end(e)
-                    lp.hits.append(e)
-                    lp.device.append((e, n))
-                    continue
-                lp.misses.append(e)
-                fetch = slots > 0 and draws[k] < fetch_share
-                if fetch or (insert and slots):
-                    if len(cache) >= slots:
-                        victim, _ = cache.popitem(last=False)
-                        lp.evictions.append((layer, victim))
-                    cache[e] = True
-                    lp.transfers.append(Transfer(layer, e, expert_bytes, "demand" if fetch else "insert"))
-                (lp.device if fetch else lp.host).append((e, n))
-            lp.prefetch_hits = [e for e in lp.hits if e in pf]  # type: ignore[attr-defined]
-            if guesses_all is not None and slots and layer + 1 < layers:
-                nxt = caches[layer + 1]
-                new = set()
-                for e in guesses_all[step][layer + 1]:
-                    if e in nxt:
-                        continue
-                    if len(nxt) >= slots:
-                        victim, _ = nxt.popitem(last=False)
-                        lp.evictions.append((layer + 1, victim))
-                    nxt[e] = True
-                    new.add(e)
-                    lp.transfers.append(Transfer(layer + 1, e, expert_bytes, "prefetch"))
-                pending_prefetch[layer + 1] = new
-            plans.append(lp)
-    return plans
+    ids = perms[np.arange(layers)[None, :, None, None], ranked]
+    logits = np.take_along_axis(noise, ranked, axis=-1)
+    weights = np.exp(logits - logits[..., :1])
+    weights = (weights / weights.sum(axis=-1, keepdims=True)).astype(np.float32)
+    return [ForwardRouting(forward=step, step=step, phase="decode", tokens=tokens,
+                           ids=list(ids[step].astype(np.int64)), weights=list(weights[step]))
+            for step in range(steps)]
+
+
+def random_plans(shape: Any, config: dict, *, steps: int, tokens: int = 1, seed: int = 0) -> list:
+    """Decode plans of the hybrid planner over :func:`random_routing` for ``shape`` (a
+    :class:`~moelab.simulate.shapes.ModelShape`) under ``config`` (:func:`bench_config`): the
+    plans :func:`moelab.hybrid.offline.plan_routing` makes, the planner of a running model."""
+    from moelab.hybrid.offline import plan_routing
+
+    L = len(shape.moe_layers)
+    routing = random_routing(steps=steps, layers=L, experts=shape.num_experts, top_k=shape.top_k, tokens=tokens,
+                             seed=seed)
+    return plan_routing(routing, config, num_experts=[shape.num_experts] * L, top_k=[shape.top_k] * L,
+                        expert_bytes=int(shape.expert_bytes()), expert_params=float(shape.expert_params()))
 
 
 def events_equal(a, b) -> bool:
@@ -129,8 +99,8 @@ def run(tokens: int = 512, hardware: str = "ktransformers-a100", reference_token
 
     shape = deepseek_v3_shape()
     t = time.perf_counter()
-    plans = random_plans(steps=tokens, layers=len(shape.moe_layers), experts=shape.num_experts, top_k=shape.top_k,
-                         expert_bytes=int(shape.expert_bytes()), seed=seed)
+    config = bench_config(hardware=hardware)
+    plans = random_plans(shape, config, steps=tokens, seed=seed)
     plan_s = time.perf_counter() - t
     simulate_plans(plans[: len(shape.moe_layers)], shape, hardware, engine="fast")  # build + warm up
     cpu: list[float] = []
