@@ -204,11 +204,9 @@ CYCLE_GUARD: dict[tuple[str, str], str] = {}
 #: (file, moelab.target) -> why the import stays inside a function although its target is light:
 #: it runs only after the function has checked that an optional capability is in the build.
 OPTIONAL: dict[tuple[str, str], str] = {
-    ("moelab/report/simulate.py", "moelab.simulate.shapes"):
-        "the section checks that moelab.simulate is in the build first and is drawn 'not available' "
+    ("moelab/report/simulate.py", "moelab.simulate.whatif"): "the section checks that moelab.simulate is in the build first and is drawn 'not available' "
         "otherwise (tests/test_demo.py); at module level its module would fail to import and the "
         "section would vanish from the report",
-    ("moelab/report/simulate.py", "moelab.simulate.whatif"): "as moelab.simulate.shapes, the line above",
 }
 
 
@@ -355,7 +353,7 @@ def test_function_level_imports_only_defer_heavy_modules():
     tests/test_cli_startup.py). In those modules an import also stays in its function when it
     would add a module to that set: numpy alone adds 0.2 s,
     and the dozen light moelab modules the commands use (moelab.demo, moelab.report,
-    moelab.prompts, moelab.tasks, moelab.simulate.shapes, moelab.measure, ...) added 0.2 s
+    moelab.prompts, moelab.tasks, moelab.timing.shapes, moelab.measure, ...) added 0.2 s
     (0.30 -> 0.50 s) when the command modules imported them at module level.
     """
     found, edges = _function_level_imports()

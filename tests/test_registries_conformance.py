@@ -118,7 +118,7 @@ def _placements() -> Case:
 def _model_shapes() -> Case:
     from dataclasses import replace
 
-    from moelab.simulate.shapes import SHAPES, get_shape, register_shape
+    from moelab.timing.shapes import SHAPES, get_shape, register_shape
 
     return Case("model shapes", lambda: SHAPES, lambda n, v: replace(get_shape("mixtral-8x7b"), name=n, top_k=1 + v),
                 lambda n, obj, overwrite=False: register_shape(obj, name=n, overwrite=overwrite))

@@ -366,7 +366,7 @@ def test_fast_path_events_equal_the_reference_over_random_plans():
 
     from moelab.simulate.bench import bench_config, events_equal, random_plans
     from moelab.simulate.executor import Costs, build_graph, encode, simulate_plans
-    from moelab.simulate.shapes import ModelShape
+    from moelab.timing.shapes import ModelShape
 
     # 5 layers (the first dense), 4 MoE layers of 16 experts top-4 and one shared expert
     shape = ModelShape.from_hf_config(transformers.Qwen2MoeConfig(

@@ -8,7 +8,7 @@ import pytest
 
 from moelab.errors import MoelabError
 from moelab.models.tiny import FAMILIES, build_tiny, tiny_config
-from moelab.simulate.shapes import DTYPES, SHAPES, ModelShape, get_shape
+from moelab.timing.shapes import DTYPES, SHAPES, ModelShape, get_shape
 
 CATALOG = ["deepseek-v3", "deepseek-r1", "deepseek-v2", "deepseek-v2-lite", "mixtral-8x7b", "mixtral-8x22b",
            "qwen2-57b-a14b", "qwen3-30b-a3b", "olmoe-1b-7b", "gpt-oss-20b"]
@@ -160,7 +160,7 @@ def test_catalog_configs_read_alike_as_dicts_and_as_transformers_configs():
     """The catalog's config.json keys give the same shape when transformers parses them."""
     from transformers import AutoConfig
 
-    from moelab.simulate.shapes import CATALOG_DIR
+    from moelab.timing.shapes import CATALOG_DIR
 
     for name in CATALOG:
         raw = json.loads((CATALOG_DIR / f"{name}.json").read_text())["config"]

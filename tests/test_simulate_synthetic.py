@@ -9,13 +9,13 @@ import numpy as np
 import pytest
 
 from moelab.errors import MoelabError
-from moelab.simulate.shapes import ModelShape, get_shape
 from moelab.simulate.synthetic import (
     RoutingStats,
     check_trace_shape,
     fit_routing_stats,
     synthetic_routing,
 )
+from moelab.timing.shapes import ModelShape, get_shape
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -70,8 +70,8 @@ def test_module_is_callable_as_the_api():
 
 
 def test_trace_whose_experts_do_not_match_the_shape(tmp_path):
-    from moelab.simulate.shapes import get_shape
     from moelab.simulate.whatif import load_routing
+    from moelab.timing.shapes import get_shape
 
     class Trace:  # what check_trace_shape reads of a RoutingTrace
         num_experts, top_k, num_moe_layers, path = 8, 2, 4, tmp_path

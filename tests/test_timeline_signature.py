@@ -82,8 +82,8 @@ def _check(fig, panels):
 def small_routing():
     """Synthetic DeepSeek-V3 routing with statistics stated here (the cases' own statistics are
     fitted from a trace recorded on first use, half a minute; not what this test is about)."""
-    from moelab.simulate.shapes import get_shape
     from moelab.simulate.synthetic import RoutingStats, synthetic_routing
+    from moelab.timing.shapes import get_shape
 
     shape = get_shape("deepseek-v3")
     L = shape.num_moe_layers

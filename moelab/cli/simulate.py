@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from moelab.cli._util import emit_json, non_negative_int, positive_int
 from moelab.errors import MoelabError
+from moelab.timing.shapes import get_shape
 
 
 def register(subparsers) -> None:
@@ -64,7 +65,6 @@ def register(subparsers) -> None:
 def run(args) -> int:
     import sys
 
-    from moelab.simulate.shapes import get_shape
     from moelab.simulate.whatif import brief_stats, format_table, whatif
 
     if not args.model_shape or not args.hardware:

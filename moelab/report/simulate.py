@@ -22,6 +22,7 @@ import html
 import importlib
 
 from moelab.report import ReportContext, Section, SectionUnavailable, html_table, register_section
+from moelab.timing.shapes import get_shape
 
 SHAPE = "deepseek-v3"
 PROFILE = "ktransformers-a100"
@@ -39,7 +40,6 @@ def simulate_section(ctx: ReportContext) -> Section:
             f"the simulator (moelab.simulate) is not part of this build ({exc}); this section shows its "
             "what-if grid on a real model shape once it is."
         ) from exc
-    from moelab.simulate.shapes import get_shape
     from moelab.simulate.whatif import load_routing, whatif
     from moelab.timeline.signature import (
         fig10_figure,

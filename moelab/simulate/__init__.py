@@ -7,7 +7,7 @@
 * :mod:`moelab.simulate.online` — ``executor: simulated`` in a hybrid config;
 * :mod:`moelab.simulate.calibrate` — ``moelab calibrate``: this machine as a hardware profile;
 * :mod:`moelab.simulate.bench` — ``moelab bench simulate``;
-* :mod:`moelab.simulate.shapes`, :mod:`moelab.simulate.synthetic` — model shapes without
+* :mod:`moelab.timing.shapes`, :mod:`moelab.simulate.synthetic` — model shapes without
   weights, synthetic routing with fitted statistics;
 * :mod:`moelab.simulate.whatif` — ``moelab simulate --grid``: what-if grids with oracle bounds;
 * :mod:`moelab.simulate.validate` — ``moelab simulate validate``: the simulator's error.
@@ -18,11 +18,11 @@ Names are imported on first use (importing ``moelab.simulate`` stays cheap).
 from moelab._lazy import lazy_attributes
 
 _LAZY = {
-    "ModelShape": "moelab.simulate.shapes",
-    "SHAPES": "moelab.simulate.shapes",
-    "available_shapes": "moelab.simulate.shapes",
-    "get_shape": "moelab.simulate.shapes",
-    "register_shape": "moelab.simulate.shapes",
+    "ModelShape": "moelab.timing.shapes",
+    "SHAPES": "moelab.timing.shapes",
+    "available_shapes": "moelab.timing.shapes",
+    "get_shape": "moelab.timing.shapes",
+    "register_shape": "moelab.timing.shapes",
     "RoutingStats": "moelab.simulate.synthetic",
     "fit_routing_stats": "moelab.simulate.synthetic",
     "synthetic_routing": "moelab.simulate.synthetic",

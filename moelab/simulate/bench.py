@@ -6,7 +6,7 @@ planned by the hybrid planner itself (:func:`moelab.hybrid.offline.plan_routing`
 model plans) under :func:`bench_config`: a per-layer LRU device cache of 25 %, misses run on
 the host (and inserted into the cache), two of each token's experts deferred, and two
 prefetches per layer for the next one (the ``repeat`` predictor). The shape is the catalog's
-DeepSeek-V3 (:mod:`moelab.simulate.shapes`).
+DeepSeek-V3 (:mod:`moelab.timing.shapes`).
 """
 
 from __future__ import annotations
@@ -20,13 +20,13 @@ import numpy as np
 
 from moelab.measure import measure
 from moelab.routing import ForwardRouting
+from moelab.timing.shapes import get_shape
 
 log = logging.getLogger(__name__)
 
 
 def deepseek_v3_shape() -> Any:
     """DeepSeek-V3 from the packaged shape catalog (MLA attention, as its config.json says)."""
-    from moelab.simulate.shapes import get_shape
 
     return get_shape("deepseek-v3")
 
@@ -69,7 +69,7 @@ def random_routing(*, steps: int, layers: int, experts: int, top_k: int, tokens:
 
 def random_plans(shape: Any, config: dict, *, steps: int, tokens: int = 1, seed: int = 0) -> list:
     """Decode plans of the hybrid planner over :func:`random_routing` for ``shape`` (a
-    :class:`~moelab.simulate.shapes.ModelShape`) under ``config`` (:func:`bench_config`): the
+    :class:`~moelab.timing.shapes.ModelShape`) under ``config`` (:func:`bench_config`): the
     plans :func:`moelab.hybrid.offline.plan_routing` makes, the planner of a running model."""
     from moelab.hybrid.offline import plan_routing
 

@@ -2,7 +2,7 @@
 
 The model runs as usual (the functional executor's arithmetic); after each forward, its
 layer plans are simulated on the configuration's hardware profile with the live model's
-shape (:meth:`moelab.simulate.shapes.ModelShape.from_model`) and the
+shape (:meth:`moelab.timing.shapes.ModelShape.from_model`) and the
 simulated events are appended to the run's event log, on a clock that continues from one
 forward to the next. So ``run.events_table()`` / ``run.summary()`` read as the timeline the
 same plans would have on that hardware.
@@ -20,6 +20,7 @@ from typing import Any
 from moelab.errors import MoelabError
 from moelab.hybrid.executors import Executor
 from moelab.timing import get_profile
+from moelab.timing.shapes import ModelShape
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +38,6 @@ class SimulatedExecutor(Executor):
 
         self.run = run
         self.profile = get_profile(run.config.hardware)
-        from moelab.simulate.shapes import ModelShape
 
         self.shape = ModelShape.from_model(run.model)
         self.clock_us = 0.0

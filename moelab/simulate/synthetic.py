@@ -22,7 +22,7 @@ per MoE layer, on decode tokens:
   descending), the mean row sum and the log-normal spread of the fractions.
 
 :func:`synthetic_routing` generates routing with these statistics for any
-:class:`~moelab.simulate.shapes.ModelShape`, as a seeded Markov model over tokens and layers:
+:class:`~moelab.timing.shapes.ModelShape`, as a seeded Markov model over tokens and layers:
 per sequence, token and MoE layer the K experts are the Gumbel top-K of the logits
 
     log p_l(e)  +  alpha_l · [e ∈ S_{t−1, l}]  +  beta_l · [e ∈ succ_l(S_{t, l−1})]
@@ -75,6 +75,7 @@ import numpy as np
 
 from moelab.errors import MoelabError
 from moelab.routing import ForwardRouting
+from moelab.timing.shapes import ModelShape, get_shape
 
 log = logging.getLogger(__name__)
 
@@ -801,7 +802,6 @@ def synthetic_routing(shape: Any, stats: RoutingStats, steps: int = 64, batch: i
     in the process and on disk: :func:`calibration_cache_dir`). ``calibrate=False`` skips the
     pilot runs and uses a rough
     lift → bonus guess (reuse and adjacency then miss their targets; for quick experiments)."""
-    from moelab.simulate.shapes import ModelShape, get_shape
 
     if not isinstance(shape, ModelShape):
         shape = get_shape(shape)
@@ -866,7 +866,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     statistics fitted from a trace (and, with ``--shape``, carried to that model's E, K, layers)."""
     import argparse
 
-    from moelab.simulate.shapes import get_shape
 
     ap = argparse.ArgumentParser(prog="python -m moelab.simulate.synthetic", description=main.__doc__)
     ap.add_argument("trace", help="a recorded trace directory (moelab trace ... --out DIR)")

@@ -32,6 +32,7 @@ import numpy as np
 import moelab
 from moelab.measure import from_samples, machine_load
 from moelab.timing import get_profile, load_profile
+from moelab.timing.shapes import ModelShape, get_shape
 
 log = logging.getLogger(__name__)
 
@@ -112,7 +113,6 @@ class _PaperSim:
             attention_dtype: str | None = None) -> dict:
         from moelab.hybrid.offline import plan_routing
         from moelab.simulate.executor import simulate_plans
-        from moelab.simulate.shapes import get_shape
 
         st = case.settings
         model = st.get("scope") == "model"
@@ -268,7 +268,6 @@ def machine_rows(profile: Any = None, *, quick: bool = False, progress: bool = F
     from tqdm.auto import tqdm
 
     from moelab.hybrid.bench import realistic_model
-    from moelab.simulate.shapes import ModelShape
 
     info: dict[str, Any] = {}
     t0 = time.perf_counter()

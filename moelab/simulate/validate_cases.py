@@ -1,6 +1,6 @@
 """The published figures the simulator is validated against, as data.
 
-Each :class:`ValidationCase` names a model shape (:mod:`moelab.simulate.shapes`), a hardware
+Each :class:`ValidationCase` names a model shape (:mod:`moelab.timing.shapes`), a hardware
 profile (:mod:`moelab.timing.profiles`), the hybrid configuration and simulation settings the
 paper ran, the metric and the published value, the target the issue sets (points or a
 relative error) and — the part a reader needs most — what the paper does **not** state and we

@@ -45,6 +45,7 @@ from moelab.caches import available_policies
 from moelab.errors import MoelabError, did_you_mean
 from moelab.prompts import DEMO_PROMPTS
 from moelab.timing import get_profile
+from moelab.timing.shapes import ModelShape, get_shape
 
 log = logging.getLogger(__name__)
 
@@ -318,7 +319,7 @@ def whatif(shape: Any, hardware: Any, *, trace: Any = None, synthetic: bool = Fa
            seed: int = 0, calibrate_synthetic: bool = False, stats: Any = None, routing: Routing | None = None,
            progress: bool = False):
     """Simulate every cell of ``grid`` (see :func:`parse_grid`) on ``shape`` (a name, config
-    path or :class:`~moelab.simulate.shapes.ModelShape`) and ``hardware`` (a profile name or
+    path or :class:`~moelab.timing.shapes.ModelShape`) and ``hardware`` (a profile name or
     file); returns a pandas DataFrame, one row per cell: the axes, ``tokens_per_s``,
     ``step_ms``, ``stall_<cause>_s`` (control-thread waits over the run, by what held them up)
     and ``busy_<lane>_pct``, and the oracle bound's ``oracle_*`` columns. ``df.attrs`` holds the
@@ -330,7 +331,6 @@ def whatif(shape: Any, hardware: Any, *, trace: Any = None, synthetic: bool = Fa
     import pandas as pd
     from tqdm.auto import tqdm
 
-    from moelab.simulate.shapes import ModelShape, get_shape
 
     t0 = time.perf_counter()
     shape = shape if isinstance(shape, ModelShape) else get_shape(shape)

@@ -20,10 +20,10 @@ from typing import Any
 import moelab
 from moelab.evals.api import evaluate
 from moelab.evals.results import EvalConfig
-from moelab.simulate.shapes import ModelShape
 from moelab.sweeps.kinds import CellKind
 from moelab.sweeps.spec import Cell, SweepSpec, cell_key, expand, parse_eval_spec
 from moelab.tasks import TASKS, generate, prompt_and_target
+from moelab.timing.shapes import ModelShape
 
 log = logging.getLogger(__name__)
 

@@ -39,8 +39,8 @@ from typing import Any
 
 import moelab
 from moelab.errors import MoelabError, did_you_mean
-from moelab.simulate.shapes import ModelShape, get_shape
 from moelab.timing import get_profile
+from moelab.timing.shapes import ModelShape, get_shape
 
 log = logging.getLogger(__name__)
 

@@ -38,10 +38,10 @@ import pandas as pd
 
 from moelab.errors import MoelabError
 from moelab.simulate import whatif  # whatif.load_routing: looked up per call (tests replace it)
-from moelab.simulate.shapes import ModelShape, get_shape
 from moelab.simulate.validate import _profile_for
 from moelab.simulate.validate_cases import get_case
 from moelab.timeline.core import Timeline
+from moelab.timing.shapes import ModelShape, get_shape
 
 log = logging.getLogger(__name__)
 

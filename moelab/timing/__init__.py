@@ -6,6 +6,8 @@
   :func:`load_profile` for your own file, :data:`DEFAULT_PROFILE`.
 * :mod:`moelab.timing.link` — :class:`Link`: ``latency + bytes / bandwidth`` on a FIFO
   queue; GoodPred and cache prefetch budgets both use it.
+* :mod:`moelab.timing.shapes` — :class:`ModelShape`, a model's bytes and FLOPs without its
+  weights (:func:`get_shape` by name, ``config.json`` or live model).
 * :mod:`moelab.timing.experts` — :func:`expert_bytes_of` (a model's expert size) and
   reference expert sizes of real models.
 
@@ -30,22 +32,28 @@ from moelab.timing.profile import (
     parse_profile,
     register_profile,
 )
+from moelab.timing.shapes import SHAPES, ModelShape, available_shapes, get_shape, register_shape
 
 __all__ = [
     "DEFAULT_PROFILE",
     "EPS_US",
     "FIELDS",
     "PROFILES",
+    "SHAPES",
     "REFERENCE_EXPERT_BYTES",
     "HardwareProfile",
     "Link",
+    "ModelShape",
     "LinkQueue",
     "available_profiles",
+    "available_shapes",
     "expert_bytes_of",
     "fifo_schedule",
     "get_profile",
+    "get_shape",
     "load_profile",
     "parse_profile",
     "reference_expert_bytes",
     "register_profile",
+    "register_shape",
 ]

@@ -12,7 +12,7 @@ attention weights + KV cache read per step, shared experts, dense layers, the LM
   ``PretrainedConfig``) of the ten families moelab supports.
 * :meth:`ModelShape.from_model` — a live model (the MoE structure is read off its modules).
 
-The catalog lives in ``moelab/simulate/shape_configs/*.json``: each file holds the model's
+The catalog lives in ``moelab/timing/shape_configs/*.json``: each file holds the model's
 Hub id and the keys of its public ``config.json`` verbatim (plus the published parameter
 counts the tests check against), so a shape is always ``from_hf_config(catalog config)``.
 
@@ -784,7 +784,7 @@ def load_catalog_entry(path: str | Path) -> ModelShape:
         raise MoelabError(f"model shape file {str(path)!r} cannot be read ({e}).") from None
     for key in ("name", "hf_id", "config"):
         if key not in entry:
-            raise MoelabError(f"model shape file {str(path)!r} has no {key!r}; see moelab/simulate/shape_configs/.")
+            raise MoelabError(f"model shape file {str(path)!r} has no {key!r}; see moelab/timing/shape_configs/.")
     shape = _from_config(entry["config"], name=entry["name"], dtype="bf16")
     extra = {k: v for k, v in entry.items() if k != "config"}
     extra["native_dtype"] = entry.get("native_dtype", _config_dtype(_Cfg(entry["config"], str(path))))
