@@ -9,9 +9,11 @@ import torch
 import moelab
 from moelab.errors import MoelabError
 from moelab.forward import forward_hooks
-from moelab.hybrid import CostModel, HybridConfig, get_placement
+from moelab.hybrid import HybridConfig, get_placement
 from moelab.models.tiny import FAMILIES, build_tiny
 from moelab.policies import ExpertDeferral
+from moelab.timing import HardwareProfile
+from moelab.timing.costs import CostModel
 from tests.test_policies_lifecycle import assert_same_state, snapshot
 
 CONFIGS = {
@@ -89,9 +91,14 @@ def test_plans_account_for_every_needed_expert_once(mixtral, name):
 
 def test_placement_definitions_on_hand_made_costs():
     # device 10 µs per expert, host 30 µs per expert-token, a copy 15 µs (launch 0)
-    cost = CostModel(expert_bytes=10_000, flops_per_token=3e7, device_bandwidth_gbs=1.0, device_tflops=1e9,
-                     host_bandwidth_gbs=1e9, host_tflops=1.0, link_bandwidth_gbs=1.0, link_latency_us=5.0,
-                     launch_us=0.0)
+    hw = HardwareProfile(name="hand", link_bandwidth_gbs=1.0, link_latency_us=5.0, gpu_memory_bandwidth_gbs=1.0,
+                         gpu_memory_efficiency=1.0, gpu_peak_tflops=1e9, gpu_launch_us=0.0, gpu_call_us=0.0,
+                         numa_node_bandwidth_gbs=1e9, cpu_memory_efficiency=1.0, cpu_peak_tflops=1.0,
+                         cpu_dispatch_us=0.0, cpu_call_us=0.0)
+    cost = CostModel(profile=hw, num_experts=4, num_moe_layers=1, moe_layers=(0,), num_layers=1, expert_bytes=10_000,
+                     expert_flops_per_token=3e7, shared_bytes=0.0, shared_flops_per_token=0.0, dense_mlp_bytes=0.0,
+                     dense_mlp_flops_per_token=0.0, router_bytes=0.0, router_flops_per_token=0.0, lm_head_bytes=0.0,
+                     lm_head_flops_per_token=0.0)
     assert cost.device_us(4) == pytest.approx(10.0) and cost.host_us(1) == pytest.approx(30.0)
     assert cost.fetch_us() == pytest.approx(15.0)
     hits = [(0, 1)]

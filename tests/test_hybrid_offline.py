@@ -15,6 +15,7 @@ import moelab
 from moelab.errors import MoelabError
 from moelab.hybrid.offline import ForwardRouting, plan_routing, routing_from_trace
 from moelab.models.tiny import build_tiny
+from moelab.timing.shapes import ModelShape
 
 PRED_DIR = Path(__file__).resolve().parent.parent / "predictors" / "moelab-tiny-mixtral" / "learned-d1"
 
@@ -30,9 +31,8 @@ def _inputs(B=3, S=5, seed=0):
 
 def _shape(model):
     layers = moelab.moe_layers(model)
-    params = sum(p.numel() for p in layers[0].experts.parameters()) / layers[0].num_experts
     return {"num_experts": [ly.num_experts for ly in layers], "top_k": [ly.top_k for ly in layers],
-            "expert_params": params}
+            "shape": ModelShape.from_model(model)}
 
 
 def _offline_equals_online(model, cfg, tmp_path, run_forwards, *, hidden=False):
@@ -188,7 +188,8 @@ def test_belady_offline_equals_the_cache_simulation_and_bounds_the_online_polici
     from moelab.adapters import expert_bytes
     from moelab.hybrid.offline import trace_shape
 
-    assert trace_shape(rec.trace) == {**_shape(mixtral),
+    sizes = {k: v for k, v in _shape(mixtral).items() if k != "shape"}
+    assert trace_shape(rec.trace) == {**sizes,
                                       "expert_bytes": max(expert_bytes(ly) for ly in moelab.moe_layers(mixtral))}
     hits = {}
     for policy in ("lru", "lfu", "fifo", "mrs", "belady", "belady-bypass"):
@@ -207,7 +208,7 @@ def test_offline_planning_refuses_what_it_cannot_do(mixtral):
         plan_routing(routing, {"cache": {"capacity": 0.5, "policy": "mrs"}}, **SHAPE2)
     with pytest.raises(MoelabError, match="expected one per MoE layer"):
         plan_routing(_routing([[[0]]]), {}, **SHAPE2)
-    with pytest.raises(MoelabError, match="needs the parameters of one expert"):
+    with pytest.raises(MoelabError, match="needs the model's shape for its cost model; pass shape="):
         plan_routing(_routing([[[0], [3]]]), {"placement": "greedy-hss", "hardware": "pcie4-x16"}, **SHAPE2)
     with pytest.raises(MoelabError, match="neither 'oracle', 'repeat' nor a saved predictor"):
         plan_routing(_routing([[[0], [3]]]), {"prefetch": {"predictor": "orcale"}}, **SHAPE2)

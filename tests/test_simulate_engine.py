@@ -365,7 +365,8 @@ def test_fast_path_events_equal_the_reference_over_random_plans():
     import transformers
 
     from moelab.simulate.bench import bench_config, events_equal, random_plans
-    from moelab.simulate.executor import Costs, build_graph, encode, simulate_plans
+    from moelab.simulate.executor import build_graph, encode, simulate_plans
+    from moelab.timing.costs import CostModel
     from moelab.timing.shapes import ModelShape
 
     # 5 layers (the first dense), 4 MoE layers of 16 experts top-4 and one shared expert
@@ -389,8 +390,8 @@ def test_fast_path_events_equal_the_reference_over_random_plans():
         fast = simulate_plans(plans, shape, hw, engine="fast")
         assert events_equal(ref.events, fast.events), seed
         enc = encode(plans, 16, 4, has_shared=True)
-        g1, _, _ = build_graph(enc, Costs.of(shape, hw))
-        g2, _, _ = build_graph(enc, Costs.of(shape, hw), reference=True)
+        g1, _, _ = build_graph(enc, CostModel.of(shape, hw))
+        g2, _, _ = build_graph(enc, CostModel.of(shape, hw), reference=True)
         assert np.array_equal(g1.dep_ptr, g2.dep_ptr)
         for j in range(g1.n):  # the same dependencies (each task's in any order)
             a, b = g1.dep_ptr[j], g1.dep_ptr[j + 1]

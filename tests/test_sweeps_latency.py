@@ -56,7 +56,7 @@ def _direct(trace_dir: Path, policy: str, settings: dict, profile: str) -> dict:
     cfg = HybridConfig.from_dict({"cache": {"capacity": 0}, "placement": "host-misses", "hardware": profile})
     pols = [ExpertDeferral(None, config=DeferralConfig(**settings))] if policy == "deferral" else []
     plans = plan_routing(routing_from_trace(tr), cfg, num_experts=ts["num_experts"], top_k=ts["top_k"],
-                         expert_bytes=shape.expert_bytes(), expert_params=shape.expert_params(),
+                         expert_bytes=shape.expert_bytes(), shape=shape,
                          routing_policies=pols)
     starts = [i for i, p in enumerate(plans) if p.phase == "prefill" and (i == 0 or plans[i - 1].forward != p.forward)]
     dec_t = dec_n = pre_t = steps = 0.0

@@ -7,12 +7,12 @@ synthetic routing), :mod:`moelab.hybrid.config` and :mod:`moelab.hybrid.placemen
 
 from moelab.hybrid.config import CacheConfig, HybridConfig, PrefetchConfig, RoutingConfig
 from moelab.hybrid.offline import ForwardRouting, plan_routing, routing_from_trace
-from moelab.hybrid.placement import PLACEMENTS, CostModel, Placement, get_placement
+from moelab.hybrid.placement import PLACEMENTS, Placement, get_placement
 from moelab.hybrid.planner import LayerPlan, Planner, Transfer
 from moelab.hybrid.runtime import HybridRun, hybrid
 
 __all__ = [
-    "PLACEMENTS", "CacheConfig", "CostModel", "ForwardRouting", "HybridConfig", "HybridRun", "LayerPlan",
+    "PLACEMENTS", "CacheConfig", "ForwardRouting", "HybridConfig", "HybridRun", "LayerPlan",
     "Placement", "Planner", "PrefetchConfig", "RoutingConfig", "Transfer", "get_placement", "hybrid",
     "plan_routing", "routing_from_trace",
 ]

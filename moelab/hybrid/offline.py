@@ -166,22 +166,18 @@ def routing_from_trace(trace: Any, *, hidden: bool | None = None) -> Iterator[Fo
         )
 
 
-_DTYPE_BYTES = {"float32": 4, "float64": 8, "bfloat16": 2, "float16": 2}
-
 
 def trace_shape(trace: Any) -> dict[str, Any]:
-    """The model shape :func:`plan_routing` needs, from a trace's metadata: ``num_experts``,
-    ``top_k``, ``expert_bytes`` (the largest layer's) and ``expert_params`` (bytes over the
-    recorded dtype's size; None where it is unknown)."""
+    """The model sizes :func:`plan_routing` needs, from a trace's metadata: ``num_experts``,
+    ``top_k`` and ``expert_bytes`` (the largest layer's). A cost-aware placement also needs the
+    model's :class:`~moelab.timing.shapes.ModelShape` (``shape=``), which a trace does not hold."""
     from moelab.trace import open_trace
 
     tr = open_trace(trace) if isinstance(trace, (str, Path)) else trace
     m = tr.meta["model"]
     sizes = m.get("expert_bytes")
     eb = int(max(sizes)) if sizes else 1
-    per = _DTYPE_BYTES.get(str(m.get("dtype")))
-    return {"num_experts": list(tr.num_experts_per_layer), "top_k": list(tr.top_k_per_layer), "expert_bytes": eb,
-            "expert_params": eb / per if per and sizes else None}
+    return {"num_experts": list(tr.num_experts_per_layer), "top_k": list(tr.top_k_per_layer), "expert_bytes": eb}
 
 
 def torch_index(rows: np.ndarray):
@@ -295,7 +291,7 @@ def plan_routing(
     num_experts: Sequence[int],
     top_k: Sequence[int],
     expert_bytes: int | Sequence[int],
-    expert_params: float | None = None,
+    shape: Any = None,
     predictor: Any = None,
     routing_policies: Sequence[Any] | None = None,
     routing_memo: dict | None = None,
@@ -308,7 +304,8 @@ def plan_routing(
         num_experts: routed experts per MoE layer.
         top_k: experts selected per token, per MoE layer.
         expert_bytes: bytes of one expert (one value, or one per MoE layer).
-        expert_params: parameters of one expert (placements with a cost model).
+        shape: the model's :class:`~moelab.timing.shapes.ModelShape`, for the cost model of the
+            cost-aware placements (``greedy-hss``, ``min-cost``) and the frequency warm-up.
         predictor: prefetch source; default ``config.prefetch.predictor`` (see the module
             docstring: ``"oracle"``, a fitted predictor or its directory, a ``propose`` object).
         routing_policies: :mod:`moelab.policies` objects applied to no model (e.g.
@@ -342,7 +339,7 @@ def plan_routing(
         groups = [(ly, x[3]) for _, layers in source for ly, x in enumerate(layers)]
         extra["stream"] = stream_from_groups(groups, num_experts, top_k)
     planner = Planner.build(cfg, num_experts=num_experts, top_k=top_k, expert_bytes=expert_bytes,
-                            expert_params=expert_params, **extra)
+                            shape=shape, **extra)
     need_scores = planner.cache is not None and planner.cache.needs_scores
     plans: list[LayerPlan] = []
     prev: tuple[int, list] | None = None  # (step, layers) of the previous forward, for "repeat"

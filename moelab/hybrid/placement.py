@@ -18,80 +18,31 @@ Registered by name in :data:`PLACEMENTS`:
                  we minimise the makespan because the lanes run concurrently.
 ============== =========================================================================
 
-A cost model (:class:`CostModel`) turns (expert, tokens) into microseconds per lane and
-per copy; ``greedy-hss`` and ``min-cost`` need one (``HybridConfig.hardware``).
+The one cost model (:class:`moelab.timing.costs.CostModel`, built from the model's shape and
+``HybridConfig.hardware``) turns (expert, tokens) into microseconds per lane and per copy — the
+same numbers the simulator charges; ``greedy-hss`` and ``min-cost`` need one.
 """
 
 from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import ClassVar
 
 from moelab.errors import MoelabError
 from moelab.registry import Registry
-from moelab.timing import Link
+from moelab.timing.costs import CostModel
 
 HOST, FETCH = "host", "fetch"
 
 
-@dataclass(frozen=True)
-class CostModel:
-    """Roofline costs of one routed expert on each lane (times in µs, bandwidths in GB/s)."""
-
-    expert_bytes: int
-    """Bytes of one expert's weights."""
-    flops_per_token: float
-    """FLOPs of one token through one expert (2 × 3 × hidden × intermediate for a gated MLP)."""
-    device_bandwidth_gbs: float
-    device_tflops: float
-    host_bandwidth_gbs: float
-    host_tflops: float
-    link_bandwidth_gbs: float
-    link_latency_us: float
-    launch_us: float = 5.0
-    """Fixed cost of one device kernel launch (assumed)."""
-
-    def device_us(self, tokens: int) -> float:
-        return self.launch_us + max(self.expert_bytes / (self.device_bandwidth_gbs * 1e3),
-                                    tokens * self.flops_per_token / (self.device_tflops * 1e6))
-
-    def host_us(self, tokens: int) -> float:
-        return max(self.expert_bytes / (self.host_bandwidth_gbs * 1e3),
-                   tokens * self.flops_per_token / (self.host_tflops * 1e6))
-
-    def fetch_us(self) -> float:
-        """One expert over the host→device link (:class:`moelab.timing.Link`, the one link model)."""
-
-        return Link(self.link_bandwidth_gbs, self.link_latency_us).transfer_us(self.expert_bytes)
-
-    @classmethod
-    def from_profile(cls, profile, expert_bytes: int, flops_per_token: float) -> CostModel:
-        """From a hardware profile; peak FLOP rates the profile does not state are assumed
-        (device 100 TFLOP/s, host 1 TFLOP/s: a bf16 GPU and a many-core AVX-512 server)."""
-        return cls(
-            expert_bytes=int(expert_bytes),
-            flops_per_token=float(flops_per_token),
-            device_bandwidth_gbs=float(profile.gpu_memory_bandwidth_gbs),
-            device_tflops=float(getattr(profile, "gpu_peak_tflops", 100.0)),
-            host_bandwidth_gbs=float(profile.cpu_memory_bandwidth_gbs),
-            host_tflops=float(getattr(profile, "cpu_peak_tflops", 1.0)),
-            link_bandwidth_gbs=float(profile.link_bandwidth_gbs),
-            link_latency_us=float(profile.link_latency_us),
-        )
-
-
 def lanes_us(hits: Sequence[tuple[int, int]], fetch: Sequence[tuple[int, int]],
-             host: Sequence[tuple[int, int]], cost: CostModel) -> tuple[float, float]:
-    """(device finish, host finish) of one layer: the device runs hits, then each fetched
-    expert once its copy (FIFO on the link) and the device are both free."""
-    dev = sum(cost.device_us(n) for _, n in hits)
-    link = 0.0
-    for _, n in fetch:
-        link += cost.fetch_us()
-        dev = max(dev, link) + cost.device_us(n)
-    return dev, sum(cost.host_us(n) for _, n in host)
+             host: Sequence[tuple[int, int]], cost: CostModel, tokens: int = 1) -> tuple[float, float]:
+    """(device finish, host finish) of one layer by the one cost model
+    (:meth:`moelab.timing.costs.CostModel.lanes_us`): the device runs its shared experts and hits,
+    then each fetched expert once its copy (FIFO on the link) and the device are both free; each
+    host lane (NUMA node) runs its experts."""
+    return cost.lanes_us(hits, fetch, host, tokens=tokens)
 
 
 class Placement:
@@ -141,21 +92,34 @@ class GreedyHSS(Placement):
         return self._memo
 
     def place(self, hits, misses, cost):
-        # incremental form of: start with every miss on the host; take uncached experts heaviest
-        # first and fetch one while that lowers max(device finish, host finish) (lanes_us)
+        # incremental form of: start with every miss on its host lane; take uncached experts heaviest
+        # first and fetch one while that lowers max(device finish, host finish) (CostModel.lanes_us)
         dcost, hcost, fetch_us = self._costs(cost)
-        dev = sum([dcost[n] for _, n in hits])
-        host = sum([hcost[n] for _, n in misses])
+        tokens = max(max(n for _, n in misses), max((n for _, n in hits), default=1))
+        paid = bool(hits) or cost.shared_bytes > 0
+        dev = cost.device_call_us + cost.shared_us(tokens) + sum([dcost[n] for _, n in hits]) if paid else 0.0
+        H = cost.host_lanes
+        call_h = cost.host_call_us
+        work, count = [0.0] * H, [0] * H
+        for e, n in misses:
+            work[e % H] += hcost[n]
+            count[e % H] += 1
+        best = max(dev, *[w + call_h if c else 0.0 for w, c in zip(work, count)])
         link = 0.0
-        best = max(dev, host)
         fetched: set[int] = set()
         for e, n in sorted(misses, key=lambda p: (-p[1], p[0])):
             nl = link + fetch_us
-            nd = max(dev, nl) + dcost[n]
-            nh = host - hcost[n]
-            if max(nd, nh) < best:
-                link, dev, host, best = nl, nd, nh, max(nd, nh)
+            nd = max(dev, nl) + dcost[n] + (0.0 if paid else cost.device_call_us)
+            lane = e % H
+            work[lane] -= hcost[n]
+            count[lane] -= 1
+            t = max(nd, *[w + call_h if c else 0.0 for w, c in zip(work, count)])
+            if t < best:
+                link, dev, best, paid = nl, nd, t, True
                 fetched.add(e)
+            else:
+                work[lane] += hcost[n]
+                count[lane] += 1
         return {e: (FETCH if e in fetched else HOST) for e, _ in misses}
 
 
@@ -183,11 +147,12 @@ class MinCost(Placement):
                 self._greedy = GreedyHSS()
             return self._greedy.place(hits, misses, cost)
         ordered = sorted(misses, key=lambda p: (-p[1], p[0]))
+        tokens = max(max(n for _, n in misses), max((n for _, n in hits), default=1))
         best, best_set = float("inf"), ()
         for r in range(len(ordered) + 1):
             for chosen in itertools.combinations(ordered, r):
                 host = [p for p in ordered if p not in chosen]
-                t = max(lanes_us(hits, chosen, host, cost))
+                t = max(lanes_us(hits, chosen, host, cost, tokens))
                 if t < best - 1e-9:
                     best, best_set = t, chosen
         return {e: (FETCH if (e, n) in best_set else HOST) for e, n in misses}

@@ -41,8 +41,9 @@ from moelab.caches.online import union_small
 from moelab.errors import MoelabError
 from moelab.forward.plan import DEFERRED, DROPPED
 from moelab.hybrid.config import HybridConfig
-from moelab.hybrid.placement import FETCH, HOST, CostModel, Placement, get_placement
+from moelab.hybrid.placement import FETCH, HOST, Placement, get_placement
 from moelab.timing import get_profile
+from moelab.timing.costs import CostModel
 
 
 @dataclass
@@ -168,21 +169,19 @@ def make_cache(config: HybridConfig, num_experts: Sequence[int], top_k: Sequence
     return _make(c.policy, list(num_experts), cap, c.scope, expert_bytes=int(expert_bytes), **options, **extra)
 
 
-def make_cost_model(config: HybridConfig, expert_bytes: int, expert_params: float | None) -> CostModel:
-    """The roofline cost model of ``config.hardware`` for one expert of ``expert_bytes`` bytes
-    and ``expert_params`` parameters (a token through it: 2 FLOPs per parameter)."""
+def make_cost_model(config: HybridConfig, shape: Any) -> CostModel:
+    """The one cost model (:class:`moelab.timing.costs.CostModel`) of ``shape`` on ``config.hardware``."""
     if config.hardware is None:
         raise MoelabError(
             f"placement {config.placement!r} needs a cost model; set hardware: to a profile name "
             "(e.g. pcie4-x16), or use placement host-misses / fetch-misses."
         )
-    if expert_params is None:
+    if shape is None:
         raise MoelabError(
-            f"placement {config.placement!r} needs the parameters of one expert for its cost model; "
-            "pass expert_params= (e.g. ModelShape.expert_params())."
+            f"placement {config.placement!r} needs the model's shape for its cost model; pass shape= "
+            "(moelab.timing.get_shape(name), or ModelShape.from_model(model))."
         )
-
-    return CostModel.from_profile(get_profile(config.hardware), int(expert_bytes), 2.0 * float(expert_params))
+    return CostModel.of(shape, get_profile(config.hardware))
 
 
 class Planner:
@@ -234,8 +233,9 @@ class Planner:
 
     @classmethod
     def build(cls, config: HybridConfig, *, num_experts: Sequence[int], top_k: Sequence[int],
-              expert_bytes: Sequence[int] | int, expert_params: float | None = None, **cache_extra: Any) -> Planner:
-        """A planner with the cache, placement and cost model ``config`` names."""
+              expert_bytes: Sequence[int] | int, shape: Any = None, **cache_extra: Any) -> Planner:
+        """A planner with the cache, placement and cost model ``config`` names (``shape``: the model's
+        :class:`~moelab.timing.shapes.ModelShape`, which a cost-aware placement needs)."""
         L = len(num_experts)
         try:
             eb = [int(b) for b in expert_bytes]  # one per MoE layer
@@ -247,7 +247,7 @@ class Planner:
                 f"MoE layer ({L})."
             )
         placement = get_placement(config.placement)
-        cost = make_cost_model(config, eb[0], expert_params) if placement.needs_cost_model else None
+        cost = make_cost_model(config, shape) if placement.needs_cost_model else None
         cache = make_cache(config, num_experts, top_k, max(eb), **cache_extra)
         return cls(config, num_experts=num_experts, top_k=top_k, expert_bytes=eb, cost=cost, cache=cache,
                    placement=placement)

@@ -62,8 +62,10 @@ from moelab.forward import (
 from moelab.hybrid.config import HybridConfig
 from moelab.hybrid.events import EventLog
 from moelab.hybrid.executors import get_executor
+from moelab.hybrid.placement import get_placement
 from moelab.hybrid.planner import LayerPlan, Planner, Transfer
 from moelab.predictors.online import router_inputs
+from moelab.timing.shapes import ModelShape
 
 log = logging.getLogger(__name__)
 
@@ -133,12 +135,10 @@ class HybridRun:
         cfg = self.config
         self.layers = moe_layers(self.model)
         self.expert_bytes = [expert_bytes(layer) for layer in self.layers]
-        layer = self.layers[0]
-        # a token through one expert: a multiply and an add per weight (2 FLOPs per parameter)
-        params = sum(p.numel() for p in layer.experts.parameters()) / max(layer.num_experts, 1)
+        shape = ModelShape.from_model(self.model) if get_placement(cfg.placement).needs_cost_model else None
         self.planner = Planner.build(cfg, num_experts=[ly.num_experts for ly in self.layers],
                                      top_k=[ly.top_k for ly in self.layers], expert_bytes=self.expert_bytes,
-                                     expert_params=params)
+                                     shape=shape)
         self.cache, self.placement, self.cost = self.planner.cache, self.planner.placement, self.planner.cost
         self.predictor = self._load_predictor()
         try:

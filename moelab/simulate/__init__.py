@@ -30,7 +30,6 @@ _LAZY = {
     "SimResult": "moelab.simulate.executor",
     "whatif": "moelab.simulate.whatif",
     "run_validation": "moelab.simulate.validate",
-    "Costs": "moelab.simulate.executor",
     "summarize_sim": "moelab.simulate.executor",
     "Graph": "moelab.simulate.engine",
     "Schedule": "moelab.simulate.engine",

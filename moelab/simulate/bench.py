@@ -77,7 +77,7 @@ def random_plans(shape: Any, config: dict, *, steps: int, tokens: int = 1, seed:
     routing = random_routing(steps=steps, layers=L, experts=shape.num_experts, top_k=shape.top_k, tokens=tokens,
                              seed=seed)
     return plan_routing(routing, config, num_experts=[shape.num_experts] * L, top_k=[shape.top_k] * L,
-                        expert_bytes=int(shape.expert_bytes()), expert_params=float(shape.expert_params()))
+                        expert_bytes=int(shape.expert_bytes()), shape=shape)
 
 
 def events_equal(a, b) -> bool:

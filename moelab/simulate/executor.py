@@ -29,8 +29,8 @@ After the last MoE layer, ``control`` runs the remaining layers and the LM head 
 at layer -1, cause ``tail+lm-head``), after the last layer's deferred experts. The device
 lane's idle time before a copied expert is a ``wait`` event on ``device`` (cause ``copy``).
 
-**Costs** (:class:`Costs`): a roofline ``max(bytes / (bandwidth × efficiency), FLOPs /
-(peak × efficiency))`` per kernel, plus launch (``gpu_launch_us`` × kernels), dispatch
+**Costs** (:class:`moelab.timing.costs.CostModel`, the one cost model the placements plan with):
+a roofline ``max(bytes / (bandwidth × efficiency), FLOPs / (peak × efficiency))`` per kernel, plus launch (``gpu_launch_us`` × kernels), dispatch
 (``cpu_dispatch_us`` per host expert), a fixed cost per experts call (``gpu_call_us`` once per
 layer on the device, ``cpu_call_us`` once per layer and host lane — the real executor makes one
 backend call per layer and lane), copy latency and synchronisation (``sync_us``). Host experts and
@@ -53,7 +53,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from itertools import chain
 from operator import attrgetter
 from typing import Any
@@ -64,7 +64,8 @@ from moelab.errors import MoelabError
 from moelab.events import busy_spans, lane_group, length, summarize
 from moelab.hybrid.events import COLUMNS
 from moelab.simulate.engine import Graph, Schedule, simulate
-from moelab.timing import HardwareProfile, get_profile
+from moelab.timing import HardwareProfile
+from moelab.timing.costs import CostModel, cost_model
 
 # task categories, in their order within a layer's block
 CAT_D, CAT_X, CAT_S, CAT_V, CAT_H, CAT_F, CAT_W, CAT_T = range(8)
@@ -73,84 +74,6 @@ XKIND = {"demand": 0, "insert": 1, "prefetch": 2}
 XNAMES = ("demand", "insert", "prefetch")
 FATES = ("hit", "prefetch-hit", "miss-fetch")
 RES_CONTROL, RES_DEVICE, RES_COPY = 0, 1, 2
-
-
-# ---------------------------------------------------------------------- costs
-@dataclass(frozen=True)
-class Costs:
-    """Per-kernel costs of one model shape on one profile (times in µs, rates in bytes/µs)."""
-
-    profile: HardwareProfile
-    num_experts: int
-    num_moe_layers: int
-    moe_layers: tuple[int, ...]
-    num_layers: int
-    expert_bytes: float
-    expert_flops_per_token: float
-    shared_bytes: float
-    shared_flops_per_token: float
-    dense_mlp_bytes: float
-    dense_mlp_flops_per_token: float
-    router_bytes: float
-    router_flops_per_token: float
-    lm_head_bytes: float
-    lm_head_flops_per_token: float
-    shape: Any = field(repr=False, compare=False, default=None)
-
-    @classmethod
-    def of(cls, shape: Any, profile: HardwareProfile | str) -> Costs:
-        hw = get_profile(profile)
-        # the LM head is read in the activation dtype: 2 bytes for bf16/fp16, 4 for fp32, else the
-        # shape's bytes per parameter
-        bpp_act = {"bf16": 2.0, "fp16": 2.0, "fp32": 4.0}.get(shape.dtype, float(shape.bytes_per_param()))
-        shared_b = float(shape.shared_bytes()) if shape.num_shared_experts else 0.0
-        shared_f = float(shape.shared_flops(1))
-        dense_b = float(shape.dense_mlp_bytes())
-        dense_f = float(shape.dense_mlp_flops(1))
-        router_b = float(shape.router_bytes())
-        return cls(
-            profile=hw, num_experts=int(shape.num_experts), num_moe_layers=len(shape.moe_layers),
-            moe_layers=tuple(int(x) for x in shape.moe_layers), num_layers=int(shape.num_layers),
-            expert_bytes=float(shape.expert_bytes()), expert_flops_per_token=float(shape.expert_flops(1)),
-            shared_bytes=shared_b, shared_flops_per_token=shared_f if shared_b else 0.0,
-            dense_mlp_bytes=dense_b, dense_mlp_flops_per_token=dense_f if dense_b else 0.0,
-            router_bytes=router_b, router_flops_per_token=2.0 * shape.num_experts * shape.hidden_size,
-            lm_head_bytes=float(shape.vocab_size * shape.hidden_size * bpp_act),
-            lm_head_flops_per_token=2.0 * shape.vocab_size * shape.hidden_size,
-            shape=shape,
-        )
-
-    # rates: a kernel reading ``nbytes`` with ``flops`` runs at ``nbytes / roofline time``
-    def _cap(self, nbytes, flops, bw_gbs, eff, tflops, ceff):
-        t_mem = np.asarray(nbytes, dtype=np.float64) / (bw_gbs * 1e3 * eff)
-        t_cmp = np.asarray(flops, dtype=np.float64) / (tflops * 1e6 * ceff)
-        t = np.maximum(t_mem, t_cmp)
-        with np.errstate(divide="ignore", invalid="ignore"):
-            return np.where(t > 0, np.asarray(nbytes, dtype=np.float64) / np.where(t > 0, t, 1.0), 1.0)
-
-    def device_cap(self, nbytes, flops):
-        hw = self.profile
-        return self._cap(nbytes, flops, hw.gpu_memory_bandwidth_gbs, hw.gpu_memory_efficiency,
-                         hw.gpu_peak_tflops, hw.gpu_compute_efficiency)
-
-    def dense_cap(self, nbytes, flops):
-        """Rate of the dense work between MoE blocks (``gpu_dense_efficiency`` × an expert kernel's)."""
-        hw = self.profile
-        return self._cap(nbytes, flops, hw.gpu_memory_bandwidth_gbs,
-                         hw.gpu_memory_efficiency * hw.gpu_dense_efficiency, hw.gpu_peak_tflops,
-                         hw.gpu_compute_efficiency)
-
-    def host_cap(self, nbytes, flops):
-        hw = self.profile
-        return self._cap(nbytes, flops, hw.numa_node_bandwidth_gbs, hw.cpu_memory_efficiency,
-                         hw.cpu_peak_tflops / hw.numa_nodes, 1.0)
-
-    def attention(self, context: float, batch: int, prefill: bool) -> tuple[float, float]:
-        """(bytes, FLOPs) of one decoder layer's attention at ``context`` for ``batch`` rows."""
-        s = self.shape
-        if prefill:  # one sequence of ``batch`` tokens; each attends to half the context on average
-            return float(s.attention_bytes(int(context), 1)), float(s.attention_flops(max(int(context) // 2, 1), batch))
-        return float(s.attention_bytes(int(context), batch)), float(s.attention_flops(int(context), batch))
 
 
 # ---------------------------------------------------------------------- encoding of plans
@@ -305,7 +228,7 @@ def _ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
 
 
 # ---------------------------------------------------------------------- costs of every task
-def _task_costs(enc: Encoded, lay: Layout, costs: Costs, context: int):
+def _task_costs(enc: Encoded, lay: Layout, costs: CostModel, context: int):
     """Per-task arrays: resource, priority, fixed, bytes, cap, pool, category, and per-item extras.
 
     Size: long: one table of task costs by kind (dense, router, experts on either side, copies), in the order
@@ -387,16 +310,16 @@ def _task_costs(enc: Encoded, lay: Layout, costs: Costs, context: int):
     X = _ranges(lay.X0, enc.nx)
     res[X], cat[X] = RES_COPY, CAT_X
     prio[X] = np.where(enc.x[:, 3] == 0, 0, 1)
-    fixed[X] = hw.link_latency_us
+    fixed[X] = hw.link.latency_us
     nbytes[X] = enc.x[:, 2]
-    cap[X] = hw.link_bandwidth_gbs * 1e3
+    cap[X] = costs.link_cap
     pool[X] = enc.x[:, 1] % N
 
     # ---- shared experts
     if enc.ns:
         S = lay.S0
         res[S], cat[S] = RES_DEVICE, CAT_S
-        fixed[S] = hw.gpu_kernels_per_expert * hw.gpu_launch_us
+        fixed[S] = costs.device_expert_fixed_us
         nbytes[S] = costs.shared_bytes
         cap[S] = costs.device_cap(np.full(P, costs.shared_bytes), costs.shared_flops_per_token * toks)
         if shared_mem:
@@ -405,21 +328,21 @@ def _task_costs(enc: Encoded, lay: Layout, costs: Costs, context: int):
     # ---- device experts
     V = _ranges(lay.V0, enc.nv)
     res[V], cat[V] = RES_DEVICE, CAT_V
-    fixed[V] = hw.gpu_kernels_per_expert * hw.gpu_launch_us
+    fixed[V] = costs.device_expert_fixed_us
     nbytes[V] = costs.expert_bytes
     cap[V] = costs.device_cap(np.full(len(V), costs.expert_bytes), costs.expert_flops_per_token * enc.v[:, 1])
     if shared_mem:
         pool[V] = enc.v[:, 0] % N
     # one experts call per layer on the device: its fixed cost is paid by the layer's first device task
     first_dev = np.where(enc.ns > 0, lay.S0, lay.V0)[(enc.nv + enc.ns) > 0]
-    fixed[first_dev] += hw.gpu_call_us
+    fixed[first_dev] += costs.device_call_us
 
     # ---- host and deferred experts
     for cat_id, starts, counts, items in ((CAT_H, lay.H0, enc.nh, enc.h), (CAT_F, lay.F0, enc.nf, enc.f)):
         idx = _ranges(starts, counts)
         node = items[:, 0] % N if len(items) else np.zeros(0, np.int64)
         res[idx], cat[idx] = 3 + node, cat_id
-        fixed[idx] = hw.cpu_dispatch_us
+        fixed[idx] = costs.host_expert_fixed_us
         # one experts call per layer and host lane: its fixed cost is paid by the first task of each lane
         if len(idx):
             owner = np.repeat(np.arange(len(counts)), counts)
@@ -430,7 +353,7 @@ def _task_costs(enc: Encoded, lay: Layout, costs: Costs, context: int):
                 _, firsts = np.unique(key, return_index=True)
                 first = np.zeros(len(idx), dtype=bool)
                 first[firsts] = True
-            fixed[idx[first]] += hw.cpu_call_us
+            fixed[idx[first]] += costs.host_call_us
         nbytes[idx] = costs.expert_bytes
         cap[idx] = costs.host_cap(np.full(len(idx), costs.expert_bytes), costs.expert_flops_per_token * items[:, 1])
         pool[idx] = node
@@ -563,13 +486,13 @@ def _deps_reference(enc: Encoded, lay: Layout, E: int) -> tuple[np.ndarray, np.n
     return ptr, idx
 
 
-def _task_bytes(enc: Encoded, lay: Layout, costs: Costs, context: int) -> np.ndarray:
+def _task_bytes(enc: Encoded, lay: Layout, costs: CostModel, context: int) -> np.ndarray:
     """The bytes each task reads (as :func:`_task_costs` computes them on a profile whose work is bytes)."""
     hw = costs.profile.with_changes(device_shares_host_memory=False)
     return _task_costs(enc, lay, dataclasses.replace(costs, profile=hw), context)[3]
 
 
-def build_graph(enc: Encoded, costs: Costs, *, context: int = 0, reference: bool = False) -> tuple[Graph, Layout, Any]:
+def build_graph(enc: Encoded, costs: CostModel, *, context: int = 0, reference: bool = False) -> tuple[Graph, Layout, Any]:
     """The task graph of encoded plans (numpy; ``reference=True``: the plain-loop dependencies)."""
     lay = layout(enc)
     res, prio, fixed, nbytes, cap, pool, cat, servers, pool_bw = _task_costs(enc, lay, costs, context)
@@ -580,7 +503,7 @@ def build_graph(enc: Encoded, costs: Costs, *, context: int = 0, reference: bool
     return g, lay, cat
 
 
-def build_graph_reference(enc: Encoded, costs: Costs, *, context: int = 0):
+def build_graph_reference(enc: Encoded, costs: CostModel, *, context: int = 0):
     return build_graph(enc, costs, context=context, reference=True)
 
 
@@ -791,14 +714,14 @@ def summarize_sim(df, forwards=None) -> dict:
 
 
 # ---------------------------------------------------------------------- entry point
-def simulate_plans(plans: Sequence[Any], shape: Any, profile: HardwareProfile | str, *, context: int = 0,
+def simulate_plans(plans: Sequence[Any], shape: Any, profile: HardwareProfile | str | CostModel, *, context: int = 0,
                    engine: str | None = None, run: str = "simulated", reference_graph: bool = False) -> SimResult:
     """Simulate ``plans`` (LayerPlans, one forward after another) of a model of ``shape`` on
     ``profile``; see the module docstring. ``engine``: ``fast``, ``reference`` or None (fast if it
     builds here)."""
     import gc
 
-    costs = Costs.of(shape, profile)
+    costs = cost_model(shape, profile)
     if context < 0:
         raise MoelabError(f"context must be ≥ 0 tokens, got {context}.")
     was_enabled = gc.isenabled()
@@ -814,5 +737,5 @@ def simulate_plans(plans: Sequence[Any], shape: Any, profile: HardwareProfile | 
     return SimResult(events, s, g, costs.profile, _forwards(enc, lay, s))
 
 
-__all__ = ["Costs", "SimResult", "build_graph", "build_graph_reference", "encode", "lane_names", "simulate_plans",
+__all__ = ["SimResult", "build_graph", "build_graph_reference", "encode", "lane_names", "simulate_plans",
            "summarize_sim"]

@@ -131,7 +131,7 @@ class _PaperSim:
         L = shape.num_moe_layers
         plans = plan_routing(routing, hybrid,
                              num_experts=[shape.num_experts] * L, top_k=[shape.top_k] * L,
-                             expert_bytes=shape.expert_bytes(), expert_params=shape.expert_params())
+                             expert_bytes=shape.expert_bytes(), shape=shape)
         res = simulate_plans(plans, shape, hw, context=context)
         out = dict(res.summary())
         out.update(_layer_metrics(res, int(st.get("moe_layer", L // 2))))

@@ -275,7 +275,7 @@ def simulate_cell(routing: list, shape: Any, hardware: str, profile: Any, cell: 
     L = shape.num_moe_layers
     plans = plan_routing(routing, _config(cell, hardware, oracle=oracle, prefetch=prefetch, cache=cache),
                          num_experts=[shape.num_experts] * L, top_k=[shape.top_k] * L,
-                         expert_bytes=shape.expert_bytes(), expert_params=shape.expert_params(),
+                         expert_bytes=shape.expert_bytes(), shape=shape,
                          routing_memo=routing_memo)
     res = simulate_plans(plans, shape, profile, context=context)
     fw, ev = res.forwards, res.events

@@ -161,7 +161,7 @@ def plan_cell(cell: Any, trace: Any, shape: Any, profile: str) -> list:
     check_shape(shape, ts["num_experts"], ts["top_k"], f"the routing trace of {cell.model}")
     return plan_routing(routing_from_trace(trace, hidden=False), hybrid_config(cell, profile),
                         num_experts=ts["num_experts"], top_k=ts["top_k"], expert_bytes=shape.expert_bytes(),
-                        expert_params=shape.expert_params(),
+                        shape=shape,
                         routing_policies=offline_policies(cell.policy, cell.settings))
 
 

@@ -125,7 +125,7 @@ def simulated_timeline(shape: Any, profile: Any, hybrid: dict, *, routing: Any =
     forwards = getattr(routing, "forwards", routing)
     L = shape.num_moe_layers
     plans = plan_routing(forwards, hybrid, num_experts=[shape.num_experts] * L, top_k=[shape.top_k] * L,
-                         expert_bytes=shape.expert_bytes(), expert_params=shape.expert_params())
+                         expert_bytes=shape.expert_bytes(), shape=shape)
     res = simulate_plans(plans, shape, profile, context=context)
     pname = getattr(profile, "name", profile)
     return Timeline(res.events, name=name or f"simulated {shape.name} on {pname}",
