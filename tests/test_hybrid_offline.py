@@ -134,7 +134,7 @@ SHAPE2 = {"num_experts": [4, 4], "top_k": [1, 1], "expert_bytes": 100}
 
 def test_prefetch_hits_are_hits_only_a_prefetch_made():
     routing = _routing([[[0], [3]], [[0], [3]], [[1], [2]]])
-    cfg = {"cache": {"capacity": 0.5, "policy": "lru"}, "prefetch": {"predictor": "oracle"}}
+    cfg = {"cache": {"capacity": 0.5, "policy": "lru", "admission": "all"}, "prefetch": {"predictor": "oracle"}}
     p = plan_routing(routing, cfg, **SHAPE2)
     # forward 0: layer 0 misses 0 (run on the host, then cached), then prefetches 3 into layer 1,
     # where 3 is a (prefetch) hit
@@ -146,8 +146,14 @@ def test_prefetch_hits_are_hits_only_a_prefetch_made():
     assert not [t for t in p[2].transfers if t.priority == "prefetch"]
     # forward 2: 1 misses, 2 is prefetched and is a prefetch hit
     assert p[4].misses == [1] and p[5].prefetch_hits == [2]
-    none = plan_routing(routing, {"cache": {"capacity": 0.5, "policy": "lru"}}, **SHAPE2)
+    none = plan_routing(routing, {"cache": {"capacity": 0.5, "policy": "lru", "admission": "all"}}, **SHAPE2)
     assert all(not q.prefetch_hits for q in none) and none[1].misses == [3]
+    # admission by placement (the default): the host-computed miss 0 is not copied in, so forward
+    # 1's layer 0 misses it again; the prefetched 3 is still a hit
+    default = plan_routing(routing, {"cache": {"capacity": 0.5, "policy": "lru"}, "prefetch": {"predictor": "oracle"}},
+                           **SHAPE2)
+    assert [(t.layer, t.expert, t.priority) for t in default[0].transfers] == [(1, 3, "prefetch")]
+    assert default[2].misses == [0] and default[3].hits == [3]
 
 
 def test_the_oracle_prefetch_makes_every_later_layer_a_hit_when_the_slots_suffice():
@@ -193,7 +199,8 @@ def test_belady_offline_equals_the_cache_simulation_and_bounds_the_online_polici
                                       "expert_bytes": max(expert_bytes(ly) for ly in moelab.moe_layers(mixtral))}
     hits = {}
     for policy in ("lru", "lfu", "fifo", "mrs", "belady", "belady-bypass"):
-        plans = plan_routing(routing_from_trace(rec.trace), {"cache": {"capacity": 0.25, "policy": policy}}, **shape)
+        plans = plan_routing(routing_from_trace(rec.trace),
+                             {"cache": {"capacity": 0.25, "policy": policy, "admission": "all"}}, **shape)
         hits[policy] = [int(e in p.hits) for p in plans for e in p.accessed]
         off = simulate(rec.trace, policy, 0.25, include_prefill=True, keep_hits=True)
         assert hits[policy] == off.hit.tolist(), policy
@@ -251,7 +258,7 @@ def test_the_planners_prefetch_budget_is_the_cache_simulations(mixtral, tmp_path
     ids, mask = _inputs(3)
     with moelab.record(mixtral, tmp_path / "t") as rec:
         mixtral.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
-    cfg = {"cache": {"capacity": 0.5, "policy": "mrs"},  # under lru, 'repeat' proposes only cached experts
+    cfg = {"cache": {"capacity": 0.5, "policy": "mrs", "admission": "all"},  # under lru, 'repeat' proposes only cached experts
            "prefetch": {"predictor": predictor, "budget": 1, "budget_scope": scope}}
     plans = plan_routing(routing_from_trace(rec.trace), cfg, **_shape(mixtral), expert_bytes=1)
     off = simulate(rec.trace, "mrs", 0.5, include_prefill=True, keep_hits=True,

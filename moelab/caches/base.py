@@ -54,7 +54,7 @@ policy code, or None: replayed by the reference class).
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any, ClassVar, Literal
 
 import numpy as np
@@ -282,6 +282,11 @@ class ExpertCache:
             out[list(part)] = True
         return out
 
+    def eviction_order(self) -> list[int]:
+        """The cached keys, the next victim first (the policy's order now): a warm start's order
+        for another cache of this policy (``warm`` takes keys least important first)."""
+        return sorted((k for part in self._resident for k in part), key=self._rank)
+
     def key(self, layer: int, expert: int) -> int:
         """The global key of ``expert`` in MoE layer ``layer``."""
         self._check_layer(layer)
@@ -301,13 +306,18 @@ class ExpertCache:
         return self._key_layer[key] if self.scope == "layer" else 0
 
     # ------------------------------------------------------------------ online API
-    def access(self, layer: int, experts: Sequence[int], scores: Any = None) -> list[bool]:
+    def access(self, layer: int, experts: Sequence[int], scores: Any = None,
+               admit: Collection[int] | None = None) -> list[bool]:
         """Serve the experts one (forward, MoE layer) needs; returns hit/miss per expert.
 
         ``experts`` are in access order (descending router weight) and distinct; ``scores``
         is the router score vector (E,) of the step's token, or (tokens, E) for several
         tokens — needed only by score-aware policies (``mrs``). For a batch's (T, K) router
-        output use :func:`moelab.caches.online.access_forward`.
+        output use :func:`moelab.caches.online.access_forward`. ``admit``: the experts a miss
+        may be inserted for (None: every miss, the cache simulation's rule); the hybrid planner
+        passes the misses its placement runs on the device, so a miss computed on the host is
+        counted, and seen by the policy's statistics, but not copied in (admission follows
+        placement).
 
         Under ``insertion="always"`` this runs a streamlined copy of :meth:`_access_reference`
         (the plain definition; a class with ``fast = False`` uses it): the same decisions,
@@ -315,18 +325,18 @@ class ExpertCache:
         checks inlined (tests/test_caches_fast_path.py checks they agree on random streams).
         """
         if not self._fast_ok:
-            return self._access_reference(layer, experts, scores)
+            return self._access_reference(layer, experts, scores, admit)
         nums = self.num_experts
         if type(layer) is not int or not 0 <= layer < len(nums):
-            return self._access_reference(layer, experts, scores)  # raises the reference's error
+            return self._access_reference(layer, experts, scores, admit)  # raises the reference's error
         off, E = self.key_offset_[layer], nums[layer]
         keys = []
         for e in experts:
             if type(e) is not int or not 0 <= e < E:
-                return self._access_reference(layer, experts, scores)
+                return self._access_reference(layer, experts, scores, admit)
             keys.append(off + e)
         if len(set(keys)) != len(keys) or (self.needs_scores and scores is None):
-            return self._access_reference(layer, experts, scores)
+            return self._access_reference(layer, experts, scores, admit)
         self._begin_group(layer, keys, scores)
         part = layer if self.scope == "layer" else 0
         res = self._resident[part]
@@ -353,12 +363,12 @@ class ExpertCache:
         if nmiss:
             self.misses += nmiss
             self.layer_misses[layer] += nmiss
-            admit = self._admit
+            admit_key = self._admit
             for k, hit in zip(keys, out):  # then every miss, in access order
                 if not hit:
                     clock += 1
                     self._clock = clock
-                    if admit(k) and self._make_room(part, _NOTHING, k):
+                    if (admit is None or k - off in admit) and admit_key(k) and self._make_room(part, _NOTHING, k):
                         self._store(k, speculative=False)
                     last[k] = clock
                     if on_access is not None:
@@ -366,15 +376,19 @@ class ExpertCache:
         self._clock = clock
         return out
 
-    def _access_reference(self, layer: int, experts: Sequence[int], scores: Any = None) -> list[bool]:
+    def _access_reference(self, layer: int, experts: Sequence[int], scores: Any = None,
+                          admit: Collection[int] | None = None) -> list[bool]:
         """Serve the experts one (forward, MoE layer) needs; returns hit/miss per expert.
 
         ``experts`` are in access order (descending router weight) and distinct; ``scores``
         is the router score vector (E,) of the step's token, or (tokens, E) for several
         tokens — needed only by score-aware policies (``mrs``). For a batch's (T, K) router
-        output use :func:`moelab.caches.online.access_forward`.
+        output use :func:`moelab.caches.online.access_forward`. ``admit``: the experts a miss
+        may be inserted for (None: all).
         """
         keys = self._keys(layer, experts, scores)
+        off = self.key_offset_[layer]
+        allowed = (lambda key: True) if admit is None else (lambda key: key - off in admit)
         self._begin_group(layer, keys, scores)
         if self.insertion == "protect-step":
             needed = set(keys)
@@ -382,7 +396,7 @@ class ExpertCache:
             for key in keys:
                 self._clock += 1
                 hit = self._count(layer, key)
-                if not hit and self._admit(key) and self._make_room(self._partition(key), needed, key):
+                if not hit and allowed(key) and self._admit(key) and self._make_room(self._partition(key), needed, key):
                     self._store(key, speculative=False)
                 out.append(hit)
                 self._last_use[key] = self._clock
@@ -399,7 +413,7 @@ class ExpertCache:
             if not hit:
                 self._clock += 1
                 self._count(layer, key)
-                if self._admit(key) and self._make_room(self._partition(key), set(), key):
+                if allowed(key) and self._admit(key) and self._make_room(self._partition(key), set(), key):
                     self._store(key, speculative=False)
                 self._last_use[key] = self._clock
                 self._on_access(key)

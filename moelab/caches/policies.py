@@ -34,7 +34,7 @@ experts; ``belady-bypass`` is then moelab's earlier bound, the optimum of that r
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Any
 
 import numpy as np
@@ -326,9 +326,12 @@ class BeladyCache(ExpertCache):
         self._nxt, first, self._never = belady_future(self.stream, unit, self.scope_future)
         self._next = first.tolist()  # per key: when it is needed next, from now
         self._pos = 0
+        self._allowed: set[int] | None = None
 
-    def access(self, layer: int, experts: Sequence[int], scores: Any = None) -> list[bool]:
+    def access(self, layer: int, experts: Sequence[int], scores: Any = None,
+               admit: Collection[int] | None = None) -> list[bool]:
         keys = [self.key(layer, e) for e in experts]
+        self._allowed = None if admit is None else {self.key_offset_[layer] + int(e) for e in admit}
         got = self.stream.keys[self._pos : self._pos + len(keys)].tolist()
         if got != keys:
             raise MoelabError(
@@ -351,7 +354,8 @@ class BeladyCache(ExpertCache):
         self._clock += 1
         hit = self._count(layer, key)
         self._next[key] = int(self._nxt[i])  # next use after this access
-        if not hit and self._admit(key) and self._make_room(self._partition(key), set(), key):
+        allowed = self._allowed is None or key in self._allowed
+        if not hit and allowed and self._admit(key) and self._make_room(self._partition(key), set(), key):
             self._store(key, speculative=False)
         self._last_use[key] = self._clock
         return hit

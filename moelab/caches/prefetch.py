@@ -32,11 +32,15 @@ from typing import Any
 import numpy as np
 
 from moelab.caches.stream import AccessStream
-from moelab.errors import MoelabError, unknown_name
+from moelab.errors import MoelabError, did_you_mean, unknown_name
 from moelab.predictors.protocol import PredictContext, Prefetcher, union_predictions
 from moelab.timing import Link, get_profile
 
 logger = logging.getLogger(__name__)
+
+
+#: ``PrefetchConfig.select`` values.
+PREFETCH_SELECTIONS = ("impact", "order")
 
 
 @dataclass
@@ -81,12 +85,23 @@ class PrefetchConfig:
     budget_scope: str = "layer"
     """``layer`` (default): the budget applies after each MoE layer of each forward;
     ``forward``: one budget per forward pass (step), shared by its MoE layers."""
+    select: str = "impact"
+    """How the hybrid planner picks among the proposal (the cache simulator always takes it in
+    order): ``impact`` (HybriMoE §IV-C, impact-driven prefetch) — with a cost model (a
+    configuration with ``hardware`` and the model's shape), the proposed experts whose residence
+    shortens the target layer's planned schedule most, one at a time, while each lowers it and
+    their copies (after the layer's demand copies) fit in the lead time, ``distance ×
+    decode_layer_time_us`` on the profile's link; without a cost model, as ``order``. ``order``
+    (ProMoE): the proposal in confidence order, within the budget."""
     m: int | None = None
     """Experts a fitted predictor proposes per token (default: the target layer's top-k), where
     the planner or a running model asks it; the cache simulator's fitted predictors take it
     once, in ``as_prefetcher(predictor, trace, m=...)``."""
 
     def __post_init__(self) -> None:
+        if self.select not in PREFETCH_SELECTIONS:
+            raise MoelabError(f"prefetch select={self.select!r}: expected one of {', '.join(PREFETCH_SELECTIONS)}."
+                              f"{did_you_mean(str(self.select), PREFETCH_SELECTIONS)}")
         if isinstance(self.link, dict):  # from YAML or a config's to_dict(): {bandwidth_gbs, latency_us}
             self.link = Link(**self.link)
 

@@ -23,6 +23,10 @@ from moelab.hybrid.executors import available_executors
 from moelab.timing import available_profiles
 
 DEVICES = ("auto", "cpu", "cuda")
+#: ``cache.admission`` values (see :class:`CacheConfig`).
+ADMISSIONS = ("placement", "all")
+#: ``cache.warm`` values (see :class:`CacheConfig`).
+WARM_STARTS = ("empty", "frequency", "trace")
 
 
 @dataclass
@@ -38,6 +42,27 @@ class CacheConfig:
     """``layer``: each MoE layer its own slots; ``global``: one pool for all layers."""
     options: dict[str, Any] = field(default_factory=dict)
     """Extra arguments of the policy (e.g. ``alpha`` for ``mrs``)."""
+    admission: str = "placement"
+    """Which misses enter the cache: ``placement`` (only those the placement runs on the device —
+    fetched misses — and prefetches; a miss computed on the host is not copied, as in
+    KTransformers and HybriMoE) or ``all`` (every miss; host misses are copied in after they ran,
+    as low-priority ``insert`` transfers behind demand and prefetch copies)."""
+    warm: str = "empty"
+    """What the cache holds before the first forward: ``empty``; ``frequency`` (each partition's
+    most frequently needed experts, counted over ``warm_from`` or, offline, the routing being
+    planned — with capacity 1.0, every expert); or ``trace`` (the contents one planning pass over
+    that routing leaves: the steady state)."""
+    warm_from: str | None = None
+    """A routing trace directory to count ``frequency``/replay ``trace`` over; required by a running
+    model with ``warm`` other than ``empty`` (offline planning defaults to its own routing)."""
+
+    def __post_init__(self) -> None:
+        if self.admission not in ADMISSIONS:
+            raise MoelabError(f"cache.admission={self.admission!r}: expected one of {', '.join(ADMISSIONS)}."
+                              f"{did_you_mean(str(self.admission), ADMISSIONS)}")
+        if self.warm not in WARM_STARTS:
+            raise MoelabError(f"cache.warm={self.warm!r}: expected one of {', '.join(WARM_STARTS)}."
+                              f"{did_you_mean(str(self.warm), WARM_STARTS)}")
 
 
 @dataclass

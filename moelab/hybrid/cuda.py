@@ -262,7 +262,7 @@ class CudaExecutor(LaneExecutor):
                             cause=priority)
             return b
 
-        fut = self.lanes["copy"].submit(fn, priority=0 if priority == "demand" else 1, step=step, layer=layer,
+        fut = self.lanes["copy"].submit(fn, priority={"demand": 0, "prefetch": 1}.get(priority, 2), step=step, layer=layer,
                                         kind=f"transfer-{priority}", expert=expert, nbytes=nbytes, cause=priority,
                                         post=lambda ev: ev is not None and ev.synchronize())  # one copy in flight
         pool.ready[slot] = fut

@@ -44,6 +44,8 @@ from typing import Any
 import numpy as np
 
 from moelab.caches import get_policy
+from moelab.caches.base import resolve_capacity
+from moelab.caches.policies import popular_keys
 from moelab.caches.prefetch import routing_kinds, routing_rule
 from moelab.caches.stream import forward_ids, stream_from_groups
 from moelab.errors import MoelabError
@@ -326,20 +328,40 @@ def plan_routing(
     states = _RoutingStates(cfg.routing, top_k, routing_policies, routing_memo)
     proposer = _proposer(predictor, cfg, num_experts)
     cap = cfg.cache.capacity
-    future = cap != 0 and get_policy(cfg.cache.policy).needs_future
+    policy = get_policy(cfg.cache.policy) if cap != 0 else None
+    future = policy is not None and policy.needs_future
     if proposer is not None and cap == 0:
         raise MoelabError("prefetch needs a device cache to prefetch into; set cache.capacity > 0.")
-    # the needed experts of every layer: for the future-reading cache, the routing-reading kinds
-    # and a propose object's context (a fitted predictor reads the router inputs instead)
-    want_needed = future or (proposer is not None and not isinstance(proposer, _PredictorProposals))
+    counts_needed = policy is not None and (cfg.cache.warm != "empty" or _needs_counts(policy, cfg))
+    # the needed experts of every layer: for the future-reading cache, the warm start, the
+    # routing-reading kinds and a propose object's context (a fitted predictor reads the router
+    # inputs instead)
+    want_needed = future or counts_needed or (proposer is not None and not isinstance(proposer, _PredictorProposals))
     source: Iterable = _prepared(routing, states, L, want_needed)
     extra: dict[str, Any] = {}
-    if future:
+    if future or counts_needed:
         source = list(source)
+    if future:
         groups = [(ly, x[3]) for _, layers in source for ly, x in enumerate(layers)]
         extra["stream"] = stream_from_groups(groups, num_experts, top_k)
+    if counts_needed and cfg.cache.warm_from is None:
+        extra.update(warm_start(cfg, source, num_experts=num_experts, top_k=top_k, expert_bytes=expert_bytes,
+                                shape=shape, proposer=proposer, extra=extra))
+    elif counts_needed:
+        extra.update(warm_start_from_trace(cfg, num_experts=num_experts, top_k=top_k, expert_bytes=expert_bytes,
+                                           shape=shape))
     planner = Planner.build(cfg, num_experts=num_experts, top_k=top_k, expert_bytes=expert_bytes,
                             shape=shape, **extra)
+    return _plan_all(planner, source, proposer, cfg)
+
+
+def _needs_counts(policy: Any, cfg: HybridConfig) -> bool:
+    """A profile-built policy (``static``) without its pinned set or counts in the options."""
+    return bool(policy.needs_profile) and not ({"pinned", "profile"} & set(cfg.cache.options))
+
+
+def _plan_all(planner: Planner, source: Iterable, proposer: Any, cfg: HybridConfig) -> list[LayerPlan]:
+    """Every layer's plan of every prepared forward of ``source`` (see :func:`plan_routing`)."""
     need_scores = planner.cache is not None and planner.cache.needs_scores
     plans: list[LayerPlan] = []
     prev: tuple[int, list] | None = None  # (step, layers) of the previous forward, for "repeat"
@@ -355,6 +377,62 @@ def plan_routing(
             plans.append(planner.plan_layer(r.forward, r.step, r.phase, ly, il, wl, sl, scores, proposal))
         prev = (r.step, layers)
     return plans
+
+
+def access_counts(source: Iterable, num_experts: Sequence[int]) -> np.ndarray:
+    """(num_keys,) how often each (MoE layer, expert) key is needed over prepared forwards (keys:
+    layer offset + expert, the caches' numbering)."""
+    off = np.concatenate([[0], np.cumsum(num_experts)]).astype(np.int64)
+    counts = np.zeros(int(off[-1]), dtype=np.int64)
+    for _, layers in source:
+        for ly, x in enumerate(layers):
+            if x[3]:
+                np.add.at(counts, off[ly] + np.asarray(x[3], dtype=np.int64), 1)
+    return counts
+
+
+def warm_start(cfg: HybridConfig, source: list, *, num_experts: Sequence[int], top_k: Sequence[int],
+               expert_bytes: int | Sequence[int], shape: Any = None, proposer: Any = None,
+               extra: dict | None = None) -> dict[str, Any]:
+    """The cache's starting state over prepared forwards ``source``: ``{"warm": keys}`` (least
+    important first) for ``cache.warm``, plus ``{"profile": counts}`` for a profile-built policy
+    without its own. ``frequency``: each partition's most needed experts; ``trace``: what one
+    planning pass over ``source`` leaves resident, in the policy's victim order."""
+    out: dict[str, Any] = {}
+    policy = get_policy(cfg.cache.policy)
+    counts = access_counts(source, num_experts)
+    if _needs_counts(policy, cfg):
+        out["profile"] = counts
+    if cfg.cache.warm == "frequency":
+        slots = resolve_capacity(cfg.cache.capacity, num_experts, cfg.cache.scope)
+        out["warm"] = popular_keys(counts, num_experts, slots, cfg.cache.scope)
+    elif cfg.cache.warm == "trace":
+        first = Planner.build(cfg, num_experts=num_experts, top_k=top_k, expert_bytes=expert_bytes, shape=shape,
+                              **{**(extra or {}), **out})
+        _plan_all(first, source, proposer, cfg)
+        out["warm"] = first.cache.eviction_order()
+    return out
+
+
+def warm_start_from_trace(cfg: HybridConfig, *, num_experts: Sequence[int], top_k: Sequence[int],
+                          expert_bytes: int | Sequence[int], shape: Any = None) -> dict[str, Any]:
+    """:func:`warm_start` over the routing of the trace ``cfg.cache.warm_from`` (a running model's
+    warm start, or an offline plan warmed on other routing)."""
+    path = cfg.cache.warm_from
+    if path is None:
+        raise MoelabError(
+            f"cache.warm={cfg.cache.warm!r} needs routing to count or replay: set cache.warm_from to a routing "
+            "trace directory (moelab trace ...), or use warm: empty."
+        )
+    ts = trace_shape(path)
+    if list(ts["num_experts"]) != [int(e) for e in num_experts] or list(ts["top_k"]) != [int(k) for k in top_k]:
+        raise MoelabError(
+            f"cache.warm_from={str(path)!r} was recorded on a model with {ts['num_experts']} experts and top-k "
+            f"{ts['top_k']} per MoE layer, not {list(num_experts)} / {list(top_k)}; record a trace of this model."
+        )
+    states = _RoutingStates(cfg.routing, top_k, None, None)
+    source = list(_prepared(routing_from_trace(path, hidden=False), states, len(num_experts), True))
+    return warm_start(cfg, source, num_experts=num_experts, top_k=top_k, expert_bytes=expert_bytes, shape=shape)
 
 
 class _RoutingStates:
@@ -423,4 +501,5 @@ def _proposal(proposer: Any, r: ForwardRouting, i: int, ly: int, layers: list, p
         scores=r.scores[ly] if getattr(r, "scores", None) is not None else None, routing=r))
 
 
-__all__ = ["ForwardRouting", "OfflineRouting", "plan_routing", "routing_from_trace", "trace_shape"]
+__all__ = ["ForwardRouting", "OfflineRouting", "access_counts", "plan_routing", "routing_from_trace", "trace_shape",
+           "warm_start", "warm_start_from_trace"]

@@ -10,11 +10,12 @@ Registered by name in :data:`PLACEMENTS`:
 ``greedy-hss``   HybriMoE §IV-B: the device runs cached experts heaviest first, the host
                  runs uncached experts lightest first; the heaviest uncached experts are
                  fetched, one at a time, while that makes the later lane finish earlier
-                 (by the cost model). Not modelled: the host stealing cached experts
-                 when idle.
-``min-cost``     Fiddler's idea: the split of the misses that minimises the **later** of
-                 the two lanes (the makespan), exactly for up to 12 misses, greedily
-                 beyond. Fiddler's published code minimises the *sum* of the lanes' costs;
+                 (by the cost model); then, while the host would finish first, it steals
+                 the device's lightest cached experts (a hit computed on the host) while
+                 that makes the layer finish earlier.
+``min-cost``     Fiddler's idea: the split of the misses (and of the hits, which the host
+                 may compute too) that minimises the **later** of the two lanes (the
+                 makespan), exactly for up to 12 experts, greedily (``greedy-hss``) beyond. Fiddler's published code minimises the *sum* of the lanes' costs;
                  we minimise the makespan because the lanes run concurrently.
 ============== =========================================================================
 
@@ -50,10 +51,15 @@ class Placement:
 
     name: ClassVar[str] = ""
     needs_cost_model: ClassVar[bool] = False
+    steal: ClassVar[bool] = False
+    """True if the placement may put hits on the host: the planner then asks it even when a layer
+    has no misses."""
 
     def place(self, hits: list[tuple[int, int]], misses: list[tuple[int, int]],
               cost: CostModel | None) -> dict[int, str]:  # pragma: no cover - abstract
-        """``hits``/``misses``: (expert, tokens) pairs; returns expert → ``host`` | ``fetch``."""
+        """``hits``/``misses``: (expert, tokens) pairs; returns expert → ``host`` | ``fetch`` for
+        every miss, and optionally ``host`` for a hit the host computes instead of the device
+        (a hit not named runs on the device)."""
         raise NotImplementedError
 
 
@@ -80,6 +86,8 @@ class FetchMisses(Placement):
 class GreedyHSS(Placement):
     name = "greedy-hss"
     needs_cost_model = True
+    steal = True
+    """The host takes cached experts when it would otherwise idle (HybriMoE §IV-B)."""
 
     def __init__(self) -> None:
         self._cost: CostModel | None = None
@@ -92,10 +100,13 @@ class GreedyHSS(Placement):
         return self._memo
 
     def place(self, hits, misses, cost):
-        # incremental form of: start with every miss on its host lane; take uncached experts heaviest
-        # first and fetch one while that lowers max(device finish, host finish) (CostModel.lanes_us)
+        # incremental form of HybriMoE's rules: start with the hits on the device and every miss on
+        # its host lane; (1) PCIe: take uncached experts heaviest first and fetch one while that
+        # lowers max(device finish, host finish) (CostModel.lanes_us); (2) steal: while the host
+        # finishes first, give it the device's lightest cached expert (the device runs its hits
+        # heaviest first, so the lightest is the last it would start) while that lowers the max
         dcost, hcost, fetch_us = self._costs(cost)
-        tokens = max(max(n for _, n in misses), max((n for _, n in hits), default=1))
+        tokens = max(max((n for _, n in misses), default=1), max((n for _, n in hits), default=1))
         paid = bool(hits) or cost.shared_bytes > 0
         dev = cost.device_call_us + cost.shared_us(tokens) + sum([dcost[n] for _, n in hits]) if paid else 0.0
         H = cost.host_lanes
@@ -104,23 +115,50 @@ class GreedyHSS(Placement):
         for e, n in misses:
             work[e % H] += hcost[n]
             count[e % H] += 1
-        best = max(dev, *[w + call_h if c else 0.0 for w, c in zip(work, count)])
+
+        def host_end() -> float:
+            return max([w + call_h if c else 0.0 for w, c in zip(work, count)])
+
+        best = max(dev, host_end())
         link = 0.0
-        fetched: set[int] = set()
+        out: dict[int, str] = {e: HOST for e, _ in misses}
+        fetched: list[tuple[int, int]] = []
         for e, n in sorted(misses, key=lambda p: (-p[1], p[0])):
             nl = link + fetch_us
             nd = max(dev, nl) + dcost[n] + (0.0 if paid else cost.device_call_us)
             lane = e % H
             work[lane] -= hcost[n]
             count[lane] -= 1
-            t = max(nd, *[w + call_h if c else 0.0 for w, c in zip(work, count)])
+            t = max(nd, host_end())
             if t < best:
                 link, dev, best, paid = nl, nd, t, True
-                fetched.add(e)
+                out[e] = FETCH
+                fetched.append((e, n))
             else:
                 work[lane] += hcost[n]
                 count[lane] += 1
-        return {e: (FETCH if e in fetched else HOST) for e, _ in misses}
+        if self.steal and hits:
+            # the device's finish without a stolen hit: its fetched experts still wait for their copies
+            cached = sorted(hits, key=lambda p: (p[1], p[0]))  # lightest first
+            kept = list(hits)
+            for e, n in cached:
+                if host_end() >= dev:
+                    break
+                lane = e % H
+                work[lane] += hcost[n]
+                count[lane] += 1
+                kept.remove((e, n))
+                nd = max(cost.lanes_us(kept, fetched, (), tokens=tokens)[0], 0.0)
+                t = max(nd, host_end())
+                if t < best:
+                    dev, best = nd, t
+                    out[e] = HOST
+                else:
+                    work[lane] -= hcost[n]
+                    count[lane] -= 1
+                    kept.append((e, n))
+                    break
+        return out
 
 
 class _Memo(dict):
@@ -139,23 +177,29 @@ class _Memo(dict):
 class MinCost(Placement):
     name = "min-cost"
     needs_cost_model = True
+    steal = True
     exact_limit: ClassVar[int] = 12
 
     def place(self, hits, misses, cost):
-        if len(misses) > self.exact_limit:
+        if len(misses) + len(hits) > self.exact_limit:
             if not hasattr(self, "_greedy"):
                 self._greedy = GreedyHSS()
             return self._greedy.place(hits, misses, cost)
         ordered = sorted(misses, key=lambda p: (-p[1], p[0]))
-        tokens = max(max(n for _, n in misses), max((n for _, n in hits), default=1))
-        best, best_set = float("inf"), ()
+        tokens = max(max((n for _, n in misses), default=1), max((n for _, n in hits), default=1))
+        best, best_set, best_stolen = float("inf"), (), ()
         for r in range(len(ordered) + 1):
             for chosen in itertools.combinations(ordered, r):
                 host = [p for p in ordered if p not in chosen]
-                t = max(lanes_us(hits, chosen, host, cost, tokens))
-                if t < best - 1e-9:
-                    best, best_set = t, chosen
-        return {e: (FETCH if (e, n) in best_set else HOST) for e, n in misses}
+                for s in range(len(hits) + 1):  # hits the host computes instead of the device
+                    for stolen in itertools.combinations(hits, s):
+                        kept = [p for p in hits if p not in stolen] if stolen else hits
+                        t = max(lanes_us(kept, chosen, host + list(stolen), cost, tokens))
+                        if t < best - 1e-9:
+                            best, best_set, best_stolen = t, chosen, stolen
+        out = {e: (FETCH if (e, n) in best_set else HOST) for e, n in misses}
+        out.update({e: HOST for e, _ in best_stolen})
+        return out
 
 
 def get_placement(name: str) -> Placement:

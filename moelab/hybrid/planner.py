@@ -14,11 +14,15 @@ optional router scores and the prefetch proposal for this layer's target — and
 so a run's plans and the offline plans of its own trace are equal field by field.
 
 Per layer, in this order: the routing policy's slot states (given: immediate / deferred /
-dropped) → the cache serves the experts the layer needs (the union over the real tokens of
-the slots that run now or deferred, by descending router weight, ties lower id: hits,
-misses, and on insertion the victim) → placement of each miss (host or fetched) → the
-prefetch proposal for layer ``l + d`` is inserted as speculative entries within the budget
-(after the layer's own demand accesses: demand always comes first).
+dropped) → the experts the layer needs (the union over the real tokens of the slots that run
+now or deferred, by descending router weight, ties lower id) split into hits and misses →
+placement of each miss (host or fetched) → the cache serves the accesses: **admission follows
+placement** (``cache.admission: placement``, the default): a fetched miss is inserted (its
+victim evicted), a miss computed on the host is counted but not copied in — as KTransformers'
+static placement and HybriMoE do; ``cache.admission: all`` also copies host misses in afterwards,
+as low-priority ``insert`` transfers → the prefetch proposal for layer ``l + d`` is inserted as
+speculative entries within the budget (after the layer's own demand accesses: demand always
+comes first).
 
 Prefetch budget (``HybridConfig.prefetch.budget``): by default **per MoE layer** — at most
 that many prefetched experts are issued after each MoE layer of each forward (ProMoE's
@@ -54,8 +58,9 @@ class Transfer:
     expert: int
     bytes: int
     priority: str
-    """``demand`` (a miss placed on the device), ``insert`` (a miss run on the host and then
-    cached), or ``prefetch`` (a predicted expert)."""
+    """``demand`` (a miss placed on the device), ``prefetch`` (a predicted expert), or ``insert``
+    (a miss run on the host and copied in afterwards: only under ``cache.admission: all``, at the
+    lowest priority)."""
 
 
 @dataclass
@@ -213,6 +218,7 @@ class Planner:
                 "(e.g. pcie4-x16), or use placement host-misses / fetch-misses."
             )
         self.cost = cost
+        self.admit_all = config.cache.admission == "all"
         pf = config.prefetch
         self.distance = int(pf.distance)
         if pf.budget_scope not in ("layer", "forward"):
@@ -220,6 +226,9 @@ class Planner:
         # in experts; a budget in bytes or from a link counts the largest layer's experts
         self.budget = pf.experts_budget(max(self.expert_bytes, default=1))
         self.budget_per_forward = pf.budget_scope == "forward"
+        # impact-driven selection (PrefetchConfig.select) needs the cost model
+        self.impact = pf.select == "impact" and cost is not None
+        self.lead_us = self.distance * cost.profile.decode_layer_time_us if cost is not None else 0.0
         self._budget_left: int | None = None
         self._budget_forward: int | None = None
         self._evicted: list[int] = []
@@ -247,7 +256,10 @@ class Planner:
                 f"MoE layer ({L})."
             )
         placement = get_placement(config.placement)
-        cost = make_cost_model(config, shape) if placement.needs_cost_model else None
+        # the cost model: for the cost-aware placements, and for impact-driven prefetch where the
+        # hardware and the shape are known
+        costed = placement.needs_cost_model or (config.hardware is not None and shape is not None)
+        cost = make_cost_model(config, shape) if costed else None
         cache = make_cache(config, num_experts, top_k, max(eb), **cache_extra)
         return cls(config, num_experts=num_experts, top_k=top_k, expert_bytes=eb, cost=cost, cache=cache,
                    placement=placement)
@@ -288,34 +300,46 @@ class Planner:
             off = self._offsets[layer]
             spec = cache.speculative
             was_spec = [e for e in needed if off + e in spec] if spec else ()
+            resident = cache.is_resident
+            hit_pairs, miss_pairs = [], []
+            for e in needed:
+                (hit_pairs if resident(off + e) else miss_pairs).append((e, tokens[e]))
+        nbytes = self.expert_bytes[layer]
+        where = self.placement.place(hit_pairs, miss_pairs, self.cost) \
+            if miss_pairs or (hit_pairs and self.placement.steal) else {}
+        if cache is not None:
+            # the cache sees every access (its statistics), but by default only the misses the
+            # placement runs on the device are copied in: admission follows placement
+            admit = None if self.admit_all else [e for e, _ in miss_pairs if where[e] == FETCH]
             evicted, inserted = self._evicted, self._inserted
             evicted.clear()
             inserted.clear()
-            hits = cache.access(layer, needed, scores)
+            cache.access(layer, needed, scores, admit)
             if evicted:  # resident before and not after: evicted, and not inserted by this access
                 gone = set(evicted).difference(inserted)
                 pair = self._key_pair
                 lp.evictions = [pair[k] for k in sorted(gone)]
-            hit_pairs, miss_pairs = [], []
-            for e, h in zip(needed, hits):
-                (hit_pairs if h else miss_pairs).append((e, tokens[e]))
             lp.hits = [e for e, _ in hit_pairs]
             lp.misses = [e for e, _ in miss_pairs]
             if was_spec:
                 lp.prefetch_hits = [e for e in lp.hits if e in was_spec]
-        nbytes = self.expert_bytes[layer]
+        if len(where) > len(miss_pairs):  # the placement gives the host some hits (HybriMoE's steal)
+            stolen = [(e, n) for e, n in hit_pairs if where.get(e) == HOST]
+            hit_pairs = [(e, n) for e, n in hit_pairs if where.get(e) != HOST]
+        else:
+            stolen = []
         if miss_pairs:
-            where = self.placement.place(hit_pairs, miss_pairs, self.cost)
             fetched = [(e, n) for e, n in miss_pairs if where[e] == FETCH]
             lp.device = hit_pairs + fetched if fetched else hit_pairs
-            lp.host = [(e, n) for e, n in miss_pairs if where[e] == HOST]
+            lp.host = [(e, n) for e, n in miss_pairs if where[e] == HOST] + stolen
             for e, _ in miss_pairs:
                 if where[e] == FETCH:
                     lp.transfers.append(Transfer(layer, e, nbytes, "demand"))
-                elif cache is not None and cache.is_resident(off + e):
+                elif cache is not None and cache.is_resident(off + e):  # admission "all": copied after
                     lp.transfers.append(Transfer(layer, e, nbytes, "insert"))
         else:
             lp.device = hit_pairs
+            lp.host = stolen
         if prefetch is not None and cache is not None:
             self._prefetch(forward, layer + self.distance, prefetch, lp)
         return lp
@@ -329,6 +353,8 @@ class Planner:
                 self._budget_forward, self._budget_left = forward, budget
             budget = self._budget_left
         cache = self.cache
+        if self.impact:
+            experts = self._impactful(target, experts, lp)
         evicted, inserted = self._evicted, self._inserted
         evicted.clear()
         inserted.clear()
@@ -343,6 +369,48 @@ class Planner:
             if evicted:
                 pair = self._key_pair
                 lp.evictions += [pair[k] for k in sorted(evicted)]
+
+    def _impactful(self, target: int, experts: list[int], lp: LayerPlan) -> list[int]:
+        """HybriMoE's impact-driven prefetch: of the proposed experts not resident, the ones whose
+        residence shortens MoE layer ``target``'s planned schedule (its placement on the cost
+        model) most, one at a time, while one does and its copy — after this layer's demand copies
+        — still lands within the lead time. The tokens per expert are guessed from this forward
+        (1 in decode)."""
+        cost, place = self.cost, self.placement.place
+        off = self._offsets[target]
+        resident = self.cache.is_resident
+        k, E = self.top_k[target], self.num_experts[target]
+        n = 1 if lp.tokens <= 1 else max(1, -(-lp.tokens * k // E))
+        proposal = list(dict.fromkeys(experts))
+        hits = [(e, n) for e in proposal if resident(off + e)]
+        left = [e for e in proposal if not resident(off + e)]
+        if not left:
+            return []
+        fetch_us = cost.fetch_us()
+        link = fetch_us * sum(1 for t in lp.transfers if t.priority == "demand")
+
+        def span(h: list, m: list) -> float:
+            where = place(h, m, cost) if m or (h and self.placement.steal) else {}
+            dev = [p for p in h if where.get(p[0]) != HOST]
+            host = [p for p in h + m if where.get(p[0]) == HOST]
+            return max(cost.lanes_us(dev, [p for p in m if where[p[0]] == FETCH], host, tokens=max(n, lp.tokens)))
+
+        best = span(hits, [(e, n) for e in left])
+        chosen: list[int] = []
+        while left and link + fetch_us <= self.lead_us:
+            pick, best_t = None, best
+            for e in left:
+                t = span(hits + [(e, n)], [(x, n) for x in left if x != e])
+                if t < best_t - 1e-9:
+                    pick, best_t = e, t
+            if pick is None:
+                break
+            best = best_t
+            chosen.append(pick)
+            hits.append((pick, n))
+            left.remove(pick)
+            link += fetch_us
+        return chosen
 
 
 __all__ = ["LayerPlan", "Planner", "Transfer", "make_cache", "make_cost_model", "slots_and_union", "union_order"]

@@ -7,8 +7,10 @@ Lanes (one worker thread each, a priority queue in front):
   stands in for the device: it shares the host's cores and memory bandwidth, which is
   exactly what makes CPU-only hybrid timings differ from a GPU box's (the simulator
   models the difference);
-* ``host`` — computes host-placed misses and every deferred expert with the host backend
-  (the native kernels release the GIL, so they run beside the control thread);
+* ``host`` — computes host-placed misses and the deferred slots of host experts with the host
+  backend (the native kernels release the GIL, so they run beside the control thread); the
+  deferred slots of experts the device computes run on the device in the same layer (their sum
+  is still added at the next MoE layer);
 * ``copy`` — copies fetched, inserted and prefetched experts' weights into a
   preallocated resident pool (a real ``copy_`` of the expert's gate/up and down stacks).
   Demand copies go first; queued prefetches wait behind every demand copy (a demand
@@ -111,6 +113,9 @@ class RealExecutor(LaneExecutor):
         self.lanes = {name: Lane(name, self.log) for name in ("device", "host", "copy")}
         slots = 0 if run.cache is None else int(sum(run.cache.slots_))
         self.pool = ExpertPool(run.layers, max(slots, 1), torch.device("cpu"))
+        if run.cache is not None:  # a warm start: its experts are resident before the first forward
+            for key in run.cache.eviction_order():
+                self.pool.copy_in(*run.cache.layer_expert(key))
 
     def close(self) -> None:
         for lane in self.lanes.values():
@@ -123,7 +128,7 @@ class RealExecutor(LaneExecutor):
         for layer_index, expert in lp.evictions:
             self.pool.evict(layer_index, expert)
         for t in lp.transfers:
-            prio = 0 if t.priority == "demand" else 1
+            prio = {"demand": 0, "prefetch": 1}.get(t.priority, 2)  # inserts last
             fut = copy.submit(lambda t=t: self.pool.copy_in(t.layer, t.expert), priority=prio, step=ctx.index,
                               layer=t.layer, kind=f"transfer-{t.priority}", expert=t.expert, nbytes=t.bytes,
                               cause=t.priority)
@@ -170,13 +175,46 @@ class RealExecutor(LaneExecutor):
         return backend
 
     def _deferred(self, ctx, layer, lp):
-        host_backend, lane = self.host_backend, self.lanes["host"]
+        host_backend, dev_backend, lanes = self.host_backend, self.device_backend, self.lanes
         ebytes = self.run.expert_bytes[layer.index]
+        E = layer.num_experts
 
         def backend(module, hidden, ids, weights, expert_map=None):
-            n = len({e for e, _ in lp.deferred})
-            return lane.submit(lambda: host_backend(module, hidden, ids, weights), step=ctx.index, layer=layer.index,
-                               kind="expert-deferred", tokens=int((weights != 0).sum()), nbytes=ebytes * n,
-                               cause="deferred")
+            # deferral is a host technique: the deferred slots of experts the device computes run on
+            # the device now (their sum is still added at the next MoE layer), the host's overlap
+            # the next layer (as the simulator models it)
+            on_dev = sorted({e for e, _ in lp.deferred} & {e for e, _ in lp.device})
+            dmap, hmap = split_maps(E, on_dev, ids.device)
+            active = weights != 0
+            dev_pairs = int((active & (dmap[ids] >= 0)).sum())
+            host_pairs = int(active.sum()) - dev_pairs
+            parts = []
+            if dev_pairs:
+                parts.append(lanes["device"].submit(
+                    lambda: dev_backend(module, hidden, ids, weights, expert_map=dmap), step=ctx.index,
+                    layer=layer.index, kind="expert-device", tokens=dev_pairs, nbytes=ebytes * len(on_dev),
+                    cause="deferred"))
+            if host_pairs:
+                n_host = len({e for e, _ in lp.deferred}) - len(on_dev)
+                parts.append(lanes["host"].submit(
+                    lambda: host_backend(module, hidden, ids, weights, expert_map=hmap), step=ctx.index,
+                    layer=layer.index, kind="expert-deferred", tokens=host_pairs, nbytes=ebytes * n_host,
+                    cause="deferred"))
+            if not parts:
+                return torch.zeros_like(hidden)
+            return parts[0] if len(parts) == 1 else _Sum(parts)
 
         return backend
+
+
+class _Sum:
+    """The sum of several lanes' futures, for the forward seam's ``result()``."""
+
+    def __init__(self, parts: list[Future]) -> None:
+        self.parts = parts
+
+    def result(self) -> torch.Tensor:
+        out = self.parts[0].result()
+        for p in self.parts[1:]:
+            out = out + p.result()
+        return out

@@ -62,6 +62,7 @@ from moelab.forward import (
 from moelab.hybrid.config import HybridConfig
 from moelab.hybrid.events import EventLog
 from moelab.hybrid.executors import get_executor
+from moelab.hybrid.offline import warm_start_from_trace
 from moelab.hybrid.placement import get_placement
 from moelab.hybrid.planner import LayerPlan, Planner, Transfer
 from moelab.predictors.online import router_inputs
@@ -135,10 +136,15 @@ class HybridRun:
         cfg = self.config
         self.layers = moe_layers(self.model)
         self.expert_bytes = [expert_bytes(layer) for layer in self.layers]
-        shape = ModelShape.from_model(self.model) if get_placement(cfg.placement).needs_cost_model else None
-        self.planner = Planner.build(cfg, num_experts=[ly.num_experts for ly in self.layers],
-                                     top_k=[ly.top_k for ly in self.layers], expert_bytes=self.expert_bytes,
-                                     shape=shape)
+        costed = get_placement(cfg.placement).needs_cost_model or cfg.hardware is not None
+        shape = ModelShape.from_model(self.model) if costed else None
+        num_experts, top_k = [ly.num_experts for ly in self.layers], [ly.top_k for ly in self.layers]
+        warm: dict = {}
+        if cfg.cache.capacity != 0 and (cfg.cache.warm != "empty" or cfg.cache.warm_from is not None):
+            warm = warm_start_from_trace(cfg, num_experts=num_experts, top_k=top_k, expert_bytes=self.expert_bytes,
+                                         shape=shape)
+        self.planner = Planner.build(cfg, num_experts=num_experts, top_k=top_k, expert_bytes=self.expert_bytes,
+                                     shape=shape, **warm)
         self.cache, self.placement, self.cost = self.planner.cache, self.planner.placement, self.planner.cost
         self.predictor = self._load_predictor()
         try:

@@ -11,7 +11,8 @@
    MLPs of non-MoE layers, the router — and synchronises to read the routing (a ``dense``
    event; on a GPU box it is GPU time launched by the control thread);
 2. the plan's transfers go to the copy engines (``copy``/``copy0``..): demand copies at
-   priority 0, inserts and prefetches at 1, so a demand copy overtakes queued prefetches;
+   priority 0, prefetches at 1, inserts (``cache.admission: all``) at 2, so a demand copy
+   overtakes queued prefetches and inserts wait behind both;
 3. ``device`` runs the shared experts (a ``dense`` event, cause ``shared-experts``) and each
    device expert (``expert-device``; cause ``hit``, ``prefetch-hit`` or ``miss-fetch``); an
    expert starts only after the latest copy of it issued so far has ended — a demand
@@ -69,7 +70,9 @@ from moelab.timing.costs import CostModel, cost_model
 
 # task categories, in their order within a layer's block
 CAT_D, CAT_X, CAT_S, CAT_V, CAT_H, CAT_F, CAT_W, CAT_T = range(8)
-PRIO = {"demand": 0, "insert": 1, "prefetch": 1}
+#: copy priorities (lowest first): demand, then prefetch, then the low-priority inserts of
+#: ``cache.admission: all`` (a copy never pre-empts one already running)
+PRIO = {"demand": 0, "prefetch": 1, "insert": 2}
 XKIND = {"demand": 0, "insert": 1, "prefetch": 2}
 XNAMES = ("demand", "insert", "prefetch")
 FATES = ("hit", "prefetch-hit", "miss-fetch")
@@ -113,17 +116,22 @@ def _flat_pairs(lists: list) -> np.ndarray:
 
 
 def _immediate_items(devs, hosts, dfrs):
-    """The device and host items less their deferred slots: a LayerPlan's ``device``/``host``
-    count every token routed to the expert, deferred slots included (the cache serves the union),
-    but the immediate call computes only the non-deferred slots — the deferred ones run once, in
-    the deferred task (as in :mod:`moelab.hybrid.real`, whose backends skip zero-weight slots)."""
-    devs, hosts = list(devs), list(hosts)
+    """The device and host items, and the deferred items, of each plan: a LayerPlan's
+    ``device``/``host`` count every token routed to the expert, deferred slots included (the
+    cache serves the union). Deferral is a host technique (KTransformers §4: the CPU's deferred
+    experts overlap the next layer's attention): a deferred slot of an expert the device computes
+    runs in the device's immediate call (its result is still added at the next MoE layer), and
+    only the host's deferred slots leave the immediate call to run once, in the deferred task —
+    as :mod:`moelab.hybrid.real` does (its backends skip zero-weight slots)."""
+    devs, hosts, dfrs = list(devs), list(hosts), list(dfrs)
     for i, d in enumerate(dfrs):
         if d:
+            on_dev = {e for e, _ in devs[i]}
+            d = [(e, n) for e, n in d if e not in on_dev]
+            dfrs[i] = d
             dd = dict(d)
-            devs[i] = [(e, n - dd.get(e, 0)) for e, n in devs[i] if n > dd.get(e, 0)]
             hosts[i] = [(e, n - dd.get(e, 0)) for e, n in hosts[i] if n > dd.get(e, 0)]
-    return tuple(devs), tuple(hosts)
+    return tuple(devs), tuple(hosts), tuple(dfrs)
 
 
 def encode(plans: Sequence[Any], num_experts: int, num_moe_layers: int, *, has_shared: bool) -> Encoded:
@@ -139,7 +147,7 @@ def encode(plans: Sequence[Any], num_experts: int, num_moe_layers: int, *, has_s
     prefill = np.fromiter(map("prefill".__eq__, cols_p[4]), dtype=bool, count=n)
     devs, hosts, dfrs, trs, hits = cols_p[5:10]
     if any(dfrs):
-        devs, hosts = _immediate_items(devs, hosts, dfrs)
+        devs, hosts, dfrs = _immediate_items(devs, hosts, dfrs)
     phits = [getattr(p, "prefetch_hits", None) or () for p in plans]
     nv = np.fromiter(map(len, devs), dtype=np.int64, count=n)
     v, hh, ff = _flat_pairs(devs), _flat_pairs(hosts), _flat_pairs(dfrs)
@@ -309,7 +317,7 @@ def _task_costs(enc: Encoded, lay: Layout, costs: CostModel, context: int):
     # ---- transfers
     X = _ranges(lay.X0, enc.nx)
     res[X], cat[X] = RES_COPY, CAT_X
-    prio[X] = np.where(enc.x[:, 3] == 0, 0, 1)
+    prio[X] = np.array([PRIO[k] for k in XNAMES], dtype=np.int32)[enc.x[:, 3]]
     fixed[X] = hw.link.latency_us
     nbytes[X] = enc.x[:, 2]
     cap[X] = costs.link_cap
