@@ -40,6 +40,15 @@ def test_a_fraction_resolves_to_slots_as_the_caches_do():
     assert memory_needs(shape, _box(), capacity=0, context=0).gpu.term("expert slots").bytes == 0
 
 
+@pytest.mark.parametrize("E", [8, 64, 256])
+@pytest.mark.parametrize("capacity", [0.01, 0.1, 0.125, 0.25, 0.3, 0.5, 0.99, 1.0, 1, 2, 8])
+def test_slots_follow_the_caches_rule(capacity, E):
+    from moelab.caches.base import resolve_capacity
+    from moelab.timing.memory import slots_per_layer
+
+    assert slots_per_layer(capacity, E) == int(resolve_capacity(capacity, [E], "layer")[0])
+
+
 def test_mla_caches_the_compressed_latent():
     # DeepSeek-V3: kv_lora_rank 512 + qk_rope_head_dim 64 values per token and layer, bf16, 61 layers.
     n = memory_needs(get_shape("deepseek-v3"), _box(), capacity=0, context=4096, batch=3)
@@ -102,7 +111,8 @@ def test_sizes_a_profile_does_not_state_are_not_checked_and_say_so():
 
 
 @pytest.mark.parametrize("kw, match", [({"context": -1}, "context is -1"), ({"batch": 0}, "batch is 0"),
-                                       ({"capacity": 1.5}, "fraction must lie in")])
+                                       ({"capacity": 1.5}, "fraction must lie in"),
+                                       ({"capacity": 9}, "expected 0..8")])
 def test_bad_arguments_are_refused(kw, match):
     args = {"capacity": 0.25, "context": 16, "batch": 1, **kw}
     with pytest.raises(MoelabError, match=match):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from moelab.cli._util import emit_json, non_negative_int, positive_int
 from moelab.errors import MoelabError
+from moelab.timing.profile import apply_settings, get_profile, pool_numa
 from moelab.timing.shapes import get_shape
 
 
@@ -24,7 +25,19 @@ def register(subparsers) -> None:
                    "config.json")
     p.add_argument("--dtype", default=None, help="re-cost the shape's weights in this dtype (bf16, fp8, int4, ...)")
     p.add_argument("--hardware", metavar="PROFILE", help="a hardware profile name or YAML file "
-                   "(moelab calibrate --out writes one for this machine)")
+                   "(moelab calibrate --out writes one for this machine; a file may say `base: NAME` and override "
+                   "some fields)")
+    p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE", dest="settings",
+                   help="override one field of the profile, e.g. --set link_efficiency=0.75 --set gpu_memory_gb=94 "
+                   "(repeatable; fields: moelab.timing.FIELDS)")
+    p.add_argument("--numa", choices=("split", "pooled"), default="split",
+                   help="split (default): experts spread over the NUMA nodes, each read at its node's bandwidth; "
+                   "pooled: one host lane reading all nodes at once (each expert split over the sockets, as "
+                   "KTransformers' NUMA-aware kernels do; what `moelab simulate validate` assumes for the papers)")
+    p.add_argument("--kv-on-host", action="store_true",
+                   help="the schedule keeps the KV cache in host memory (counted there, not on the GPU)")
+    p.add_argument("--ignore-memory", action="store_true",
+                   help="simulate cells that do not fit in the profile's GPU or host memory instead of refusing them")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--trace", metavar="DIR", help="routing trace recorded on a model of this shape")
     src.add_argument("--synthetic", action="store_true", help="synthetic routing with fitted statistics")
@@ -39,8 +52,10 @@ def register(subparsers) -> None:
     p.add_argument("--context", type=non_negative_int, default=1024, help="tokens in the KV cache before the first "
                    "simulated step (default 1024)")
     p.add_argument("--grid", nargs="+", default=[], metavar="AXIS=V1,V2",
-                   help="axes: capacity, deferral, placement, policy (cache policy, default lru), skipping, "
-                   "min_immediate (experts per token deferral keeps, default 2)")
+                   help="axes: capacity (experts per layer with a unit: 8e is a count, 25%% or 0.25 a fraction, 0 "
+                   "none), deferral, placement, policy (cache policy, default lru; static pins the most used experts "
+                   "of the warm-up steps), prefetch (none, oracle, repeat; default none), skipping, min_immediate "
+                   "(experts per token deferral keeps, default 2)")
     p.add_argument("--no-oracle", action="store_true", help="skip the oracle bound (half the time)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--csv", metavar="OUT", help="also write the grid as CSV")
@@ -75,10 +90,13 @@ def run(args) -> int:
     if args.fit_from and not args.synthetic:
         raise MoelabError("--fit-from fits synthetic routing; add --synthetic.")
     shape = get_shape(args.model_shape, dtype=args.dtype)
-    df = whatif(shape, args.hardware, trace=args.trace, synthetic=args.synthetic, fit_from=args.fit_from,
+    hw = apply_settings(get_profile(args.hardware), args.settings)
+    if args.numa == "pooled":
+        hw = pool_numa(hw)
+    df = whatif(shape, hw, trace=args.trace, synthetic=args.synthetic, fit_from=args.fit_from,
                 steps=args.steps, warmup=args.warmup, batch=args.batch, context=args.context, grid=args.grid,
                 oracle=not args.no_oracle, seed=args.seed, calibrate_synthetic=args.calibrate_synthetic,
-                progress=sys.stderr.isatty())
+                progress=sys.stderr.isatty(), check_memory=not args.ignore_memory, kv_on_host=args.kv_on_host)
     a = df.attrs
     if args.csv:
         from moelab._output import write_file_atomic
@@ -86,10 +104,15 @@ def run(args) -> int:
         write_file_atomic(args.csv, df.to_csv(index=False))
     if args.json:
         emit_json({"rows": df.to_dict(orient="records"),
-                   **{k: (v.to_dict() if hasattr(v, "to_dict") else v) for k, v in a.items()}})
+                   **{k: (v.to_dict() if hasattr(v, "to_dict") else v) for k, v in a.items() if k != "profile"},
+                   "profile": {**hw.to_dict(), "provenance": dict(hw.provenance)}})
         return 0
     print(f"{a['shape']} on {a['hardware']}: {a['steps']} decode steps measured after {a['warmup']} warm-up steps, "
           f"batch {a['batch']}, context {a['context']}")
+    for f in sorted({*(s.split('=', 1)[0].strip() for s in args.settings)}):
+        print(f"--set {f}={getattr(hw, f)}")
+    if args.numa == "pooled":
+        print(f"NUMA pooled: one host lane reading {hw.numa_node_bandwidth_gbs:g} GB/s (all nodes)")
     print(f"routing: {a['routing_source']}")
     if a["routing_stats"] is not None:
         print("routing statistics assumed:")

@@ -13,7 +13,7 @@ GPU
       ``kv_lora_rank + qk_rope_head_dim`` values, GQA's ``2 × kv_heads × head_dim``, sliding
       windows capped, linear-attention state), unless the schedule keeps it on the host;
     * **expert slots** — the cache's slots per MoE layer (the capacity, resolved exactly as the
-      caches do: :func:`moelab.caches.base.resolve_capacity`) × MoE layers × expert bytes;
+      caches do, :func:`slots_per_layer`) × MoE layers × expert bytes;
     * **workspace** — :data:`WORKSPACE_GB` (CUDA context, library workspaces, allocator slack)
       plus the decode step's activations (``batch × (4 × hidden + vocab)`` fp32 values).
 
@@ -39,7 +39,6 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from moelab.caches.base import resolve_capacity
 from moelab.errors import MoelabError
 
 #: Fixed GPU reserve (GB) besides weights, KV and expert slots: the CUDA context (~0.3–0.5 GB on
@@ -147,6 +146,24 @@ def _capacity_text(capacity: float | int, slots: int, experts: int) -> str:
     return f"{slots} of {experts}"
 
 
+def slots_per_layer(capacity: float | int, num_experts: int) -> int:
+    """Expert slots of one MoE layer at ``capacity``: a fraction (float in [0, 1]) rounds to the
+    nearest count, at least 1 unless 0; a count (int) is itself. The rule of
+    :func:`moelab.caches.base.resolve_capacity` (layer scope; timing sits below caches, so it is
+    restated here and a test holds the two equal)."""
+    E = int(num_experts)
+    if isinstance(capacity, bool) or not isinstance(capacity, (int, float)):
+        raise MoelabError(f"capacity must be a fraction in [0, 1] or a count of experts, got {capacity!r}.")
+    if isinstance(capacity, float):
+        if not 0.0 <= capacity <= 1.0:
+            raise MoelabError(f"capacity {capacity!r} as a fraction must lie in [0, 1]; pass an int for a count "
+                              f"of experts (there are {E} per MoE layer).")
+        return 0 if capacity == 0 else max(1, math.floor(capacity * E + 0.5))
+    if not 0 <= capacity <= E:
+        raise MoelabError(f"capacity {capacity} experts per layer: expected 0..{E}, or a fraction such as 0.25.")
+    return int(capacity)
+
+
 def dense_weight_bytes(shape: Any) -> float:
     """Every weight but the routed experts, in the shape's dtypes (bytes)."""
     return float(shape.total_bytes() - shape.num_moe_layers * shape.num_experts * shape.expert_bytes())
@@ -176,7 +193,7 @@ def memory_needs(shape: Any, profile: Any, *, capacity: float | int, context: in
         if isinstance(v, bool) or not isinstance(v, int) or v < low:
             raise MoelabError(f"memory check: {what} is {v!r}; expected an integer ≥ {low}.")
     E, M, eb = int(shape.num_experts), int(shape.num_moe_layers), float(shape.expert_bytes())
-    slots = 0 if not capacity else int(resolve_capacity(capacity, [E] * M, "layer")[0])
+    slots = slots_per_layer(capacity, E)
     dt = shape.experts_dtype.upper()
     kv = MemoryTerm("KV cache", kv_bytes(shape, context, batch),
                     f"{context} tokens × batch {batch}, {shape.kv_bytes_per_token():g} B per token and layer "
@@ -262,4 +279,4 @@ def check_memory(shape: Any, profile: Any, *, capacity: float | int, context: in
 
 
 __all__ = ["WORKSPACE_GB", "MemoryDoesNotFit", "MemoryNeeds", "MemoryTerm", "Pool", "activation_bytes",
-           "check_memory", "dense_weight_bytes", "gb", "kv_bytes", "memory_needs"]
+           "check_memory", "dense_weight_bytes", "gb", "kv_bytes", "memory_needs", "slots_per_layer"]

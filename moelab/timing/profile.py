@@ -435,6 +435,18 @@ def apply_settings(profile: HardwareProfile, settings: Sequence[str] | Mapping[s
         raise MoelabError(f"--set on profile {profile.name!r}: {e}") from None
 
 
+def pool_numa(profile: HardwareProfile) -> HardwareProfile:
+    """``profile`` with its NUMA nodes pooled into one host lane that reads all of them at once
+    (``numa_nodes=1``, ``numa_node_bandwidth_gbs × numa_nodes``): each CPU expert split over the
+    sockets, as KTransformers' NUMA-aware kernels do. The simulator's default instead places
+    expert ``e`` on node ``e % numa_nodes`` and reads it at that node's bandwidth."""
+    if profile.numa_nodes == 1:
+        return profile
+    return profile.with_changes(
+        why=f"NUMA pooled: {profile.numa_nodes} nodes read as one host lane (each expert split over the sockets)",
+        numa_nodes=1, numa_node_bandwidth_gbs=profile.numa_node_bandwidth_gbs * profile.numa_nodes)
+
+
 # ---------------------------------------------------------------------- registry
 PROFILES_DIR = Path(__file__).resolve().parent / "profiles"
 
@@ -490,5 +502,6 @@ __all__ = [
     "load_profile",
     "parse_profile",
     "parse_setting",
+    "pool_numa",
     "register_profile",
 ]
