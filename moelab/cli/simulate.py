@@ -18,8 +18,9 @@ def register(subparsers) -> None:
         "(--trace) or synthetic (--synthetic; statistics fitted from --fit-from, by default from a trace of the "
         "bundled moelab-tiny-mixtral, printed). `moelab simulate validate` prints the simulator's error against "
         "this machine and the papers.",
-        epilog="example: moelab simulate --model-shape deepseek-v3 --hardware ktransformers-a100 --synthetic "
-        "--steps 16 --grid capacity=0.1,0.25,0.5 deferral=0,2,3,4 placement=host-misses,greedy-hss",
+        epilog="example: moelab simulate --model-shape deepseek-v3 --hardware h100-pcie5-ddr5 --synthetic "
+        "--steps 16 --grid capacity=0,4e,8e deferral=0,2,3,4 placement=host-misses,greedy-hss "
+        "(a cell that does not fit in the profile's GPU or host memory is refused with the numbers)",
     )
     p.add_argument("--model-shape", metavar="SHAPE", help="a catalog shape (deepseek-v3, mixtral-8x7b, ...) or a "
                    "config.json")

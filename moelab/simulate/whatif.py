@@ -1,7 +1,7 @@
 """What-if grids: a hybrid configuration grid simulated on any model shape and hardware profile.
 
->>> df = whatif("deepseek-v3", "ktransformers-a100", synthetic=True, steps=16, context=1024,
-...             grid={"capacity": [0.1, 0.25], "deferral": [0, 2], "placement": ["host-misses"]})
+>>> df = whatif("deepseek-v3", "h100-pcie5-ddr5", synthetic=True, steps=16, context=1024,
+...             grid=["capacity=0,4e,8e", "deferral=0,2", "placement=host-misses"])
 
 Every cell of the grid (the product of its axes) is planned by the offline planner
 (:func:`moelab.hybrid.offline.plan_routing`, the same planner as a running model) and its
@@ -21,10 +21,22 @@ with statistics fitted from ``fit_from`` (a trace), by default from a trace reco
 fly from the bundled ``moelab-tiny-mixtral`` (fitted once, cached in
 ``~/.cache/moelab/simulate``). The statistics assumed are in ``df.attrs["routing_stats"]``.
 
-Grid axes (:data:`AXES`): ``capacity`` (fraction or count of each layer's experts on the
-device), ``deferral`` (deferred experts per token), ``placement`` (``host-misses``,
-``fetch-misses``, ``greedy-hss``, ``min-cost``), ``policy`` (the cache policy of the policy
-column; default ``lru``), ``skipping``, ``min_immediate`` (experts per token deferral keeps; 2).
+Grid axes (:data:`AXES`): ``capacity`` (each layer's experts on the device, with its unit: ``8e``
+a count, ``25%`` or ``0.25`` a fraction, ``0`` none; a bare ``1`` is refused as ambiguous; from
+Python an int is a count and a float a fraction), ``deferral`` (deferred experts per token),
+``placement`` (``host-misses``, ``fetch-misses``, ``greedy-hss``, ``min-cost``), ``policy`` (the
+cache policy of the policy column; default ``lru``; ``static`` pins each layer's most used experts
+of the warm-up steps, :func:`static_counts`), ``prefetch`` (``none``, ``oracle``, ``repeat``: the
+policy column's prefetch source), ``skipping``, ``min_immediate`` (experts per token deferral keeps; 2).
+
+Memory: every cell is held to the profile's ``gpu_memory_gb`` and ``host_memory_gb``
+(:func:`moelab.timing.memory.memory_needs`: dense weights, the KV cache at ``context + warmup +
+steps`` tokens × ``batch``, the cell's expert slots, a workspace; all routed experts on the host).
+A cell that does not fit is not simulated; its ``refused`` column carries the numbers and the fix.
+
+The hardware may be a name, a file (``base:`` + overrides) or a
+:class:`~moelab.timing.profile.HardwareProfile` object (``with_changes``, ``--set``); the same
+object reaches the planner's cost model and the simulator.
 """
 
 from __future__ import annotations
