@@ -93,7 +93,7 @@ def _capacity(text: str, key: str) -> float | int:
     except ValueError:
         raise MoelabError(f"grid {key}={text!r}: not a capacity; {_CAPACITY_UNITS}.") from None
     if not 0.0 <= v <= 1.0:
-        raise MoelabError(f"grid {key}={text!r}: a fraction must be in [0, 1] (0 %..100 %); for a count of experts "
+        raise MoelabError(f"grid {key}={text}: a fraction must be in [0, 1] (0 %..100 %); for a count of experts "
                           f"per layer write it with `e` (e.g. {key}={max(1, round(v))}e).")
     return v
 
