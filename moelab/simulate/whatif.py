@@ -53,7 +53,7 @@ import numpy as np
 
 import moelab
 from moelab._output import write_file_atomic
-from moelab.caches import available_policies
+from moelab.caches import available_policies, get_policy
 from moelab.caches.prefetch import routing_kinds
 from moelab.errors import MoelabError, did_you_mean
 from moelab.prompts import DEMO_PROMPTS
@@ -252,9 +252,11 @@ class Routing:
 
 
 def load_routing(shape: Any, *, trace: Any = None, synthetic: bool = False, fit_from: Any = None, steps: int = 32,
-                 batch: int = 1, seed: int = 0, calibrate_synthetic: bool = False, stats: Any = None) -> Routing:
+                 batch: int = 1, seed: int = 0, calibrate_synthetic: bool = False, stats: Any = None,
+                 scores: bool = False) -> Routing:
     """A trace's first ``steps`` decode forwards (and the prefills before them), or synthetic
-    routing of ``batch`` sequences × ``steps`` decode steps.
+    routing of ``batch`` sequences × ``steps`` decode steps (``scores``: with synthesised router
+    scores, :func:`moelab.simulate.synthetic.router_scores`, for score-reading caches such as ``mrs``).
 
     Size: keyword settings of a public entry point, each with a default (the CLI's options where it has a
     command), so a call names only what it changes; a settings object would be one more thing to build.
@@ -286,10 +288,13 @@ def load_routing(shape: Any, *, trace: Any = None, synthetic: bool = False, fit_
         stats = default_routing_stats()
         src = f"fitted from a trace of the bundled {DEFAULT_FIT_MODEL} (demo prompts, 32 new tokens)"
     fw = synthetic_routing(shape, stats, steps=steps, batch=batch, prompt_len=0, seed=seed,
-                           calibrate=calibrate_synthetic)
+                           calibrate=calibrate_synthetic, scores=scores)
     notes = [] if calibrate_synthetic else [
         "the generator's reuse/adjacency bonuses are a first guess (not calibrated): pass "
         "--calibrate-synthetic to fit them to the statistics (minutes on DeepSeek-V3 shapes)"]
+    if scores:
+        notes.append("router scores are synthesised (the top-k in the ratio of their weights, the rest from the "
+                     "layer's popularity plus noise; moelab.simulate.synthetic.router_scores)")
     gen = None
     if steps >= 2:
         try:
@@ -449,8 +454,10 @@ def whatif(shape: Any, hardware: Any, *, trace: Any = None, synthetic: bool = Fa
         msg = why if len(todo) == 1 else f"every cell of the grid is refused; the first: {why}"
         raise MemoryDoesNotFit(msg, needs) if needs.problems and check_memory else MoelabError(msg)
     if routing is None:
+        needs_scores = any(get_policy(p).needs_scores for p in axes["policy"])
         routing = load_routing(shape, trace=trace, synthetic=synthetic, fit_from=fit_from, steps=warmup + steps,
-                               batch=batch, seed=seed, calibrate_synthetic=calibrate_synthetic, stats=stats)
+                               batch=batch, seed=seed, calibrate_synthetic=calibrate_synthetic, stats=stats,
+                               scores=needs_scores)
     t_routing = time.perf_counter() - t0
     rows = []
     memo: dict = {}  # the routing policies' slot states, computed once per setting for the whole grid
