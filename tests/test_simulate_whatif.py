@@ -257,3 +257,20 @@ def test_cli_set_and_numa_reach_the_grid(capsys, monkeypatch):
     assert main(["simulate", "--model-shape", "mixtral-8x7b", "--hardware", "h100-pcie5-ddr5", "--synthetic",
                  "--set", "cpu_cores=many"]) == 2
     assert "expected a whole number" in capsys.readouterr().err
+
+
+def test_validate_set_changes_the_given_profile_through_a_file(monkeypatch, tmp_path):
+    import moelab.simulate.validate as v
+    from moelab.timing import load_profile
+
+    seen = {}
+
+    def fake(*, profile, quick, machine, progress):
+        seen["hw"] = load_profile(profile)  # a path validate can print, holding the change
+        return [], {"wall_s": 0.0}
+
+    monkeypatch.setattr(v, "run_validation", fake)
+    monkeypatch.setattr(v, "format_rows", lambda rows, info: "")
+    assert main(["simulate", "validate", "--profile", "h100-pcie5-ddr5", "--set", "cpu_cores=16"]) == 0
+    assert seen["hw"].cpu_cores == 16 and seen["hw"].provenance["cpu_cores"].startswith("assumed: --set")
+    assert seen["hw"].numa_nodes == 2  # the rest is the given profile's

@@ -110,3 +110,16 @@ def test_a_changed_profile_is_usable_where_a_name_is():
     assert get_profile(dataclasses.replace(hw, numa_nodes=1)).numa_nodes == 1
     with pytest.raises(MoelabError, match="no field 'cpu_core'.*Did you mean 'cpu_cores'"):
         hw.with_changes(cpu_core=8)
+
+
+def test_every_shipped_profile_round_trips_through_a_file(tmp_path):
+    from moelab.timing import available_profiles
+    from moelab.timing.profile import save_profile
+
+    for name in available_profiles():
+        hw = get_profile(name)
+        back = load_profile(save_profile(hw, tmp_path / f"{name}.yaml"))
+        assert back == hw and dict(back.provenance) == dict(hw.provenance), name
+    changed = apply_settings(get_profile("pcie4-x16"), ["gpu_memory_gb=48"])
+    back = load_profile(save_profile(changed, tmp_path / "changed.yaml"))
+    assert back.gpu_memory_gb == 48.0 and back.provenance["gpu_memory_gb"].startswith("assumed: --set")

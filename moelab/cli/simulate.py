@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import tempfile
+from pathlib import Path
+
 from moelab.cli._util import emit_json, non_negative_int, positive_int
 from moelab.errors import MoelabError
-from moelab.timing.profile import apply_settings, get_profile, pool_numa
+from moelab.timing.profile import apply_settings, get_profile, pool_numa, save_profile
 from moelab.timing.shapes import get_shape
 
 
@@ -72,6 +75,9 @@ def register(subparsers) -> None:
         "machines; print case, published or measured, simulated, error (moelab.simulate.validate).",
     )
     v.add_argument("--profile", metavar="PROFILE", help="reuse this calibrated profile instead of calibrating")
+    v.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE", dest="settings",
+                   help="override one field of --profile for this machine's rows (repeatable); the papers' rows "
+                   "keep their machines")
     v.add_argument("--quick", action="store_true", help="fewer cases and steps (for tests)")
     v.add_argument("--papers-only", action="store_true", help="only the papers' cases (no runs on this machine)")
     v.add_argument("--json", action="store_true", help="print the rows as JSON")
@@ -134,8 +140,17 @@ def run(args) -> int:
 def run_validate(args) -> int:
     from moelab.simulate.validate import format_rows, run_validation
 
-    rows, info = run_validation(profile=args.profile, quick=args.quick, machine=not args.papers_only,
-                                progress=not args.json)
+    profile = args.profile
+    with tempfile.TemporaryDirectory(prefix="moelab-validate-set-") as tmp:
+        if args.settings:
+            if not profile:
+                raise MoelabError("--set changes the profile given with --profile; without --profile validate "
+                                  "calibrates this machine now (write one with moelab calibrate --out P, then "
+                                  "--profile P --set FIELD=VALUE).")
+            hw = apply_settings(get_profile(profile), args.settings)
+            profile = str(save_profile(hw, Path(tmp) / f"{hw.name}.yaml"))  # a file: validate prints its path
+        rows, info = run_validation(profile=profile, quick=args.quick, machine=not args.papers_only,
+                                    progress=not args.json)
     if args.json:
         emit_json({"rows": rows, **info})
         return 0

@@ -435,6 +435,28 @@ def apply_settings(profile: HardwareProfile, settings: Sequence[str] | Mapping[s
         raise MoelabError(f"--set on profile {profile.name!r}: {e}") from None
 
 
+def profile_to_dict(profile: HardwareProfile) -> dict[str, Any]:
+    """``profile`` in the file schema (every field with its value and ``stated``/``assumed`` note):
+    :func:`parse_profile` of it gives the profile back."""
+    out: dict[str, Any] = {"name": profile.name, "description": profile.description or profile.name}
+    for key in FIELDS:
+        value = getattr(profile, key)
+        if value is None:  # an optional size not stated: leave it out, as the file did
+            continue
+        basis, _, note = profile.provenance.get(key, "assumed: set in Python, no source given").partition(": ")
+        out[key] = {"value": value, basis if basis in _BASES else "assumed": note or "no source given"}
+    return out
+
+
+def save_profile(profile: HardwareProfile, path: str | Path) -> Path:
+    """Write ``profile`` as a profile file (YAML) that :func:`load_profile` reads back equal."""
+    import yaml
+
+    path = Path(path)
+    path.write_text(yaml.safe_dump(profile_to_dict(profile), sort_keys=False, allow_unicode=True), encoding="utf-8")
+    return path
+
+
 def pool_numa(profile: HardwareProfile) -> HardwareProfile:
     """``profile`` with its NUMA nodes pooled into one host lane that reads all of them at once
     (``numa_nodes=1``, ``numa_node_bandwidth_gbs × numa_nodes``): each CPU expert split over the
@@ -503,5 +525,7 @@ __all__ = [
     "parse_profile",
     "parse_setting",
     "pool_numa",
+    "profile_to_dict",
     "register_profile",
+    "save_profile",
 ]
