@@ -10,6 +10,9 @@
   weights (:func:`get_shape` by name, ``config.json`` or live model).
 * :mod:`moelab.timing.experts` — :func:`expert_bytes_of` (a model's expert size) and
   reference expert sizes of real models.
+* :mod:`moelab.timing.memory` — what a configuration keeps on the GPU (dense weights, KV cache,
+  expert slots, workspace) and the host (routed experts), and
+  :func:`~moelab.timing.memory.check_memory`, which refuses one that does not fit, with the numbers.
 
 >>> from moelab.timing import get_profile
 >>> hw = get_profile("promoe-4090")
