@@ -253,12 +253,14 @@ def _problems(needs: MemoryNeeds, shape: Any, profile: Any, context: int, batch:
         else:
             fix = ("even without expert slots the dense weights, KV cache and workspace do not fit: use a smaller "
                    "dtype (--dtype fp8 / int4), a shorter --context or smaller --batch"
-                   + ("" if kv_on_host else ", the KV cache on the host") + ", or a profile with more GPU memory")
+                   + ("" if kv_on_host else ", the KV cache on the host (--kv-on-host)")
+                   + ", or a profile with more GPU memory")
         out.append(f"{head}: the GPU needs {gb(gpu.need_bytes)} of {profile.name}'s {gpu.capacity_bytes / 1e9:g} GB "
                    f"(gpu_memory_gb) — {terms}. Fix: {fix}.")
     if host.fits is False:
         terms = ", ".join(f"{t.name} {gb(t.bytes)} ({t.detail})" for t in host.terms)
-        what = " and what the device holds (it shares host memory)" if profile.device_shares_host_memory else ""
+        what = (" and what the device holds (it shares host memory)" if profile.device_shares_host_memory
+                else " and KV cache" if kv_on_host else "")
         out.append(f"{shape.name}'s {dt} routed experts{what} need {gb(host.need_bytes)} of host memory on "
                    f"{profile.name}'s {host.capacity_bytes / 1e9:g} GB (host_memory_gb) — {terms}. Fix: a smaller expert "
                    f"dtype (--dtype fp8 / int4), or a profile with more host memory (--set host_memory_gb=SIZE "
