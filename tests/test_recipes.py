@@ -99,8 +99,10 @@ def test_hardware_profile_recipe(run_recipe, tmp_path):
 
     g = run_recipe("hardware_profile")
     mine = g["mine"]
-    assert mine.name == "my-box" and mine.link_bandwidth_gbs == 12.0
-    assert mine.provenance["link_bandwidth_gbs"].startswith("assumed: ")
+    assert mine.name == "my-box" and mine.link.bandwidth_gbs == 15.75 * 0.76  # nominal × efficiency
+    assert mine.provenance["link_efficiency"].startswith("assumed: ")
+    base_hw = g["get_profile"]("rtx4090-desktop")  # inherited fields keep the base's numbers and sources
+    assert (mine.cpu_cores, mine.provenance["cpu_cores"]) == (base_hw.cpu_cores, base_hw.provenance["cpu_cores"])
     assert load_profile(tmp_path / "my-box.yaml") == mine  # the file it wrote is a valid profile
     base = PrefetchConfig.from_profile("rtx4090-desktop", num_layers=26).experts_budget(g["expert"])
     assert g["name"] == "my-box" and 0 < g["budget"] < base  # a slower link moves fewer experts per step

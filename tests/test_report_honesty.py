@@ -35,7 +35,8 @@ def test_routing_statistics_fit_on_a_prompt_only_trace(tmp_path):
 
 @pytest.mark.parametrize("grid, message", [
     (["capacity=1.5"], r"capacity=1.5: a fraction must be in \[0, 1\]"),
-    (["capacity=300"], r"capacity=300: deepseek-v3 has 256 experts per MoE layer"),
+    (["capacity=300e"], r"capacity=300e: deepseek-v3 has 256 experts per MoE layer"),
+    (["capacity=300"], r"capacity='300' is ambiguous"),
     (["deferral=9"], r"deferral=9: deepseek-v3 routes each token to 8 experts"),
     (["skipping=0,12"], r"skipping=12"),
 ])

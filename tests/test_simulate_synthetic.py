@@ -13,6 +13,7 @@ from moelab.simulate.synthetic import (
     RoutingStats,
     check_trace_shape,
     fit_routing_stats,
+    router_scores,
     synthetic_routing,
 )
 from moelab.timing.shapes import ModelShape, get_shape
@@ -188,3 +189,53 @@ def test_calibrations_are_kept_on_disk(tmp_path, monkeypatch):
     synthetic._CALIBRATIONS.clear()
     monkeypatch.setattr(synthetic, "_calibrate", lambda *a, **k: (np.zeros(2), np.zeros(2), np.zeros(2)))
     synthetic_routing(_shape(16, 4, 2), two, steps=1, batch=1, seed=11)
+
+
+# ---------------------------------------------------------------------- synthesised router scores
+@pytest.mark.parametrize("E, K, mass", [(16, 4, 0.5), (8, 2, 0.1), (64, 8, 0.9), (4, 4, 0.5)])
+def test_router_scores_keep_the_top_k_in_order_and_in_the_weights_ratio(E, K, mass):
+    rng = np.random.default_rng(0)
+    ids = np.stack([rng.permutation(E)[:K] for _ in range(200)])
+    w = np.sort(rng.dirichlet(np.ones(K), size=200), axis=1)[:, ::-1]
+    logp = np.log(rng.dirichlet(np.ones(E)))
+    sc = router_scores(ids, w, logp, np.random.default_rng(1), mass)
+    assert sc.shape == (200, E) and sc.dtype == np.float32
+    np.testing.assert_allclose(sc.sum(1), 1.0, rtol=1e-5)
+    top = np.argsort(-sc, axis=1, kind="stable")[:, :K]
+    tied = np.isclose(w[:, :-1], w[:, 1:]).any(1)  # equal weights may come out in either order
+    assert (np.sort(top, 1) == np.sort(ids, 1)).all() and (top[~tied] == ids[~tied]).all()
+    picked = np.take_along_axis(sc, ids, 1)
+    np.testing.assert_allclose(picked / picked.sum(1, keepdims=True), w / w.sum(1, keepdims=True), rtol=1e-4)
+    if E > K:  # the top-k hold `mass`, unless the k-th would then fall below an even spread of the rest
+        frac = w / w.sum(1, keepdims=True)
+        floor = 1 / (1 + (E - K) * frac[:, -1])
+        assert (picked.sum(1) >= np.minimum(mass, 1) - 1e-5).all() and (picked.sum(1) > floor).all()
+        np.testing.assert_allclose(picked.sum(1)[floor < mass * 0.99], mass, rtol=1e-4)
+
+
+def test_scores_favour_popular_experts_when_not_chosen_and_leave_ids_alone(stats):
+    plain = synthetic_routing(_shape(16, 4, 4), stats, steps=8, batch=32, seed=5, calibrate=False)
+    scored = synthetic_routing(_shape(16, 4, 4), stats, steps=8, batch=32, seed=5, calibrate=False, scores=True)
+    assert plain[0].scores is None and len(scored[0].scores) == 4
+    for a, b in zip(plain, scored):  # a separate random stream: the routing itself is unchanged
+        assert all((x == y).all() for x, y in zip(a.ids, b.ids))
+        assert all((x == y).all() for x, y in zip(a.weights, b.weights))
+    layer = 0
+    ids = np.concatenate([f.ids[layer] for f in scored])
+    sc = np.concatenate([f.scores[layer] for f in scored])
+    uses = np.bincount(ids.ravel(), minlength=16)
+    chosen = np.zeros_like(sc, dtype=bool)
+    np.put_along_axis(chosen, ids, True, 1)
+    unchosen_mean = np.where(chosen, np.nan, sc)
+    mean_when_not_chosen = np.nanmean(unchosen_mean, 0)
+    hot, cold = np.argsort(-uses)[:4], np.argsort(uses)[:4]
+    assert mean_when_not_chosen[hot].mean() > mean_when_not_chosen[cold].mean()
+
+
+def test_the_mrs_cache_runs_on_synthetic_routing():
+    from moelab.simulate.whatif import whatif
+
+    st = RoutingStats.from_lifts(8, 2, [1.0] * 32, [0.3] * 32, [0.0] + [0.2] * 31, [0.6, 0.4])
+    df = whatif("mixtral-8x7b", "rtx4090-desktop", synthetic=True, stats=st, steps=2, warmup=2, oracle=False,
+                grid=["capacity=1e", "policy=mrs"])
+    assert df.iloc[0]["tokens_per_s"] > 0 and any("router scores are synthesised" in n for n in df.attrs["notes"])

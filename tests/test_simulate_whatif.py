@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import sys
 
+import numpy as np
 import pytest
 
 from moelab.cli import main
 from moelab.errors import MoelabError
 from moelab.simulate.synthetic import RoutingStats
-from moelab.simulate.whatif import cells, parse_grid, whatif
+from moelab.simulate.whatif import cells, format_table, parse_grid, whatif
 
 
 def _stats(E=8, K=2, L=2):
@@ -22,9 +23,9 @@ def test_grid_expands_to_the_product_with_defaults():
     cs = cells(g)
     assert len(cs) == 3 * 4 * 2
     assert cs[0] == {"capacity": 0.1, "deferral": 0, "placement": "host-misses", "policy": "lru", "skipping": 0,
-                     "min_immediate": 2}
+                     "min_immediate": 2, "prefetch": "none"}
     assert {c["capacity"] for c in cs} == {0.1, 0.25, 0.5}
-    assert parse_grid(["capacity=2"])["capacity"] == [2]  # a count of experts
+    assert parse_grid(["capacity=2e"])["capacity"] == [2]  # a count of experts
     assert len(cells(parse_grid([]))) == 1  # every axis at its default
 
 
@@ -35,12 +36,24 @@ def test_grid_expands_to_the_product_with_defaults():
     (["placement=host-miss"], "host-misses"),
     (["policy=lruu"], "lru"),
     (["capacity"], "AXIS=V1"),
-    (["capacity=-1"], "fraction"),
+    (["capacity=-1"], "a fraction must be in"),
+    (["capacity=1"], r"capacity='1' is ambiguous \(one expert per layer, or all\?\); give a count .* `e` "
+                     r"\(capacity=1e, 8e\) or a fraction .* `%` or a decimal point \(capacity=25%, 0.25, 1.0 = all\)"),
+    (["capacity=150%"], r"a fraction must be in \[0, 1\].*capacity=2e"),
+    (["capacity=0e"], "not a capacity"),
+    (["prefetch=orcale"], "Did you mean 'oracle'"),
 ])
 def test_grid_errors_are_one_line(item, match):
     with pytest.raises(MoelabError, match=match) as e:
         parse_grid(item)
     assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("text, value", [("1e", 1), ("8E", 8), ("25%", 0.25), ("0.25", 0.25), ("1.0", 1.0),
+                                         ("100%", 1.0), ("0", 0), ("0%", 0.0), ("0.0", 0.0)])
+def test_capacity_carries_its_unit(text, value):
+    (v,) = parse_grid([f"capacity={text}"])["capacity"]
+    assert v == value and type(v) is type(value)
 
 
 # ---------------------------------------------------------------------- cells and the oracle bound
@@ -65,7 +78,7 @@ def test_module_is_callable_as_the_api():
     import moelab.simulate
 
     df = moelab.simulate.whatif("mixtral-8x7b", "pcie4-x16", synthetic=True, stats=_stats(8, 2, 32), steps=1,
-                                warmup=0, oracle=False)
+                                warmup=0, oracle=False, grid={"capacity": [1]})
     assert len(df) == 1 and "oracle_tokens_per_s" not in df.columns
 
 
@@ -113,7 +126,7 @@ def test_cli_grid_prints_cells_and_wall_time(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(mod, "default_routing_stats", lambda *a, **k: _stats(8, 2, 4))
     out_csv = tmp_path / "grid.csv"
     assert main(["simulate", "--model-shape", "mixtral-8x7b", "--hardware", "rtx4090-desktop", "--synthetic",
-                 "--steps", "2", "--warmup", "1", "--grid", "capacity=0.25", "placement=host-misses,greedy-hss", "--csv",
+                 "--steps", "2", "--warmup", "1", "--grid", "capacity=1e", "placement=host-misses,greedy-hss", "--csv",
                  str(out_csv)]) == 0
     out = capsys.readouterr().out
     assert "routing statistics assumed" in out and "tok/s" in out and "oracle bound" in out
@@ -169,3 +182,95 @@ def test_grid_over_a_recorded_trace(tmp_path):
     n = int(re.search(r"\((\d+) decode forwards\)", df.attrs["routing_source"]).group(1))
     assert 1 <= n <= 5  # at most warmup + steps of the trace's decode forwards (generation may stop early)
     assert (df["oracle_tokens_per_s"] >= df["tokens_per_s"] * (1 - 1e-9)).all()
+
+
+# ---------------------------------------------------------------------- memory, profiles, new axes
+def test_cells_that_do_not_fit_are_refused_with_the_numbers_not_simulated():
+    from moelab.timing import get_profile
+
+    hw = get_profile("rtx4090-desktop")  # 24 GB: Mixtral BF16 at 2 slots per layer needs 26.9 GB
+    df = whatif("mixtral-8x7b", hw, synthetic=True, stats=_stats(8, 2, 32), steps=1, warmup=1, oracle=False,
+                grid=["capacity=1e,25%"])
+    ok, no = df.iloc[0], df.iloc[1]
+    assert ok["fits"] and ok["refused"] == "" and ok["tokens_per_s"] > 0
+    assert not no["fits"] and no["tokens_per_s"] != no["tokens_per_s"]  # NaN: not simulated
+    assert no["refused"].startswith("25 % of mixtral-8x7b's BF16 experts is 22.5 GB on a 24 GB GPU")
+    assert "Fix: a capacity of at most 1e" in no["refused"]
+    assert list(df["capacity"]) == [1, 0.25] and df.attrs["refused"] == 1
+    table = format_table(df)
+    assert "refused" in table and "refused (1 cell: capacity=0.25" in table
+    # check_memory=False simulates it anyway
+    forced = whatif("mixtral-8x7b", hw, synthetic=True, stats=_stats(8, 2, 32), steps=1, warmup=1, oracle=False,
+                    grid=["capacity=25%"], check_memory=False)
+    assert forced.iloc[0]["tokens_per_s"] > 0 and not forced.iloc[0]["fits"]
+
+
+def test_a_grid_where_nothing_fits_is_refused_before_any_routing_is_made():
+    from moelab.timing.memory import MemoryDoesNotFit
+
+    with pytest.raises(MemoryDoesNotFit, match=r"^25 % of deepseek-v3's BF16 experts is 327 GB on an 80 GB GPU"):
+        whatif("deepseek-v3", "h100-pcie5-ddr5", synthetic=True, stats="not read", grid=["capacity=25%"])
+
+
+def test_prefetch_axis_and_static_policy_run_and_prefetch_without_a_cache_is_refused():
+    df = whatif("mixtral-8x7b", "rtx4090-desktop", synthetic=True, stats=_stats(8, 2, 32), steps=2, warmup=2,
+                oracle=False, grid=["capacity=0,1e", "prefetch=none,oracle", "policy=lru,static"])
+    assert len(df) == 8
+    zero_pf = df[(df["capacity"] == 0) & (df["prefetch"] == "oracle")]
+    assert (zero_pf["refused"].str.contains("prefetch needs a device cache")).all()
+    ran = df[df["refused"] == ""]
+    assert len(ran) == 6 and (ran["tokens_per_s"] > 0).all()
+
+
+def test_static_pins_the_warm_up_steps_most_used_experts():
+    from moelab.routing import ForwardRouting
+    from moelab.simulate.whatif import static_counts
+    from moelab.timing import get_shape
+
+    shape = get_shape("mixtral-8x7b")
+    fw = [ForwardRouting(i, i, "decode", 1, [np.array([[i % 2, 3]])] * 32, [np.array([[0.6, 0.4]])] * 32)
+          for i in range(4)]
+    counts, note = static_counts(fw, shape, warmup=2)
+    assert counts[:8].tolist() == [1, 1, 0, 2, 0, 0, 0, 0] and counts.sum() == 2 * 2 * 32
+    assert "2 warm-up decode forwards" in note
+
+
+def test_cli_set_and_numa_reach_the_grid(capsys, monkeypatch):
+    mod = sys.modules["moelab.simulate.whatif"]
+    monkeypatch.setattr(mod, "default_routing_stats", lambda *a, **k: _stats(8, 2, 4))
+    seen = {}
+    real = mod.whatif
+
+    def spy(shape, hw, **kw):
+        seen["hw"] = hw
+        return real(shape, hw, **kw)
+
+    monkeypatch.setattr(mod, "whatif", spy)
+    assert main(["simulate", "--model-shape", "mixtral-8x7b", "--hardware", "h100-pcie5-ddr5", "--synthetic",
+                 "--steps", "1", "--warmup", "1", "--no-oracle", "--grid", "capacity=1e", "--set",
+                 "link_efficiency=0.5", "--set", "gpu_memory_gb=94", "--numa", "pooled"]) == 0
+    out = capsys.readouterr().out
+    hw = seen["hw"]
+    assert hw.link.bandwidth_gbs == 25.0 and hw.gpu_memory_gb == 94.0
+    assert (hw.numa_nodes, hw.numa_node_bandwidth_gbs) == (1, 921.6)
+    assert "--set link_efficiency=0.5" in out and "NUMA pooled" in out
+    assert main(["simulate", "--model-shape", "mixtral-8x7b", "--hardware", "h100-pcie5-ddr5", "--synthetic",
+                 "--set", "cpu_cores=many"]) == 2
+    assert "expected a whole number" in capsys.readouterr().err
+
+
+def test_validate_set_changes_the_given_profile_through_a_file(monkeypatch, tmp_path):
+    import moelab.simulate.validate as v
+    from moelab.timing import load_profile
+
+    seen = {}
+
+    def fake(*, profile, quick, machine, progress):
+        seen["hw"] = load_profile(profile)  # a path validate can print, holding the change
+        return [], {"wall_s": 0.0}
+
+    monkeypatch.setattr(v, "run_validation", fake)
+    monkeypatch.setattr(v, "format_rows", lambda rows, info: "")
+    assert main(["simulate", "validate", "--profile", "h100-pcie5-ddr5", "--set", "cpu_cores=16"]) == 0
+    assert seen["hw"].cpu_cores == 16 and seen["hw"].provenance["cpu_cores"].startswith("assumed: --set")
+    assert seen["hw"].numa_nodes == 2  # the rest is the given profile's

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import tempfile
+from pathlib import Path
+
 from moelab.cli._util import emit_json, non_negative_int, positive_int
 from moelab.errors import MoelabError
+from moelab.timing.profile import apply_settings, get_profile, pool_numa, save_profile
 from moelab.timing.shapes import get_shape
 
 
@@ -17,14 +21,27 @@ def register(subparsers) -> None:
         "(--trace) or synthetic (--synthetic; statistics fitted from --fit-from, by default from a trace of the "
         "bundled moelab-tiny-mixtral, printed). `moelab simulate validate` prints the simulator's error against "
         "this machine and the papers.",
-        epilog="example: moelab simulate --model-shape deepseek-v3 --hardware ktransformers-a100 --synthetic "
-        "--steps 16 --grid capacity=0.1,0.25,0.5 deferral=0,2,3,4 placement=host-misses,greedy-hss",
+        epilog="example: moelab simulate --model-shape deepseek-v3 --hardware h100-pcie5-ddr5 --synthetic "
+        "--steps 16 --grid capacity=0,4e,8e deferral=0,2,3,4 placement=host-misses,greedy-hss "
+        "(a cell that does not fit in the profile's GPU or host memory is refused with the numbers)",
     )
     p.add_argument("--model-shape", metavar="SHAPE", help="a catalog shape (deepseek-v3, mixtral-8x7b, ...) or a "
                    "config.json")
     p.add_argument("--dtype", default=None, help="re-cost the shape's weights in this dtype (bf16, fp8, int4, ...)")
     p.add_argument("--hardware", metavar="PROFILE", help="a hardware profile name or YAML file "
-                   "(moelab calibrate --out writes one for this machine)")
+                   "(moelab calibrate --out writes one for this machine; a file may say `base: NAME` and override "
+                   "some fields)")
+    p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE", dest="settings",
+                   help="override one field of the profile, e.g. --set link_efficiency=0.75 --set gpu_memory_gb=94 "
+                   "(repeatable; fields: moelab.timing.FIELDS)")
+    p.add_argument("--numa", choices=("split", "pooled"), default="split",
+                   help="split (default): experts spread over the NUMA nodes, each read at its node's bandwidth; "
+                   "pooled: one host lane reading all nodes at once (each expert split over the sockets, as "
+                   "KTransformers' NUMA-aware kernels do; what `moelab simulate validate` assumes for the papers)")
+    p.add_argument("--kv-on-host", action="store_true",
+                   help="the schedule keeps the KV cache in host memory (counted there, not on the GPU)")
+    p.add_argument("--ignore-memory", action="store_true",
+                   help="simulate cells that do not fit in the profile's GPU or host memory instead of refusing them")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--trace", metavar="DIR", help="routing trace recorded on a model of this shape")
     src.add_argument("--synthetic", action="store_true", help="synthetic routing with fitted statistics")
@@ -39,8 +56,10 @@ def register(subparsers) -> None:
     p.add_argument("--context", type=non_negative_int, default=1024, help="tokens in the KV cache before the first "
                    "simulated step (default 1024)")
     p.add_argument("--grid", nargs="+", default=[], metavar="AXIS=V1,V2",
-                   help="axes: capacity, deferral, placement, policy (cache policy, default lru), skipping, "
-                   "min_immediate (experts per token deferral keeps, default 2)")
+                   help="axes: capacity (experts per layer with a unit: 8e is a count, 25%% or 0.25 a fraction, 0 "
+                   "none), deferral, placement, policy (cache policy, default lru; static pins the most used experts "
+                   "of the warm-up steps), prefetch (none, oracle, repeat; default none), skipping, min_immediate "
+                   "(experts per token deferral keeps, default 2)")
     p.add_argument("--no-oracle", action="store_true", help="skip the oracle bound (half the time)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--csv", metavar="OUT", help="also write the grid as CSV")
@@ -56,6 +75,9 @@ def register(subparsers) -> None:
         "machines; print case, published or measured, simulated, error (moelab.simulate.validate).",
     )
     v.add_argument("--profile", metavar="PROFILE", help="reuse this calibrated profile instead of calibrating")
+    v.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE", dest="settings",
+                   help="override one field of --profile for this machine's rows (repeatable); the papers' rows "
+                   "keep their machines")
     v.add_argument("--quick", action="store_true", help="fewer cases and steps (for tests)")
     v.add_argument("--papers-only", action="store_true", help="only the papers' cases (no runs on this machine)")
     v.add_argument("--json", action="store_true", help="print the rows as JSON")
@@ -75,10 +97,13 @@ def run(args) -> int:
     if args.fit_from and not args.synthetic:
         raise MoelabError("--fit-from fits synthetic routing; add --synthetic.")
     shape = get_shape(args.model_shape, dtype=args.dtype)
-    df = whatif(shape, args.hardware, trace=args.trace, synthetic=args.synthetic, fit_from=args.fit_from,
+    hw = apply_settings(get_profile(args.hardware), args.settings)
+    if args.numa == "pooled":
+        hw = pool_numa(hw)
+    df = whatif(shape, hw, trace=args.trace, synthetic=args.synthetic, fit_from=args.fit_from,
                 steps=args.steps, warmup=args.warmup, batch=args.batch, context=args.context, grid=args.grid,
                 oracle=not args.no_oracle, seed=args.seed, calibrate_synthetic=args.calibrate_synthetic,
-                progress=sys.stderr.isatty())
+                progress=sys.stderr.isatty(), check_memory=not args.ignore_memory, kv_on_host=args.kv_on_host)
     a = df.attrs
     if args.csv:
         from moelab._output import write_file_atomic
@@ -86,10 +111,15 @@ def run(args) -> int:
         write_file_atomic(args.csv, df.to_csv(index=False))
     if args.json:
         emit_json({"rows": df.to_dict(orient="records"),
-                   **{k: (v.to_dict() if hasattr(v, "to_dict") else v) for k, v in a.items()}})
+                   **{k: (v.to_dict() if hasattr(v, "to_dict") else v) for k, v in a.items() if k != "profile"},
+                   "profile": {**hw.to_dict(), "provenance": dict(hw.provenance)}})
         return 0
     print(f"{a['shape']} on {a['hardware']}: {a['steps']} decode steps measured after {a['warmup']} warm-up steps, "
           f"batch {a['batch']}, context {a['context']}")
+    for f in sorted({*(s.split('=', 1)[0].strip() for s in args.settings)}):
+        print(f"--set {f}={getattr(hw, f)}")
+    if args.numa == "pooled":
+        print(f"NUMA pooled: one host lane reading {hw.numa_node_bandwidth_gbs:g} GB/s (all nodes)")
     print(f"routing: {a['routing_source']}")
     if a["routing_stats"] is not None:
         print("routing statistics assumed:")
@@ -110,8 +140,17 @@ def run(args) -> int:
 def run_validate(args) -> int:
     from moelab.simulate.validate import format_rows, run_validation
 
-    rows, info = run_validation(profile=args.profile, quick=args.quick, machine=not args.papers_only,
-                                progress=not args.json)
+    profile = args.profile
+    with tempfile.TemporaryDirectory(prefix="moelab-validate-set-") as tmp:
+        if args.settings:
+            if not profile:
+                raise MoelabError("--set changes the profile given with --profile; without --profile validate "
+                                  "calibrates this machine now (write one with moelab calibrate --out P, then "
+                                  "--profile P --set FIELD=VALUE).")
+            hw = apply_settings(get_profile(profile), args.settings)
+            profile = str(save_profile(hw, Path(tmp) / f"{hw.name}.yaml"))  # a file: validate prints its path
+        rows, info = run_validation(profile=profile, quick=args.quick, machine=not args.papers_only,
+                                    progress=not args.json)
     if args.json:
         emit_json({"rows": rows, **info})
         return 0

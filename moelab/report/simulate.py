@@ -22,6 +22,7 @@ import html
 import importlib
 
 from moelab.report import ReportContext, Section, SectionUnavailable, html_table, register_section
+from moelab.timing.profile import get_profile
 from moelab.timing.shapes import get_shape
 
 SHAPE = "deepseek-v3"
@@ -53,7 +54,14 @@ def simulate_section(ctx: ReportContext) -> Section:
     steps, warmup = (2, 2) if ctx.quick else (4, 4)
     shape = get_shape(SHAPE)
     routing = load_routing(shape, synthetic=True, fit_from=ctx.trace, steps=warmup + steps, batch=1)
-    df = whatif(shape, PROFILE, routing=routing, steps=steps, warmup=warmup, context=CONTEXT, grid=GRID)
+    # the grid is a what-if beyond the A100's 40 GB on purpose: simulated anyway, its memory said below
+    df = whatif(shape, PROFILE, routing=routing, steps=steps, warmup=warmup, context=CONTEXT, grid=GRID,
+                check_memory=False)
+    over = [f"{r['capacity']} GPU experts/layer need {r['gpu_need_gb']:.1f} GB" for _, r in df.iterrows()
+            if r["fits"] is not None and not r["fits"]]
+    memory = (f" Memory (<code>moelab.timing.memory</code>): {html.escape('; '.join(dict.fromkeys(over)))} of the "
+              f"GPU's {get_profile(PROFILE).gpu_memory_gb:g} GB, so these cells are what-ifs beyond this machine."
+              if over else "")
     panels = simulated_fig10(routing=routing)
     rows = [{"GPU experts / layer": r["capacity"], "deferred": int(r["deferral"]), "tokens/s": r["tokens_per_s"],
              "oracle tokens/s": r["oracle_tokens_per_s"], "step ms": r["step_ms"],
@@ -69,7 +77,7 @@ def simulate_section(ctx: ReportContext) -> Section:
         f"{CONTEXT}: {len(df)} cells of <code>moelab.simulate.whatif</code> ({steps} measured decode steps after "
         f"{warmup} warm-up; {df.attrs['wall_s']:.1f} s), placement <code>host-misses</code>, LRU cache. Routing: "
         f"{html.escape(routing.source.split(';')[0])}, statistics fitted from the demo's trace of "
-        f"{html.escape(ctx.model_name)} and rescaled to the shape.</p>"
+        f"{html.escape(ctx.model_name)} and rescaled to the shape.{memory}</p>"
         + html_table(rows, floatfmt="{:.3g}")
         + f"<p>The signature plot: {html.escape(simulated_setup())}, with this section's routing.</p>"
         + html_table(sig_rows, floatfmt="{:.1f}")

@@ -792,8 +792,51 @@ def _save_calibration(key: tuple, value: tuple[np.ndarray, np.ndarray, np.ndarra
         log.info("could not keep the synthetic-routing calibration at %s (%s)", path, e)
 
 
+#: Share of the router's probability mass on the top-k experts when the statistics cannot say
+#: (their weights were renormalised to sum to 1). Assumed: a middle value; softmax routers of
+#: Mixtral/DeepSeek-class models put roughly 0.3-0.7 of their mass on the top-k at decode.
+TOPK_MASS = 0.5
+
+
+def router_scores(ids: np.ndarray, weights: np.ndarray, logp: np.ndarray, rng: np.random.Generator,
+                  mass: float = TOPK_MASS) -> np.ndarray:
+    """(n, E) float32 router probabilities consistent with a synthetic top-k: ``ids`` (n, K) are
+    exactly the top-k of each row, in order, with probabilities in the ratio of ``weights`` and
+    ``mass`` of the total (raised where needed so that the k-th stays above every other expert);
+    the rest is the softmax of the layer's popularity logits ``logp`` (E,) plus unit normal noise
+    over the other experts, flattened towards uniform only as far as needed to keep them below
+    the k-th. Score-reading caches (``mrs``) then see popular experts score higher when not chosen,
+    as they do on a real router."""
+    ids = np.asarray(ids, dtype=np.int64)
+    n, K = ids.shape
+    E = int(logp.shape[0])
+    frac = np.asarray(weights, dtype=np.float64)[:, :K]
+    frac = frac / frac.sum(1, keepdims=True)
+    rows = np.arange(n)[:, None]
+    if E == K:
+        out = np.zeros((n, E))
+        out[rows, ids] = frac
+        return out.astype(np.float32)
+    u = 1.0 / (E - K)
+    floor = 1.0 / (1.0 + (E - K) * frac[:, -1])  # the mass at which the k-th equals an even spread of the rest
+    m = np.minimum(np.maximum(float(mass), floor + 1e-3 * (1 - floor)), 1 - 1e-9)
+    p_sel = m[:, None] * frac
+    z = logp[None, :] + rng.standard_normal((n, E))
+    z[rows, ids] = -np.inf
+    q = np.exp(z - z.max(1, keepdims=True))
+    q /= q.sum(1, keepdims=True)
+    t = p_sel[:, -1] / (1 - m) * (1 - 1e-6)  # the largest share of the rest that stays below the k-th
+    a = q.max(1)
+    mix = np.where(a > t, (a - t) / np.maximum(a - u, 1e-300), 0.0)[:, None]
+    rest = (1 - mix) * q + mix * u
+    rest[rows, ids] = 0.0
+    out = rest * (1 - m)[:, None]
+    out[rows, ids] = p_sel
+    return out.astype(np.float32)
+
+
 def synthetic_routing(shape: Any, stats: RoutingStats, steps: int = 64, batch: int = 1, prompt_len: int = 0,
-                      seed: int = 0, *, calibrate: bool = True) -> list[ForwardRouting]:
+                      seed: int = 0, *, calibrate: bool = True, scores: bool = False) -> list[ForwardRouting]:
     """Routing of ``batch`` sequences for ``shape`` (a :class:`ModelShape` or a name): a prompt
     forward of ``prompt_len`` tokens per sequence (if > 0), then ``steps`` decode forwards,
     with ``stats`` carried to the shape's E, K and MoE layers (:meth:`RoutingStats.for_shape`).
@@ -801,7 +844,10 @@ def synthetic_routing(shape: Any, stats: RoutingStats, steps: int = 64, batch: i
     decode tokens; a prompt's own are not). Deterministic for a seed (calibrations are cached
     in the process and on disk: :func:`calibration_cache_dir`). ``calibrate=False`` skips the
     pilot runs and uses a rough
-    lift → bonus guess (reuse and adjacency then miss their targets; for quick experiments)."""
+    lift → bonus guess (reuse and adjacency then miss their targets; for quick experiments).
+    ``scores=True`` adds router probabilities (:func:`router_scores`; the top-k mass is the
+    statistics' mean weight sum when below 1, else :data:`TOPK_MASS`) for score-reading caches
+    such as ``mrs``, from a separate random stream (the ids and weights do not change)."""
 
     if not isinstance(shape, ModelShape):
         shape = get_shape(shape)
@@ -834,11 +880,15 @@ def synthetic_routing(shape: Any, stats: RoutingStats, steps: int = 64, batch: i
         skew = np.asarray(target.skew, dtype=float)
         alpha, beta = (-np.log1p(-np.clip(x, 0, 0.99)) * 4 for x in _lifts(target))
     gen = _Generator(E, K, skew, alpha, beta, target, np.random.default_rng(seed), seed)
+    score_rng = np.random.default_rng([seed, 0x5C0E])
+    mass = float(target.weight_sum) if 0 < target.weight_sum < 0.999 else TOPK_MASS
     out = []
     for i, (phase, step, ids) in enumerate(gen.run(steps, batch, prompt_len)):
         n = len(ids[0])
-        out.append(ForwardRouting(forward=i, step=step, phase=phase, tokens=n, ids=ids,
-                                  weights=[gen.weights(n) for _ in ids], scores=None))
+        weights = [gen.weights(n) for _ in ids]
+        sc = ([router_scores(x, w, gen.logp[li], score_rng, mass) for li, (x, w) in enumerate(zip(ids, weights))]
+              if scores else None)
+        out.append(ForwardRouting(forward=i, step=step, phase=phase, tokens=n, ids=ids, weights=weights, scores=sc))
     return out
 
 
@@ -858,7 +908,8 @@ def check_trace_shape(trace: Any, shape: Any) -> None:
 
 
 
-__all__ = ["ForwardRouting", "RoutingStats", "check_trace_shape", "fit_routing_stats", "main", "synthetic_routing"]
+__all__ = ["TOPK_MASS", "ForwardRouting", "RoutingStats", "check_trace_shape", "fit_routing_stats", "main",
+           "router_scores", "synthetic_routing"]
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -1,7 +1,7 @@
 """What-if grids: a hybrid configuration grid simulated on any model shape and hardware profile.
 
->>> df = whatif("deepseek-v3", "ktransformers-a100", synthetic=True, steps=16, context=1024,
-...             grid={"capacity": [0.1, 0.25], "deferral": [0, 2], "placement": ["host-misses"]})
+>>> df = whatif("deepseek-v3", "h100-pcie5-ddr5", synthetic=True, steps=16, context=1024,
+...             grid=["capacity=0,4e,8e", "deferral=0,2", "placement=host-misses"])
 
 Every cell of the grid (the product of its axes) is planned by the offline planner
 (:func:`moelab.hybrid.offline.plan_routing`, the same planner as a running model) and its
@@ -21,10 +21,22 @@ with statistics fitted from ``fit_from`` (a trace), by default from a trace reco
 fly from the bundled ``moelab-tiny-mixtral`` (fitted once, cached in
 ``~/.cache/moelab/simulate``). The statistics assumed are in ``df.attrs["routing_stats"]``.
 
-Grid axes (:data:`AXES`): ``capacity`` (fraction or count of each layer's experts on the
-device), ``deferral`` (deferred experts per token), ``placement`` (``host-misses``,
-``fetch-misses``, ``greedy-hss``, ``min-cost``), ``policy`` (the cache policy of the policy
-column; default ``lru``), ``skipping``, ``min_immediate`` (experts per token deferral keeps; 2).
+Grid axes (:data:`AXES`): ``capacity`` (each layer's experts on the device, with its unit: ``8e``
+a count, ``25%`` or ``0.25`` a fraction, ``0`` none; a bare ``1`` is refused as ambiguous; from
+Python an int is a count and a float a fraction), ``deferral`` (deferred experts per token),
+``placement`` (``host-misses``, ``fetch-misses``, ``greedy-hss``, ``min-cost``), ``policy`` (the
+cache policy of the policy column; default ``lru``; ``static`` pins each layer's most used experts
+of the warm-up steps, :func:`static_counts`), ``prefetch`` (``none``, ``oracle``, ``repeat``: the
+policy column's prefetch source), ``skipping``, ``min_immediate`` (experts per token deferral keeps; 2).
+
+Memory: every cell is held to the profile's ``gpu_memory_gb`` and ``host_memory_gb``
+(:func:`moelab.timing.memory.memory_needs`: dense weights, the KV cache at ``context + warmup +
+steps`` tokens × ``batch``, the cell's expert slots, a workspace; all routed experts on the host).
+A cell that does not fit is not simulated; its ``refused`` column carries the numbers and the fix.
+
+The hardware may be a name, a file (``base:`` + overrides) or a
+:class:`~moelab.timing.profile.HardwareProfile` object (``with_changes``, ``--set``); the same
+object reaches the planner's cost model and the simulator.
 """
 
 from __future__ import annotations
@@ -41,10 +53,12 @@ import numpy as np
 
 import moelab
 from moelab._output import write_file_atomic
-from moelab.caches import available_policies
+from moelab.caches import available_policies, get_policy
+from moelab.caches.prefetch import routing_kinds
 from moelab.errors import MoelabError, did_you_mean
 from moelab.prompts import DEMO_PROMPTS
 from moelab.timing import get_profile
+from moelab.timing.memory import MemoryDoesNotFit, memory_needs
 from moelab.timing.shapes import ModelShape, get_shape
 
 log = logging.getLogger(__name__)
@@ -53,12 +67,42 @@ DEFAULT_FIT_MODEL = "moelab-tiny-mixtral"
 STALL_CAUSES = ("copy", "device", "host", "deferred")
 
 
-def _number(text: str, key: str) -> float | int:
+_CAPACITY_UNITS = ("give a count of experts per MoE layer with an `e` (capacity=1e, 8e) or a fraction of them "
+                   "with `%` or a decimal point (capacity=25%, 0.25, 1.0 = all)")
+
+
+def _capacity(text: str, key: str) -> float | int:
+    """``8e`` → 8 experts per layer (int); ``25%`` or ``0.25`` → a fraction (float); ``0`` → none.
+    A bare integer such as ``1`` is refused: one expert per layer, or all of them?"""
+    t = text.strip().lower()
     try:
-        v = float(text)
+        if t.endswith("e") and t[:-1].isdigit():
+            v: float | int = int(t[:-1])
+            if v < 1:
+                raise ValueError
+            return v
+        if t.endswith("%"):
+            v = float(t[:-1]) / 100
+        elif t.lstrip("+").isdigit():
+            if float(t) == 0:
+                return 0
+            raise MoelabError(f"grid {key}={text!r} is ambiguous (one expert per layer, or all?); "
+                              f"{_CAPACITY_UNITS}.")
+        else:
+            v = float(t)
     except ValueError:
-        raise MoelabError(f"grid {key}={text!r}: expected a number (e.g. {key}=0.1,0.25).") from None
-    return int(v) if key == "capacity" and v >= 1 and v.is_integer() and "." not in text else v
+        raise MoelabError(f"grid {key}={text!r}: not a capacity; {_CAPACITY_UNITS}.") from None
+    if not 0.0 <= v <= 1.0:
+        raise MoelabError(f"grid {key}={text}: a fraction must be in [0, 1] (0 %..100 %); for a count of experts "
+                          f"per layer write it with `e` (e.g. {key}={max(1, round(v))}e).")
+    return v
+
+
+def capacity_label(c: float | int) -> str:
+    """A capacity as the grid spells it: ``8e`` (a count), ``0.25`` (a fraction), ``0``."""
+    if isinstance(c, (bool, float)) or not c:
+        return f"{c:g}"
+    return f"{int(c)}e"
 
 
 def _int(text: str, key: str) -> int:
@@ -88,11 +132,19 @@ def _policy(text: str, key: str) -> str:
     return text
 
 
+def _prefetch(text: str, key: str) -> str:
+    names = ["none", *sorted(routing_kinds())]
+    if text not in names:
+        raise MoelabError(f"grid {key}={text!r} is not a prefetch source;{did_you_mean(text, names)} "
+                          f"expected one of {', '.join(names)} (none: no prefetch).")
+    return text
+
+
 #: Grid axes and how one value of each is parsed.
-AXES = {"capacity": _number, "deferral": _int, "placement": _placement, "policy": _policy, "skipping": _int,
-        "min_immediate": _int}
+AXES = {"capacity": _capacity, "deferral": _int, "placement": _placement, "policy": _policy, "skipping": _int,
+        "min_immediate": _int, "prefetch": _prefetch}
 DEFAULTS = {"capacity": [0.25], "deferral": [0], "placement": ["host-misses"], "policy": ["lru"], "skipping": [0],
-            "min_immediate": [2]}
+            "min_immediate": [2], "prefetch": ["none"]}
 
 
 def parse_grid(items: list[str] | dict[str, Any] | None) -> dict[str, list]:
@@ -119,7 +171,8 @@ def parse_grid(items: list[str] | dict[str, Any] | None) -> dict[str, list]:
         if k == "capacity":
             for c in parsed:
                 if isinstance(c, bool) or not isinstance(c, (int, float)) or c < 0:
-                    raise MoelabError(f"grid capacity={c!r}: expected a fraction in [0, 1] or a count ≥ 1.")
+                    raise MoelabError(f"grid capacity={c!r}: {_CAPACITY_UNITS}; from Python an int is a count, "
+                                      "a float a fraction.")
         grid[k] = list(dict.fromkeys(parsed))
     return {k: grid.get(k, list(DEFAULTS[k])) for k in AXES}
 
@@ -132,9 +185,9 @@ def check_grid(grid: dict[str, list], shape: Any) -> None:
     for c in grid.get("capacity", []):
         if isinstance(c, float) and c > 1:
             raise MoelabError(f"grid capacity={c!r}: a fraction must be in [0, 1]; for a number of experts per "
-                              f"layer give a whole count 1..{E} (e.g. capacity={min(E, max(1, round(c)))}).")
+                              f"layer give a count 1e..{E}e (e.g. capacity={min(E, max(1, round(c)))}e).")
         if isinstance(c, int) and c > E:
-            raise MoelabError(f"grid capacity={c}: {shape.name} has {E} experts per MoE layer; use a count ≤ {E} "
+            raise MoelabError(f"grid capacity={c}e: {shape.name} has {E} experts per MoE layer; use a count ≤ {E}e "
                               "or a fraction in [0, 1].")
     for axis in ("deferral", "skipping", "min_immediate"):
         bad = [v for v in grid.get(axis, []) if v > K]
@@ -199,9 +252,11 @@ class Routing:
 
 
 def load_routing(shape: Any, *, trace: Any = None, synthetic: bool = False, fit_from: Any = None, steps: int = 32,
-                 batch: int = 1, seed: int = 0, calibrate_synthetic: bool = False, stats: Any = None) -> Routing:
+                 batch: int = 1, seed: int = 0, calibrate_synthetic: bool = False, stats: Any = None,
+                 scores: bool = False) -> Routing:
     """A trace's first ``steps`` decode forwards (and the prefills before them), or synthetic
-    routing of ``batch`` sequences × ``steps`` decode steps.
+    routing of ``batch`` sequences × ``steps`` decode steps (``scores``: with synthesised router
+    scores, :func:`moelab.simulate.synthetic.router_scores`, for score-reading caches such as ``mrs``).
 
     Size: keyword settings of a public entry point, each with a default (the CLI's options where it has a
     command), so a call names only what it changes; a settings object would be one more thing to build.
@@ -233,10 +288,13 @@ def load_routing(shape: Any, *, trace: Any = None, synthetic: bool = False, fit_
         stats = default_routing_stats()
         src = f"fitted from a trace of the bundled {DEFAULT_FIT_MODEL} (demo prompts, 32 new tokens)"
     fw = synthetic_routing(shape, stats, steps=steps, batch=batch, prompt_len=0, seed=seed,
-                           calibrate=calibrate_synthetic)
+                           calibrate=calibrate_synthetic, scores=scores)
     notes = [] if calibrate_synthetic else [
         "the generator's reuse/adjacency bonuses are a first guess (not calibrated): pass "
         "--calibrate-synthetic to fit them to the statistics (minutes on DeepSeek-V3 shapes)"]
+    if scores:
+        notes.append("router scores are synthesised (the top-k in the ratio of their weights, the rest from the "
+                     "layer's popularity plus noise; moelab.simulate.synthetic.router_scores)")
     gen = None
     if steps >= 2:
         try:
@@ -248,20 +306,46 @@ def load_routing(shape: Any, *, trace: Any = None, synthetic: bool = False, fit_
 
 
 # ---------------------------------------------------------------------- one cell
-def _config(cell: dict, hardware: str, *, oracle: bool, prefetch: bool, cache: str | None = None) -> dict:
+def static_counts(forwards: list, shape: Any, warmup: int) -> tuple[np.ndarray, str]:
+    """Per-expert access counts (key ``layer × E + expert``) that pin the ``static`` policy's experts,
+    and where they come from: the first ``warmup`` decode forwards (the steps not measured), or all
+    forwards when there is no warm-up (then the pinned set has seen the measured routing)."""
+    E, L = int(shape.num_experts), int(shape.num_moe_layers)
+    dec = [r for r in forwards if r.phase == "decode"]
+    src = dec[:warmup] if warmup else forwards
+    counts = np.zeros(E * L, dtype=np.int64)
+    for r in src:
+        for ly, ids in enumerate(r.ids):
+            ids = np.asarray(ids).reshape(-1)
+            ids = ids[ids >= 0]
+            counts += np.bincount(ly * E + ids, minlength=E * L)[: E * L]
+    what = (f"static pins each layer's most used experts in the {len(src)} warm-up decode forwards" if warmup else
+            "static pins each layer's most used experts over the whole routing (no warm-up: it has seen the "
+            "measured steps)")
+    return counts, what
+
+
+def _config(cell: dict, hardware: Any, *, oracle: bool, prefetch: bool, cache: str | None = None,
+            cache_options: dict | None = None) -> dict:
+    """The cell as a hybrid configuration; ``hardware`` is the profile object itself, so the planner's
+    cost model sees the same profile (``--set``, ``with_changes``) as the simulator."""
+    source = cell.get("prefetch", "none")
+    predictor = "oracle" if prefetch else None if oracle or source == "none" else source
+    policy = cache or ("belady" if oracle else cell["policy"])
     return {
-        "cache": {"capacity": cell["capacity"], "policy": cache or ("belady" if oracle else cell["policy"])},
+        "cache": {"capacity": cell["capacity"], "policy": policy,
+                  "options": dict(cache_options or {}) if policy == "static" else {}},
         "placement": cell["placement"],
         "hardware": hardware,
         "routing": {"deferred": cell["deferral"], "skipped": cell["skipping"],
                     "min_immediate": cell.get("min_immediate", 2)},
-        "prefetch": {"predictor": "oracle" if prefetch else None},
+        "prefetch": {"predictor": predictor},
     }
 
 
-def simulate_cell(routing: list, shape: Any, hardware: str, profile: Any, cell: dict, *, context: int,
+def simulate_cell(routing: list, shape: Any, hardware: Any, profile: Any, cell: dict, *, context: int,
                   oracle: bool = False, prefetch: bool = False, warmup: int = 0, cache: str | None = None,
-                  routing_memo: dict | None = None) -> dict:
+                  routing_memo: dict | None = None, cache_options: dict | None = None) -> dict:
     """Plan and simulate one configuration; tokens/s, decode step time, stalls (s), busy % over
     the decode forwards after the first ``warmup`` (the planner's caches start empty).
     ``routing_memo``: see :func:`moelab.hybrid.offline.plan_routing` (one dict per routing source).
@@ -273,7 +357,10 @@ def simulate_cell(routing: list, shape: Any, hardware: str, profile: Any, cell: 
     from moelab.simulate.executor import simulate_plans, summarize_sim
 
     L = shape.num_moe_layers
-    plans = plan_routing(routing, _config(cell, hardware, oracle=oracle, prefetch=prefetch, cache=cache),
+    cfg = _config(cell, hardware, oracle=oracle, prefetch=prefetch, cache=cache, cache_options=cache_options)
+    if cfg["cache"]["policy"] == "static" and "profile" not in cfg["cache"]["options"]:
+        cfg["cache"]["options"]["profile"] = static_counts(routing, shape, warmup)[0]
+    plans = plan_routing(routing, cfg,
                          num_experts=[shape.num_experts] * L, top_k=[shape.top_k] * L,
                          expert_bytes=shape.expert_bytes(), shape=shape,
                          routing_memo=routing_memo)
@@ -313,17 +400,36 @@ def _oracle(routing, shape, hardware, profile, cell, context, warmup, memo=None)
 
 
 # ---------------------------------------------------------------------- the grid
+def refusal(cell: dict, shape: Any, profile: Any, *, context: int, batch: int, kv_on_host: bool = False,
+            check_memory: bool = True) -> tuple[str, Any]:
+    """(why this cell cannot run, or "", its :class:`~moelab.timing.memory.MemoryNeeds`): a prefetch
+    with no device cache to prefetch into, or memory that does not fit (:mod:`moelab.timing.memory`)."""
+    needs = memory_needs(shape, profile, capacity=cell["capacity"], context=context, batch=batch,
+                         kv_on_host=kv_on_host)
+    if cell.get("prefetch", "none") != "none" and not cell["capacity"]:
+        return "prefetch needs a device cache to prefetch into; capacity is 0", needs
+    if check_memory and needs.problems:
+        return " ".join(needs.problems), needs
+    return "", needs
+
+
 def whatif(shape: Any, hardware: Any, *, trace: Any = None, synthetic: bool = False, fit_from: Any = None,
            steps: int = 16, warmup: int = 16, batch: int = 1, context: int = 1024, grid: Any = None,
            oracle: bool = True,
            seed: int = 0, calibrate_synthetic: bool = False, stats: Any = None, routing: Routing | None = None,
-           progress: bool = False):
+           progress: bool = False, check_memory: bool = True, kv_on_host: bool = False):
     """Simulate every cell of ``grid`` (see :func:`parse_grid`) on ``shape`` (a name, config
-    path or :class:`~moelab.timing.shapes.ModelShape`) and ``hardware`` (a profile name or
-    file); returns a pandas DataFrame, one row per cell: the axes, ``tokens_per_s``,
-    ``step_ms``, ``stall_<cause>_s`` (control-thread waits over the run, by what held them up)
-    and ``busy_<lane>_pct``, and the oracle bound's ``oracle_*`` columns. ``df.attrs`` holds the
+    path or :class:`~moelab.timing.shapes.ModelShape`) and ``hardware`` (a profile name, file or
+    :class:`~moelab.timing.profile.HardwareProfile`); returns a pandas DataFrame, one row per cell:
+    the axes, ``tokens_per_s``, ``step_ms``, ``stall_<cause>_s`` (control-thread waits over the
+    run, by what held them up) and ``busy_<lane>_pct``, the oracle bound's ``oracle_*`` columns,
+    and its memory: ``gpu_need_gb``, ``host_need_gb``, ``fits``, ``refused``. ``df.attrs`` holds the
     routing's source and statistics and the wall time.
+
+    A cell that does not fit in the profile's GPU or host memory (:func:`moelab.timing.memory.check_memory`,
+    at the KV cache of ``context + warmup + steps`` tokens; ``kv_on_host`` keeps it in host memory) is
+    not simulated: its ``refused`` column says why, with the numbers, and its timings are NaN;
+    ``check_memory=False`` simulates it anyway. If every cell is refused, the first refusal is raised.
 
     Size: keyword settings of a public entry point, each with a default (the CLI's options where it has a
     command), so a call names only what it changes; a settings object would be one more thing to build.
@@ -335,34 +441,50 @@ def whatif(shape: Any, hardware: Any, *, trace: Any = None, synthetic: bool = Fa
     t0 = time.perf_counter()
     shape = shape if isinstance(shape, ModelShape) else get_shape(shape)
     profile = get_profile(hardware)
-    hw_arg = str(hardware) if not hasattr(hardware, "name") else profile.name
     for name, v, low in (("steps", steps, 1), ("warmup", warmup, 0), ("batch", batch, 1), ("context", context, 0)):
         if isinstance(v, bool) or not isinstance(v, int) or v < low:
             raise MoelabError(f"{name} is {v!r}; expected an integer ≥ {low}.")
     axes = parse_grid(grid)
     check_grid(axes, shape)
     todo = cells(axes)
+    verdicts = [refusal(c, shape, profile, context=context + warmup + steps, batch=batch, kv_on_host=kv_on_host,
+                        check_memory=check_memory) for c in todo]
+    if all(why for why, _ in verdicts):  # nothing to simulate: say why now, before the routing is made
+        why, needs = verdicts[0]
+        msg = why if len(todo) == 1 else f"every cell of the grid is refused; the first: {why}"
+        raise MemoryDoesNotFit(msg, needs) if needs.problems and check_memory else MoelabError(msg)
     if routing is None:
+        needs_scores = any(get_policy(p).needs_scores for p in axes["policy"])
         routing = load_routing(shape, trace=trace, synthetic=synthetic, fit_from=fit_from, steps=warmup + steps,
-                               batch=batch, seed=seed, calibrate_synthetic=calibrate_synthetic, stats=stats)
+                               batch=batch, seed=seed, calibrate_synthetic=calibrate_synthetic, stats=stats,
+                               scores=needs_scores)
     t_routing = time.perf_counter() - t0
     rows = []
     memo: dict = {}  # the routing policies' slot states, computed once per setting for the whole grid
-    for cell in tqdm(todo, desc="what-if", unit="cell", disable=not progress):
+    for cell, (why, needs) in tqdm(list(zip(todo, verdicts)), desc="what-if", unit="cell", disable=not progress):
         row = dict(cell)
-        row.update(simulate_cell(routing.forwards, shape, hw_arg, profile, cell, context=context, warmup=warmup,
+        row.update(gpu_need_gb=needs.gpu.need_bytes / 1e9, host_need_gb=needs.host.need_bytes / 1e9,
+                   fits=needs.fits, refused=why)
+        if why:
+            row.update(tokens_per_s=float("nan"), step_ms=float("nan"))
+            rows.append(row)
+            continue
+        row.update(simulate_cell(routing.forwards, shape, profile, profile, cell, context=context, warmup=warmup,
                                  routing_memo=memo))
         if oracle:
-            row.update({f"oracle_{k}": v for k, v in _oracle(routing.forwards, shape, hw_arg, profile, cell,
+            row.update({f"oracle_{k}": v for k, v in _oracle(routing.forwards, shape, profile, profile, cell,
                                                              context, warmup, memo).items()})
         rows.append(row)
     df = pd.DataFrame(rows)
+    df["capacity"] = pd.Series([r["capacity"] for r in rows], dtype=object)  # 8 (a count) stays apart from 8.0
     wall = time.perf_counter() - t0
     df.attrs.update({
         "shape": shape.name, "hardware": profile.name, "context": context, "steps": steps, "warmup": warmup,
         "batch": batch,
         "routing_source": routing.source, "routing_stats": routing.stats, "generated_stats": routing.generated_stats,
-        "notes": list(routing.notes), "wall_s": wall, "routing_s": t_routing, "cells": len(todo),
+        "notes": list(routing.notes) + sorted({n for _, needs in verdicts for n in needs.notes}),
+        "wall_s": wall, "routing_s": t_routing, "cells": len(todo),
+        "refused": sum(bool(why) for why, _ in verdicts), "profile": profile, "kv_on_host": kv_on_host,
     })
     return df
 
@@ -383,10 +505,18 @@ def format_table(df) -> str:
     axes = [k for k in AXES if k in df.columns and (df[k].nunique() > 1 or k in ("capacity", "deferral",
                                                                                  "placement"))]
     oracle = "oracle_tokens_per_s" in df.columns
+    axes += [k for k in ("prefetch",) if k in df.columns and k not in axes and (df[k] != "none").any()]
     head = [*axes, "tok/s", *(f"{c} s" for c in STALL_CAUSES)]
     lines = []
+    refused: dict[str, list[str]] = {}
     for _, r in df.iterrows():
-        vals = [f"{r[k]:g}" if isinstance(r[k], (float, np.floating)) else str(r[k]) for k in axes]
+        vals = [capacity_label(r[k]) if k == "capacity" else f"{r[k]:g}" if isinstance(r[k], (float, np.floating))
+                else str(r[k]) for k in axes]
+        why = r.get("refused", "") if "refused" in df.columns else ""
+        if isinstance(why, str) and why:
+            refused.setdefault(why, []).append(" ".join(f"{k}={v}" for k, v in zip(axes, vals)))
+            lines.append(vals + ["refused"] + ["-"] * len(STALL_CAUSES))
+            continue
 
         def pair(col, fmt, r=r):
             v = fmt.format(r[col])
@@ -402,11 +532,13 @@ def format_table(df) -> str:
         out.append("(in brackets: the oracle bound — the best of Belady's MIN with or without bypass, with or "
                    "without the oracle prefetch, same capacity, deferral and placement; stalls: control-thread "
                    "waits summed over the measured steps, by what held them up)")
+    for why, where in refused.items():
+        out.append(f"refused ({len(where)} cell{'s' if len(where) > 1 else ''}: {'; '.join(where)}): {why}")
     return "\n".join(out)
 
 
-__all__ = ["AXES", "Routing", "brief_stats", "cells", "default_routing_stats", "format_table", "load_routing", "parse_grid",
-           "simulate_cell", "whatif"]
+__all__ = ["AXES", "Routing", "brief_stats", "capacity_label", "cells", "default_routing_stats", "format_table",
+           "load_routing", "parse_grid", "refusal", "simulate_cell", "whatif"]
 
 
 class _CallableModule(__import__("types").ModuleType):

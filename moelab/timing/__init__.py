@@ -10,13 +10,18 @@
   weights (:func:`get_shape` by name, ``config.json`` or live model).
 * :mod:`moelab.timing.experts` — :func:`expert_bytes_of` (a model's expert size) and
   reference expert sizes of real models.
+* :mod:`moelab.timing.memory` — what a configuration keeps on the GPU (dense weights, KV cache,
+  expert slots, workspace) and the host (routed experts), and
+  :func:`~moelab.timing.memory.check_memory`, which refuses one that does not fit, with the numbers.
 
 >>> from moelab.timing import get_profile
 >>> hw = get_profile("promoe-4090")
 >>> hw.provenance["link_bandwidth_gbs"]
 'stated: ProMoE §7.1: PCIe 4.0, 32 GB/s one way'
->>> hw.link.transfer_us(17_301_504)            # one DeepSeek-V2-Lite expert, µs
-550.672
+>>> hw.link.bandwidth_gbs                      # 32 GB/s nominal × link_efficiency 0.747
+23.904
+>>> round(hw.link.transfer_us(17_301_504), 1)  # one DeepSeek-V2-Lite expert, µs
+733.8
 """
 
 from moelab.timing.experts import REFERENCE_EXPERT_BYTES, expert_bytes_of, reference_expert_bytes

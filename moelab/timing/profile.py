@@ -6,13 +6,17 @@ offloading cares. Profiles are data files, one per profile, shipped in
 :class:`moelab.registry.Registry`); a file of your own loads with
 :func:`load_profile` or ``get_profile("path/to/box.yaml")``.
 
-**File schema.** Top-level keys, all required, no others:
+**File schema.** Top-level keys, no others:
 
-``name`` (string)
+``name`` (string, required)
     registry name, e.g. ``pcie4-x16``; must equal the file's stem for shipped profiles.
-``description`` (string)
+``description`` (string; required unless there is a ``base``)
     what machine the numbers stand for.
-each numeric field of :data:`FIELDS` (a mapping)
+``base`` (string, optional)
+    a registered profile name or another profile file (relative to this one): the fields
+    this file does not give, and their provenance, are the base's.
+each numeric field of :data:`FIELDS` (a mapping; required unless there is a ``base``,
+except :data:`OPTIONAL_FIELDS`)
     ``value`` (a number; an integer for counts, ``true``/``false`` for
     ``device_shares_host_memory``) and exactly one of
     ``stated: "<source: spec sheet, or paper + section/table>"`` or
@@ -24,7 +28,19 @@ Example::
       value: 32.0
       stated: "ProMoE §7.1: PCIe 4.0, 32 GB/s one way"
 
-Units: bandwidths in GB/s (10^9 bytes per second), times in microseconds.
+A machine like a shipped one, in a few lines::
+
+    name: my-h100
+    base: h100-pcie5-ddr5
+    host_memory_gb: {value: 512, stated: "free -g on my box"}
+    link_efficiency: {value: 0.9, assumed: "nvbandwidth on a similar box reached 55 of 63 GB/s"}
+
+On the command line, ``--set FIELD=VALUE`` overrides one field (:func:`apply_settings`); in
+Python, ``profile.with_changes(field=value)`` gives a profile usable wherever a name is.
+
+Units: bandwidths in GB/s (10^9 bytes per second), memory sizes in GB (10^9 bytes), times in
+microseconds. The link's effective bandwidth is ``link_bandwidth_gbs × link_efficiency``
+(:attr:`HardwareProfile.link`); memory sizes feed :mod:`moelab.timing.memory`.
 
 Who reads what: GoodPred's in-time schedule (:mod:`moelab.predictors.timing`) reads the
 link, ``decode_layer_time_us`` and ``attention_fraction``; cache prefetch budgets
@@ -39,7 +55,7 @@ the copy engines. ``moelab calibrate --out PROFILE`` measures these on the machi
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -54,6 +70,13 @@ DEFAULT_PROFILE = "pcie4-x16"
 FIELDS: dict[str, tuple[type, str, str]] = {
     "link_bandwidth_gbs": (float, "> 0", "host→device copy bandwidth of the link, GB/s"),
     "link_latency_us": (float, "≥ 0", "fixed cost of one transfer (launch + DMA set-up), µs"),
+    "link_efficiency": (
+        float, "in (0, 1]", "share of link_bandwidth_gbs that copies reach (ProMoE measured 23.9 GB/s on its "
+        "nominal 32: 0.747); profile.link applies it, so every consumer sees the effective bandwidth"),
+    "gpu_memory_gb": (
+        float, "> 0", "device memory, GB (10^9 bytes): dense weights, KV cache and expert slots must fit in it"),
+    "host_memory_gb": (
+        float, "> 0", "host memory, GB (10^9 bytes): the routed experts kept on the host (and a host KV cache)"),
     "gpu_memory_bandwidth_gbs": (float, "> 0", "device memory bandwidth, GB/s"),
     "cpu_memory_bandwidth_gbs": (float, "> 0", "host memory read bandwidth, GB/s"),
     "cpu_cores": (int, "≥ 1", "host cores available for CPU experts and predictors"),
@@ -101,6 +124,16 @@ FIELDS: dict[str, tuple[type, str, str]] = {
 _TEXT_FIELDS = ("name", "description")
 _BASES = ("stated", "assumed")
 
+#: Fields a file may leave out (files written before they existed, ``moelab calibrate``'s):
+#: field -> (value, the ``assumed:`` note its provenance then carries). A memory size left
+#: out is None: the memory check (:mod:`moelab.timing.memory`) says it could not check.
+OPTIONAL_FIELDS: dict[str, tuple[Any, str]] = {
+    "link_efficiency": (1.0, "not given in the file; link_bandwidth_gbs is taken as what copies reach"),
+    "gpu_memory_gb": (None, "not given in the file; device memory is not checked"),
+    "host_memory_gb": (None, "not given in the file; host memory is not checked"),
+}
+_NULLABLE = {k for k, (v, _) in OPTIONAL_FIELDS.items() if v is None}
+
 
 @dataclass(frozen=True)
 class HardwareProfile:
@@ -114,6 +147,12 @@ class HardwareProfile:
     """Host→device copy bandwidth of the link (GB/s)."""
     link_latency_us: float = 10.0
     """Fixed cost of one transfer, added to every expert copy (µs)."""
+    link_efficiency: float = 1.0
+    """Share of ``link_bandwidth_gbs`` copies reach; :attr:`link` applies it."""
+    gpu_memory_gb: float | None = None
+    """Device memory (GB, 10^9 bytes); None: not stated, memory not checked."""
+    host_memory_gb: float | None = None
+    """Host memory (GB, 10^9 bytes); None: not stated, memory not checked."""
     gpu_memory_bandwidth_gbs: float = 2000.0
     """Device memory bandwidth (GB/s)."""
     cpu_memory_bandwidth_gbs: float = 60.0
@@ -165,6 +204,8 @@ class HardwareProfile:
     def __post_init__(self) -> None:
         for f, (typ, constraint, _) in FIELDS.items():
             v = getattr(self, f)
+            if v is None and f in _NULLABLE:
+                continue
             if typ is bool:
                 ok = isinstance(v, bool)
             elif isinstance(v, bool) or not isinstance(v, (int, float)):
@@ -188,10 +229,17 @@ class HardwareProfile:
 
     @property
     def link(self):
-        """The host→device :class:`~moelab.timing.link.Link` of this profile."""
+        """The host→device :class:`~moelab.timing.link.Link` of this profile, at its effective
+        bandwidth ``link_bandwidth_gbs × link_efficiency``: read copy times from here, not from
+        the raw field."""
         from moelab.timing.link import Link
 
-        return Link(self.link_bandwidth_gbs, self.link_latency_us)
+        return Link(self.effective_link_bandwidth_gbs, self.link_latency_us)
+
+    @property
+    def effective_link_bandwidth_gbs(self) -> float:
+        """What host→device copies reach: ``link_bandwidth_gbs × link_efficiency`` (GB/s)."""
+        return self.link_bandwidth_gbs * self.link_efficiency
 
     def transfer_time_us(self, nbytes: float) -> float:
         """Time to copy ``nbytes`` host→device as one transfer: latency + bytes / bandwidth."""
@@ -205,12 +253,19 @@ class HardwareProfile:
         """Lower bound of the time to stream ``nbytes`` from device memory."""
         return nbytes / (self.gpu_memory_bandwidth_gbs * 1e3)
 
-    def with_changes(self, **changes: Any) -> HardwareProfile:
-        """A copy with some fields replaced; their provenance says they were set by the caller."""
+    def with_changes(self, *, why: str = "set by the caller (overrides the profile)",
+                     **changes: Any) -> HardwareProfile:
+        """A copy with some fields replaced; their provenance says ``assumed: <why>``. Usable
+        wherever a profile name is (``get_profile(obj)`` returns it as is)."""
+        known = {f.name for f in dataclasses.fields(self)} - {"provenance"}
+        for k in changes:
+            if k not in known:
+                raise MoelabError(f"HardwareProfile has no field {k!r};{did_you_mean(k, sorted(known))} "
+                                  f"fields: {', '.join(FIELDS)}.")
         prov = dict(self.provenance)
         for k in changes:
             if k in FIELDS:
-                prov[k] = "assumed: set by the caller (overrides the profile)"
+                prov[k] = f"assumed: {why}"
         return dataclasses.replace(self, **changes, provenance=prov)
 
     def to_dict(self) -> dict:
@@ -223,60 +278,96 @@ def _fail(path: Path | str, what: str) -> MoelabError:
     return MoelabError(f"hardware profile file {str(path)!r}: {what}")
 
 
-def parse_profile(data: Any, path: Path | str = "<dict>") -> HardwareProfile:
-    """A profile from the parsed contents of a profile file (see the module docstring)."""
+def _parse_entry(path: Path | str, key: str, entry: Any) -> tuple[Any, str]:
+    """(value, provenance) of one numeric field's ``{value, stated|assumed}`` mapping."""
+    typ, constraint, _ = FIELDS[key]
+    if not isinstance(entry, Mapping) or "value" not in entry:
+        raise _fail(path, f"field {key!r} must be a mapping with `value` and `stated: SOURCE` or "
+                          f"`assumed: WHY`, got {entry!r}.")
+    extra = set(entry) - {"value", *_BASES}
+    if extra:
+        raise _fail(path, f"field {key!r} has unknown key(s) {sorted(extra)}; allowed: value, stated, assumed.")
+    bases = [b for b in _BASES if b in entry]
+    if len(bases) != 1:
+        raise _fail(path, f"field {key!r} must say exactly one of `stated: SOURCE` (a spec sheet or paper "
+                          f"+ table) or `assumed: WHY`, got {bases or 'neither'}.")
+    note = entry[bases[0]]
+    if not isinstance(note, str) or not note.strip():
+        raise _fail(path, f"field {key!r}: `{bases[0]}` must name the source or the reason, got {note!r}.")
+    value = entry["value"]
+    if typ is bool:
+        ok = isinstance(value, bool)
+    else:
+        ok = not isinstance(value, bool) and (
+            isinstance(value, int) if typ is int else isinstance(value, (int, float)))
+    if not ok:
+        want = {int: "an integer", bool: "true or false"}.get(typ, "a number")
+        raise _fail(path, f"field {key!r}: value must be {want} ({constraint}), got {value!r}.")
+    return typ(value), f"{bases[0]}: {note.strip()}"
+
+
+def _resolve_base(base: Any, path: Path | str, seen: tuple[str, ...]) -> HardwareProfile:
+    """The profile a file's ``base:`` names: a registered name, or a file (relative to this one)."""
+    if not isinstance(base, str) or not base.strip():
+        raise _fail(path, f"`base` must name a profile (a registered name such as h100-pcie5-ddr5, or a "
+                          f"profile file), got {base!r}.")
+    base = base.strip()
+    if base.endswith((".yaml", ".yml", ".json")):
+        target = Path(base)
+        if not target.is_absolute() and isinstance(path, Path | str) and str(path) != "<dict>":
+            target = Path(path).parent / target
+        key = str(target.resolve())
+        if key in seen:
+            raise _fail(path, f"`base: {base}` leads back to itself ({' → '.join([*seen, key])}); break the cycle.")
+        return load_profile(target, _seen=(*seen, key))
+    return get_profile(base)
+
+
+def parse_profile(data: Any, path: Path | str = "<dict>", *, _seen: tuple[str, ...] = ()) -> HardwareProfile:
+    """A profile from the parsed contents of a profile file (see the module docstring).
+
+    With ``base: NAME`` (a registered profile or a profile file) the file gives only the fields it
+    changes; the others, and their provenance, are the base's.
+    """
     if not isinstance(data, Mapping):
         raise _fail(path, f"expected a mapping of fields at the top level, got {type(data).__name__}; "
                           "see moelab.timing.profile for the schema.")
-    allowed = set(_TEXT_FIELDS) | set(FIELDS)
+    allowed = {*_TEXT_FIELDS, "base", *FIELDS}
     for key in data:
         if key not in allowed:
             raise _fail(path, f"unknown field {key!r}.{did_you_mean(str(key), allowed)} "
                               f"Allowed: {', '.join(sorted(allowed))}; remove or rename it.")
+    base = _resolve_base(data["base"], path, _seen) if "base" in data else None
     kwargs: dict[str, Any] = {}
     prov: dict[str, str] = {}
     for key in _TEXT_FIELDS:
+        if key not in data and base is not None and key == "description":
+            kwargs[key] = f"{base.description} (overrides: {', '.join(k for k in data if k in FIELDS) or 'none'})"
+            continue
         if key not in data:
             raise _fail(path, f"missing field {key!r} (a string); add it.")
         if not isinstance(data[key], str) or not data[key].strip():
             raise _fail(path, f"field {key!r} must be a non-empty string, got {data[key]!r}.")
         kwargs[key] = data[key].strip()
-    for key, (typ, constraint, meaning) in FIELDS.items():
-        if key not in data:
-            raise _fail(path, f"missing field {key!r} ({meaning}); add `{key}: {{value: ..., stated: SOURCE}}` "
-                              "or `assumed: WHY`.")
-        entry = data[key]
-        if not isinstance(entry, Mapping) or "value" not in entry:
-            raise _fail(path, f"field {key!r} must be a mapping with `value` and `stated: SOURCE` or "
-                              f"`assumed: WHY`, got {entry!r}.")
-        extra = set(entry) - {"value", *_BASES}
-        if extra:
-            raise _fail(path, f"field {key!r} has unknown key(s) {sorted(extra)}; allowed: value, stated, assumed.")
-        bases = [b for b in _BASES if b in entry]
-        if len(bases) != 1:
-            raise _fail(path, f"field {key!r} must say exactly one of `stated: SOURCE` (a spec sheet or paper "
-                              f"+ table) or `assumed: WHY`, got {bases or 'neither'}.")
-        note = entry[bases[0]]
-        if not isinstance(note, str) or not note.strip():
-            raise _fail(path, f"field {key!r}: `{bases[0]}` must name the source or the reason, got {note!r}.")
-        value = entry["value"]
-        if typ is bool:
-            ok = isinstance(value, bool)
+    for key, (_, _, meaning) in FIELDS.items():
+        if key in data:
+            kwargs[key], prov[key] = _parse_entry(path, key, data[key])
+        elif base is not None:
+            kwargs[key] = getattr(base, key)
+            prov[key] = base.provenance.get(key, f"assumed: inherited from {base.name}")
+        elif key in OPTIONAL_FIELDS:
+            kwargs[key], why = OPTIONAL_FIELDS[key]
+            prov[key] = f"assumed: {why}"
         else:
-            ok = not isinstance(value, bool) and (
-                isinstance(value, int) if typ is int else isinstance(value, (int, float)))
-        if not ok:
-            want = {int: "an integer", bool: "true or false"}.get(typ, "a number")
-            raise _fail(path, f"field {key!r}: value must be {want} ({constraint}), got {value!r}.")
-        kwargs[key] = typ(value)
-        prov[key] = f"{bases[0]}: {note.strip()}"
+            raise _fail(path, f"missing field {key!r} ({meaning}); add `{key}: {{value: ..., stated: SOURCE}}` "
+                              "or `assumed: WHY`, or inherit it with `base: PROFILE`.")
     try:
         return HardwareProfile(**kwargs, provenance=prov)
     except MoelabError as e:
         raise _fail(path, str(e)) from None
 
 
-def load_profile(path: str | Path) -> HardwareProfile:
+def load_profile(path: str | Path, *, _seen: tuple[str, ...] = ()) -> HardwareProfile:
     """Read one profile file (YAML or JSON; the schema is in the module docstring)."""
     import yaml
 
@@ -294,7 +385,88 @@ def load_profile(path: str | Path) -> HardwareProfile:
         raise _fail(path, f"not valid YAML/JSON ({msg}); fix the syntax.") from None
     except RecursionError:
         raise _fail(path, "a value refers to itself through a YAML alias; write the value out.") from None
-    return parse_profile(data, path)
+    return parse_profile(data, path, _seen=(*_seen, str(path.resolve())))
+
+
+# ---------------------------------------------------------------------- --set FIELD=VALUE
+_TRUE, _FALSE = ("true", "yes", "1", "on"), ("false", "no", "0", "off")
+
+
+def parse_setting(text: str) -> tuple[str, Any]:
+    """``"link_efficiency=0.75"`` → ``("link_efficiency", 0.75)``, the value typed by :data:`FIELDS`
+    (an integer for counts, true/false for flags, a number otherwise); a clear error for an
+    unknown field or a value of the wrong type. Constraints (``> 0``, ``in (0, 1]``) are checked
+    when the setting is applied."""
+    if not isinstance(text, str) or "=" not in text:
+        raise MoelabError(f"--set {text!r}: expected FIELD=VALUE (e.g. --set link_efficiency=0.75); fields: "
+                          f"{', '.join(FIELDS)}.")
+    key, raw = (x.strip() for x in text.split("=", 1))
+    if key not in FIELDS:
+        raise MoelabError(f"--set {text!r}: {key!r} is not a profile field;{did_you_mean(key, list(FIELDS))} "
+                          f"fields: {', '.join(FIELDS)}.")
+    typ, constraint, meaning = FIELDS[key]
+    if typ is bool:
+        if raw.lower() not in (*_TRUE, *_FALSE):
+            raise MoelabError(f"--set {key}={raw!r}: expected true or false ({meaning}).")
+        return key, raw.lower() in _TRUE
+    try:
+        value = typ(raw) if typ is int else float(raw)
+    except ValueError:
+        want = "a whole number" if typ is int else "a number"
+        raise MoelabError(f"--set {key}={raw!r}: expected {want} {constraint} ({meaning}).") from None
+    return key, value
+
+
+def apply_settings(profile: HardwareProfile, settings: Sequence[str] | Mapping[str, Any] | None,
+                   *, origin: str = "--set on the command line") -> HardwareProfile:
+    """``profile`` with ``settings`` (``["field=value", ...]`` or a mapping) applied, each field's
+    provenance saying it was set by ``origin``; the profile itself when there are none."""
+    if not settings:
+        return profile
+    pairs = settings.items() if isinstance(settings, Mapping) else (parse_setting(t) for t in settings)
+    changes: dict[str, Any] = {}
+    for k, v in pairs:
+        if isinstance(v, str):
+            k, v = parse_setting(f"{k}={v}")
+        changes[k] = v
+    try:
+        return profile.with_changes(why=f"{origin} (the profile's value was overridden)", **changes)
+    except MoelabError as e:
+        raise MoelabError(f"--set on profile {profile.name!r}: {e}") from None
+
+
+def profile_to_dict(profile: HardwareProfile) -> dict[str, Any]:
+    """``profile`` in the file schema (every field with its value and ``stated``/``assumed`` note):
+    :func:`parse_profile` of it gives the profile back."""
+    out: dict[str, Any] = {"name": profile.name, "description": profile.description or profile.name}
+    for key in FIELDS:
+        value = getattr(profile, key)
+        if value is None:  # an optional size not stated: leave it out, as the file did
+            continue
+        basis, _, note = profile.provenance.get(key, "assumed: set in Python, no source given").partition(": ")
+        out[key] = {"value": value, basis if basis in _BASES else "assumed": note or "no source given"}
+    return out
+
+
+def save_profile(profile: HardwareProfile, path: str | Path) -> Path:
+    """Write ``profile`` as a profile file (YAML) that :func:`load_profile` reads back equal."""
+    import yaml
+
+    path = Path(path)
+    path.write_text(yaml.safe_dump(profile_to_dict(profile), sort_keys=False, allow_unicode=True), encoding="utf-8")
+    return path
+
+
+def pool_numa(profile: HardwareProfile) -> HardwareProfile:
+    """``profile`` with its NUMA nodes pooled into one host lane that reads all of them at once
+    (``numa_nodes=1``, ``numa_node_bandwidth_gbs × numa_nodes``): each CPU expert split over the
+    sockets, as KTransformers' NUMA-aware kernels do. The simulator's default instead places
+    expert ``e`` on node ``e % numa_nodes`` and reads it at that node's bandwidth."""
+    if profile.numa_nodes == 1:
+        return profile
+    return profile.with_changes(
+        why=f"NUMA pooled: {profile.numa_nodes} nodes read as one host lane (each expert split over the sockets)",
+        numa_nodes=1, numa_node_bandwidth_gbs=profile.numa_node_bandwidth_gbs * profile.numa_nodes)
 
 
 # ---------------------------------------------------------------------- registry
@@ -343,11 +515,17 @@ def available_profiles() -> list[str]:
 __all__ = [
     "DEFAULT_PROFILE",
     "FIELDS",
+    "OPTIONAL_FIELDS",
     "PROFILES",
     "HardwareProfile",
+    "apply_settings",
     "available_profiles",
     "get_profile",
     "load_profile",
     "parse_profile",
+    "parse_setting",
+    "pool_numa",
+    "profile_to_dict",
     "register_profile",
+    "save_profile",
 ]
