@@ -64,6 +64,7 @@ from moelab.errors import MoelabError
 from moelab.events import busy_spans, lane_group, length, summarize
 from moelab.hybrid.events import COLUMNS
 from moelab.simulate.engine import Graph, Schedule, simulate
+from moelab.simulate.runtime import add_runtime_overhead
 from moelab.timing import HardwareProfile, get_profile
 
 # task categories, in their order within a layer's block
@@ -413,6 +414,7 @@ def _task_costs(enc: Encoded, lay: Layout, costs: Costs, context: int):
     # one experts call per layer on the device: its fixed cost is paid by the layer's first device task
     first_dev = np.where(enc.ns > 0, lay.S0, lay.V0)[(enc.nv + enc.ns) > 0]
     fixed[first_dev] += hw.gpu_call_us
+    lane_calls = [first_dev]  # the first task of each lane call (runtime overhead, moelab.simulate.runtime)
 
     # ---- host and deferred experts
     for cat_id, starts, counts, items in ((CAT_H, lay.H0, enc.nh, enc.h), (CAT_F, lay.F0, enc.nf, enc.f)):
@@ -431,9 +433,11 @@ def _task_costs(enc: Encoded, lay: Layout, costs: Costs, context: int):
                 first = np.zeros(len(idx), dtype=bool)
                 first[firsts] = True
             fixed[idx[first]] += hw.cpu_call_us
+            lane_calls.append(idx[first])
         nbytes[idx] = costs.expert_bytes
         cap[idx] = costs.host_cap(np.full(len(idx), costs.expert_bytes), costs.expert_flops_per_token * items[:, 1])
         pool[idx] = node
+    add_runtime_overhead(fixed, hw, D, lane_calls)  # moelab's executor's own costs (0 on a hardware profile)
     servers = np.array([1, 1, hw.copy_engines] + [1] * N, dtype=np.int32)
     pool_bw = np.full(N, hw.numa_node_bandwidth_gbs * 1e3)
     if shared_mem:
