@@ -58,6 +58,13 @@ def register(subparsers) -> None:
     v.add_argument("--profile", metavar="PROFILE", help="reuse this calibrated profile instead of calibrating")
     v.add_argument("--quick", action="store_true", help="fewer cases and steps (for tests)")
     v.add_argument("--papers-only", action="store_true", help="only the papers' cases (no runs on this machine)")
+    v.add_argument("--repeat", type=positive_int, default=2, metavar="N",
+                   help="run the machine validation N times (each calibrating anew unless --profile) and say "
+                   "whether their medians agree within 10 %% (default 2)")
+    v.add_argument("--allow-busy", action="store_true",
+                   help="run although other work loads the machine (refused by default); every figure flagged")
+    v.add_argument("--allow-out-of-bounds", action="store_true",
+                   help="use a calibration with values outside their physical bounds (flagged in its provenance)")
     v.add_argument("--json", action="store_true", help="print the rows as JSON")
     v.set_defaults(func=run_validate)
 
@@ -111,7 +118,8 @@ def run_validate(args) -> int:
     from moelab.simulate.validate import format_rows, run_validation
 
     rows, info = run_validation(profile=args.profile, quick=args.quick, machine=not args.papers_only,
-                                progress=not args.json)
+                                progress=not args.json, repeat=args.repeat, allow_busy=args.allow_busy,
+                                allow_out_of_bounds=args.allow_out_of_bounds)
     if args.json:
         emit_json({"rows": rows, **info})
         return 0
