@@ -14,11 +14,11 @@ measurement                 fields
 ==========================  ===============================================================
 memory read (``sum`` over   ``numa_node_bandwidth_gbs``, ``cpu_memory_bandwidth_gbs``
 ``memory_mib``, all threads)
-host experts calls          ``cpu_call_us`` (intercept + half a lane round trip),
+host experts calls          ``cpu_call_us`` (the fit's intercept),
 (``--host-backend``) on a   ``cpu_dispatch_us`` (per expert), ``cpu_memory_efficiency``
 lane thread, bf16, sizes ×  (per-byte rate over the read bandwidth); ``cpu_peak_tflops``
 batches 1 and 4             (best FLOP/s, with the kernel table at ``batches``)
-device experts calls        ``gpu_call_us`` (intercept + half a lane round trip),
+device experts calls        ``gpu_call_us`` (the fit's intercept),
 (``--device-backend``, the  ``gpu_kernels_per_expert`` (per-expert term, in launches),
 CPU worker standing in for  ``gpu_memory_bandwidth_gbs`` (per-byte rate; efficiency 1),
 the device) on a lane       ``gpu_peak_tflops``
@@ -31,8 +31,10 @@ KV cache, router), hidden ×
 context
 torch op launch (a 1-elem.  ``gpu_launch_us``
 add)
-empty task through a lane   ``sync_us`` (half the round trip: the result back)
-thread (submit → result)
+empty task through a lane   ``runtime_call_us`` (the round trip: moelab's executor's
+thread (submit → result)    hand-off of one lane call; ``sync_us`` is 0: no device here)
+the real executor on a      ``runtime_layer_us`` (its control thread's ``plan`` +
+tiny random model           ``dispatch`` events per MoE layer, median)
 copy of one expert into a   ``link_bandwidth_gbs`` (large copies), ``link_latency_us``
 preallocated pool (as the   (a 4 KiB copy)
 real executor's copy lane)
@@ -45,6 +47,15 @@ field's provenance says ``stated: measured by moelab calibrate on HOST at DATE (
 what was measured, or ``assumed:`` with why for the two fields it cannot measure
 (``decode_layer_time_us`` and ``attention_fraction``, estimated from the fits for a
 DeepSeek-V2-Lite layer).
+
+**Trust.** Calibration refuses to start, or to return what it measured, on a busy machine (other
+work's load per CPU above :data:`moelab.measure.MAX_LOAD_PER_CPU` before or after, or the timed
+series' median spread above :data:`moelab.measure.MAX_SPREAD`); ``allow_busy`` writes every value
+flagged ``BUSY MACHINE``. Every value is checked against its physical bounds and every fit for a
+dropped (negative) term or a poor R² (:mod:`moelab.simulate.bounds`) before anything is written;
+``allow_out_of_bounds`` writes them marked ``OUT OF BOUNDS``. The two ``runtime_*`` fields make the
+profile predict *moelab's executor on this machine*; :func:`moelab.simulate.runtime.hardware_only`
+gives the hardware alone.
 
 The profile YAML is written atomically (a temporary file renamed into place), and the raw
 measurements beside it (``PROFILE.raw.json``: every point, the fits and their residuals, the

@@ -24,6 +24,8 @@ import dataclasses
 
 import numpy as np
 
+from moelab.errors import MoelabError
+from moelab.measure import spread_of
 from moelab.timing import HardwareProfile
 
 HARDWARE = "hardware"
@@ -82,7 +84,6 @@ def measure_executor_overhead(*, host_backend: str = "reference", device_backend
 
     from moelab.forward.bench import decode_loop
     from moelab.hybrid.runtime import HybridRun
-    from moelab.measure import spread_of
     from moelab.models.tiny import build_tiny
 
     model = build_tiny("deepseek_v2", seed=0, dtype=torch.bfloat16)
@@ -100,8 +101,6 @@ def measure_executor_overhead(*, host_backend: str = "reference", device_backend
     ev = ev.assign(us=ev["t_end_us"] - ev["t_start_us"], kind=ev["kind"].astype(str))
     own = ev[ev["kind"].isin(["plan", "dispatch"])].groupby(["step", "layer"])["us"].sum()
     if not len(own):
-        from moelab.errors import MoelabError
-
         raise MoelabError("the real executor recorded no plan/dispatch events on the tiny model; cannot measure "
                           "its runtime overhead.")
     other = {k: float(g.groupby(["step", "layer"])["us"].sum().median()) for k, g in ev.groupby("kind")
