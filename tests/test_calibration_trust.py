@@ -221,3 +221,14 @@ def test_every_shipped_profile_predicts_the_hardware():
         hw = get_profile(name)
         assert prediction_label(hw) == HARDWARE, name
         assert hw.provenance["runtime_layer_us"].startswith("assumed: not measured"), name
+
+
+def test_the_what_if_command_says_which_prediction_its_numbers_are():
+    from moelab.cli.simulate import _predicts
+    from moelab.timing import get_profile
+
+    hw = get_profile("pcie4-x16")
+    assert _predicts("pcie4-x16") == "the hardware pcie4-x16 alone (no runtime overhead of moelab's executor in the profile)"
+    ex = hw.with_changes(runtime_layer_us=250.0, runtime_call_us=40.0)
+    assert _predicts(ex) == ("moelab's executor on pcie4-x16 (its runtime overhead: 250 µs per MoE layer, 40 µs per "
+                             "lane call)")

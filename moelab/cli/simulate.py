@@ -98,6 +98,7 @@ def run(args) -> int:
     print(f"{a['shape']} on {a['hardware']}: {a['steps']} decode steps measured after {a['warmup']} warm-up steps, "
           f"batch {a['batch']}, context {a['context']}")
     print(f"routing: {a['routing_source']}")
+    print(f"simulated numbers predict: {_predicts(args.hardware)}")
     if a["routing_stats"] is not None:
         print("routing statistics assumed:")
         print(str(a["routing_stats"]))
@@ -125,3 +126,16 @@ def run_validate(args) -> int:
         return 0
     print(format_rows(rows, info))
     return 0
+
+
+def _predicts(hardware) -> str:
+    """What the simulated numbers predict on ``hardware``: the hardware alone, or moelab's executor on it
+    (a calibrated profile's runtime overhead, moelab.simulate.runtime)."""
+    from moelab.simulate.runtime import EXECUTOR, prediction_label
+    from moelab.timing import get_profile
+
+    hw = get_profile(hardware)
+    if prediction_label(hw) == EXECUTOR:
+        return (f"moelab's executor on {hw.name} (its runtime overhead: {hw.runtime_layer_us:g} µs per MoE layer, "
+                f"{hw.runtime_call_us:g} µs per lane call)")
+    return f"the hardware {hw.name} alone (no runtime overhead of moelab's executor in the profile)"

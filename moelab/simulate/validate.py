@@ -254,7 +254,7 @@ def _real_case(model, ids, cfg: dict, steps: int, warmup: int, profile, shape) -
     hw_step = simulate_plans(plans, shape, hardware_only(profile), context=ids.shape[1] + warmup).summary()
     host_real = sum(v for k, v in real["busy_pct"].items() if k.startswith("host"))
     host_sim = sum(v for k, v in sim["busy_pct"].items() if k.startswith("host"))
-    return {"step_ms": m.median * 1e3, "spread": m.spread, "load": m.load_after, "busy": m.reason,
+    return {"step_ms": m.median * 1e3, "spread": m.spread, "load": m.load_after, "busy": m.reason, "unstable": m.unstable,
             "sim_step_ms": sim["decode_step_us"] / 1e3, "sim_hw_step_ms": hw_step["decode_step_us"] / 1e3,
             "host_busy": host_real, "sim_host_busy": host_sim,
             "device_busy": real["busy_pct"].get("device", 0.0), "sim_device_busy": sim["busy_pct"].get("device", 0.0),
@@ -309,7 +309,7 @@ def _case_rows(label: str, r: dict, run: int, label_sim: str) -> list[dict]:
          "simulated_hardware": r["sim_hw_step_ms"], "error_hardware": hw_err, "error": err, "error_unit": "%",
          "target": f"≤ {TARGET_MEDIAN_PCT:g} % median", "ok": abs(err) <= TARGET_WORST_PCT, "unit": "ms",
          "assumed": "", "sensitivity": "", "lanes_ms_per_step": r["lanes_ms_per_step"], "spread": r["spread"],
-         "load": r["load"], "busy": r["busy"]},
+         "load": r["load"], "busy": r["busy"], "unstable": r["unstable"]},
         {"group": "machine", "run": run, "case": label, "metric": "host busy %", "reference": r["host_busy"],
          "reference_kind": "measured", "simulated": r["sim_host_busy"], "prediction": label_sim,
          "error": r["sim_host_busy"] - r["host_busy"], "error_unit": "pts", "target": "", "ok": None, "unit": "%",
@@ -427,7 +427,7 @@ def format_rows(rows: list[dict], info: dict) -> str:
         ref = f"{r['reference']:.3g} ({r['reference_kind']})"
         err = f"{r['error']:+.1f} {r['error_unit']}"
         case = f"[run {r['run']}] {r['case']}" if len(runs) > 1 and r["group"] == "machine" else r["case"]
-        flag = " BUSY" if r.get("busy") else ""
+        flag = (" BUSY" if r.get("busy") else "") + (" UNSTABLE" if r.get("unstable") else "")
         body.append([case, r["metric"], ref + flag, f"{r['simulated']:.3g}", err, r["target"], _label(r)])
     widths = [max(len(h), *(len(b[i]) for b in body)) if body else len(h) for i, h in enumerate(head)]
     out = []
