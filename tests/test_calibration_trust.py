@@ -232,3 +232,23 @@ def test_the_what_if_command_says_which_prediction_its_numbers_are():
     ex = hw.with_changes(runtime_layer_us=250.0, runtime_call_us=40.0)
     assert _predicts(ex) == ("moelab's executor on pcie4-x16 (its runtime overhead: 250 µs per MoE layer, 40 µs per "
                              "lane call)")
+
+
+def test_a_refused_calibration_writes_no_profile_but_keeps_its_raw_measurements_aside(tmp_path, monkeypatch, capsys):
+    import json
+
+    from moelab.cli import main
+    from moelab.simulate import calibrate as C
+
+    def refused(cfg, **kw):
+        err = B.OutOfBoundsError("calibration produced 1 value(s) outside physical bounds; nothing was written")
+        err.raw = {"fits": {}, "out_of_bounds": ["link_bandwidth_gbs = 0.56"]}
+        raise err
+
+    monkeypatch.setattr(C, "calibrate", refused)
+    out = tmp_path / "box.yaml"
+    assert main(["calibrate", "--quick", "--out", str(out)]) != 0
+    err = capsys.readouterr().err
+    assert "outside physical bounds; nothing was written" in err and "box.rejected.raw.json" in err
+    assert not out.exists() and not (tmp_path / "box.raw.json").exists()
+    assert json.loads((tmp_path / "box.rejected.raw.json").read_text())["out_of_bounds"] == ["link_bandwidth_gbs = 0.56"]

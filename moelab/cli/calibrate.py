@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 from moelab.cli._util import emit_json, positive_int
 from moelab.errors import MoelabError
 
@@ -47,8 +49,16 @@ def run(args) -> int:
     out = Path(args.out)
     if out.exists() and not args.overwrite:  # refuse before a minute of measuring
         raise MoelabError(f"{str(out)!r} exists; pass --overwrite to replace it or choose another --out.")
-    profile, raw = calibrate(cfg, progress=not args.json, allow_busy=args.allow_busy,
-                             allow_out_of_bounds=args.allow_out_of_bounds)
+    try:
+        profile, raw = calibrate(cfg, progress=not args.json, allow_busy=args.allow_busy,
+                                 allow_out_of_bounds=args.allow_out_of_bounds)
+    except MoelabError as e:  # refused after measuring: keep what was measured aside, not as a profile
+        if getattr(e, "raw", None) is None:
+            raise
+        out.parent.mkdir(parents=True, exist_ok=True)
+        rejected = out.with_suffix(".rejected.raw.json")
+        rejected.write_text(json.dumps(e.raw, indent=2, default=float) + "\n", encoding="utf-8")
+        raise MoelabError(f"{e}\nThe raw measurements (every point and fit) are in {rejected}.") from None
     path = write_profile(profile, raw, out, overwrite=args.overwrite, name=args.name)
     if args.json:
         emit_json({"profile": profile, "raw": raw, "path": str(path)})

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from moelab.cli._util import emit_json, non_negative_int, positive_int
 from moelab.errors import MoelabError
+from moelab.timing import get_profile
 from moelab.timing.shapes import get_shape
 
 
@@ -132,7 +133,6 @@ def _predicts(hardware) -> str:
     """What the simulated numbers predict on ``hardware``: the hardware alone, or moelab's executor on it
     (a calibrated profile's runtime overhead, moelab.simulate.runtime)."""
     from moelab.simulate.runtime import EXECUTOR, prediction_label
-    from moelab.timing import get_profile
 
     hw = get_profile(hardware)
     if prediction_label(hw) == EXECUTOR:

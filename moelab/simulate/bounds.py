@@ -61,7 +61,8 @@ class Bound:
 
 _QUIET = ("calibrate on a quiet machine (moelab calibrate refuses a busy one; see its load line) with more "
           "--repeat")
-_FIT = "look at the fit's points in PROFILE.raw.json (a point far off the line is a disturbed measurement); " + _QUIET
+_FIT = ("look at the fit's points in the raw measurements (PROFILE.raw.json, or PROFILE.rejected.raw.json when "
+        "refused: a point far off the line is a disturbed measurement); " + _QUIET)
 
 BOUNDS: dict[str, Bound] = {
     "link_bandwidth_gbs": Bound(1.0, 128.0, "GB/s", "no PCIe x16 link of generation 3 or later moves less than "
@@ -163,7 +164,7 @@ def check_fit(name: str, fit: dict, *, min_r2: float = MIN_R2, need_slope: bool 
                              "negative time", _FIT))
     r2 = fit_r2(fit)
     if r2 < min_r2:
-        out.append(Violation(f"fit {name}: R²", r2, f"≥ {min_r2:g}", "the fit does not describe its points "
+        out.append(Violation(f"fit {name}: R²", round(r2, 3), f"≥ {min_r2:g}", "the fit does not describe its points "
                              f"(median residual {fit.get('median_abs_residual_pct', 0):.0f} %)", _FIT))
     return out
 

@@ -87,7 +87,7 @@ from moelab.measure import (
     require_quiet,
     spread_of,
 )
-from moelab.simulate.bounds import check_bounds, check_fit, enforce
+from moelab.simulate.bounds import OutOfBoundsError, check_bounds, check_fit, enforce
 from moelab.simulate.runtime import measure_executor_overhead
 from moelab.timing import parse_profile
 
@@ -631,12 +631,18 @@ def _verdicts(profile: dict, raw: dict, series: list[float], load_before: dict, 
     busy = "; ".join(reasons)
     raw.update(load_before=load_before, load_after=load_after, series_spread_median=spread, busy=busy)
     if busy and not allow_busy:
-        raise BusyMachineError(f"refusing a calibration measured on a busy machine ({busy}); nothing was written. "
+        err = BusyMachineError(f"refusing a calibration measured on a busy machine ({busy}); nothing was written. "
                                "Run it on a quiet machine (stop other work), or pass --allow-busy to write it with "
                                "every value flagged.")
+        err.raw = raw  # type: ignore[attr-defined]  # what was measured, for the caller to keep aside
+        raise err
     violations = check_bounds(profile) + [v for k, f in raw["fits"].items() for v in check_fit(k, f)]
     raw["out_of_bounds"] = [str(v) for v in violations]
-    profile = enforce(profile, violations, allow=allow_out_of_bounds)
+    try:
+        profile = enforce(profile, violations, allow=allow_out_of_bounds)
+    except OutOfBoundsError as e:
+        e.raw = raw  # type: ignore[attr-defined]
+        raise
     if busy:  # allowed: every figure says so
         log.warning("moelab calibrate: measured on a busy machine (--allow-busy): %s", busy)
         for k, entry in profile.items():
