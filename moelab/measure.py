@@ -196,10 +196,7 @@ class Measurement:
     @property
     def reason(self) -> str:
         """Why the machine was busy ('' when it was not): other work's load per CPU above the limit."""
-        if self.load is not None and self.load > self.max_load_per_cpu:
-            return (f"other work's load {self.load * self.load_after['cpus']:.1f} on {self.load_after['cpus']} CPUs "
-                    f"(> {self.max_load_per_cpu:g} per CPU; load average less this process's own)")
-        return ""
+        return _busy_text(self.load, self.load_after["cpus"], self.max_load_per_cpu) if self.load is not None else ""
 
     @property
     def unstable(self) -> str:
@@ -235,6 +232,39 @@ class Measurement:
         return d
 
 
+def _busy_text(other_per_cpu: float, cpus: int, max_load_per_cpu: float) -> str:
+    if other_per_cpu > max_load_per_cpu:
+        return (f"other work's load {other_per_cpu * cpus:.1f} on {cpus} CPUs "
+                f"(> {max_load_per_cpu:g} per CPU; load average less this process's own)")
+    return ""
+
+
+def busy_reason(load: dict[str, Any], max_load_per_cpu: float = MAX_LOAD_PER_CPU) -> str:
+    """Why the machine is busy now ('' when it is not), from one :func:`machine_load` reading: the
+    same rule as :attr:`Measurement.busy` (other work's load per CPU above the limit)."""
+    per = load.get("other_per_cpu", load.get("per_cpu"))
+    return "" if per is None else _busy_text(per, load["cpus"], max_load_per_cpu)
+
+
+def spread_of(samples: list[float]) -> float:
+    """The relative spread of repeated timings, as :attr:`Measurement.spread` defines it."""
+    return Measurement(list(samples), 0, {}, {}).spread
+
+
+def require_quiet(what: str, *, allow_busy: bool = False,
+                  max_load_per_cpu: float = MAX_LOAD_PER_CPU) -> tuple[dict[str, Any], str]:
+    """Before a long measurement (calibration, validation): the load now and why the machine is busy
+    ('' when quiet). Raises :class:`BusyMachineError` when busy, unless ``allow_busy`` (then the
+    caller flags every figure with the reason)."""
+    load = machine_load()
+    reason = busy_reason(load, max_load_per_cpu)
+    if reason and not allow_busy:
+        raise BusyMachineError(f"refusing to {what} on a busy machine: {reason}. Its figures would measure the "
+                               "other work, not this machine: run it on a quiet machine (stop other work), or pass "
+                               "--allow-busy to run it with every figure flagged.")
+    return load, reason
+
+
 def measure(fn: Callable[[], Any], *, warmup: int = 2, repeat: int = 7, setup: Callable[[], Any] | None = None,
             max_load_per_cpu: float = MAX_LOAD_PER_CPU, max_spread: float = MAX_SPREAD) -> Measurement:
     """Time ``fn`` (``setup`` runs untimed before each call): ``warmup`` untimed calls, then
@@ -265,5 +295,5 @@ def from_samples(samples: list[float], *, warmup: int = 0, load_before: dict | N
     return Measurement(list(samples), warmup, load_before or now, now, max_load_per_cpu, max_spread)
 
 
-__all__ = ["MAX_LOAD_PER_CPU", "MAX_SPREAD", "BusyMachineError", "Measurement", "from_samples", "machine_load",
-           "measure"]
+__all__ = ["MAX_LOAD_PER_CPU", "MAX_SPREAD", "BusyMachineError", "Measurement", "busy_reason", "from_samples",
+           "machine_load", "measure", "require_quiet", "spread_of"]

@@ -156,7 +156,7 @@ def test_validate_quick_prints_every_row_with_an_error(capsys, monkeypatch):
 def test_validate_machine_rows_from_the_real_runs_plans():
     from moelab.simulate.validate import format_rows, machine_rows
 
-    rows, info = machine_rows("pcie4-x16", quick=True)
+    rows, info = machine_rows("pcie4-x16", quick=True, allow_busy=True)  # the format, not the figures
     assert {r["metric"] for r in rows} == {"decode step ms", "host busy %"}
     assert all(r["reference"] > 0 or r["metric"] == "host busy %" for r in rows)
     text = format_rows(rows, info)

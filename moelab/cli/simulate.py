@@ -80,6 +80,13 @@ def register(subparsers) -> None:
                    "keep their machines")
     v.add_argument("--quick", action="store_true", help="fewer cases and steps (for tests)")
     v.add_argument("--papers-only", action="store_true", help="only the papers' cases (no runs on this machine)")
+    v.add_argument("--repeat", type=positive_int, default=2, metavar="N",
+                   help="run the machine validation N times (each calibrating anew unless --profile) and say "
+                   "whether their medians agree within 10 %% (default 2)")
+    v.add_argument("--allow-busy", action="store_true",
+                   help="run although other work loads the machine (refused by default); every figure flagged")
+    v.add_argument("--allow-out-of-bounds", action="store_true",
+                   help="use a calibration with values outside their physical bounds (flagged in its provenance)")
     v.add_argument("--json", action="store_true", help="print the rows as JSON")
     v.set_defaults(func=run_validate)
 
@@ -121,6 +128,7 @@ def run(args) -> int:
     if args.numa == "pooled":
         print(f"NUMA pooled: one host lane reading {hw.numa_node_bandwidth_gbs:g} GB/s (all nodes)")
     print(f"routing: {a['routing_source']}")
+    print(f"simulated numbers predict: {_predicts(args.hardware)}")
     if a["routing_stats"] is not None:
         print("routing statistics assumed:")
         print(str(a["routing_stats"]))
@@ -150,9 +158,22 @@ def run_validate(args) -> int:
             hw = apply_settings(get_profile(profile), args.settings)
             profile = str(save_profile(hw, Path(tmp) / f"{hw.name}.yaml"))  # a file: validate prints its path
         rows, info = run_validation(profile=profile, quick=args.quick, machine=not args.papers_only,
-                                    progress=not args.json)
+                                    progress=not args.json, repeat=args.repeat, allow_busy=args.allow_busy,
+                                    allow_out_of_bounds=args.allow_out_of_bounds)
     if args.json:
         emit_json({"rows": rows, **info})
         return 0
     print(format_rows(rows, info))
     return 0
+
+
+def _predicts(hardware) -> str:
+    """What the simulated numbers predict on ``hardware``: the hardware alone, or moelab's executor on it
+    (a calibrated profile's runtime overhead, moelab.simulate.runtime)."""
+    from moelab.simulate.runtime import EXECUTOR, prediction_label
+
+    hw = get_profile(hardware)
+    if prediction_label(hw) == EXECUTOR:
+        return (f"moelab's executor on {hw.name} (its runtime overhead: {hw.runtime_layer_us:g} µs per MoE layer, "
+                f"{hw.runtime_call_us:g} µs per lane call)")
+    return f"the hardware {hw.name} alone (no runtime overhead of moelab's executor in the profile)"

@@ -14,11 +14,11 @@ measurement                 fields
 ==========================  ===============================================================
 memory read (``sum`` over   ``numa_node_bandwidth_gbs``, ``cpu_memory_bandwidth_gbs``
 ``memory_mib``, all threads)
-host experts calls          ``cpu_call_us`` (intercept + half a lane round trip),
+host experts calls          ``cpu_call_us`` (the fit's intercept),
 (``--host-backend``) on a   ``cpu_dispatch_us`` (per expert), ``cpu_memory_efficiency``
 lane thread, bf16, sizes ×  (per-byte rate over the read bandwidth); ``cpu_peak_tflops``
 batches 1 and 4             (best FLOP/s, with the kernel table at ``batches``)
-device experts calls        ``gpu_call_us`` (intercept + half a lane round trip),
+device experts calls        ``gpu_call_us`` (the fit's intercept),
 (``--device-backend``, the  ``gpu_kernels_per_expert`` (per-expert term, in launches),
 CPU worker standing in for  ``gpu_memory_bandwidth_gbs`` (per-byte rate; efficiency 1),
 the device) on a lane       ``gpu_peak_tflops``
@@ -31,8 +31,10 @@ KV cache, router), hidden ×
 context
 torch op launch (a 1-elem.  ``gpu_launch_us``
 add)
-empty task through a lane   ``sync_us`` (half the round trip: the result back)
-thread (submit → result)
+empty task through a lane   ``runtime_call_us`` (the round trip: moelab's executor's
+thread (submit → result)    hand-off of one lane call; ``sync_us`` is 0: no device here)
+the real executor on a      ``runtime_layer_us`` (its control thread's ``plan`` +
+tiny random model           ``dispatch`` events per MoE layer, median)
 copy of one expert into a   ``link_bandwidth_gbs`` (large copies), ``link_latency_us``
 preallocated pool (as the   (a 4 KiB copy)
 real executor's copy lane)
@@ -45,6 +47,15 @@ field's provenance says ``stated: measured by moelab calibrate on HOST at DATE (
 what was measured, or ``assumed:`` with why for the two fields it cannot measure
 (``decode_layer_time_us`` and ``attention_fraction``, estimated from the fits for a
 DeepSeek-V2-Lite layer).
+
+**Trust.** Calibration refuses to start, or to return what it measured, on a busy machine (other
+work's load per CPU above :data:`moelab.measure.MAX_LOAD_PER_CPU` before or after, or the timed
+series' median spread above :data:`moelab.measure.MAX_SPREAD`); ``allow_busy`` writes every value
+flagged ``BUSY MACHINE``. Every value is checked against its physical bounds and every fit for a
+dropped (negative) term or a poor R² (:mod:`moelab.simulate.bounds`) before anything is written;
+``allow_out_of_bounds`` writes them marked ``OUT OF BOUNDS``. The two ``runtime_*`` fields make the
+profile predict *moelab's executor on this machine*; :func:`moelab.simulate.runtime.hardware_only`
+gives the hardware alone.
 
 The profile YAML is written atomically (a temporary file renamed into place), and the raw
 measurements beside it (``PROFILE.raw.json``: every point, the fits and their residuals, the
@@ -68,6 +79,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from moelab.errors import MoelabError
+from moelab.measure import (
+    MAX_SPREAD,
+    BusyMachineError,
+    busy_reason,
+    machine_load,
+    require_quiet,
+    spread_of,
+)
+from moelab.simulate.bounds import OutOfBoundsError, check_bounds, check_fit, enforce
+from moelab.simulate.runtime import measure_executor_overhead
 from moelab.timing import parse_profile
 
 log = logging.getLogger(__name__)
@@ -124,6 +145,19 @@ def _median(fn: Callable[[], object], repeat: int, setup: Callable[[], None] | N
     (``setup`` untimed before each); cheap calls are repeated until ``budget_s`` of timed calls (at
     most ``max_calls``), so a median of microseconds is not three samples of a busy machine's noise."""
     times: list[float] = []
+    try:
+        return _timed(fn, repeat, setup, warmup, budget_s, max_calls, times)
+    finally:
+        if _SERIES is not None and times:
+            _SERIES.append(spread_of(times))
+
+
+#: spreads of the timed series of the calibration under way (``calibrate`` sets and clears it): a
+#: loaded machine shows as repeated measurements that disagree
+_SERIES: list[float] | None = None
+
+
+def _timed(fn, repeat, setup, warmup, budget_s, max_calls, times: list[float]) -> float:
     for i in range(warmup + max(repeat, max_calls)):
         if setup:
             setup()
@@ -166,19 +200,26 @@ def fit_fixed_per_byte(points: list[dict], x: str = "bytes", y: str = "us",
     w = 1.0 / np.maximum(b, 1e-9)
     keep = list(range(A.shape[1]))
     coef = np.zeros(A.shape[1])
+    names = ["fixed", "bytes", "per_extra"][: A.shape[1]]
+    dropped: list[str] = []
+    raw: dict[str, float] = {}
     while keep:
         c, *_ = np.linalg.lstsq(A[:, keep] * w[:, None], b * w, rcond=None)
         if (c >= 0).all():
             coef[:] = 0.0
             coef[keep] = c
             break
-        keep.pop(int(np.argmin(c)))
+        worst = int(np.argmin(c))
+        dropped.append(names[keep[worst]])  # negative: dropped (bounds.check_fit flags it)
+        raw[f"raw_{names[keep[worst]]}"] = float(c[worst])
+        keep.pop(worst)
     pred = A @ coef
     slope = float(coef[1])
     res = [{**p, "fit_us": float(f), "residual_us": float(m - f),
             "residual_pct": float(100 * (f / m - 1)) if m > 0 else 0.0} for p, f, m in zip(points, pred, b)]
     return {"fixed_us": float(coef[0]), "bytes_per_us": (1 / slope) if slope > 0 else float("inf"),
             "us_per_byte": slope, "per_extra_us": float(coef[2]) if extra else 0.0, "points": res,
+            "dropped": dropped, **raw,
             "max_abs_residual_pct": max((abs(r["residual_pct"]) for r in res), default=0.0),
             "median_abs_residual_pct": float(np.median([abs(r["residual_pct"]) for r in res])) if res else 0.0}
 
@@ -393,8 +434,17 @@ def _numa_nodes() -> int:
     return max(len(nodes), 1)
 
 
-def calibrate(cfg: CalibrateConfig | None = None, *, progress: bool = True) -> tuple[dict, dict]:
+def calibrate(cfg: CalibrateConfig | None = None, *, progress: bool = True, allow_busy: bool = False,
+              allow_out_of_bounds: bool = False) -> tuple[dict, dict]:
     """Measure this machine; returns (profile file data, raw measurements).
+
+    Refuses (:class:`~moelab.measure.BusyMachineError`) to start, or to return what it measured, when
+    other work loads the machine (the load average less this process's own, before and after) or the
+    repeated measurements spread more than ``MAX_SPREAD`` (median over the timed series); with
+    ``allow_busy`` every field's provenance says BUSY and why. Every value is checked against its
+    physical bounds and every fit for a negative term or a poor R² (:mod:`moelab.simulate.bounds`):
+    :class:`~moelab.simulate.bounds.OutOfBoundsError` names each, unless ``allow_out_of_bounds``
+    (then the provenance says OUT OF BOUNDS).
 
     Size: long: a sequence of measurements read top to bottom, each a few lines feeding the profile under
     construction; split, the pieces would pass that profile around.
@@ -402,11 +452,13 @@ def calibrate(cfg: CalibrateConfig | None = None, *, progress: bool = True) -> t
     import torch
     from tqdm.auto import tqdm
 
+    global _SERIES
     cfg = cfg or CalibrateConfig()
     if cfg.repeat < 1:
         raise MoelabError(f"repeat must be ≥ 1, got {cfg.repeat}.")
+    load_before, busy_before = require_quiet("calibrate", allow_busy=allow_busy)
     n_calls = len(cfg.call_tokens) * (len(cfg.call_sizes) + len(cfg.device_call_sizes))
-    steps = 4 + len(cfg.dtypes) * len(cfg.batches) + n_calls + len(cfg.dense_sizes) * len(cfg.dense_contexts)
+    steps = 5 + len(cfg.dtypes) * len(cfg.batches) + n_calls + len(cfg.dense_sizes) * len(cfg.dense_contexts)
     bar = tqdm(total=steps, desc="calibrate", disable=not progress, unit="step")
 
     def tick(what: str = ""):
@@ -414,6 +466,7 @@ def calibrate(cfg: CalibrateConfig | None = None, *, progress: bool = True) -> t
         if what:
             bar.set_postfix_str(what)
 
+    _SERIES = []
     try:
         read = _memory_read_gbps(cfg.memory_mib, cfg.repeat)
         tick("memory")
@@ -431,8 +484,14 @@ def calibrate(cfg: CalibrateConfig | None = None, *, progress: bool = True) -> t
         dev_calls = _call_points(cfg.device_backend, cfg.device_call_sizes, cfg.call_tokens,
                                  max(min(cfg.repeat, 3), 1), cfg.experts, lambda: tick("device calls"))
         dense = _dense_points(cfg.dense_sizes, cfg.dense_contexts, cfg.repeat, lambda: tick("dense"))
+        runtime = measure_executor_overhead(host_backend=cfg.host_backend, device_backend=cfg.device_backend,
+                                            steps=max(cfg.repeat, 4))
+        tick("executor")
+        series = list(_SERIES)
     finally:
         bar.close()
+        _SERIES = None
+    load_after = machine_load()
 
     link_gbs = copy["expert_bytes"] / copy["expert_seconds"] / 1e9
     link_lat = max(copy["small_seconds"] * 1e6 - copy["small_bytes"] / (link_gbs * 1e3), 0.0)
@@ -446,8 +505,9 @@ def calibrate(cfg: CalibrateConfig | None = None, *, progress: bool = True) -> t
     dense_gbs = nfit["bytes_per_us"] / 1e3 if nfit["us_per_byte"] > 0 else dev_gbs
     k_expert = max(int(round(max(dfit["per_extra_us"], 0.0) / launch_eff)), 1)
     k_attn = max(int(round(max(nfit["fixed_us"], 0.0) / launch_eff)), 1)
-    gpu_call = max(dfit["fixed_us"], 0.0) + lane_rt / 2
-    cpu_call = max(hfit["fixed_us"], 0.0) + lane_rt / 2
+    # the hardware's fixed cost of a call; the hand-off to the lane thread is moelab's executor's (runtime_call_us)
+    gpu_call = max(dfit["fixed_us"], 0.0)
+    cpu_call = max(hfit["fixed_us"], 0.0)
     cpu_per_expert = max(hfit["per_extra_us"], 0.0)
     dense_eff = dense_gbs / dev_gbs
     # a kernel cannot read faster than memory: when the fitted experts kernel beats the `sum` read (one
@@ -518,8 +578,8 @@ def calibrate(cfg: CalibrateConfig | None = None, *, progress: bool = True) -> t
                                                    f"({dfit['per_extra_us']:.1f} µs, the fit's per-expert term), "
                                                    "in launches"),
         "gpu_call_us": stated(round(gpu_call, 3), f"fixed cost of one {cfg.device_backend} experts call on a lane "
-                                                  f"thread ({dfit['fixed_us']:.0f} µs, the fit's intercept) + "
-                                                  "half a lane round trip (the hand-off)"),
+                                                  "thread (the fit's intercept; the hand-off to the lane is "
+                                                  "runtime_call_us)"),
         "cpu_peak_tflops": stated(round(max(cpu_peak, 1e-6), 6), f"{cfg.host_backend} experts backend, best "
                                                                  "FLOP/s over dtypes and batches"),
         "cpu_memory_efficiency": stated(round(cpu_eff, 4), f"per-byte slope of {cfg.host_backend} experts calls "
@@ -531,12 +591,19 @@ def calibrate(cfg: CalibrateConfig | None = None, *, progress: bool = True) -> t
         "cpu_dispatch_us": stated(round(cpu_per_expert, 3), f"per-expert fixed cost of {cfg.host_backend} "
                                                             "experts calls (the fit's per-expert term)"),
         "cpu_call_us": stated(round(cpu_call, 3), f"fixed cost of one {cfg.host_backend} experts call on a lane "
-                                                  f"thread ({hfit['fixed_us']:.0f} µs, the fit's intercept) + half "
-                                                  "a lane round trip (the hand-off)"),
-        "sync_us": stated(round(lane_rt / 2, 3), "half the round trip of an empty task through a lane thread "
-                                                 "(the result back)"),
+                                                  "thread (the fit's intercept; the hand-off to the lane is "
+                                                  "runtime_call_us)"),
+        "sync_us": stated(0.0, "no device here: the control thread reads a result from memory; handing results "
+                               "between threads is moelab's executor's cost (runtime_call_us)"),
         "copy_engines": stated(1, "the real executor has one copy lane"),
         "device_shares_host_memory": stated(True, "no GPU here: the device lane is a CPU worker"),
+        # runtime overhead (calibrated): moelab's executor on this machine, beyond the hardware
+        "runtime_layer_us": stated(round(runtime["layer_us"], 3), (
+            "the real executor's control-thread plan + dispatch events per MoE layer (median of "
+            f"{len(runtime['points'])} layer-steps, spread ±{runtime['spread']:.0%}) on a tiny random model "
+            f"({runtime['moe_layers']} MoE layers, hidden 32; host-misses, capacity 0.25, 1 deferred)")),
+        "runtime_call_us": stated(round(lane_rt, 3), "round trip of an empty task through a lane thread (the "
+                                                     "real executor's Lane: submit, wake-up, result back)"),
     }
     raw = {
         "host": host_name, "date": date, "repeat": cfg.repeat, "warmup": WARMUP, "torch": torch.__version__,
@@ -546,7 +613,43 @@ def calibrate(cfg: CalibrateConfig | None = None, *, progress: bool = True) -> t
         "config": {k: (list(v) if isinstance(v, tuple) else v) for k, v in vars(cfg).items()},
         "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
         "note": "timings on a machine shared with other work are slower and noisier than on a quiet one",
+        "runtime": runtime,
     }
+    return _verdicts(profile, raw, series, load_before, load_after, busy_before, allow_busy=allow_busy,
+                     allow_out_of_bounds=allow_out_of_bounds)
+
+
+def _verdicts(profile: dict, raw: dict, series: list[float], load_before: dict, load_after: dict, busy_before: str,
+              *, allow_busy: bool, allow_out_of_bounds: bool) -> tuple[dict, dict]:
+    """The load, spread and bounds verdicts on a finished calibration: refused (raises) or flagged."""
+    spread = statistics.median(series) if series else 0.0
+    reasons = [r for r in (busy_before and f"before: {busy_before}", busy_reason(load_after)
+                           and f"after: {busy_reason(load_after)}") if r]
+    if spread > MAX_SPREAD:
+        reasons.append(f"the repeated measurements spread ±{spread:.0%} (median over {len(series)} timed series; "
+                       f"> ±{MAX_SPREAD:.0%})")
+    busy = "; ".join(reasons)
+    raw.update(load_before=load_before, load_after=load_after, series_spread_median=spread, busy=busy)
+    if busy and not allow_busy:
+        err = BusyMachineError(f"refusing a calibration measured on a busy machine ({busy}); nothing was written. "
+                               "Run it on a quiet machine (stop other work), or pass --allow-busy to write it with "
+                               "every value flagged.")
+        err.raw = raw  # type: ignore[attr-defined]  # what was measured, for the caller to keep aside
+        raise err
+    violations = check_bounds(profile) + [v for k, f in raw["fits"].items() for v in check_fit(k, f)]
+    raw["out_of_bounds"] = [str(v) for v in violations]
+    try:
+        profile = enforce(profile, violations, allow=allow_out_of_bounds)
+    except OutOfBoundsError as e:
+        e.raw = raw  # type: ignore[attr-defined]
+        raise
+    if busy:  # allowed: every figure says so
+        log.warning("moelab calibrate: measured on a busy machine (--allow-busy): %s", busy)
+        for k, entry in profile.items():
+            if isinstance(entry, dict) and "stated" in entry:
+                profile[k] = {"value": entry["value"], "stated": f"BUSY MACHINE (--allow-busy: {busy}): "
+                                                                 + entry["stated"]}
+        profile["description"] = f"BUSY MACHINE when calibrated ({busy}). " + profile["description"]
     return profile, raw
 
 
@@ -590,6 +693,9 @@ def format_summary(profile: dict, raw: dict) -> str:
              f"  memory read {raw['memory_read_gbps']:.2f} GB/s; copy into pool {profile['link_bandwidth_gbs']['value']:.2f} "
              f"GB/s (+{profile['link_latency_us']['value']:.1f} µs); torch op {raw['launch_us']:.2f} µs; "
              f"lane round trip {raw['lane_roundtrip_us']:.1f} µs",
+             f"  load: {_load_text(raw.get('load_before'))} before, {_load_text(raw.get('load_after'))} after; "
+             f"repeated measurements spread ±{raw.get('series_spread_median', 0):.0%} (median over the series)"
+             + (f" — BUSY: {raw['busy']}" if raw.get("busy") else ""),
              "  host experts kernels (GB/s of distinct experts read / TFLOP/s):"]
     for r in raw["host_kernels"]:
         lines.append(f"    {r['backend']:<12} {r['dtype']:<5} batch {r['batch']:>3}: {r['seconds'] * 1e3:8.2f} ms  "
@@ -600,9 +706,20 @@ def format_summary(profile: dict, raw: dict) -> str:
                      f"{rate:.2f} GB/s; residuals (% of measured): "
                      + ", ".join(f"{p['residual_pct']:+.0f}" for p in f["points"]))
     keys = ("cpu_call_us", "cpu_dispatch_us", "cpu_memory_efficiency", "gpu_call_us", "gpu_kernels_per_expert",
-            "gpu_memory_bandwidth_gbs", "gpu_kernels_per_attention", "gpu_dense_efficiency")
+            "gpu_memory_bandwidth_gbs", "gpu_kernels_per_attention", "gpu_dense_efficiency", "decode_layer_time_us")
     lines.append("  fitted: " + ", ".join(f"{k}={profile[k]['value']}" for k in keys))
+    lines.append(f"  moelab's executor (runtime overhead): {profile['runtime_layer_us']['value']} µs per MoE layer, "
+                 f"{profile['runtime_call_us']['value']} µs per lane call")
+    for v in raw.get("out_of_bounds", []):
+        lines.append(f"  OUT OF BOUNDS (written with --allow-out-of-bounds): {v}")
     return "\n".join(lines)
+
+
+def _load_text(load: dict | None) -> str:
+    if not load or load.get("load1") is None:
+        return "load unknown"
+    return (f"load {load['load1']:.1f} on {load['cpus']} CPUs ({load.get('other', load['load1']):.1f} other "
+            "work)")
 
 
 __all__ = ["CalibrateConfig", "calibrate", "format_summary", "write_profile"]

@@ -365,6 +365,7 @@ def _task_costs(enc: Encoded, lay: Layout, costs: CostModel, context: int):
         nbytes[idx] = costs.expert_bytes
         cap[idx] = costs.host_cap(np.full(len(idx), costs.expert_bytes), costs.expert_flops_per_token * items[:, 1])
         pool[idx] = node
+    fixed[D] += costs.control_layer_us  # moelab's executor's own cost per MoE layer (0 on a hardware profile)
     servers = np.array([1, 1, hw.copy_engines] + [1] * N, dtype=np.int32)
     pool_bw = np.full(N, hw.numa_node_bandwidth_gbs * 1e3)
     if shared_mem:

@@ -19,8 +19,11 @@ plus its fixed costs:
                              cpu_memory_efficiency``) and that node's share of the peak
 :meth:`CostModel.fetch_us`   one expert host→device: the profile's :class:`~moelab.timing.link.Link`
 :meth:`CostModel.shared_us`  the layer's shared experts on the device
-``device_call_us``           once per MoE layer with device work (``gpu_call_us``)
-``host_call_us``             once per MoE layer and host lane with host work (``cpu_call_us``)
+``device_call_us``           once per MoE layer with device work (``gpu_call_us`` +
+                             ``runtime_call_us``)
+``host_call_us``             once per MoE layer and host lane with host work (``cpu_call_us`` +
+                             ``runtime_call_us``)
+``control_layer_us``         the executor's control thread per MoE layer (``runtime_layer_us``)
 ============================ =================================================================
 
 The host has ``host_lanes`` lanes (one per NUMA node; expert ``e`` runs on node
@@ -131,13 +134,20 @@ class CostModel:
 
     @property
     def device_call_us(self) -> float:
-        """Once per MoE layer that has device work (the experts call's hand-off)."""
-        return self.profile.gpu_call_us
+        """Once per MoE layer that has device work (the experts call's hand-off; with a calibrated
+        ``runtime_call_us``, moelab's executor's lane hand-off too — :mod:`moelab.simulate.runtime`)."""
+        return self.profile.gpu_call_us + self.profile.runtime_call_us
 
     @property
     def host_call_us(self) -> float:
-        """Once per MoE layer and host lane that has host work."""
-        return self.profile.cpu_call_us
+        """Once per MoE layer and host lane that has host work (+ ``runtime_call_us``)."""
+        return self.profile.cpu_call_us + self.profile.runtime_call_us
+
+    @property
+    def control_layer_us(self) -> float:
+        """The control thread's own cost per MoE layer in moelab's executor (``runtime_layer_us``;
+        0 on a profile of the hardware alone)."""
+        return self.profile.runtime_layer_us
 
     @property
     def host_lanes(self) -> int:

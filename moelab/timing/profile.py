@@ -120,6 +120,12 @@ FIELDS: dict[str, tuple[type, str, str]] = {
         "the 'device' is a CPU worker on the host (a CPU-only machine): every lane (control, device, "
         "copies, host) is a CPU thread and the simulator has them time-share cpu_cores",
     ),
+    # runtime overhead (calibrated): moelab's real executor's own costs, beyond the hardware's; 0 on a
+    # profile that predicts the hardware alone (moelab.simulate.runtime)
+    "runtime_layer_us": (float, "≥ 0", "moelab's executor: control-thread cost per MoE layer (planning, handing "
+                         "work to the lanes, merging), µs"),
+    "runtime_call_us": (float, "≥ 0", "moelab's executor: hand-off of one lane call (submit, wake-up, result "
+                        "back), µs"),
 }
 _TEXT_FIELDS = ("name", "description")
 _BASES = ("stated", "assumed")
@@ -198,6 +204,11 @@ class HardwareProfile:
     """Host→device copies that run at once."""
     device_shares_host_memory: bool = False
     """The device is a CPU worker on the host (reads contend for host memory bandwidth)."""
+    # runtime overhead (calibrated)
+    runtime_layer_us: float = 0.0
+    """moelab's executor: control-thread cost per MoE layer (µs); 0: the hardware alone."""
+    runtime_call_us: float = 0.0
+    """moelab's executor: hand-off of one lane call (µs); 0: the hardware alone."""
     provenance: Mapping[str, str] = field(default_factory=dict, compare=False, repr=False)
     """Per numeric field: ``"stated: <source>"`` or ``"assumed: <why>"`` (from the file)."""
 
