@@ -234,7 +234,9 @@ def test_fates_per_expert_and_every_stall_with_a_cause(tmp_path):
     model, tok = moelab.load("moelab-tiny-qwen2moe")
     pred = moelab.resource_dir("predictors") / "moelab-tiny-qwen2moe" / "learned-d1"
     cfg = {"cache": {"capacity": 0.25, "policy": "mrs"}, "placement": "greedy-hss", "hardware": "pcie4-x16",
-           "prefetch": {"predictor": str(pred), "distance": 1}, "routing": {"deferred": 2}, "executor": "real"}
+           # select "order": every proposal within the budget, so prefetch hits happen on this tiny model
+           "prefetch": {"predictor": str(pred), "distance": 1, "select": "order"}, "routing": {"deferred": 2},
+           "executor": "real"}
     run_prompts(model, tok, ["Question: 3+4=?\nAnswer:", "Question: 12-5=?\nAnswer:"], cfg, tmp_path / "r",
                 max_new_tokens=8, progress=False)
     plans = [json.loads(line) for line in (tmp_path / "r" / "plans.jsonl").read_text().splitlines()]

@@ -265,7 +265,7 @@ def test_validate_set_changes_the_given_profile_through_a_file(monkeypatch, tmp_
 
     seen = {}
 
-    def fake(*, profile, quick, machine, progress):
+    def fake(*, profile, quick, machine, progress, **_):
         seen["hw"] = load_profile(profile)  # a path validate can print, holding the change
         return [], {"wall_s": 0.0}
 

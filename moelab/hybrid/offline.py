@@ -297,6 +297,7 @@ def plan_routing(
     predictor: Any = None,
     routing_policies: Sequence[Any] | None = None,
     routing_memo: dict | None = None,
+    warm_routing: Iterable[ForwardRouting] | None = None,
 ) -> list[LayerPlan]:
     """The plans of every MoE layer of every forward of ``routing`` under ``config``.
 
@@ -319,6 +320,9 @@ def plan_routing(
             per (deferral/skipping setting, forwards, layer, phase) and reused. Keys hold the
             forwards' ``forward`` ids, not object identities, so a memo is safe to share between
             threads; it is ignored with ``routing_policies`` (their settings are not in the key).
+        warm_routing: the routing ``cache.warm`` (``frequency``/``trace``) and a pin-less ``static``
+            cache count or replay (default: ``routing`` itself, or ``cache.warm_from``): e.g. the
+            warm-up steps of a what-if grid, so the measured steps are not seen in advance.
 
     Size: keyword settings of a public entry point, each with a default (the CLI's options where it has a
     command), so a call names only what it changes; a settings object would be one more thing to build.
@@ -344,7 +348,11 @@ def plan_routing(
     if future:
         groups = [(ly, x[3]) for _, layers in source for ly, x in enumerate(layers)]
         extra["stream"] = stream_from_groups(groups, num_experts, top_k)
-    if counts_needed and cfg.cache.warm_from is None:
+    if counts_needed and warm_routing is not None:
+        warm_src = list(_prepared(warm_routing, _RoutingStates(cfg.routing, top_k, routing_policies, None), L, True))
+        extra.update(warm_start(cfg, warm_src, num_experts=num_experts, top_k=top_k, expert_bytes=expert_bytes,
+                                shape=shape, proposer=proposer, extra=extra))
+    elif counts_needed and cfg.cache.warm_from is None:
         extra.update(warm_start(cfg, source, num_experts=num_experts, top_k=top_k, expert_bytes=expert_bytes,
                                 shape=shape, proposer=proposer, extra=extra))
     elif counts_needed:

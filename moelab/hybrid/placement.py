@@ -108,18 +108,21 @@ class GreedyHSS(Placement):
         dcost, hcost, fetch_us = self._costs(cost)
         tokens = max(max((n for _, n in misses), default=1), max((n for _, n in hits), default=1))
         paid = bool(hits) or cost.shared_bytes > 0
+        sync = cost.profile.sync_us  # after both lanes, once the device has work (CostModel.lanes_us)
         dev = cost.device_call_us + cost.shared_us(tokens) + sum([dcost[n] for _, n in hits]) if paid else 0.0
         H = cost.host_lanes
         call_h = cost.host_call_us
-        work, count = [0.0] * H, [0] * H
+        work, count, read = [0.0] * H, [0] * H, [0.0] * H
         for e, n in misses:
             work[e % H] += hcost[n]
             count[e % H] += 1
+            read[e % H] += cost.expert_bytes  # a host expert, or the copy of a fetched one, reads its node
+        node = cost.node_cap if not cost.profile.device_shares_host_memory else float("inf")
 
         def host_end() -> float:
-            return max([w + call_h if c else 0.0 for w, c in zip(work, count)])
+            return max([max(w + call_h, r / node) if c else 0.0 for w, c, r in zip(work, count, read)])
 
-        best = max(dev, host_end())
+        best = max(dev, host_end()) + (sync if paid else 0.0)
         link = 0.0
         out: dict[int, str] = {e: HOST for e, _ in misses}
         fetched: list[tuple[int, int]] = []
@@ -129,7 +132,7 @@ class GreedyHSS(Placement):
             lane = e % H
             work[lane] -= hcost[n]
             count[lane] -= 1
-            t = max(nd, host_end())
+            t = max(nd, host_end()) + sync
             if t < best:
                 link, dev, best, paid = nl, nd, t, True
                 out[e] = FETCH
@@ -147,15 +150,17 @@ class GreedyHSS(Placement):
                 lane = e % H
                 work[lane] += hcost[n]
                 count[lane] += 1
+                read[lane] += cost.expert_bytes
                 kept.remove((e, n))
-                nd = max(cost.lanes_us(kept, fetched, (), tokens=tokens)[0], 0.0)
-                t = max(nd, host_end())
+                nd = cost.device_finish_us(kept, fetched, tokens=tokens)
+                t = max(nd, host_end()) + (sync if nd else 0.0)
                 if t < best:
                     dev, best = nd, t
                     out[e] = HOST
                 else:
                     work[lane] -= hcost[n]
                     count[lane] -= 1
+                    read[lane] -= cost.expert_bytes
                     kept.append((e, n))
                     break
         return out

@@ -150,7 +150,9 @@ def transfer_model(hardware: str | HardwareProfile | None, expert_bytes: int, la
     if layer_time_us is not None:
         changes["decode_layer_time_us"] = float(layer_time_us)
     if link_bandwidth_gbs is not None:
+        # the rate copies reach, as given: the profile's link efficiency does not apply to it
         changes["link_bandwidth_gbs"] = float(link_bandwidth_gbs)
+        changes["link_efficiency"] = 1.0
     if changes:
         profile = profile.with_changes(**changes)
     return TransferModel(profile=profile, expert_bytes=int(expert_bytes), latency_us=float(latency_us))

@@ -20,6 +20,7 @@ from typing import Any
 from moelab.errors import MoelabError
 from moelab.hybrid.executors import Executor
 from moelab.timing import get_profile
+from moelab.timing.memory import check_memory
 from moelab.timing.shapes import ModelShape
 
 log = logging.getLogger(__name__)
@@ -40,6 +41,9 @@ class SimulatedExecutor(Executor):
         self.profile = get_profile(run.config.hardware)
 
         self.shape = ModelShape.from_model(run.model)
+        # the configuration must fit the profile's memories (weights and expert slots; the KV cache
+        # grows with the run and is not known yet)
+        check_memory(self.shape, self.profile, capacity=run.config.cache.capacity, context=0)
         self.clock_us = 0.0
         self.context = 0
         self._done = 0  # plans already simulated

@@ -345,9 +345,11 @@ def _config(cell: dict, hardware: Any, *, oracle: bool, prefetch: bool, cache: s
 
 def simulate_cell(routing: list, shape: Any, hardware: Any, profile: Any, cell: dict, *, context: int,
                   oracle: bool = False, prefetch: bool = False, warmup: int = 0, cache: str | None = None,
-                  routing_memo: dict | None = None, cache_options: dict | None = None) -> dict:
+                  routing_memo: dict | None = None, cache_options: dict | None = None, warm: str = "frequency") -> dict:
     """Plan and simulate one configuration; tokens/s, decode step time, stalls (s), busy % over
-    the decode forwards after the first ``warmup`` (the planner's caches start empty).
+    the decode forwards after the first ``warmup``. The caches start ``warm`` (``cache.warm``:
+    ``frequency`` by default, counted over the warm-up forwards — over all of them when there is no
+    warm-up — so a capacity of 1.0 holds every expert those steps need; ``empty``: cold).
     ``routing_memo``: see :func:`moelab.hybrid.offline.plan_routing` (one dict per routing source).
 
     Size: keyword settings of a public entry point, each with a default (the CLI's options where it has a
@@ -360,10 +362,11 @@ def simulate_cell(routing: list, shape: Any, hardware: Any, profile: Any, cell: 
     cfg = _config(cell, hardware, oracle=oracle, prefetch=prefetch, cache=cache, cache_options=cache_options)
     if cfg["cache"]["policy"] == "static" and "profile" not in cfg["cache"]["options"]:
         cfg["cache"]["options"]["profile"] = static_counts(routing, shape, warmup)[0]
+    cfg["cache"]["warm"] = warm
     plans = plan_routing(routing, cfg,
                          num_experts=[shape.num_experts] * L, top_k=[shape.top_k] * L,
                          expert_bytes=shape.expert_bytes(), shape=shape,
-                         routing_memo=routing_memo)
+                         routing_memo=routing_memo, warm_routing=_warmup_forwards(routing, warmup))
     res = simulate_plans(plans, shape, profile, context=context)
     fw, ev = res.forwards, res.events
     dec = fw[fw["phase"] == "decode"]
@@ -379,6 +382,18 @@ def simulate_cell(routing: list, shape: Any, hardware: Any, profile: Any, cell: 
     for lane, pct in s["busy_pct"].items():
         out[f"busy_{lane}_pct"] = pct
     return out
+
+
+def _warmup_forwards(routing: list, warmup: int) -> list | None:
+    """The forwards up to the ``warmup``-th decode forward (the steps not measured), or None (all)."""
+    if not warmup:
+        return None
+    n = 0
+    for i, r in enumerate(routing):
+        n += r.phase == "decode"
+        if n == warmup:
+            return routing[: i + 1]
+    return None
 
 
 #: The oracle's variants: Belady's MIN (inserting every miss, or bypassing the cache where the

@@ -119,8 +119,14 @@ class CostModel:
 
     @property
     def link_cap(self) -> float:
-        """Bytes per µs of one host→device copy (the profile's :class:`~moelab.timing.link.Link`)."""
-        return self.profile.link.bandwidth_gbs * 1e3
+        """Bytes per µs of one host→device copy: the profile's :class:`~moelab.timing.link.Link`,
+        at most what its NUMA node's memory gives (a copy reads host memory)."""
+        return min(self.profile.link.bandwidth_gbs, self.profile.numa_node_bandwidth_gbs) * 1e3
+
+    @property
+    def node_cap(self) -> float:
+        """Bytes per µs one NUMA node's memory gives its readers together (host experts and copies)."""
+        return self.profile.numa_node_bandwidth_gbs * 1e3
 
     # ------------------------------------------------------------------ fixed costs
     @property
@@ -155,34 +161,54 @@ class CostModel:
         return int(self.profile.numa_nodes)
 
     # ------------------------------------------------------------------ one unit of work, alone
+    # (scalar forms of the rates above, memoised per token count: the placements ask them for
+    # every split they weigh)
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_memo", {})
+
+    def _roofline_us(self, nbytes: float, flops: float, bw_gbs: float, eff: float, tflops: float,
+                     ceff: float) -> float:
+        return max(nbytes / (bw_gbs * 1e3 * eff), flops / (tflops * 1e6 * ceff))
+
+    def _memoised(self, key: tuple, fn) -> float:
+        memo = self._memo
+        v = memo.get(key)
+        if v is None:
+            v = memo[key] = fn()
+        return v
+
     def device_us(self, tokens: int) -> float:
         """One routed expert with ``tokens`` rows on the device (launches + roofline)."""
-        b = self.expert_bytes
-        return self.device_expert_fixed_us + b / float(self.device_cap(b, self.expert_flops_per_token * tokens))
+        hw = self.profile
+        return self._memoised(("d", tokens), lambda: self.device_expert_fixed_us + self._roofline_us(
+            self.expert_bytes, self.expert_flops_per_token * tokens, hw.gpu_memory_bandwidth_gbs,
+            hw.gpu_memory_efficiency, hw.gpu_peak_tflops, hw.gpu_compute_efficiency))
 
     def host_us(self, tokens: int) -> float:
         """One routed expert with ``tokens`` rows on its host lane (dispatch + roofline)."""
-        b = self.expert_bytes
-        return self.host_expert_fixed_us + b / float(self.host_cap(b, self.expert_flops_per_token * tokens))
+        hw = self.profile
+        return self._memoised(("h", tokens), lambda: self.host_expert_fixed_us + self._roofline_us(
+            self.expert_bytes, self.expert_flops_per_token * tokens, hw.numa_node_bandwidth_gbs,
+            hw.cpu_memory_efficiency, hw.cpu_peak_tflops / hw.numa_nodes, 1.0))
 
     def fetch_us(self) -> float:
-        """One expert over the host→device link."""
-        return self.profile.link.transfer_us(self.expert_bytes)
+        """One expert over the host→device link (latency + bytes at :attr:`link_cap`)."""
+        return self._memoised(("f",), lambda: self.profile.link.latency_us + self.expert_bytes / self.link_cap)
 
     def shared_us(self, tokens: int) -> float:
         """The layer's shared experts on the device (0 without shared experts)."""
         if not self.shared_bytes:
             return 0.0
-        b = self.shared_bytes
-        return self.device_expert_fixed_us + b / float(self.device_cap(b, self.shared_flops_per_token * tokens))
+        hw = self.profile
+        return self._memoised(("s", tokens), lambda: self.device_expert_fixed_us + self._roofline_us(
+            self.shared_bytes, self.shared_flops_per_token * tokens, hw.gpu_memory_bandwidth_gbs,
+            hw.gpu_memory_efficiency, hw.gpu_peak_tflops, hw.gpu_compute_efficiency))
 
-    def lanes_us(self, device: Sequence[tuple[int, int]], fetch: Sequence[tuple[int, int]],
-                 host: Sequence[tuple[int, int]], *, tokens: int = 1) -> tuple[float, float]:
-        """(device finish, host finish) of one MoE layer, from the layer's start: the device runs
-        the shared experts, the ``device`` (resident) experts, then each ``fetch`` expert once its
-        copy (FIFO on the link) and the device are both free; each host lane runs its ``host``
-        experts. Pairs are ``(expert, tokens)``; ``tokens`` is the layer's real tokens (shared
-        experts)."""
+    def device_finish_us(self, device: Sequence[tuple[int, int]], fetch: Sequence[tuple[int, int]], *,
+                         tokens: int = 1) -> float:
+        """When the device lane finishes a MoE layer (0: no device work): its call, the shared
+        experts, the ``device`` (resident) experts, then each ``fetch`` expert once its copy (FIFO
+        on the link) and the device are both free."""
         dev, paid = 0.0, False  # the device call's fixed cost is paid by the layer's first device task
         if device or self.shared_bytes:
             dev = self.device_call_us + self.shared_us(tokens) + sum(self.device_us(n) for _, n in device)
@@ -192,11 +218,35 @@ class CostModel:
             link += self.fetch_us()
             dev = max(dev, link) + self.device_us(n) + (0.0 if paid else self.device_call_us)
             paid = True
+        return dev
+
+    def lanes_us(self, device: Sequence[tuple[int, int]], fetch: Sequence[tuple[int, int]],
+                 host: Sequence[tuple[int, int]], *, tokens: int = 1) -> tuple[float, float]:
+        """(device finish, host finish) of one MoE layer, from the layer's start, as the control
+        thread learns them: :meth:`device_finish_us`; each host lane runs its ``host`` experts (a
+        node's host lane no faster than the bytes it and its copies read over the node's
+        bandwidth); when the device worked, the control thread synchronises with it (``sync_us``)
+        after both, so each finish carries the sync. The layer's time is the larger of the two.
+        Pairs are ``(expert, tokens)``; ``tokens`` is the layer's real tokens (shared experts)."""
+        dev = self.device_finish_us(device, fetch, tokens=tokens)
         lanes = [0.0] * self.host_lanes
         for e, n in host:
             lane = e % self.host_lanes
             lanes[lane] += (self.host_call_us if lanes[lane] == 0.0 else 0.0) + self.host_us(n)
-        return dev, max(lanes)
+        if fetch and host and not self.profile.device_shares_host_memory:
+            # the copies read their NUMA node's memory too: a node's host experts and copies
+            # together cannot read faster than the node gives
+            read = [0.0] * self.host_lanes
+            for e, _ in host:
+                read[e % self.host_lanes] += self.expert_bytes
+            for e, _ in fetch:
+                read[e % self.host_lanes] += self.expert_bytes
+            lanes = [max(t, r / self.node_cap) if t else t for t, r in zip(lanes, read)]
+        host_end = max(lanes)
+        if dev:
+            sync = self.profile.sync_us
+            return dev + sync, host_end + sync
+        return dev, host_end
 
     def attention(self, context: float, batch: int, prefill: bool) -> tuple[float, float]:
         """(bytes, FLOPs) of one decoder layer's attention at ``context`` for ``batch`` rows."""
