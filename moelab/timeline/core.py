@@ -161,7 +161,8 @@ def _as_frame(events: Any) -> pd.DataFrame:
 def plan_fates(path: str | Path) -> dict[str, int]:
     """Per-expert fates of a run's layer plans (``plans.jsonl``): device experts that were cache
     hits (``hit``; ``prefetch-hit`` when a prefetch brought them) or fetched misses
-    (``miss-fetch``), misses computed on the host (``miss-host``) and ``deferred`` experts."""
+    (``miss-fetch``), misses computed on the host (``miss-host``; a cached expert the host took is
+    a hit) and ``deferred`` experts."""
     out = dict.fromkeys(FATES, 0)
     with open(path, encoding="utf-8") as f:
         for line in f:
@@ -171,7 +172,8 @@ def plan_fates(path: str | Path) -> dict[str, int]:
             pre, hits, misses = set(p.get("prefetch_hits", ())), set(p.get("hits", ())), set(p.get("misses", ()))
             for e, _ in p.get("device", ()):
                 out["prefetch-hit" if e in pre else "hit" if e in hits else "miss-fetch" if e in misses else "hit"] += 1
-            out["miss-host"] += len(p.get("host", ()))
+            for e, _ in p.get("host", ()):  # a cached expert the host took (HybriMoE's steal) is still a hit
+                out["prefetch-hit" if e in pre else "hit" if e in hits else "miss-host"] += 1
             out["deferred"] += len(p.get("deferred", ()))
     return out
 
