@@ -452,7 +452,6 @@ def test_calibrate_writes_a_profile_that_loads_with_every_number_stated(tmp_path
     from moelab.simulate import calibrate as C
     from moelab.simulate.calibrate import CalibrateConfig, calibrate, write_profile
     from moelab.timing import load_profile
-    from moelab.timing.profile import OPTIONAL_FIELDS  # not written by calibrate yet
 
     # a quiet machine (faked: the load is what this test does not control); the tiny sizes fit values no real
     # machine has, so they are written flagged (tests/test_calibration_trust.py checks the refusal)
@@ -472,7 +471,7 @@ def test_calibrate_writes_a_profile_that_loads_with_every_number_stated(tmp_path
     oob = "stated: OUT OF BOUNDS (written with --allow-out-of-bounds): "
     assert all(v.startswith("stated: measured by moelab calibrate on ") or (v.startswith(oob) and k in profile
                and "measured by moelab calibrate on " in v) for k, v in hw.provenance.items()
-               if k not in ("decode_layer_time_us", "attention_fraction", *OPTIONAL_FIELDS))
+               if k not in ("decode_layer_time_us", "attention_fraction"))
     assert hw.runtime_layer_us > 0 and hw.runtime_call_us > 0  # moelab's executor, measured on a tiny model
     assert raw["load_before"] == quiet and raw["busy"] == ""
     assert "1 timed calls, median" in hw.provenance["link_bandwidth_gbs"]

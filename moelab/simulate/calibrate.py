@@ -429,6 +429,17 @@ def _copy_points(cfg: CalibrateConfig) -> dict:
     return {"expert_bytes": ebytes, "expert_seconds": big, "small_bytes": 4096, "small_seconds": small}
 
 
+def _host_memory_gb() -> float:
+    """This machine's memory (GB, 10^9 bytes) from /proc/meminfo, or from the page count elsewhere."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                return int(line.split()[1]) * 1024 / 1e9
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9
+
+
 def _numa_nodes() -> int:
     nodes = list(Path("/sys/devices/system/node").glob("node[0-9]*"))
     return max(len(nodes), 1)
@@ -597,6 +608,10 @@ def calibrate(cfg: CalibrateConfig | None = None, *, progress: bool = True, allo
                                "between threads is moelab's executor's cost (runtime_call_us)"),
         "copy_engines": stated(1, "the real executor has one copy lane"),
         "device_shares_host_memory": stated(True, "no GPU here: the device lane is a CPU worker"),
+        "link_efficiency": stated(1.0, "link_bandwidth_gbs above is what copies reached"),
+        "host_memory_gb": stated(round(_host_memory_gb(), 1), "MemTotal of /proc/meminfo"),
+        "gpu_memory_gb": stated(round(_host_memory_gb(), 1), "no GPU here: the device lane's experts live in host "
+                                                             "memory (MemTotal of /proc/meminfo)"),
         # runtime overhead (calibrated): moelab's executor on this machine, beyond the hardware
         "runtime_layer_us": stated(round(runtime["layer_us"], 3), (
             "the real executor's control-thread plan + dispatch events per MoE layer (median of "
