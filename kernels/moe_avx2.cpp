@@ -226,6 +226,7 @@ void mk_nt(int nt, const MatView& m, int tile, const TilePtrs& p, float* out, si
 constexpr int kBlockedMinRows = 8;  // rows per expert from which the blocked path runs
 constexpr int kKc = 256;            // reduction chunk: a 16 KiB fp32 scratch tile (L1)
 constexpr int kNr = 6;              // rows per micro-kernel call: 6 x 2 ymm accumulators
+constexpr int kMc = 96;             // rows per block (a multiple of kNr)
 
 // Decode rows [k0, k0 + kc) of one packed 16-row tile into wt[kc][16] fp32 (k0, kc multiples of 4).
 void decode_tile(const MatView& m, int tile, int k0, int kc, float* wt) {
@@ -297,27 +298,32 @@ void mk_blocked_n(int nr, const float* wt, int kc, const float* const* x, float*
   }
 }
 
-// fp32 / bf16 / fp8 weights, n >= kBlockedMinRows: chunk k, decode each tile chunk once.
+// fp32 / bf16 / fp8 weights, n >= kBlockedMinRows. Blocks of kMc rows (their fp32
+// activations for one chunk, kMc x kKc x 4 = 96 KiB, stay in L2 across the tiles), then
+// chunks of the reduction, then tiles: each tile chunk is decoded once per row block.
 void gemm_blocked(const MatView& m, int tile0, int ntiles, const ActView& a, int n, float* out,
                   size_t ldo) {
   alignas(64) float wt[kKc * 16];
   const bool f32 = m.wtype == W_F32;
   const float* xbase = f32 ? static_cast<const float*>(a.base) : a.xf;
   const float* xr[kNr];
-  for (int k0 = 0; k0 < m.kd; k0 += kKc) {
-    const int kc = m.kd - k0 < kKc ? m.kd - k0 : kKc;
-    for (int ti = 0; ti < ntiles; ++ti) {
-      const float* w;
-      if (f32) {
-        w = reinterpret_cast<const float*>(m.w + size_t(tile0 + ti) * m.tile_bytes) + size_t(k0) * 16;
-      } else {
-        decode_tile(m, tile0 + ti, k0, kc, wt);
-        w = wt;
-      }
-      for (int t0 = 0; t0 < n; t0 += kNr) {
-        const int nr = n - t0 < kNr ? n - t0 : kNr;
-        for (int t = 0; t < nr; ++t) xr[t] = xbase + size_t(a.rows[t0 + t]) * a.ld + k0;
-        mk_blocked_n(nr, w, kc, xr, out + size_t(t0) * ldo + size_t(ti) * 16, ldo, k0 > 0);
+  for (int r0 = 0; r0 < n; r0 += kMc) {
+    const int r1 = n - r0 < kMc ? n : r0 + kMc;
+    for (int k0 = 0; k0 < m.kd; k0 += kKc) {
+      const int kc = m.kd - k0 < kKc ? m.kd - k0 : kKc;
+      for (int ti = 0; ti < ntiles; ++ti) {
+        const float* w;
+        if (f32) {
+          w = reinterpret_cast<const float*>(m.w + size_t(tile0 + ti) * m.tile_bytes) + size_t(k0) * 16;
+        } else {
+          decode_tile(m, tile0 + ti, k0, kc, wt);
+          w = wt;
+        }
+        for (int t0 = r0; t0 < r1; t0 += kNr) {
+          const int nr = r1 - t0 < kNr ? r1 - t0 : kNr;
+          for (int t = 0; t < nr; ++t) xr[t] = xbase + size_t(a.rows[t0 + t]) * a.ld + k0;
+          mk_blocked_n(nr, w, kc, xr, out + size_t(t0) * ldo + size_t(ti) * 16, ldo, k0 > 0);
+        }
       }
     }
   }

@@ -17,7 +17,7 @@ SPECS = [KernelSpec("fp32"), KernelSpec("bf16"), KernelSpec("int8", 64), KernelS
          KernelSpec("fp8"), KernelSpec("fp8", block=(16, 32))]
 SPEC_IDS = ["fp32", "bf16", "int8g64", "int4g32", "fp8b128", "fp8b16x32"]
 TOL = {"fp32": 1e-5, "bf16": 2e-3, "int8": 5e-3, "int4": 5e-3, "fp8": 5e-3}
-ROWS_PER_EXPERT = [1, 3, 5, 7, 8, 9, 13, 24]  # across the blocked path's switch at 8
+ROWS_PER_EXPERT = [1, 3, 5, 7, 8, 9, 13, 24, 100]  # across the blocked switch (8) and row block (96)
 
 
 @pytest.fixture(params=ISAS)
