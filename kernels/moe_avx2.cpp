@@ -5,6 +5,15 @@
 // unsigned nibble and the same offset correction as the AVX-512 path. fp8 (e4m3) bytes
 // are decoded exactly to fp16 with two shifts and a mask, widened with vcvtph2ps and
 // multiplied in fp32 against bf16 activations; the block scale is applied once per block.
+//
+// Two regimes, chosen per call by the rows (tokens) an expert has:
+//  * n < kBlockedMinRows (decode): memory-bound; weights are widened in registers as they
+//    stream and each loaded line is used for all n rows.
+//  * n >= kBlockedMinRows (prefill, batched decode): compute-bound; for each 16-row tile and
+//    each KC-long chunk of the reduction the weights are decoded once (bf16 / fp8 -> fp32,
+//    fp8 block scale applied) into a 16 KiB L1-resident scratch tile, and a 6-row x 16-col
+//    register-blocked FMA micro-kernel (12 accumulators) sweeps all n rows over it.
+// bf16/fp8 activations arrive as fp32 copies (ActView::xf) so rows are broadcast from memory.
 #include <immintrin.h>
 
 #include "moe_kernels.h"
@@ -18,6 +27,7 @@ namespace {
 
 struct TilePtrs {
   const void* x[4];
+  const float* xf[4];  // bf16 / fp8 weights: fp32 activations
   const float* sx[4];
   const int32_t* corr[4];
 };
@@ -58,9 +68,9 @@ void mk_fp(const MatView& m, int tile, const TilePtrs& p, float* out, size_t ldo
           wo[2 * i + h] = _mm256_castsi256_ps(_mm256_and_si256(v, hi_mask));
         }
       for (int t = 0; t < NT; ++t) {
-        const uint16_t* x = static_cast<const uint16_t*>(p.x[t]);
-        const __m256 x0 = _mm256_set1_ps(bf16_to_f32(x[k]));
-        const __m256 x1 = _mm256_set1_ps(bf16_to_f32(x[k + 1]));
+        const float* x = p.xf[t];
+        const __m256 x0 = _mm256_broadcast_ss(x + k);
+        const __m256 x1 = _mm256_broadcast_ss(x + k + 1);
         for (int i = 0; i < MH; ++i) {
           acc[i][t] = _mm256_fmadd_ps(we[i], x0, acc[i][t]);
           acc[i][t] = _mm256_fmadd_ps(wo[i], x1, acc[i][t]);
@@ -143,14 +153,11 @@ void mk_fp8(const MatView& m, int tile, const TilePtrs& p, float* out, size_t ld
   constexpr int MH = 2 * MT;
   const uint8_t* w[MT];
   const float* sc[MT];
-  const uint16_t* x[NT];
   for (int i = 0; i < MT; ++i) {
     w[i] = m.w + size_t(tile + i) * m.tile_bytes;
     sc[i] = m.scales + size_t(tile + i) * m.scale_tile;
   }
-  for (int t = 0; t < NT; ++t) x[t] = static_cast<const uint16_t*>(p.x[t]);
   const __m256i fmask = _mm256_set1_epi16(int16_t(0xBF80));
-  const __m256i himask = _mm256_set1_epi32(int32_t(0xFFFF0000u));
   const int groups = m.kd / m.group;
   for (int g = 0; g < groups; ++g) {
     __m256 acc[MH][NT];
@@ -174,9 +181,7 @@ void mk_fp8(const MatView& m, int tile, const TilePtrs& p, float* out, size_t ld
             wv[2 * i + 1] = _mm256_cvtph_ps(_mm256_extracti128_si256(h16[j][i], 1));
           }
           for (int t = 0; t < NT; ++t) {
-            // bf16 pair (kk & ~1, kk | 1) broadcast as 32 bits; its low or high half is x[kk]
-            const __m256i xp = _mm256_set1_epi32(load_i32(x[t] + (kk & ~1)));
-            const __m256 xb = _mm256_castsi256_ps(hl ? _mm256_and_si256(xp, himask) : _mm256_slli_epi32(xp, 16));
+            const __m256 xb = _mm256_broadcast_ss(p.xf[t] + kk);
             for (int i = 0; i < MH; ++i) acc[i][t] = _mm256_fmadd_ps(wv[i], xb, acc[i][t]);
           }
         }
@@ -216,33 +221,165 @@ void mk_nt(int nt, const MatView& m, int tile, const TilePtrs& p, float* out, si
   }
 }
 
+// ---- compute-bound path: decode a tile chunk once, sweep all rows over it ----
+
+constexpr int kBlockedMinRows = 8;  // rows per expert from which the blocked path runs
+constexpr int kKc = 256;            // reduction chunk: a 16 KiB fp32 scratch tile (L1)
+constexpr int kNr = 6;              // rows per micro-kernel call: 6 x 2 ymm accumulators
+constexpr int kMc = 96;             // rows per block (a multiple of kNr)
+
+// Decode rows [k0, k0 + kc) of one packed 16-row tile into wt[kc][16] fp32 (k0, kc multiples of 4).
+void decode_tile(const MatView& m, int tile, int k0, int kc, float* wt) {
+  const uint8_t* w = m.w + size_t(tile) * m.tile_bytes;
+  if (m.wtype == W_BF16) {
+    const __m256i hi_mask = _mm256_set1_epi32(int32_t(0xFFFF0000u));
+    for (int k = 0; k < kc; k += 2) {
+      const uint8_t* line = w + size_t(k0 + k) * 32;
+      for (int h = 0; h < 2; ++h) {
+        const __m256i v = _mm256_load_si256(reinterpret_cast<const __m256i*>(line + 32 * h));
+        _mm256_store_ps(wt + size_t(k) * 16 + 8 * h, _mm256_castsi256_ps(_mm256_slli_epi32(v, 16)));
+        _mm256_store_ps(wt + size_t(k + 1) * 16 + 8 * h, _mm256_castsi256_ps(_mm256_and_si256(v, hi_mask)));
+      }
+    }
+  } else {  // fp8: [Kd/4][2][16][2]; half-line hl holds rows x {k + hl, k + hl + 2}
+    const __m256i fmask = _mm256_set1_epi16(int16_t(0xBF80));
+    const float* sc = m.scales + size_t(tile) * m.scale_tile;
+    for (int k = 0; k < kc; k += 4) {
+      const uint8_t* line = w + size_t((k0 + k) / 4) * 64;
+      const __m256 s = _mm256_set1_ps(sc[(k0 + k) / m.group]);  // a 4-k line lies in one block
+      for (int hl = 0; hl < 2; ++hl) {
+        const __m256i v = _mm256_load_si256(reinterpret_cast<const __m256i*>(line + 32 * hl));
+        const __m256i h0 = _mm256_and_si256(_mm256_srai_epi16(_mm256_slli_epi16(v, 8), 1), fmask);
+        const __m256i h1 = _mm256_and_si256(_mm256_srai_epi16(v, 1), fmask);
+        float* d0 = wt + size_t(k + hl) * 16;
+        float* d1 = wt + size_t(k + hl + 2) * 16;
+        _mm256_store_ps(d0, _mm256_mul_ps(_mm256_cvtph_ps(_mm256_castsi256_si128(h0)), s));
+        _mm256_store_ps(d0 + 8, _mm256_mul_ps(_mm256_cvtph_ps(_mm256_extracti128_si256(h0, 1)), s));
+        _mm256_store_ps(d1, _mm256_mul_ps(_mm256_cvtph_ps(_mm256_castsi256_si128(h1)), s));
+        _mm256_store_ps(d1 + 8, _mm256_mul_ps(_mm256_cvtph_ps(_mm256_extracti128_si256(h1, 1)), s));
+      }
+    }
+  }
+}
+
+// o[t][0..16) (+)= sum_k wt[k][0..16) * x[t][k] for NR rows; wt is [kc][16] fp32.
+template <int NR>
+void mk_blocked(const float* wt, int kc, const float* const* x, float* o, size_t ldo, bool add) {
+  __m256 c[NR][2];
+  for (int t = 0; t < NR; ++t) c[t][0] = c[t][1] = _mm256_setzero_ps();
+  for (int k = 0; k < kc; ++k) {
+    const __m256 w0 = _mm256_load_ps(wt + size_t(k) * 16);
+    const __m256 w1 = _mm256_load_ps(wt + size_t(k) * 16 + 8);
+    for (int t = 0; t < NR; ++t) {
+      const __m256 xb = _mm256_broadcast_ss(x[t] + k);
+      c[t][0] = _mm256_fmadd_ps(w0, xb, c[t][0]);
+      c[t][1] = _mm256_fmadd_ps(w1, xb, c[t][1]);
+    }
+  }
+  for (int t = 0; t < NR; ++t) {
+    float* d = o + size_t(t) * ldo;
+    if (add) {
+      c[t][0] = _mm256_add_ps(c[t][0], _mm256_loadu_ps(d));
+      c[t][1] = _mm256_add_ps(c[t][1], _mm256_loadu_ps(d + 8));
+    }
+    _mm256_storeu_ps(d, c[t][0]);
+    _mm256_storeu_ps(d + 8, c[t][1]);
+  }
+}
+
+void mk_blocked_n(int nr, const float* wt, int kc, const float* const* x, float* o, size_t ldo, bool add) {
+  switch (nr) {
+    case 1: mk_blocked<1>(wt, kc, x, o, ldo, add); break;
+    case 2: mk_blocked<2>(wt, kc, x, o, ldo, add); break;
+    case 3: mk_blocked<3>(wt, kc, x, o, ldo, add); break;
+    case 4: mk_blocked<4>(wt, kc, x, o, ldo, add); break;
+    case 5: mk_blocked<5>(wt, kc, x, o, ldo, add); break;
+    default: mk_blocked<6>(wt, kc, x, o, ldo, add); break;
+  }
+}
+
+// fp32 / bf16 / fp8 weights, n >= kBlockedMinRows. Blocks of kMc rows (their fp32
+// activations for one chunk, kMc x kKc x 4 = 96 KiB, stay in L2 across the tiles), then
+// chunks of the reduction, then tiles: each tile chunk is decoded once per row block.
+void gemm_blocked(const MatView& m, int tile0, int ntiles, const ActView& a, int n, float* out,
+                  size_t ldo) {
+  alignas(64) float wt[kKc * 16];
+  const bool f32 = m.wtype == W_F32;
+  const float* xbase = f32 ? static_cast<const float*>(a.base) : a.xf;
+  const float* xr[kNr];
+  for (int r0 = 0; r0 < n; r0 += kMc) {
+    const int r1 = n - r0 < kMc ? n : r0 + kMc;
+    for (int k0 = 0; k0 < m.kd; k0 += kKc) {
+      const int kc = m.kd - k0 < kKc ? m.kd - k0 : kKc;
+      for (int ti = 0; ti < ntiles; ++ti) {
+        const float* w;
+        if (f32) {
+          w = reinterpret_cast<const float*>(m.w + size_t(tile0 + ti) * m.tile_bytes) + size_t(k0) * 16;
+        } else {
+          decode_tile(m, tile0 + ti, k0, kc, wt);
+          w = wt;
+        }
+        for (int t0 = r0; t0 < r1; t0 += kNr) {
+          const int nr = r1 - t0 < kNr ? r1 - t0 : kNr;
+          for (int t = 0; t < nr; ++t) xr[t] = xbase + size_t(a.rows[t0 + t]) * a.ld + k0;
+          mk_blocked_n(nr, w, kc, xr, out + size_t(t0) * ldo + size_t(ti) * 16, ldo, k0 > 0);
+        }
+      }
+    }
+  }
+}
+
 void gemm_avx2(const MatView& m, int tile0, int ntiles, const ActView& a, int n, float* out,
                size_t ldo) {
   const bool is_int = m.wtype == W_INT8 || m.wtype == W_INT4;
+  if (!is_int && n >= kBlockedMinRows) {
+    gemm_blocked(m, tile0, ntiles, a, n, out, ldo);
+    return;
+  }
   const size_t esize = m.wtype == W_F32 ? 4 : (m.wtype == W_BF16 || m.wtype == W_FP8 ? 2 : 1);
-  for (int ti = 0; ti < ntiles; ti += 2) {
-    const int mt = ntiles - ti < 2 ? 1 : 2;
+  // Register budget (16 ymm): float weights take two row tiles only with one token, else the
+  // accumulators of 2 tiles x NT tokens plus the widened weights would spill. Tiles are the
+  // outer loop so each tile's weights stream from memory once for all n (< 8) tokens.
+  const int mt = (n == 1 || is_int) ? 2 : 1;
+  for (int ti = 0; ti < ntiles; ti += mt) {
+    const bool two = mt == 2 && ntiles - ti >= 2;
     for (int t0 = 0; t0 < n; t0 += 4) {
       const int nt = n - t0 < 4 ? n - t0 : 4;
       TilePtrs p;
       for (int t = 0; t < nt; ++t) {
         const size_t row = size_t(a.rows[t0 + t]);
         p.x[t] = static_cast<const uint8_t*>(a.base) + row * a.ld * esize;
+        p.xf[t] = a.xf ? a.xf + row * a.ld : nullptr;
         if (is_int) {
           p.sx[t] = a.sx + row * a.ldg;
           p.corr[t] = a.corr + row * a.ldg;
         }
       }
       float* o = out + size_t(t0) * ldo + size_t(ti) * 16;
-      if (mt == 2) mk_nt<2>(nt, m, tile0 + ti, p, o, ldo);
+      if (two) mk_nt<2>(nt, m, tile0 + ti, p, o, ldo);
       else mk_nt<1>(nt, m, tile0 + ti, p, o, ldo);
     }
+    if (!two && mt == 2) ti -= 1;  // odd last tile: advance by one
   }
+}
+
+// 12 independent ymm FMA chains (2 FMA ports x latency 4-5 cycles need >= 10 in flight).
+double peak_avx2(int64_t iters) {
+  __m256 acc[12];
+  for (int j = 0; j < 12; ++j) acc[j] = _mm256_set1_ps(float(j) * 1e-3f);
+  const __m256 a = _mm256_set1_ps(0.999f), b = _mm256_set1_ps(1e-4f);
+  for (int64_t i = 0; i < iters; ++i)
+    for (int j = 0; j < 12; ++j) acc[j] = _mm256_fmadd_ps(acc[j], a, b);
+  __m256 s = acc[0];
+  for (int j = 1; j < 12; ++j) s = _mm256_add_ps(s, acc[j]);
+  volatile float sink = _mm256_cvtss_f32(s);
+  (void)sink;
+  return 2.0 * 12 * 8 * double(iters);
 }
 
 }  // namespace
 
-IsaOps avx2_ops() { return IsaOps{gemm_avx2, quant_generic, act_generic}; }
+IsaOps avx2_ops() { return IsaOps{gemm_avx2, quant_generic, act_generic, peak_avx2}; }
 
 }  // namespace moelab
 #pragma GCC pop_options

@@ -105,6 +105,25 @@ void quant_generic(const float* src, size_t lds, int n, int kd, int group, int o
   }
 }
 
+// Portable peak probe: 12 independent multiply-add chains of W floats (vectorised as far as
+// the compiler goes); the result is kept live so nothing is optimised away.
+template <int W>
+double peak_generic(int64_t iters) {
+  float acc[12][W];
+  for (int j = 0; j < 12; ++j)
+    for (int l = 0; l < W; ++l) acc[j][l] = float(j + l) * 1e-3f;
+  const float a = 0.999f, b = 1e-4f;
+  for (int64_t i = 0; i < iters; ++i)
+    for (int j = 0; j < 12; ++j)
+      for (int l = 0; l < W; ++l) acc[j][l] = acc[j][l] * a + b;
+  float s = 0;
+  for (int j = 0; j < 12; ++j)
+    for (int l = 0; l < W; ++l) s += acc[j][l];
+  volatile float sink = s;
+  (void)sink;
+  return 2.0 * 12 * W * double(iters);
+}
+
 // Reference-order scalar GEMM over the packed layout (the portable path).
 void gemm_generic(const MatView& m, int tile0, int ntiles, const ActView& a, int n, float* out,
                   size_t ldo) {

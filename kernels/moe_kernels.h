@@ -40,6 +40,8 @@ struct ActView {
   const float* sx;        // int only: per-(row, group) scale, row stride ldg
   const int32_t* corr;    // int only: offset * sum(q) per (row, group)
   size_t ldg;
+  const float* xf;        // bf16/fp8 weights on AVX2: the same rows as fp32 (exact copies of
+                          // the bf16 values, stride ld), so kernels broadcast from memory
 };
 
 // One expert's packed matrix.
@@ -66,10 +68,15 @@ using QuantFn = void (*)(const float* src, size_t lds, int n, int kd, int group,
 using ActFn = void (*)(const float* gu, size_t ldgu, const float* bias, int n, int rows,
                        int act, float alpha, float limit, float* h, size_t ldh);
 
+// Peak-FLOP probe: iters rounds of independent FMAs on this ISA's vectors; returns the flops
+// done (the benchmark's "machine FMA peak").
+using PeakFn = double (*)(int64_t iters);
+
 struct IsaOps {
   GemmFn gemm;
   QuantFn quant;
   ActFn act;
+  PeakFn peak;
 };
 
 IsaOps portable_ops();

@@ -9,11 +9,18 @@
 // Stage 2 tasks are output-row slices; each walks the active experts in a fixed order
 // and accumulates router-weighted results straight into its slice of the output, so
 // there are no races and the result does not depend on the thread count.
+//
+// Worker pool: OpenMP's (libgomp keeps its threads alive between calls); schedule(dynamic, 1)
+// is the atomic task counter, so a skewed routing (one expert with most of the rows) is
+// spread over all threads by its slices. Per-thread busy time per stage is kept for the
+// benchmark's imbalance figure (last_call_stats).
 #include <omp.h>
 #include <torch/extension.h>
 
 #include <algorithm>
 #include <cstring>
+#include <map>
+#include <string>
 #include <vector>
 
 #include "moe_kernels.h"
@@ -22,6 +29,16 @@ namespace moelab {
 namespace {
 
 constexpr int kSlice2 = 64;  // output rows per stage-2 task
+
+// Per-thread busy seconds of the calling Python thread's last call, per stage (for the
+// benchmark's imbalance figure). thread_local: concurrent calls from Python threads each
+// keep their own.
+struct CallStats {
+  std::vector<double> busy1, busy2;
+  double wall1 = 0, wall2 = 0;
+  int64_t tasks1 = 0, tasks2 = 0;
+};
+thread_local CallStats last_stats;
 
 inline uint16_t f32_to_bf16(float f) {
   uint32_t u;
@@ -70,6 +87,9 @@ at::Tensor moe_forward(const at::Tensor& x, const at::Tensor& ids, const at::Ten
   const bool is_fp8 = wtype == W_FP8;
   const bool has_scales = is_int || is_fp8;
   const bool bf16_act = wtype == W_BF16 || is_fp8;  // fp8 weights meet bf16 activations
+  // AVX2 multiplies bf16/fp8 weights in fp32: it reads fp32 copies of the (bf16-valued)
+  // activations, made once per call instead of once per task.
+  const bool want_xf = bf16_act && isa == ISA_AVX2;
   const int offset = wtype == W_INT8 ? 128 : 8;
   const int64_t T = x.size(0), K = ids.size(1), S = T * K;
   at::Tensor out = at::empty({T, H}, x.options());
@@ -162,6 +182,18 @@ at::Tensor moe_forward(const at::Tensor& x, const at::Tensor& ids, const at::Ten
       a1.base = xb.data();
     }
     a1.ld = size_t(Kp1);
+    if (want_xf) {
+      xf.assign(size_t(T) * Kp1, 0.0f);
+      const uint16_t* src = static_cast<const uint16_t*>(a1.base);
+      // a few rows (decode) convert on the calling thread: a fork/join costs more than the work
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (T >= 64)
+      for (int64_t t = 0; t < T; ++t)
+        for (int k = 0; k < Kp1; ++k) {
+          const uint32_t u = uint32_t(src[size_t(t) * Kp1 + k]) << 16;
+          std::memcpy(&xf[size_t(t) * Kp1 + k], &u, 4);
+        }
+      a1.xf = xf.data();
+    }
   } else {
     xf.assign(size_t(T) * Kp1, 0.0f);
     at::Tensor x32 = xc.to(at::kFloat);
@@ -170,7 +202,7 @@ at::Tensor moe_forward(const at::Tensor& x, const at::Tensor& ids, const at::Ten
     xq.resize(size_t(T) * Kp1);
     xsx.resize(size_t(T) * G1);
     xcorr.resize(size_t(T) * G1);
-#pragma omp parallel for num_threads(nthreads) schedule(static)
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (T >= 64)  // decode: no fork/join
     for (int64_t t = 0; t < T; ++t)
       ops.quant(&xf[size_t(t) * Kp1], Kp1, 1, Kp1, group, offset, &xq[size_t(t) * Kp1], Kp1,
                 &xsx[size_t(t) * G1], &xcorr[size_t(t) * G1], G1);
@@ -187,7 +219,7 @@ at::Tensor moe_forward(const at::Tensor& x, const at::Tensor& ids, const at::Ten
   std::vector<int8_t> hq;
   std::vector<float> hsx;
   std::vector<int32_t> hcorr;
-  if (wtype == W_F32) hf.resize(size_t(S) * Ip);
+  if (wtype == W_F32 || want_xf) hf.resize(size_t(S) * Ip);
   else if (bf16_act) hb.resize(size_t(S) * Ip);
   else { hq.resize(size_t(S) * Ip); hsx.resize(size_t(S) * G2); hcorr.resize(size_t(S) * G2); }
 
@@ -198,11 +230,15 @@ at::Tensor moe_forward(const at::Tensor& x, const at::Tensor& ids, const at::Ten
   const int nsl1 = Ip / S1;
   const int64_t ntask1 = int64_t(order.size()) * nsl1;
   const int tiles1 = 2 * S1 / 16;
+  std::vector<double> busy1(nthreads, 0.0), busy2(nthreads, 0.0);
+  const double t_start = omp_get_wtime();
 #pragma omp parallel num_threads(nthreads)
   {
     std::vector<float> gu, hloc;
+    double& busy = busy1[omp_get_thread_num()];
 #pragma omp for schedule(dynamic, 1)
     for (int64_t task = 0; task < ntask1; ++task) {
+      const double t0 = omp_get_wtime();
       const int e = order[task / nsl1], s = int(task % nsl1), n = cnt[e];
       gu.resize(size_t(n) * 2 * S1);
       hloc.resize(size_t(n) * S1);
@@ -219,6 +255,12 @@ at::Tensor moe_forward(const at::Tensor& x, const at::Tensor& ids, const at::Ten
         const float* src = hloc.data() + size_t(j) * S1;
         if (wtype == W_F32) {
           std::memcpy(&hf[p * Ip + size_t(s) * S1], src, sizeof(float) * S1);
+        } else if (want_xf) {  // bf16-rounded values kept as fp32
+          float* dst = &hf[p * Ip + size_t(s) * S1];
+          for (int i = 0; i < S1; ++i) {
+            const uint32_t u = uint32_t(f32_to_bf16(src[i])) << 16;
+            std::memcpy(&dst[i], &u, 4);
+          }
         } else if (bf16_act) {
           uint16_t* dst = &hb[p * Ip + size_t(s) * S1];
           for (int i = 0; i < S1; ++i) dst[i] = f32_to_bf16(src[i]);
@@ -228,13 +270,16 @@ at::Tensor moe_forward(const at::Tensor& x, const at::Tensor& ids, const at::Ten
                     &hsx[p * G2 + g0], &hcorr[p * G2 + g0], G2);
         }
       }
+      busy += omp_get_wtime() - t0;
     }
   }
+  const double t_mid = omp_get_wtime();
 
   // ---- stage 2: output-row slices, experts in fixed order, fused weighted sum ----
   ActView a2{};
   a2.ld = size_t(Ip);
   if (wtype == W_F32) a2.base = hf.data();
+  else if (want_xf) a2.base = a2.xf = hf.data();
   else if (bf16_act) a2.base = hb.data();
   else { a2.base = hq.data(); a2.sx = hsx.data(); a2.corr = hcorr.data(); a2.ldg = size_t(G2); }
   const bool out_f32 = x.scalar_type() == at::kFloat;
@@ -245,8 +290,10 @@ at::Tensor moe_forward(const at::Tensor& x, const at::Tensor& ids, const at::Ten
 #pragma omp parallel num_threads(nthreads)
   {
     std::vector<float> y, acc;
+    double& busy = busy2[omp_get_thread_num()];
 #pragma omp for schedule(dynamic, 1)
     for (int s = 0; s < nsl2; ++s) {
+      const double t0 = omp_get_wtime();
       const int tile0 = s * (kSlice2 / 16);
       const int nt = std::min(kSlice2 / 16, tiles_h - tile0);
       const int r0 = tile0 * 16, rows = nt * 16;
@@ -277,9 +324,48 @@ at::Tensor moe_forward(const at::Tensor& x, const at::Tensor& ids, const at::Ten
         if (out_f32) std::memcpy(outf + size_t(t) * H + r0, src, sizeof(float) * (r1 - r0));
         else for (int r = r0; r < r1; ++r) outb[size_t(t) * H + r] = f32_to_bf16(src[r - r0]);
       }
+      busy += omp_get_wtime() - t0;
     }
   }
+  last_stats.busy1 = std::move(busy1);
+  last_stats.busy2 = std::move(busy2);
+  last_stats.wall1 = t_mid - t_start;
+  last_stats.wall2 = omp_get_wtime() - t_mid;
+  last_stats.tasks1 = ntask1;
+  last_stats.tasks2 = nsl2;
   return out;
+}
+
+// Measured fp32 FMA peak of `isa` on nthreads threads, GFLOP/s (best of 3 runs of ~0.1 s).
+double fma_peak_gflops(int64_t isa, int64_t nthreads) {
+  TORCH_CHECK(isa >= ISA_PORTABLE && isa <= ISA_AVX512, "moelab: unknown isa code ", isa);
+  const IsaOps ops = ops_for(int(isa));
+  const int nt = std::max<int>(1, int(nthreads));
+  pybind11::gil_scoped_release nogil;
+  auto run = [&](int64_t iters, double& dt) {
+    double flops = 0;
+    const double t0 = omp_get_wtime();
+#pragma omp parallel num_threads(nt) reduction(+ : flops)
+    flops += ops.peak(iters);
+    dt = omp_get_wtime() - t0;
+    return flops;
+  };
+  int64_t iters = 1 << 14;
+  double dt = 0, flops = run(iters, dt);
+  while (dt < 0.05 && iters < (int64_t(1) << 40)) flops = run(iters *= 4, dt);  // grow until timeable
+  double best = flops / dt / 1e9;
+  for (int rep = 0; rep < 2; ++rep) {
+    flops = run(iters, dt);
+    best = std::max(best, flops / dt / 1e9);
+  }
+  return best;
+}
+
+// The calling thread's last moe_forward: wall seconds and per-thread busy seconds per stage.
+std::map<std::string, std::vector<double>> last_call_stats() {
+  const CallStats& s = last_stats;
+  return {{"wall", {s.wall1, s.wall2}}, {"busy1", s.busy1}, {"busy2", s.busy2},
+          {"tasks", {double(s.tasks1), double(s.tasks2)}}};
 }
 
 std::vector<std::string> cpu_features() {
@@ -302,6 +388,9 @@ std::vector<std::string> cpu_features() {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "moelab fused MoE expert kernels (CPU)";
   m.def("moe_forward", &moelab::moe_forward, "fused MoE experts forward (releases the GIL after its checks)");
+  m.def("fma_peak_gflops", &moelab::fma_peak_gflops, "measured fp32 FMA peak of an ISA path (GFLOP/s)");
+  m.def("last_call_stats", &moelab::last_call_stats,
+        "this thread's last moe_forward: stage wall seconds, per-thread busy seconds, task counts");
   m.def("cpu_features", &moelab::cpu_features, "x86 features detected at run time");
-  m.attr("ABI_VERSION") = 2;
+  m.attr("ABI_VERSION") = 3;  // 3: ActView::xf, last_call_stats, fma_peak_gflops
 }

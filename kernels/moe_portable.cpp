@@ -2,5 +2,5 @@
 #include "moe_generic.h"
 
 namespace moelab {
-IsaOps portable_ops() { return IsaOps{gemm_generic, quant_generic, act_generic}; }
+IsaOps portable_ops() { return IsaOps{gemm_generic, quant_generic, act_generic, peak_generic<4>}; }
 }  // namespace moelab

@@ -54,7 +54,16 @@ def test_bench_kernels_cli_prints_json(capsys):
     assert data["machine"]["read_gbps"] > 0
     rows = data["rows"]
     assert {(r["dtype"], r["tokens"]) for r in rows} == {("bf16", 1), ("bf16", 4), ("int4", 1), ("int4", 4)}
-    assert all(r["ms"] > 0 and set(r["baseline_ms"]) == {"eager", "grouped_mm"} for r in rows)
+    assert all(r["ms"] > 0 and set(r["baseline_ms"]) == {"eager", "batched_mm", "grouped_mm"} for r in rows)
+    assert data["machine"]["isa"] and all(r["isa"] == data["machine"]["isa"] for r in rows)
+    assert data["machine"]["fma_peak_gflops"] > 0 and all(r["pct_peak"] is None for r in rows)  # T < 64
+
+
+def test_bench_kernels_prefill_flag_and_batched_mm_are_cli_choices():
+    from moelab.cli import build_parser
+
+    args = build_parser().parse_args(["bench", "kernels", "--prefill", "--baselines", "batched_mm"])
+    assert args.prefill and args.baselines == ["batched_mm"]
 
 
 def test_bench_kernels_cli_refuses_a_busy_machine_without_allow_busy(monkeypatch, capsys):

@@ -12,7 +12,7 @@ DEFAULT_SHAPES: tuple[str, ...] = ("2048x1408x64x6", "4096x14336x8x2")
 DEFAULT_TOKENS: tuple[int, ...] = (1, 4, 16, 64, 256)
 DEFAULT_DTYPES: tuple[str, ...] = ("bf16", "int8", "int4", "fp8")
 DTYPES: tuple[str, ...] = ("fp32", "bf16", "int8", "int4", "fp8")
-BASELINES: tuple[str, ...] = ("eager", "grouped_mm")
+BASELINES: tuple[str, ...] = ("eager", "batched_mm", "grouped_mm")
 
 
 def register(subparsers) -> None:
@@ -21,8 +21,9 @@ def register(subparsers) -> None:
     k = sub.add_parser(
         "kernels",
         help="native CPU experts kernels vs transformers' experts",
-        description="Measure this machine's read bandwidth, then time moelab's fused experts kernels "
-        "(per dtype) against transformers' eager and grouped_mm experts for realistic shapes.",
+        description="Measure this machine's read bandwidth and FMA peak, then time moelab's fused experts kernels "
+        "(per dtype) against the fastest of transformers' eager, batched_mm and grouped_mm experts for realistic "
+        "shapes; --prefill times one DeepSeek-V2-Lite-shaped layer at 512 and 2048 tokens instead.",
     )
     k.add_argument("--shapes", nargs="+", default=list(DEFAULT_SHAPES), metavar="HxIxExK",
                    help=f"expert shapes (default: {' '.join(DEFAULT_SHAPES)})")
@@ -31,10 +32,14 @@ def register(subparsers) -> None:
     k.add_argument("--dtypes", nargs="+", default=list(DEFAULT_DTYPES), choices=list(DTYPES),
                    help=f"moelab weight formats (default: {' '.join(DEFAULT_DTYPES)})")
     k.add_argument("--baselines", nargs="*", default=list(BASELINES), choices=list(BASELINES),
-                   help="transformers implementations to compare with (default: both; none to skip)")
+                   help="transformers implementations to compare with; speedup is against the fastest "
+                   "(default: all three; none to skip)")
     k.add_argument("--group-size", type=int, default=64, choices=[32, 64, 128], help="int8/int4 group size")
     k.add_argument("--repeat", type=positive_int, default=5, help="timed repetitions per point (median)")
     k.add_argument("--quick", action="store_true", help="T=1 and 256 only, first shape, 3 repetitions")
+    k.add_argument("--prefill", action="store_true",
+                   help="one DeepSeek-V2-Lite-shaped layer (2048x1408x64x6) at 512 and 2048 tokens, uniform and "
+                   "skewed routing, instead of --shapes/--tokens")
     k.add_argument("--json", action="store_true", help="print the results as JSON instead of a table")
     k.add_argument("--allow-busy", action="store_true",
                    help="print figures measured on a busy machine (flagged) instead of refusing them")
@@ -139,7 +144,7 @@ def run_kernels(args) -> int:
         shapes=args.shapes[:1] if args.quick else args.shapes,
         tokens=[1, 256] if args.quick else args.tokens,
         dtypes=args.dtypes, baselines=args.baselines, group_size=args.group_size,
-        repeat=3 if args.quick else args.repeat,
+        repeat=3 if args.quick else args.repeat, prefill=args.prefill,
     )
     progress = None if args.json else (lambda s: print(s, file=sys.stderr, flush=True))
     result = run_bench(cfg, progress)

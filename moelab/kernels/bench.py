@@ -3,9 +3,17 @@
 Measures, on the machine it runs on: the read (and copy) bandwidth of main memory
 (STREAM-like, all threads), then for each expert shape, dtype and token count T the
 time of one MoE layer's experts, the achieved weight bandwidth (bytes of the distinct
-experts touched / time) as a share of the read bandwidth, and the speedup over
-transformers' ``eager`` and ``grouped_mm`` experts (bf16, same weights). Routing is
-uniform random top-k, redrawn every repetition so decode reads cold weights.
+experts touched / time) as a share of the read bandwidth, for T ≥ 64 the achieved
+GFLOP/s as a share of the machine's measured FMA peak (on the ISA path that ran), the
+thread imbalance of the kernels' two stages, and the speedup over the fastest of
+transformers' ``eager``, ``batched_mm`` and ``grouped_mm`` experts (bf16, same weights;
+``batched_mm`` gathers one weight matrix per (token, slot) and is skipped, with the
+reason recorded, where that would not fit in memory). Routing is uniform random top-k,
+redrawn every repetition so decode reads cold weights.
+
+``prefill=True`` (``moelab bench kernels --prefill``) instead times one DeepSeek-V2-Lite-shaped
+layer (2048x1408x64x6) at 512 and 2048 tokens, with uniform routing and with a skewed one
+(expert 0 in every token's top-k), against the same built-ins.
 """
 
 from __future__ import annotations
@@ -28,7 +36,11 @@ DEFAULT_SHAPES: tuple[str, ...] = ("2048x1408x64x6", "4096x14336x8x2")
 DEFAULT_TOKENS: tuple[int, ...] = (1, 4, 16, 64, 256)
 DEFAULT_DTYPES: tuple[str, ...] = ("bf16", "int8", "int4", "fp8")
 DTYPES: tuple[str, ...] = ("fp32", "bf16", "int8", "int4", "fp8")
-BASELINES: tuple[str, ...] = ("eager", "grouped_mm")
+BASELINES: tuple[str, ...] = ("eager", "batched_mm", "grouped_mm")
+PREFILL_SHAPE = "2048x1408x64x6"  # DeepSeek-V2-Lite
+PREFILL_TOKENS: tuple[int, ...] = (512, 2048)
+GFLOPS_MIN_TOKENS = 64
+"""From this many tokens the table reports GFLOP/s against the FMA peak (the compute-bound regime)."""
 
 
 @dataclass(frozen=True)
@@ -79,6 +91,9 @@ class BenchConfig:
     """Share of available memory the weights may use; E is scaled down beyond it."""
     bandwidth_mib: int = 1024
     """Size of the bandwidth-test buffer."""
+    prefill: bool = False
+    """Time one DeepSeek-V2-Lite-shaped layer at 512 and 2048 tokens (uniform and skewed routing)
+    instead of ``shapes`` × ``tokens``."""
 
 
 @dataclass
@@ -95,6 +110,18 @@ class Row:
     rel_err_vs_bf16: float | None = None
     spread: float | None = None
     """Relative spread of the repeats around the median ``ms`` (:mod:`moelab.measure`)."""
+    isa: str = ""
+    """Instruction-set path the kernels ran on."""
+    routing: str = "uniform"
+    """``uniform`` random top-k, or ``skewed`` (expert 0 in every token's top-k)."""
+    gflops: float = 0.0
+    """Useful GFLOP/s: 2·3·H·I·T·K / time."""
+    pct_peak: float | None = None
+    """``gflops`` as a share of the measured FMA peak (T ≥ 64 only)."""
+    imbalance: float | None = None
+    """max / mean per-thread busy time of the slower-balanced kernel stage (1.0 = perfect)."""
+    baseline_skipped: dict[str, str] = field(default_factory=dict)
+    """Built-ins not run, with the reason (e.g. memory)."""
 
 
 _BUSY: list[str] = []  # reasons any timing of the current run was flagged busy
@@ -179,21 +206,42 @@ def _experts_module(shape: Shape, experts: int) -> torch.nn.Module:
 
 
 class _Routing:
-    """Uniform random top-k routing for T tokens, redrawn by :meth:`redraw`."""
+    """Random top-k routing for T tokens, redrawn by :meth:`redraw`: uniform, or skewed (expert 0
+    in every token's top-k, so one expert holds T of the T·K pairs)."""
 
-    def __init__(self, tokens: int, experts: int, top_k: int) -> None:
-        self.t, self.e, self.k = tokens, experts, top_k
+    def __init__(self, tokens: int, experts: int, top_k: int, skewed: bool = False) -> None:
+        self.t, self.e, self.k, self.skewed = tokens, experts, top_k, skewed
         self.redraw()
 
     def redraw(self) -> None:
-        self.ids = torch.stack([torch.randperm(self.e)[: self.k] for _ in range(self.t)])
+        if self.skewed:
+            rest = torch.rand(self.t, self.e - 1).argsort(-1)[:, : self.k - 1] + 1
+            self.ids = torch.cat([torch.zeros(self.t, 1, dtype=torch.long), rest], 1)
+        else:
+            self.ids = torch.rand(self.t, self.e).argsort(-1)[:, : self.k]
         self.w = torch.rand(self.t, self.k).softmax(-1)
 
 
-def _bench_shape(shape: Shape, config: BenchConfig, specs: dict, read_gbps: float, say) -> list[Row]:
+def _batched_mm_bytes(shape: Shape, tokens: int) -> int:
+    """Transient bytes of transformers' ``batched_mm``: it gathers a bf16 gate_up and a down matrix
+    per (token, slot) pair."""
+    return tokens * shape.top_k * shape.bf16_bytes_per_expert()
+
+
+def _imbalance(stats: dict) -> float | None:
+    """max / mean busy time over threads, for the worse of the kernels' two stages."""
+    worst = None
+    for key in ("busy1", "busy2"):
+        busy = [b for b in stats.get(key, [])]
+        if len(busy) > 1 and sum(busy) > 0:
+            v = max(busy) / (sum(busy) / len(busy))
+            worst = v if worst is None else max(worst, v)
+    return worst
+
+
+def _bench_shape(shape: Shape, config: BenchConfig, specs: dict, machine: dict, say,
+                 tokens: Sequence[int], routings: Sequence[bool] = (False,)) -> list[Row]:
     from moelab.kernels.backend import packed_for
-    from moelab.kernels.op import moe_experts
-    from moelab.kernels.quant import quant_error
 
     e = _fit_experts(shape, config.dtypes, config.memory_fraction)
     if e < shape.experts:
@@ -201,53 +249,93 @@ def _bench_shape(shape: Shape, config: BenchConfig, specs: dict, read_gbps: floa
     say(f"shape {shape}: building E={e} bf16 experts and packing {', '.join(specs)}")
     mod = _experts_module(shape, e)
     packs = {d: packed_for(mod, spec) for d, spec in specs.items()}
+    layer = _Layer(shape, mod, packs, e)
     rows: list[Row] = []
-    for t in config.tokens:
-        repeat = config.repeat if t <= 16 else max(2, config.repeat // 2)
-        r = _Routing(t, e, shape.top_k)
-        x = (torch.randn(t, shape.hidden) * 0.5).to(torch.bfloat16)
-        base: dict[str, float] = {}
-        for b in config.baselines:
-            mod.config._experts_implementation = b
-            say(f"  T={t} transformers {b}")
-            with torch.no_grad():
-                base[b] = _median_time(lambda x=x, r=r: mod(x, r.ids, r.w), repeat, r.redraw)
-        best = min(base.values()) if base else None
-        for d, packed in packs.items():
-            say(f"  T={t} moelab {d}")
-            used: list[int] = []
+    for t in tokens:
+        for skewed in routings:
+            rows += _bench_point(layer, config, machine, say, t, skewed)
+    return rows
 
-            def fn(
-                p: PackedExperts = packed, used: list[int] = used, r: _Routing = r, x: torch.Tensor = x
-            ) -> None:
-                used.append(int(torch.unique(r.ids).numel()))
-                moe_experts(x, r.ids, r.w, p)
 
-            m = _measure(fn, repeat, r.redraw)
-            sec = m.median
-            gbps = sorted(used)[len(used) // 2] * packed.expert_nbytes() / sec / 1e9
-            err = None
-            if "bf16" in packs and d != "bf16":
-                ref = moe_experts(x, r.ids, r.w, packs["bf16"])
-                err = quant_error(moe_experts(x, r.ids, r.w, packed), ref).rel_fro
-            rows.append(Row(
-                shape=str(shape), experts_used=e, dtype=d, tokens=t, ms=sec * 1e3, gbps=gbps,
-                pct_read_bw=100 * gbps / read_gbps, baseline_ms={k: v * 1e3 for k, v in base.items()},
-                speedup_vs_best=(best / sec) if best else None, rel_err_vs_bf16=err, spread=m.spread,
-            ))
+@dataclass
+class _Layer:
+    """The layer a point is timed on: its transformers module and moelab packs (``experts`` = E used)."""
+
+    shape: Shape
+    mod: torch.nn.Module
+    packs: dict[str, PackedExperts]
+    experts: int
+
+
+def _bench_point(layer: _Layer, config: BenchConfig, machine: dict, say, t: int, skewed: bool) -> list[Row]:
+    """One (T, routing) point: the built-ins, then every moelab dtype."""
+    from moelab.kernels.build import load_extension
+    from moelab.kernels.op import moe_experts
+    from moelab.kernels.quant import quant_error
+
+    shape, mod, packs, e = layer.shape, layer.mod, layer.packs, layer.experts
+    repeat = config.repeat if t <= 16 else max(2, config.repeat // 2)
+    r = _Routing(t, e, shape.top_k, skewed)
+    x = (torch.randn(t, shape.hidden) * 0.5).to(torch.bfloat16)
+    tag = f"T={t}" + (" skewed" if skewed else "")
+    base: dict[str, float] = {}
+    skipped: dict[str, str] = {}
+    for b in config.baselines:
+        if b == "batched_mm" and _batched_mm_bytes(shape, t) > 0.5 * _available_bytes():
+            skipped[b] = f"needs {_batched_mm_bytes(shape, t) / 2**30:.0f} GiB of gathered weights"
+            say(f"  {tag} transformers {b}: skipped ({skipped[b]})")
+            continue
+        mod.config._experts_implementation = b
+        say(f"  {tag} transformers {b}")
+        with torch.no_grad():
+            base[b] = _median_time(lambda x=x, r=r: mod(x, r.ids, r.w), repeat, r.redraw)
+    best = min(base.values()) if base else None
+    flops = 2 * 3 * shape.hidden * shape.intermediate * t * shape.top_k
+    ext = load_extension()
+    rows: list[Row] = []
+    for d, packed in packs.items():
+        say(f"  {tag} moelab {d}")
+        used: list[int] = []
+        imb: list[float] = []
+
+        def fn(p: PackedExperts = packed, used: list[int] = used, imb: list[float] = imb, r: _Routing = r,
+               x: torch.Tensor = x) -> None:
+            used.append(int(torch.unique(r.ids).numel()))
+            moe_experts(x, r.ids, r.w, p)
+            v = _imbalance(ext.last_call_stats())
+            if v is not None:
+                imb.append(v)
+
+        m = _measure(fn, repeat, r.redraw)
+        sec = m.median
+        gbps = sorted(used)[len(used) // 2] * packed.expert_nbytes() / sec / 1e9
+        err = None
+        if "bf16" in packs and d != "bf16":
+            ref = moe_experts(x, r.ids, r.w, packs["bf16"])
+            err = quant_error(moe_experts(x, r.ids, r.w, packed), ref).rel_fro
+        gflops = flops / sec / 1e9
+        peak = machine.get("fma_peak_gflops")
+        rows.append(Row(
+            shape=str(shape), experts_used=e, dtype=d, tokens=t, ms=sec * 1e3, gbps=gbps,
+            pct_read_bw=100 * gbps / machine["read_gbps"], baseline_ms={k: v * 1e3 for k, v in base.items()},
+            speedup_vs_best=(best / sec) if best else None, rel_err_vs_bf16=err, spread=m.spread,
+            isa=machine["isa"], routing="skewed" if skewed else "uniform", gflops=gflops,
+            pct_peak=100 * gflops / peak if peak and t >= GFLOPS_MIN_TOKENS else None,
+            imbalance=sorted(imb)[len(imb) // 2] if imb else None, baseline_skipped=skipped,
+        ))
     return rows
 
 
 def run_bench(config: BenchConfig, progress: Callable[[str], None] | None = None) -> dict:
     """Run the benchmark; returns ``{"machine": {...}, "rows": [...]}``."""
-    from moelab.kernels.build import active_isa
+    from moelab.kernels.build import ISA_CODES, active_isa, load_extension
     from moelab.kernels.packing import KernelSpec
 
     say = progress or (lambda s: logger.info("%s", s))
     for b in config.baselines:
         if b not in BASELINES:
             raise unknown_name("baseline", b, BASELINES)
-    shapes = [Shape.parse(s) for s in config.shapes]
+    shapes = [Shape.parse(s) for s in ([PREFILL_SHAPE] if config.prefill else config.shapes)]
     specs = {  # validates names
         d: KernelSpec(d, config.group_size, block=tuple(config.fp8_block)) for d in config.dtypes
     }
@@ -255,14 +343,20 @@ def run_bench(config: BenchConfig, progress: Callable[[str], None] | None = None
     say("measuring memory bandwidth")
     _BUSY.clear()
     bw = memory_bandwidth(config.bandwidth_mib)
+    isa = active_isa()
+    say(f"measuring the FMA peak ({isa}, {torch.get_num_threads()} threads)")
     machine = {
-        **bw, "threads": torch.get_num_threads(), "isa": active_isa(),
+        **bw, "threads": torch.get_num_threads(), "isa": isa,
+        "fma_peak_gflops": load_extension().fma_peak_gflops(ISA_CODES[isa], torch.get_num_threads()),
         "torch": torch.__version__, "group_size": config.group_size,
-        "fp8_block": list(config.fp8_block),
+        "fp8_block": list(config.fp8_block), "prefill": config.prefill,
     }
     rows: list[Row] = []
     for shape in shapes:
-        rows += _bench_shape(shape, config, specs, bw["read_gbps"], say)
+        if config.prefill:
+            rows += _bench_shape(shape, config, specs, machine, say, PREFILL_TOKENS, (False, True))
+        else:
+            rows += _bench_shape(shape, config, specs, machine, say, config.tokens)
     reasons = sorted(set(_BUSY + ([bw["busy_reason"]] if bw["busy"] else [])))
     machine.update(busy=bool(reasons), busy_reason=(reasons[0] + (f" (and {len(reasons) - 1} more timings flagged)"
                                                                  if len(reasons) > 1 else "")) if reasons else "")
@@ -274,7 +368,9 @@ def format_table(result: dict) -> str:
     m = result["machine"]
     lines = [
         f"read bandwidth {m['read_gbps']:.1f} GB/s, copy {m['copy_gbps']:.1f} GB/s; "
-        f"{m['threads']} threads; ISA {m['isa']}; torch {m['torch']}; int group {m['group_size']}"
+        f"{m['threads']} threads; ISA {m['isa']}"
+        + (f" (FMA peak {m['fma_peak_gflops']:.0f} GFLOP/s)" if m.get("fma_peak_gflops") else "")
+        + f"; torch {m['torch']}; int group {m['group_size']}"
         + (f"; fp8 block {m['fp8_block'][0]}x{m['fp8_block'][1]}" if "fp8_block" in m else ""),
         (f"machine load {m['load']['load1']:.1f} on {m['load']['cpus']} CPUs when measured"
          + (f", {m['load']['own']:.1f} of it this bench" if m["load"].get("own") is not None else ""))
@@ -282,18 +378,31 @@ def format_table(result: dict) -> str:
     ]
     if m.get("busy"):
         lines.append(f"WARNING — measured on a busy machine, figures are not meaningful: {m['busy_reason']}")
-    base_names = sorted({k for r in result["rows"] for k in r["baseline_ms"]})
-    head = f"{'shape HxIxExK':<17}{'E':>4} {'dtype':<6}{'T':>5}{'ms':>10}{'±':>5}{'GB/s':>8}{'%read':>7}"
+    base_names = sorted({k for r in result["rows"] for k in (*r["baseline_ms"], *r.get("baseline_skipped", {}))})
+    skew = any(r.get("routing", "uniform") != "uniform" for r in result["rows"])
+    head = f"{'shape HxIxExK':<17}{'E':>4} {'dtype':<6}{'T':>5}" + (f"{'route':>8}" if skew else "")
+    head += f"{'ms':>10}{'±':>5}{'GB/s':>8}{'%read':>7}{'GFLOP/s':>9}{'%peak':>7}{'imbal':>7}"
     head += "".join(f"{b + ' ms':>15}" for b in base_names) + f"{'speedup':>9}{'err vs bf16':>13}"
     lines += [head, "-" * len(head)]
     for r in result["rows"]:
-        s = f"{r['shape']:<17}{r['experts_used']:>4} {r['dtype']:<6}{r['tokens']:>5}{r['ms']:>10.3f}"
+        s = f"{r['shape']:<17}{r['experts_used']:>4} {r['dtype']:<6}{r['tokens']:>5}"
+        s += f"{r.get('routing', 'uniform'):>8}" if skew else ""
+        s += f"{r['ms']:>10.3f}"
         s += f"{r['spread']:>4.0%} " if r.get("spread") is not None else f"{'':>5}"
         s += f"{r['gbps']:>8.1f}{r['pct_read_bw']:>6.0f}%"
-        s += "".join(f"{r['baseline_ms'].get(b, float('nan')):>15.3f}" for b in base_names)
+        s += f"{r['gflops']:>9.1f}" if r.get("gflops") else f"{'':>9}"
+        s += f"{r['pct_peak']:>6.0f}%" if r.get("pct_peak") is not None else f"{'':>7}"
+        s += f"{r['imbalance']:>7.2f}" if r.get("imbalance") is not None else f"{'':>7}"
+        s += "".join(f"{r['baseline_ms'][b]:>15.3f}" if b in r["baseline_ms"] else f"{'skipped':>15}"
+                     for b in base_names)
         s += f"{r['speedup_vs_best']:>8.2f}x" if r["speedup_vs_best"] else f"{'':>9}"
         s += f"{r['rel_err_vs_bf16']:>13.2e}" if r["rel_err_vs_bf16"] is not None else f"{'':>13}"
         lines.append(s)
-    lines.append("ms = median of the repeats, ± its spread; speedup = fastest transformers built-in (bf16) / moelab; "
-                 "err = relative Frobenius error of the layer output vs moelab bf16.")
+    skipped = sorted({f"{b} at T={r['tokens']} ({why})" for r in result["rows"]
+                      for b, why in r.get("baseline_skipped", {}).items()})
+    if skipped:
+        lines.append("built-ins skipped: " + "; ".join(skipped))
+    lines.append("ms = median of the repeats, ± its spread; speedup = fastest transformers built-in (bf16) that ran / "
+                 "moelab; %peak = GFLOP/s / measured FMA peak (T ≥ 64); imbal = max/mean per-thread busy time of "
+                 "the worse kernel stage; err = relative Frobenius error of the layer output vs moelab bf16.")
     return "\n".join(lines)
