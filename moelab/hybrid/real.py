@@ -147,10 +147,7 @@ class RealExecutor(LaneExecutor):
             demand = self._submit_transfers(ctx, lp)
             t_wait = control_span(log, self._last_mark, ctx.index, layer.index, "dispatch", "submit")
             # everything not on the device runs on the host: its misses, and padding rows' experts
-            dmap, hmap = split_maps(E, device, ids.device)
-            active = weights != 0
-            dev_pairs = int((active & (dmap[ids] >= 0)).sum())
-            host_pairs = int(active.sum()) - dev_pairs
+            dmap, hmap, dev_pairs, host_pairs = _split(E, device, ids, weights)
             futs = []
             if dev_pairs:
                 futs.append(lanes["device"].submit(
@@ -184,10 +181,7 @@ class RealExecutor(LaneExecutor):
             # the device now (their sum is still added at the next MoE layer), the host's overlap
             # the next layer (as the simulator models it)
             on_dev = sorted({e for e, _ in lp.deferred} & {e for e, _ in lp.device})
-            dmap, hmap = split_maps(E, on_dev, ids.device)
-            active = weights != 0
-            dev_pairs = int((active & (dmap[ids] >= 0)).sum())
-            host_pairs = int(active.sum()) - dev_pairs
+            dmap, hmap, dev_pairs, host_pairs = _split(E, on_dev, ids, weights)
             parts = []
             if dev_pairs:
                 parts.append(lanes["device"].submit(
@@ -205,6 +199,16 @@ class RealExecutor(LaneExecutor):
             return parts[0] if len(parts) == 1 else _Sum(parts)
 
         return backend
+
+
+def _split(num_experts: int, device: list[int], ids, weights):
+    """``(device map, host map, device pairs, host pairs)`` of one experts call: ``device`` experts
+    run on the device, every other one (and padding rows' experts) on the host; pairs count the
+    (token, slot)s with a non-zero weight on each side."""
+    dmap, hmap = split_maps(num_experts, device, ids.device)
+    active = weights != 0
+    dev_pairs = int((active & (dmap[ids] >= 0)).sum())
+    return dmap, hmap, dev_pairs, int(active.sum()) - dev_pairs
 
 
 class _Sum:
