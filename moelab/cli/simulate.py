@@ -87,6 +87,9 @@ def register(subparsers) -> None:
                    help="run although other work loads the machine (refused by default); every figure flagged")
     v.add_argument("--allow-out-of-bounds", action="store_true",
                    help="use a calibration with values outside their physical bounds (flagged in its provenance)")
+    v.add_argument("--numa", choices=("pooled", "split"), default="pooled",
+                   help="the papers' CPUs: pooled (default: every expert split over the sockets, one host lane, as "
+                   "KTransformers' NUMA-aware kernels do) or split (expert e on node e %% nodes)")
     v.add_argument("--json", action="store_true", help="print the rows as JSON")
     v.set_defaults(func=run_validate)
 
@@ -159,7 +162,7 @@ def run_validate(args) -> int:
             profile = str(save_profile(hw, Path(tmp) / f"{hw.name}.yaml"))  # a file: validate prints its path
         rows, info = run_validation(profile=profile, quick=args.quick, machine=not args.papers_only,
                                     progress=not args.json, repeat=args.repeat, allow_busy=args.allow_busy,
-                                    allow_out_of_bounds=args.allow_out_of_bounds)
+                                    allow_out_of_bounds=args.allow_out_of_bounds, numa=args.numa)
     if args.json:
         emit_json({"rows": rows, **info})
         return 0

@@ -34,6 +34,7 @@ from moelab.errors import MoelabError
 from moelab.measure import BusyMachineError, from_samples, machine_load, require_quiet
 from moelab.simulate.runtime import EXECUTOR, HARDWARE, hardware_only, prediction_label
 from moelab.timing import get_profile, load_profile
+from moelab.timing.profile import pool_numa
 from moelab.timing.shapes import ModelShape, get_shape
 
 log = logging.getLogger(__name__)
@@ -75,14 +76,20 @@ def machine_targets(runs: list[dict]) -> list[dict]:
 
 
 # ---------------------------------------------------------------------- papers
-def _profile_for(case, *, cpu_eff_scale: float = 1.0):
-    """The case's profile; the CPU experts use both sockets as one host lane (each expert split
-    over the NUMA nodes, as KTransformers' NUMA-aware kernels do) — an assumption, stated."""
+#: How the paper cases treat the CPU's NUMA nodes (``moelab simulate validate --numa``).
+NUMA_CHOICES = ("pooled", "split")
 
+
+def _profile_for(case, *, cpu_eff_scale: float = 1.0, numa: str = "pooled"):
+    """The case's profile; ``pooled`` (default): the CPU experts use both sockets as one host lane
+    (each expert split over the NUMA nodes, as KTransformers' NUMA-aware kernels do) — an
+    assumption, stated; ``split``: the simulator's own rule, expert ``e`` on node ``e % nodes``."""
+    if numa not in NUMA_CHOICES:
+        raise MoelabError(f"numa={numa!r}: expected one of {', '.join(NUMA_CHOICES)}.")
     hw = get_profile(case.profile)
     eff = min(hw.cpu_memory_efficiency * cpu_eff_scale, 1.0)
-    return hw.with_changes(numa_nodes=1, numa_node_bandwidth_gbs=hw.numa_node_bandwidth_gbs * hw.numa_nodes,
-                           cpu_memory_efficiency=eff)
+    hw = hw.with_changes(cpu_memory_efficiency=eff)
+    return pool_numa(hw) if numa == "pooled" else hw
 
 
 def _layer_metrics(res, moe_layer: int) -> dict[str, float]:
@@ -131,8 +138,9 @@ def _layer_metrics(res, moe_layer: int) -> dict[str, float]:
 class _PaperSim:
     """Simulations of the paper cases, memoised by (configuration, settings, assumption values)."""
 
-    def __init__(self, quick: bool) -> None:
+    def __init__(self, quick: bool, numa: str = "pooled") -> None:
         self.quick = quick
+        self.numa = numa
         self.memo: dict[str, dict] = {}
         self.routing: dict[tuple, list] = {}
 
@@ -161,7 +169,7 @@ class _PaperSim:
         shape = get_shape(case.shape, dtype=case.dtype)
         if attention_dtype:  # the non-expert weights in another dtype, the routed experts as the case says
             shape = shape.with_dtype(attention_dtype, experts=case.dtype)
-        hw = _profile_for(case, cpu_eff_scale=cpu_eff_scale)
+        hw = _profile_for(case, cpu_eff_scale=cpu_eff_scale, numa=self.numa)
         routing = self._routing(shape, int(st.get("batch", 1)), steps)
         L = shape.num_moe_layers
         plans = plan_routing(routing, hybrid,
@@ -181,12 +189,12 @@ class _PaperSim:
         return float(r[case.metric])
 
 
-def paper_rows(*, quick: bool = False, progress: bool = False) -> list[dict]:
+def paper_rows(*, quick: bool = False, progress: bool = False, numa: str = "pooled") -> list[dict]:
     from tqdm.auto import tqdm
 
     from moelab.simulate.validate_cases import validation_cases
 
-    sim = _PaperSim(quick)
+    sim = _PaperSim(quick, numa)
     rows = []
     for case in tqdm(validation_cases(), desc="paper cases", unit="case", disable=not progress):
         value = sim.metric(case)
@@ -196,7 +204,7 @@ def paper_rows(*, quick: bool = False, progress: bool = False) -> list[dict]:
             sens.append(f"{label} ±20 %: {lo:.3g}..{hi:.3g}")
         if case.dtype != "bf16":
             sens.append(f"attention weights bf16: {sim.metric(case, attention_dtype='bf16'):.3g}")
-        hw = _profile_for(case)
+        hw = _profile_for(case, numa=numa)
         prov = hw.provenance.get("cpu_memory_efficiency", "")
         unit = "pts" if case.tolerance_kind == "points" else "%"
         err = case.error(value)
@@ -206,7 +214,9 @@ def paper_rows(*, quick: bool = False, progress: bool = False) -> list[dict]:
             "error": err if case.tolerance_kind == "points" else 100 * err, "error_unit": unit,
             "target": f"±{case.tolerance:g} pts" if unit == "pts" else f"±{100 * case.tolerance:g} %",
             "ok": case.within_target(value), "unit": case.unit,
-            "assumed": (f"context {case.settings.get('context')}; CPU experts over both sockets as one lane; CPU "
+            "assumed": (f"context {case.settings.get('context')}; CPU experts "
+                        + ("over both sockets as one lane" if numa == "pooled"
+                           else "split over the NUMA nodes (expert e on node e % nodes)") + "; CPU "
                         f"efficiency {hw.cpu_memory_efficiency:g} ({prov.split(':')[0] or 'profile'}); "
                         f"routed experts on the GPU: {case.hybrid['cache']['capacity']}; synthetic routing"),
             "sensitivity": "; ".join(sens),
@@ -396,7 +406,7 @@ def machine_rows(profile: Any = None, *, quick: bool = False, progress: bool = F
 # ---------------------------------------------------------------------- entry point
 def run_validation(*, profile: Any = None, quick: bool = False, machine: bool = True, progress: bool = False,
                    repeat: int = 2, allow_busy: bool = False,
-                   allow_out_of_bounds: bool = False) -> tuple[list[dict], dict]:
+                   allow_out_of_bounds: bool = False, numa: str = "pooled") -> tuple[list[dict], dict]:
     """All rows (this machine ``repeat`` times unless ``machine=False``, then the papers) and run
     information (the targets met or missed in ``info["targets"]``)."""
     t0 = time.perf_counter()
@@ -407,7 +417,7 @@ def run_validation(*, profile: Any = None, quick: bool = False, machine: bool = 
                                     allow_out_of_bounds=allow_out_of_bounds)
         rows += mrows
         info.update(minfo)
-    rows += paper_rows(quick=quick, progress=progress)
+    rows += paper_rows(quick=quick, progress=progress, numa=numa)
     info["wall_s"] = time.perf_counter() - t0
     return rows, info
 
