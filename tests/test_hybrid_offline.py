@@ -195,8 +195,8 @@ def test_belady_offline_equals_the_cache_simulation_and_bounds_the_online_polici
     from moelab.hybrid.offline import trace_shape
 
     sizes = {k: v for k, v in _shape(mixtral).items() if k != "shape"}
-    assert trace_shape(rec.trace) == {**sizes,
-                                      "expert_bytes": max(expert_bytes(ly) for ly in moelab.moe_layers(mixtral))}
+    assert {k: v for k, v in trace_shape(rec.trace).items() if k != "shape"} == {**sizes,
+                                                                                 "expert_bytes": max(expert_bytes(ly) for ly in moelab.moe_layers(mixtral))}
     hits = {}
     for policy in ("lru", "lfu", "fifo", "mrs", "belady", "belady-bypass"):
         plans = plan_routing(routing_from_trace(rec.trace),

@@ -51,8 +51,10 @@ from moelab.caches.stream import forward_ids, stream_from_groups
 from moelab.errors import MoelabError
 from moelab.hybrid.config import HybridConfig, RoutingConfig
 from moelab.hybrid.planner import LayerPlan, Planner, slots_and_union
+from moelab.models.bundled import bundled_path
 from moelab.predictors.protocol import PredictContext, union_predictions
 from moelab.routing import ForwardRouting  # noqa: F401 - re-exported: the routing sources' type
+from moelab.timing.shapes import ModelShape, get_shape
 
 
 # ---------------------------------------------------------------------- routing policy
@@ -170,16 +172,39 @@ def routing_from_trace(trace: Any, *, hidden: bool | None = None) -> Iterator[Fo
 
 
 def trace_shape(trace: Any) -> dict[str, Any]:
-    """The model sizes :func:`plan_routing` needs, from a trace's metadata: ``num_experts``,
-    ``top_k`` and ``expert_bytes`` (the largest layer's). A cost-aware placement also needs the
-    model's :class:`~moelab.timing.shapes.ModelShape` (``shape=``), which a trace does not hold."""
+    """What :func:`plan_routing` needs of the model, from a trace's metadata: ``num_experts``,
+    ``top_k``, ``expert_bytes`` (the largest layer's) and ``shape``, the model's
+    :class:`~moelab.timing.shapes.ModelShape` for a cost-aware placement — found by the recorded
+    model's name (a bundled model, or a packaged shape / Hub id) in the recorded dtype, or None
+    (then pass ``shape=`` yourself: ``ModelShape.from_model(model)``)."""
     from moelab.trace import open_trace
 
     tr = open_trace(trace) if isinstance(trace, (str, Path)) else trace
     m = tr.meta["model"]
     sizes = m.get("expert_bytes")
     eb = int(max(sizes)) if sizes else 1
-    return {"num_experts": list(tr.num_experts_per_layer), "top_k": list(tr.top_k_per_layer), "expert_bytes": eb}
+    return {"num_experts": list(tr.num_experts_per_layer), "top_k": list(tr.top_k_per_layer), "expert_bytes": eb,
+            "shape": _recorded_shape(m, tr.num_experts_per_layer, tr.top_k_per_layer)}
+
+
+_TORCH_DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+
+
+def _recorded_shape(model: dict, num_experts: Sequence[int], top_k: Sequence[int]) -> ModelShape | None:
+    """The shape of a trace's model by its recorded name, if moelab knows it and it matches the trace."""
+    name = model.get("name")
+    if not name:
+        return None
+    try:
+        path = bundled_path(str(name))
+        shape = ModelShape.from_hf_config(path / "config.json") if path else get_shape(str(name))
+        dtype = _TORCH_DTYPES.get(str(model.get("dtype")))
+        shape = shape.with_dtype(dtype) if dtype else shape
+    except (MoelabError, OSError, ValueError, KeyError):
+        return None
+    if shape.num_experts != max(num_experts) or shape.top_k != max(top_k) or shape.num_moe_layers != len(num_experts):
+        return None
+    return shape
 
 
 def torch_index(rows: np.ndarray):
