@@ -137,28 +137,17 @@ class RealExecutor(LaneExecutor):
         return demand
 
     def _immediate(self, ctx, layer, lp):
-        E = layer.num_experts
         device = sorted({e for e, _ in lp.device})
         n_host = len({e for e, _ in lp.host})
-        dev_backend, host_backend, lanes, log = self.device_backend, self.host_backend, self.lanes, self.log
-        ebytes = self.run.expert_bytes[layer.index]
+        log = self.log
 
         def backend(module, hidden, ids, weights, expert_map=None):
             demand = self._submit_transfers(ctx, lp)
             t_wait = control_span(log, self._last_mark, ctx.index, layer.index, "dispatch", "submit")
             # everything not on the device runs on the host: its misses, and padding rows' experts
-            dmap, hmap, dev_pairs, host_pairs = _split(E, device, ids, weights)
-            futs = []
-            if dev_pairs:
-                futs.append(lanes["device"].submit(
-                    lambda: dev_backend(module, hidden, ids, weights, expert_map=dmap), step=ctx.index,
-                    layer=layer.index, kind="expert-device", tokens=dev_pairs, nbytes=ebytes * len(device),
-                    cause="hit+fetch", after=list(demand.values())))  # a fetched expert runs after its copy
-            if host_pairs:
-                futs.append(lanes["host"].submit(
-                    lambda: host_backend(module, hidden, ids, weights, expert_map=hmap), step=ctx.index,
-                    layer=layer.index, kind="expert-host", tokens=host_pairs, nbytes=ebytes * n_host,
-                    cause="miss"))
+            futs = self._submit_sides(ctx, layer, (module, hidden, ids, weights), device, n_host,
+                                      device_event=("expert-device", "hit+fetch"), host_event=("expert-host", "miss"),
+                                      after=list(demand.values()))  # a fetched expert runs after its copy
             if not futs:
                 return torch.zeros_like(hidden)
             parts = [f.result() for f in futs]
@@ -171,29 +160,37 @@ class RealExecutor(LaneExecutor):
 
         return backend
 
-    def _deferred(self, ctx, layer, lp):
-        host_backend, dev_backend, lanes = self.host_backend, self.device_backend, self.lanes
+    def _submit_sides(self, ctx, layer, call: tuple, device: list[int], n_host: int, *,
+                      device_event: tuple[str, str], host_event: tuple[str, str], after: list | None = None) -> list:
+        """Submit one experts call ``(module, hidden, ids, weights)`` split in two: ``device`` experts
+        on the device lane, every other one (``n_host`` distinct) on the host lane; each side only if
+        it has a slot with a non-zero weight. Returns the futures; events are (kind, cause)."""
+        module, hidden, ids, weights = call
+        dmap, hmap, dev_pairs, host_pairs = _split(layer.num_experts, device, ids, weights)
         ebytes = self.run.expert_bytes[layer.index]
-        E = layer.num_experts
+        dev_backend, host_backend = self.device_backend, self.host_backend
+        futs = []
+        if dev_pairs:
+            futs.append(self.lanes["device"].submit(
+                lambda: dev_backend(module, hidden, ids, weights, expert_map=dmap), step=ctx.index, layer=layer.index,
+                kind=device_event[0], tokens=dev_pairs, nbytes=ebytes * len(device), cause=device_event[1],
+                after=after or []))
+        if host_pairs:
+            futs.append(self.lanes["host"].submit(
+                lambda: host_backend(module, hidden, ids, weights, expert_map=hmap), step=ctx.index, layer=layer.index,
+                kind=host_event[0], tokens=host_pairs, nbytes=ebytes * n_host, cause=host_event[1]))
+        return futs
 
+    def _deferred(self, ctx, layer, lp):
         def backend(module, hidden, ids, weights, expert_map=None):
             # deferral is a host technique: the deferred slots of experts the device computes run on
             # the device now (their sum is still added at the next MoE layer), the host's overlap
             # the next layer (as the simulator models it)
             on_dev = sorted({e for e, _ in lp.deferred} & {e for e, _ in lp.device})
-            dmap, hmap, dev_pairs, host_pairs = _split(E, on_dev, ids, weights)
-            parts = []
-            if dev_pairs:
-                parts.append(lanes["device"].submit(
-                    lambda: dev_backend(module, hidden, ids, weights, expert_map=dmap), step=ctx.index,
-                    layer=layer.index, kind="expert-device", tokens=dev_pairs, nbytes=ebytes * len(on_dev),
-                    cause="deferred"))
-            if host_pairs:
-                n_host = len({e for e, _ in lp.deferred}) - len(on_dev)
-                parts.append(lanes["host"].submit(
-                    lambda: host_backend(module, hidden, ids, weights, expert_map=hmap), step=ctx.index,
-                    layer=layer.index, kind="expert-deferred", tokens=host_pairs, nbytes=ebytes * n_host,
-                    cause="deferred"))
+            parts = self._submit_sides(ctx, layer, (module, hidden, ids, weights), on_dev,
+                                       len({e for e, _ in lp.deferred}) - len(on_dev),
+                                       device_event=("expert-device", "deferred"),
+                                       host_event=("expert-deferred", "deferred"))
             if not parts:
                 return torch.zeros_like(hidden)
             return parts[0] if len(parts) == 1 else _Sum(parts)
