@@ -54,6 +54,15 @@ def register(subparsers) -> None:
     h.add_argument("--layers", type=positive_int, default=3, help="MoE layers of the realistic model (default 3)")
     h.add_argument("--steps", type=positive_int, default=8, help="decode steps per realistic point (default 8)")
     h.add_argument("--skip-realistic", action="store_true", help="only the planner and functional checks")
+    h.add_argument("--side-by-side", action="store_true",
+                   help="only the side-by-side table: plain transformers (eager, batched_mm, grouped_mm experts) vs "
+                   "the real executor with nothing enabled and fully configured vs the simulator's prediction")
+    h.add_argument("--skip-side-by-side", action="store_true", help="leave the side-by-side table out")
+    h.add_argument("--repeats", type=positive_int, default=7,
+                   help="decode loops per side-by-side figure (median, spread; default 7)")
+    h.add_argument("--profile", metavar="PROFILE", default=None,
+                   help="calibrated profile of this machine for the simulator's prediction (moelab calibrate --out); "
+                   "default: calibrate now with --quick settings")
     h.add_argument("--allow-busy", action="store_true",
                    help="print figures measured on a busy machine (flagged) instead of refusing them")
     h.set_defaults(func=run_hybrid)
@@ -132,8 +141,10 @@ def run_simulate(args) -> int:
 def run_hybrid(args) -> int:
     from moelab.hybrid.bench import run
 
-    run(["moelab-tiny-mixtral", "moelab-tiny-qwen2moe"], args.layers, args.steps, not args.skip_realistic,
-        allow_busy=args.allow_busy)
+    only_side = args.side_by_side
+    run(["moelab-tiny-mixtral", "moelab-tiny-qwen2moe"], args.layers, args.steps,
+        not (args.skip_realistic or only_side), allow_busy=args.allow_busy, planner=not only_side,
+        side=not args.skip_side_by_side, repeats=args.repeats, profile=args.profile)
     return 0
 
 

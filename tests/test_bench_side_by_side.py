@@ -1,0 +1,49 @@
+"""`moelab bench hybrid --side-by-side` (issue #26 item 6): the table's rows, run on a bundled tiny
+model so the test takes seconds (the benchmark itself uses DeepSeek-V2-Lite-shaped layers).
+
+Checks what the rows mean, not how fast anything is: every plain experts implementation is
+measured, the baseline is the fastest of them, moelab's two runs carry the simulator's prediction
+of their own plans, and the full configuration really plans deferral and a partial cache."""
+
+from __future__ import annotations
+
+import pytest
+
+import moelab
+from moelab.errors import MoelabError
+from moelab.hybrid.bench import PLAIN_EXPERTS, side_by_side, side_configs
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    model, _ = moelab.load("moelab-tiny-mixtral")
+    return model
+
+
+def test_configs_mean_what_the_table_says():
+    cfgs = side_configs("pcie4-x16")
+    nothing, full = cfgs["nothing enabled"], cfgs["full"]
+    assert nothing["cache"]["capacity"] == 1.0 and nothing["routing"]["deferred"] == 0
+    assert "prefetch" not in nothing and nothing["executor"] == "real"
+    assert full["cache"]["capacity"] < 1 and full["routing"]["deferred"] > 0
+    assert full["placement"] == "greedy-hss" and full["hardware"] == "pcie4-x16"
+
+
+def test_rows_on_a_tiny_model(tiny):
+    before = getattr(tiny.config, "_experts_implementation", None)
+    r = side_by_side(steps=2, repeats=1, profile="pcie4-x16", model=tiny)
+    rows = r["rows"]
+    plain = [row for row in rows if row["kind"] == "plain"]
+    assert [row["label"].split(", ")[1] for row in plain] == [f"{impl} experts" for impl in PLAIN_EXPERTS]
+    assert r["best_plain"]["step_ms"] == min(row["step_ms"] for row in plain)
+    runs = {row["kind"]: row for row in rows if row["kind"] != "plain"}
+    assert set(runs) == {"nothing enabled", "full"}
+    for row in runs.values():
+        assert row["step_ms"] > 0 and row["sim_step_ms"] > 0
+    # the model's experts implementation is left as it was
+    assert getattr(tiny.config, "_experts_implementation", None) == before
+
+
+def test_bad_repeats_named():
+    with pytest.raises(MoelabError, match="repeats=0"):
+        side_by_side(repeats=0, profile="pcie4-x16")
