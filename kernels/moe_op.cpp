@@ -18,9 +18,17 @@
 #include <torch/extension.h>
 
 #include <algorithm>
+#include <chrono>
+#include <condition_variable>
 #include <cstring>
+#include <deque>
 #include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <stdexcept>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "moe_kernels.h"
@@ -65,17 +73,28 @@ size_t tile_bytes(int wtype, int kd) {
   }
 }
 
-}  // namespace
+// One experts call, checked and ready to run: its inputs (kept alive by the job), the routing's
+// pairs per expert after the expert map, and the output it writes.
+struct Job {
+  at::Tensor xc, ids64, w32, w1, s1, b1, w2, s2, b2, out;
+  std::vector<int64_t> meta;
+  double alpha = 0, limit = 0;
+  std::vector<int32_t> cnt;   // pairs per (local) expert
+  std::vector<int64_t> emap;  // empty: ids are local experts; else local = emap[id], -1 = not here
+};
 
 // meta: E, H, I, Kp1, Ip, Hp, wtype, group, act, isa, nthreads, slice1
-at::Tensor moe_forward(const at::Tensor& x, const at::Tensor& ids, const at::Tensor& wts,
-                       const at::Tensor& w1, const at::Tensor& s1, const at::Tensor& b1,
-                       const at::Tensor& w2, const at::Tensor& s2, const at::Tensor& b2,
-                       std::vector<int64_t> meta, double alpha, double limit) {
+// Checks everything (with the GIL held: a TORCH_CHECK may consult Python) and counts the pairs.
+// ``expert_map`` (vLLM's convention, optional): (R,) integers over the router's ids, -1 = the
+// expert is not here (its slots contribute 0 and are not computed), else its local index.
+std::shared_ptr<Job> prepare(const at::Tensor& x, const at::Tensor& ids, const at::Tensor& wts,
+                             const at::Tensor& w1, const at::Tensor& s1, const at::Tensor& b1,
+                             const at::Tensor& w2, const at::Tensor& s2, const at::Tensor& b2,
+                             std::vector<int64_t> meta, double alpha, double limit,
+                             const std::optional<at::Tensor>& expert_map) {
   TORCH_CHECK(meta.size() == 12, "moelab: meta must have 12 entries");
   const int E = int(meta[0]), H = int(meta[1]), Kp1 = int(meta[3]), Ip = int(meta[4]),
-            Hp = int(meta[5]), wtype = int(meta[6]), group = int(meta[7]), act = int(meta[8]),
-            isa = int(meta[9]), nthreads = std::max(1, int(meta[10])), S1 = int(meta[11]);
+            Hp = int(meta[5]), wtype = int(meta[6]), group = int(meta[7]), S1 = int(meta[11]);
   TORCH_CHECK(x.dim() == 2 && x.size(1) == H, "moelab: hidden states must be (T, ", H, ")");
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
               "moelab: hidden states must be float32 or bfloat16");
@@ -86,15 +105,6 @@ at::Tensor moe_forward(const at::Tensor& x, const at::Tensor& ids, const at::Ten
   const bool is_int = wtype == W_INT8 || wtype == W_INT4;
   const bool is_fp8 = wtype == W_FP8;
   const bool has_scales = is_int || is_fp8;
-  const bool bf16_act = wtype == W_BF16 || is_fp8;  // fp8 weights meet bf16 activations
-  // AVX2 multiplies bf16/fp8 weights in fp32: it reads fp32 copies of the (bf16-valued)
-  // activations, made once per call instead of once per task.
-  const bool want_xf = bf16_act && isa == ISA_AVX2;
-  const int offset = wtype == W_INT8 ? 128 : 8;
-  const int64_t T = x.size(0), K = ids.size(1), S = T * K;
-  at::Tensor out = at::empty({T, H}, x.options());
-  if (T == 0) return out;
-
   const size_t tb1 = tile_bytes(wtype, Kp1), tb2 = tile_bytes(wtype, Ip);
   const size_t e_bytes1 = tb1 * size_t(2 * Ip / 16), e_bytes2 = tb2 * size_t(Hp / 16);
   TORCH_CHECK(w1.numel() == int64_t(e_bytes1) * E && w2.numel() == int64_t(e_bytes2) * E,
@@ -102,44 +112,91 @@ at::Tensor moe_forward(const at::Tensor& x, const at::Tensor& ids, const at::Ten
   TORCH_CHECK(reinterpret_cast<uintptr_t>(w1.data_ptr()) % 64 == 0 &&
                   reinterpret_cast<uintptr_t>(w2.data_ptr()) % 64 == 0,
               "moelab: packed weights must be 64-byte aligned");
-  if (has_scales)
+  if (has_scales) {
     TORCH_CHECK(group > 0 && Kp1 % group == 0 && Ip % group == 0,
                 "moelab: padded lengths must be multiples of the group/block length");
-  const int G1 = has_scales ? Kp1 / group : 0, G2 = has_scales ? Ip / group : 0;
-  const size_t lanes = is_int ? 16 : 1;  // int: a scale per row; fp8: one per 16-row tile
-  const size_t st1 = size_t(G1) * lanes, st2 = size_t(G2) * lanes;  // scale floats per tile
-  if (has_scales)
+    const size_t lanes = is_int ? 16 : 1;
+    const size_t st1 = size_t(Kp1 / group) * lanes, st2 = size_t(Ip / group) * lanes;
     TORCH_CHECK(s1.scalar_type() == at::kFloat && s2.scalar_type() == at::kFloat &&
                     s1.numel() == int64_t(st1) * (2 * Ip / 16) * E &&
                     s2.numel() == int64_t(st2) * (Hp / 16) * E,
                 "moelab: packed scales do not match the layer geometry; repack the layer");
+  }
+  auto job = std::make_shared<Job>();
+  job->xc = x.contiguous();
+  job->ids64 = ids.to(at::kLong).contiguous();
+  job->w32 = wts.to(at::kFloat).contiguous();
+  job->w1 = w1; job->s1 = s1; job->b1 = b1; job->w2 = w2; job->s2 = s2; job->b2 = b2;
+  job->meta = std::move(meta);
+  job->alpha = alpha;
+  job->limit = limit;
+  job->out = at::empty({x.size(0), H}, x.options());
+  if (expert_map.has_value() && expert_map->defined()) {
+    const at::Tensor m = expert_map->to(at::kLong).contiguous();
+    TORCH_CHECK(m.dim() == 1, "moelab: expert_map must be one-dimensional");
+    const int64_t* mp = m.data_ptr<int64_t>();
+    job->emap.assign(mp, mp + m.numel());
+    for (int64_t v : job->emap)
+      TORCH_CHECK(v >= -1 && v < E, "moelab: expert_map entry ", v, " out of range [-1, ", E, ")");
+  }
+  const int64_t S = job->ids64.numel();
+  const int64_t* idp = job->ids64.data_ptr<int64_t>();
+  const int64_t R = job->emap.empty() ? E : int64_t(job->emap.size());
+  job->cnt.assign(E, 0);
+  for (int64_t s = 0; s < S; ++s) {
+    TORCH_CHECK(idp[s] >= 0 && idp[s] < R, "moelab: expert id ", idp[s], " out of range [0, ", R, ")");
+    const int64_t e = job->emap.empty() ? idp[s] : job->emap[idp[s]];
+    if (e >= 0) job->cnt[e]++;
+  }
+  return job;
+}
+
+// Runs a prepared job without the GIL; throws nothing it can avoid (allocation aside).
+void compute(Job& j) {
+  const std::vector<int64_t>& meta = j.meta;
+  const int E = int(meta[0]), H = int(meta[1]), Kp1 = int(meta[3]), Ip = int(meta[4]),
+            Hp = int(meta[5]), wtype = int(meta[6]), group = int(meta[7]), act = int(meta[8]),
+            isa = int(meta[9]), nthreads = std::max(1, int(meta[10])), S1 = int(meta[11]);
+  const double alpha = j.alpha, limit = j.limit;
+  const at::Tensor &xc = j.xc, &w1 = j.w1, &b1 = j.b1, &w2 = j.w2, &b2 = j.b2;
+  const at::Tensor &s1 = j.s1, &s2 = j.s2;
+  at::Tensor& out = j.out;
+  const bool is_int = wtype == W_INT8 || wtype == W_INT4;
+  const bool is_fp8 = wtype == W_FP8;
+  const bool has_scales = is_int || is_fp8;
+  const bool bf16_act = wtype == W_BF16 || is_fp8;  // fp8 weights meet bf16 activations
+  // AVX2 multiplies bf16/fp8 weights in fp32: it reads fp32 copies of the (bf16-valued)
+  // activations, made once per call instead of once per task.
+  const bool want_xf = bf16_act && isa == ISA_AVX2;
+  const int offset = wtype == W_INT8 ? 128 : 8;
+  const int64_t T = xc.size(0), K = j.ids64.size(1), S = T * K;
+  if (T == 0) return;
+  const size_t tb1 = tile_bytes(wtype, Kp1), tb2 = tile_bytes(wtype, Ip);
+  const size_t e_bytes1 = tb1 * size_t(2 * Ip / 16), e_bytes2 = tb2 * size_t(Hp / 16);
+  const int G1 = has_scales ? Kp1 / group : 0, G2 = has_scales ? Ip / group : 0;
+  const size_t lanes = is_int ? 16 : 1;  // int: a scale per row; fp8: one per 16-row tile
+  const size_t st1 = size_t(G1) * lanes, st2 = size_t(G2) * lanes;  // scale floats per tile
   const float* sc1 = has_scales ? s1.data_ptr<float>() : nullptr;
   const float* sc2 = has_scales ? s2.data_ptr<float>() : nullptr;
   const float* bias1 = b1.defined() && b1.numel() ? b1.data_ptr<float>() : nullptr;
   const float* bias2 = b2.defined() && b2.numel() ? b2.data_ptr<float>() : nullptr;
   const IsaOps ops = ops_for(isa);
+  const at::Tensor& x = xc;
 
-  // ---- routing: counting sort of the S (token, slot) pairs by expert ----
-  at::Tensor ids64 = ids.to(at::kLong).contiguous();
-  at::Tensor w32 = wts.to(at::kFloat).contiguous();
-  const int64_t* idp = ids64.data_ptr<int64_t>();
-  const float* wp = w32.data_ptr<float>();
-  std::vector<int32_t> cnt(E, 0), off(E + 1, 0), pair_tok(S), iota(S);
+  // ---- routing: counting sort of the (token, slot) pairs by (local) expert ----
+  const int64_t* idp = j.ids64.data_ptr<int64_t>();
+  const float* wp = j.w32.data_ptr<float>();
+  const std::vector<int32_t>& cnt = j.cnt;
+  const bool mapped = !j.emap.empty();
+  std::vector<int32_t> off(E + 1, 0), pair_tok(S), iota(S);
   std::vector<float> pair_w(S);
-  for (int64_t s = 0; s < S; ++s) {
-    TORCH_CHECK(idp[s] >= 0 && idp[s] < E, "moelab: expert id ", idp[s], " out of range [0, ", E, ")");
-    cnt[idp[s]]++;
-  }
   for (int e = 0; e < E; ++e) off[e + 1] = off[e] + cnt[e];
-  // Every check above runs with the GIL held: a TORCH_CHECK builds a c10::Error, whose
-  // construction may consult Python (torch's stack-trace and warning hooks), so throwing it
-  // without the GIL can abort the process instead of raising (seen with torch 2.11). Nothing
-  // below throws; the GIL is released for the compute only, and reacquired before returning.
-  pybind11::gil_scoped_release nogil;
   {
     std::vector<int32_t> fill(off.begin(), off.end() - 1);
     for (int64_t s = 0; s < S; ++s) {
-      const int32_t p = fill[idp[s]]++;
+      const int64_t e = mapped ? j.emap[idp[s]] : idp[s];
+      if (e < 0) continue;  // an expert not here: contributes 0
+      const int32_t p = fill[e]++;
       pair_tok[p] = int32_t(s / K);
       pair_w[p] = wp[s];
     }
@@ -147,7 +204,6 @@ at::Tensor moe_forward(const at::Tensor& x, const at::Tensor& ids, const at::Ten
   for (int64_t s = 0; s < S; ++s) iota[s] = int32_t(s);
 
   // ---- stage-1 input in the kernel's format ----
-  at::Tensor xc = x.contiguous();
   std::vector<float> xf;
   std::vector<uint16_t> xb;
   std::vector<int8_t> xq;
@@ -333,6 +389,136 @@ at::Tensor moe_forward(const at::Tensor& x, const at::Tensor& ids, const at::Ten
   last_stats.wall2 = omp_get_wtime() - t_mid;
   last_stats.tasks1 = ntask1;
   last_stats.tasks2 = nsl2;
+}
+
+int64_t monotonic_ns() {  // CLOCK_MONOTONIC: the clock of Python's time.perf_counter_ns on Linux
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(
+             std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+}  // namespace
+
+at::Tensor moe_forward(const at::Tensor& x, const at::Tensor& ids, const at::Tensor& wts,
+                       const at::Tensor& w1, const at::Tensor& s1, const at::Tensor& b1,
+                       const at::Tensor& w2, const at::Tensor& s2, const at::Tensor& b2,
+                       std::vector<int64_t> meta, double alpha, double limit,
+                       const std::optional<at::Tensor>& expert_map) {
+  // Every check runs with the GIL held (prepare): a TORCH_CHECK builds a c10::Error, whose
+  // construction may consult Python (torch's stack-trace and warning hooks), so throwing it
+  // without the GIL can abort the process instead of raising (seen with torch 2.11). The GIL is
+  // released for the compute only, and reacquired before returning.
+  auto job = prepare(x, ids, wts, w1, s1, b1, w2, s2, b2, std::move(meta), alpha, limit, expert_map);
+  {
+    pybind11::gil_scoped_release nogil;
+    compute(*job);
+  }
+  return job->out;
+}
+
+// ---- asynchronous calls: a host lane without the interpreter ----
+//
+// moe_submit checks and prepares a call on the calling (Python) thread, then hands it to a
+// C++ worker thread of the given lane, which runs it without the GIL; the returned Ticket's
+// wait() blocks (GIL released) until it is done and returns the output. Each lane is one
+// worker thread with a FIFO queue (condition variable), started on first use and never
+// stopped (it sleeps on its queue; a process exit ends it). Tensors are released by wait(),
+// on the Python thread, never by the worker.
+struct Ticket {
+  std::mutex m;
+  std::condition_variable cv;
+  bool done = false;
+  std::string error;
+  std::shared_ptr<Job> job;
+  int64_t t_submit_ns = 0, t_start_ns = 0, t_end_ns = 0;
+};
+
+namespace {
+
+struct LaneWorker {
+  std::mutex m;
+  std::condition_variable cv;
+  std::deque<std::shared_ptr<Ticket>> q;
+
+  LaneWorker() { std::thread([this] { loop(); }).detach(); }
+
+  void push(std::shared_ptr<Ticket> t) {
+    {
+      std::lock_guard<std::mutex> g(m);
+      q.push_back(std::move(t));
+    }
+    cv.notify_one();
+  }
+
+  void loop() {
+    for (;;) {
+      std::shared_ptr<Ticket> t;
+      {
+        std::unique_lock<std::mutex> g(m);
+        cv.wait(g, [this] { return !q.empty(); });
+        t = std::move(q.front());
+        q.pop_front();
+      }
+      std::string err;
+      const int64_t t0 = monotonic_ns();
+      try {
+        compute(*t->job);
+      } catch (const std::exception& e) {
+        err = e.what();
+      } catch (...) {
+        err = "unknown error";
+      }
+      const int64_t t1 = monotonic_ns();
+      {
+        std::lock_guard<std::mutex> g(t->m);
+        t->t_start_ns = t0;
+        t->t_end_ns = t1;
+        t->error = std::move(err);
+        t->done = true;
+      }
+      t->cv.notify_all();
+    }
+  }
+};
+
+constexpr int kMaxLanes = 8;
+std::mutex lanes_mu;
+LaneWorker* lane_workers[kMaxLanes] = {};
+
+LaneWorker& lane_worker(int lane) {
+  std::lock_guard<std::mutex> g(lanes_mu);
+  if (!lane_workers[lane]) lane_workers[lane] = new LaneWorker();  // never freed: outlives exit
+  return *lane_workers[lane];
+}
+
+}  // namespace
+
+std::shared_ptr<Ticket> moe_submit(const at::Tensor& x, const at::Tensor& ids, const at::Tensor& wts,
+                                   const at::Tensor& w1, const at::Tensor& s1, const at::Tensor& b1,
+                                   const at::Tensor& w2, const at::Tensor& s2, const at::Tensor& b2,
+                                   std::vector<int64_t> meta, double alpha, double limit,
+                                   const std::optional<at::Tensor>& expert_map, int64_t lane) {
+  TORCH_CHECK(lane >= 0 && lane < kMaxLanes, "moelab: lane ", lane, " out of range [0, ", kMaxLanes, ")");
+  auto t = std::make_shared<Ticket>();
+  t->job = prepare(x, ids, wts, w1, s1, b1, w2, s2, b2, std::move(meta), alpha, limit, expert_map);
+  t->t_submit_ns = monotonic_ns();
+  LaneWorker& w = lane_worker(int(lane));
+  {
+    pybind11::gil_scoped_release nogil;  // the push may wait on the queue's lock
+    w.push(t);
+  }
+  return t;
+}
+
+at::Tensor ticket_wait(Ticket& t) {
+  {
+    pybind11::gil_scoped_release nogil;
+    std::unique_lock<std::mutex> g(t.m);
+    t.cv.wait(g, [&t] { return t.done; });
+  }
+  if (!t.job) throw std::runtime_error("moelab: this ticket's result was already taken");
+  at::Tensor out = t.job->out;
+  t.job.reset();  // the inputs are released here, with the GIL held
+  if (!t.error.empty()) throw std::runtime_error("moelab: experts call failed on its lane: " + t.error);
   return out;
 }
 
@@ -387,10 +573,26 @@ std::vector<std::string> cpu_features() {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "moelab fused MoE expert kernels (CPU)";
-  m.def("moe_forward", &moelab::moe_forward, "fused MoE experts forward (releases the GIL after its checks)");
+  m.def("moe_forward", &moelab::moe_forward, "fused MoE experts forward (releases the GIL after its checks)",
+        pybind11::arg("x"), pybind11::arg("ids"), pybind11::arg("wts"), pybind11::arg("w1"), pybind11::arg("s1"),
+        pybind11::arg("b1"), pybind11::arg("w2"), pybind11::arg("s2"), pybind11::arg("b2"), pybind11::arg("meta"),
+        pybind11::arg("alpha"), pybind11::arg("limit"), pybind11::arg("expert_map") = pybind11::none());
+  pybind11::class_<moelab::Ticket, std::shared_ptr<moelab::Ticket>>(m, "Ticket")
+      .def("wait", &moelab::ticket_wait, "block (GIL released) until the call ran; its output")
+      .def("done", [](moelab::Ticket& t) { std::lock_guard<std::mutex> g(t.m); return t.done; })
+      .def("times_ns", [](moelab::Ticket& t) {
+        std::lock_guard<std::mutex> g(t.m);
+        return std::vector<int64_t>{t.t_submit_ns, t.t_start_ns, t.t_end_ns};
+      }, "(submitted, started, ended) on CLOCK_MONOTONIC ns (time.perf_counter_ns's clock)");
+  m.def("moe_submit", &moelab::moe_submit,
+        "queue a fused MoE experts call on a C++ lane worker thread; returns a Ticket",
+        pybind11::arg("x"), pybind11::arg("ids"), pybind11::arg("wts"), pybind11::arg("w1"), pybind11::arg("s1"),
+        pybind11::arg("b1"), pybind11::arg("w2"), pybind11::arg("s2"), pybind11::arg("b2"), pybind11::arg("meta"),
+        pybind11::arg("alpha"), pybind11::arg("limit"), pybind11::arg("expert_map") = pybind11::none(),
+        pybind11::arg("lane") = 0);
   m.def("fma_peak_gflops", &moelab::fma_peak_gflops, "measured fp32 FMA peak of an ISA path (GFLOP/s)");
   m.def("last_call_stats", &moelab::last_call_stats,
         "this thread's last moe_forward: stage wall seconds, per-thread busy seconds, task counts");
   m.def("cpu_features", &moelab::cpu_features, "x86 features detected at run time");
-  m.attr("ABI_VERSION") = 3;  // 3: ActView::xf, last_call_stats, fma_peak_gflops
+  m.attr("ABI_VERSION") = 4;  // 4: expert_map, moe_submit/Ticket (C++ lane workers)
 }

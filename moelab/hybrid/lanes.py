@@ -85,6 +85,42 @@ class Lane:
         self._thread.join()
 
 
+class NativeLane:
+    """A lane whose worker is a C++ thread of the kernels extension (its ``lane`` id): an experts
+    call of a native backend (:meth:`moelab.kernels.backend.KernelBackend.submit`) is checked and
+    queued on the calling thread and runs without the interpreter — no Python thread, queue or
+    wake-up between the control thread and the kernel. Calls run in submission order (one
+    priority: the real executor's host lane has only priority-0 experts work). Each call becomes
+    an event when its result is first taken, with the worker's own start and end times."""
+
+    def __init__(self, name: str, log: EventLog, lane: int) -> None:
+        self.name = name
+        self.log = log
+        self.lane = lane
+
+    def submit_experts(self, backend, module, hidden, ids, weights, expert_map, *, step: int, layer: int, kind: str,
+                       tokens: int = 0, nbytes: int = 0, cause: str = ""):
+        """Queue ``backend``'s experts call; returns the call (``result()`` waits for it)."""
+        call = backend.submit(module, hidden, ids, weights, expert_map, lane=self.lane)
+        log, name, t0 = self.log, self.name, self.log.t0
+
+        def record(c) -> None:
+            _, start, end = c.times_ns()
+            log.add(step, layer, name, kind, (start - t0) / 1e3, (end - t0) / 1e3, tokens=tokens, nbytes=nbytes,
+                    cause=cause)
+
+        call.on_done = record
+        return call
+
+    def close(self) -> None:
+        """Nothing to stop: the extension's worker thread sleeps on its queue until the process ends."""
+
+
+def native_lane_ok(backend) -> bool:
+    """Whether ``backend`` can run on a :class:`NativeLane` (a native kernels backend)."""
+    return callable(getattr(backend, "submit", None))
+
+
 def split_maps(num_experts: int, device_experts: list[int], device) -> tuple[torch.Tensor, torch.Tensor]:
     """Expert maps (``-1`` = not here) of the device side (``device_experts``) and the host side
     (every other expert), as the experts backends take them."""
@@ -97,4 +133,4 @@ def split_maps(num_experts: int, device_experts: list[int], device) -> tuple[tor
     return dmap, hmap
 
 
-__all__ = ["Lane", "split_maps"]
+__all__ = ["Lane", "NativeLane", "native_lane_ok", "split_maps"]

@@ -8,7 +8,10 @@ Lanes (one worker thread each, a priority queue in front):
   exactly what makes CPU-only hybrid timings differ from a GPU box's (the simulator
   models the difference);
 * ``host`` — computes host-placed misses and the deferred slots of host experts with the host
-  backend (the native kernels release the GIL, so they run beside the control thread); the
+  backend. A native kernels backend (``moelab``, ``moelab_bf16`` ...) runs on a C++ worker thread
+  of the extension (:class:`~moelab.hybrid.lanes.NativeLane`: the call is checked and queued on
+  the control thread and runs without the interpreter); another backend on a Python worker
+  thread (the native kernels release the GIL, so either runs beside the control thread); the
   deferred slots of experts the device computes run on the device in the same layer (their sum
   is still added at the next MoE layer);
 * ``copy`` — copies fetched, inserted and prefetched experts' weights into a
@@ -47,7 +50,7 @@ from moelab.backends import get_backend
 from moelab.hybrid.cuda import CudaExecutor
 from moelab.hybrid.events import control_span
 from moelab.hybrid.executors import LaneExecutor
-from moelab.hybrid.lanes import Lane, split_maps
+from moelab.hybrid.lanes import Lane, NativeLane, native_lane_ok, split_maps
 
 log = logging.getLogger(__name__)
 
@@ -111,6 +114,9 @@ class RealExecutor(LaneExecutor):
         self.device_backend = get_backend(cfg.device_backend or "reference")
         self.host_backend = get_backend(cfg.host_backend or "reference")
         self.lanes = {name: Lane(name, self.log) for name in ("device", "host", "copy")}
+        # a native host backend runs on a C++ worker of the kernels extension: no Python thread
+        # between the control thread and the kernel (issue #26: host lanes without the GIL)
+        self.native_host = NativeLane("host", self.log, lane=0) if native_lane_ok(self.host_backend) else None
         slots = 0 if run.cache is None else int(sum(run.cache.slots_))
         self.pool = ExpertPool(run.layers, max(slots, 1), torch.device("cpu"))
         if run.cache is not None:  # a warm start: its experts are resident before the first forward
@@ -175,7 +181,11 @@ class RealExecutor(LaneExecutor):
                 lambda: dev_backend(module, hidden, ids, weights, expert_map=dmap), step=ctx.index, layer=layer.index,
                 kind=device_event[0], tokens=dev_pairs, nbytes=ebytes * len(device), cause=device_event[1],
                 after=after or []))
-        if host_pairs:
+        if host_pairs and self.native_host is not None:
+            futs.append(self.native_host.submit_experts(
+                host_backend, module, hidden, ids, weights, hmap, step=ctx.index, layer=layer.index,
+                kind=host_event[0], tokens=host_pairs, nbytes=ebytes * n_host, cause=host_event[1]))
+        elif host_pairs:
             futs.append(self.lanes["host"].submit(
                 lambda: host_backend(module, hidden, ids, weights, expert_map=hmap), step=ctx.index, layer=layer.index,
                 kind=host_event[0], tokens=host_pairs, nbytes=ebytes * n_host, cause=host_event[1]))

@@ -37,7 +37,7 @@ import torch
 from moelab.backends.base import ExpertsBackend, Routing
 from moelab.kernels.fp8 import forget_fp8_pack, stored_fp8_pack
 from moelab.kernels.integration import IMPLEMENTATIONS, cache_key, canonical_experts, resolve_spec
-from moelab.kernels.op import moe_experts
+from moelab.kernels.op import NativeCall, moe_experts, moe_experts_submit
 from moelab.kernels.packing import KernelSpec, PackedExperts, pack_experts
 
 logger = logging.getLogger(__name__)
@@ -98,6 +98,17 @@ class KernelBackend(ExpertsBackend):
         out = torch.zeros(x.shape, dtype=torch.float32)
         out.index_add_(0, tok, y)
         return out if x.dtype == torch.float32 else out.to(x.dtype)
+
+
+    def submit(self, module: torch.nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+               top_k_weights: torch.Tensor, expert_map: torch.Tensor | None = None, *, lane: int = 0) -> NativeCall:
+        """This backend's call queued on the extension's C++ lane worker ``lane`` (the real
+        executor's host lane without a Python thread): the expert map is applied by the kernel
+        (experts not here add 0 and are not computed). ``result()`` of the returned call waits."""
+        self.check_devices(module, {"hidden_states": hidden_states, "top_k_index": top_k_index,
+                                    "top_k_weights": top_k_weights, "expert_map": expert_map})
+        return moe_experts_submit(hidden_states.detach(), top_k_index, top_k_weights.detach(), self.packed(module),
+                                  lane=lane, expert_map=expert_map)
 
 
 def all_kernel_backends() -> list[KernelBackend]:

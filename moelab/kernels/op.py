@@ -9,22 +9,9 @@ from moelab.kernels.build import ISA_CODES, Isa, _validate, active_isa, load_ext
 from moelab.kernels.packing import ACT_CODES, DTYPE_CODES, PackedExperts
 
 
-def moe_experts(
-    hidden_states: torch.Tensor,
-    top_k_index: torch.Tensor,
-    top_k_weights: torch.Tensor,
-    packed: PackedExperts,
-    *,
-    isa: Isa | None = None,
-    num_threads: int | None = None,
-) -> torch.Tensor:
-    """Σ_k w[t,k] · down_e(act(gate_e x_t, up_e x_t)) for one layer's tokens.
-
-    ``hidden_states`` (T, H) float32/bfloat16 (other float types run in fp32),
-    ``top_k_index``/``top_k_weights`` (T, K). Runs on ``isa`` (default: :func:`active_isa`)
-    with ``num_threads`` OpenMP threads (default ``torch.get_num_threads()``); releases
-    the GIL while it runs. Forward only (no autograd).
-    """
+def _args(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, packed: PackedExperts,
+          isa: Isa | None, num_threads: int | None) -> tuple:
+    """The extension's positional arguments of one call, checked (clear errors before C++)."""
     if hidden_states.device.type != "cpu":
         raise MoelabError(
             f"hidden states are on {hidden_states.device}; moelab's native kernels run on the CPU. "
@@ -39,7 +26,6 @@ def moe_experts(
             f"top_k_index {tuple(top_k_index.shape)} and top_k_weights {tuple(top_k_weights.shape)} "
             f"must both be (T, K) with T = {hidden_states.shape[0]}."
         )
-    ext = load_extension()
     isa = active_isa() if isa is None else _validate(isa, "isa=")
     dtype = hidden_states.dtype
     x = hidden_states if dtype in (torch.float32, torch.bfloat16) else hidden_states.float()
@@ -49,8 +35,83 @@ def moe_experts(
         ACT_CODES[packed.act],
         ISA_CODES[isa], num_threads or torch.get_num_threads(), packed.slice1,
     ]
-    out = ext.moe_forward(
-        x.contiguous(), top_k_index, top_k_weights, packed.w1, packed.s1, packed.b1,
-        packed.w2, packed.s2, packed.b2, meta, packed.alpha, packed.limit,
-    )
-    return out if out.dtype == dtype else out.to(dtype)
+    return (x.contiguous(), top_k_index, top_k_weights, packed.w1, packed.s1, packed.b1,
+            packed.w2, packed.s2, packed.b2, meta, packed.alpha, packed.limit)
+
+
+def moe_experts(
+    hidden_states: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+    packed: PackedExperts,
+    *,
+    isa: Isa | None = None,
+    num_threads: int | None = None,
+    expert_map: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Σ_k w[t,k] · down_e(act(gate_e x_t, up_e x_t)) for one layer's tokens.
+
+    ``hidden_states`` (T, H) float32/bfloat16 (other float types run in fp32),
+    ``top_k_index``/``top_k_weights`` (T, K). Runs on ``isa`` (default: :func:`active_isa`)
+    with ``num_threads`` OpenMP threads (default ``torch.get_num_threads()``); releases
+    the GIL while it runs. Forward only (no autograd). ``expert_map`` (vLLM's convention):
+    ``(E,)`` integers over the router's ids, ``-1`` = the expert is not here (its slots add 0
+    and are not computed), otherwise its index among the packed experts.
+    """
+    ext = load_extension()
+    args = _args(hidden_states, top_k_index, top_k_weights, packed, isa, num_threads)
+    out = ext.moe_forward(*args, expert_map=expert_map)
+    return out if out.dtype == hidden_states.dtype else out.to(hidden_states.dtype)
+
+
+class NativeCall:
+    """One experts call queued on a C++ lane worker (:func:`moe_experts_submit`): ``result()``
+    blocks (the GIL released) until it ran and returns its output, once computed; ``times_ns()``
+    is (submitted, started, ended) on ``time.perf_counter_ns``'s clock."""
+
+    __slots__ = ("_dtype", "_out", "_ticket", "on_done")
+
+    def __init__(self, ticket, dtype: torch.dtype, on_done=None) -> None:
+        self._ticket = ticket
+        self._dtype = dtype
+        self._out: torch.Tensor | None = None
+        self.on_done = on_done
+        """Called once with this call when its result is first taken (e.g. to record its event)."""
+
+    def done(self) -> bool:
+        return self._out is not None or self._ticket.done()
+
+    def times_ns(self) -> tuple[int, int, int]:
+        return tuple(self._ticket.times_ns())
+
+    def result(self) -> torch.Tensor:
+        if self._out is None:
+            try:
+                out = self._ticket.wait()
+            except RuntimeError as exc:
+                raise MoelabError(str(exc)) from exc
+            self._out = out if out.dtype == self._dtype else out.to(self._dtype)
+            if self.on_done is not None:
+                self.on_done(self)
+        return self._out
+
+
+def moe_experts_submit(
+    hidden_states: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+    packed: PackedExperts,
+    *,
+    lane: int = 0,
+    expert_map: torch.Tensor | None = None,
+    isa: Isa | None = None,
+    num_threads: int | None = None,
+) -> NativeCall:
+    """:func:`moe_experts` queued on C++ lane worker ``lane`` (0..7): checked and prepared on the
+    calling thread, run by a worker thread of the extension without the interpreter; calls on one
+    lane run in submission order. Returns a :class:`NativeCall` (``result()`` waits for it)."""
+    ext = load_extension()
+    args = _args(hidden_states, top_k_index, top_k_weights, packed, isa, num_threads)
+    if not 0 <= int(lane) < 8:
+        raise MoelabError(f"lane={lane!r}: the extension has lanes 0..7.")
+    return NativeCall(ext.moe_submit(*args, expert_map=expert_map, lane=int(lane)), hidden_states.dtype)

@@ -1,0 +1,164 @@
+"""The extension's expert map and its C++ lane workers (``moe_submit``), against the reference.
+
+* An expert map (vLLM's convention: ``-1`` = not here, else the local index) gives the kernel
+  run on the mapped ids with the unmapped slots' weights set to 0 — checked against the plain
+  reference over shapes, weight formats and ISA paths.
+* A call queued on a lane worker returns exactly what the synchronous call returns, calls on one
+  lane run in submission order, concurrent submitters each get their own results, and the
+  worker's timestamps sit inside the caller's clock readings (the event log's clock).
+* Bad input is refused on the submitting thread, before anything is queued.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from moelab.errors import MoelabError
+from moelab.kernels import KernelSpec, moe_experts, pack_experts, reference_experts, supported_isas
+from moelab.kernels.op import moe_experts_submit
+
+SPECS = [KernelSpec("fp32"), KernelSpec("bf16"), KernelSpec("int8", 32), KernelSpec("fp8")]
+TOL = {"fp32": 1e-5, "bf16": 2e-3, "int8": 5e-3, "fp8": 5e-3}
+SHAPES = [(8, 32, 64, 2, 1), (6, 64, 96, 3, 17), (16, 48, 80, 4, 33)]
+
+
+def _layer(e: int, h: int, i: int, seed: int = 0) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return dict(gate=torch.randn(e, i, h, generator=g) * 0.1, up=torch.randn(e, i, h, generator=g) * 0.1,
+                down=torch.randn(e, h, i, generator=g) * 0.1)
+
+
+def _routing(t: int, e: int, k: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)])
+    return ids, torch.rand(t, k, generator=g)
+
+
+def _rel(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return (out.float() - ref.float()).abs().max().item() / max(ref.float().abs().max().item(), 1e-6)
+
+
+@pytest.mark.parametrize("isa", supported_isas())
+@pytest.mark.parametrize("shape", SHAPES, ids=[f"E{e}H{h}I{i}K{k}T{t}" for e, h, i, k, t in SHAPES])
+@pytest.mark.parametrize("spec", SPECS, ids=[s.dtype for s in SPECS])
+def test_expert_map_is_the_reference_with_absent_experts_weighted_zero(isa, shape, spec):
+    e, h, i, k, t = shape
+    w = _layer(e, h, i)
+    ids, wts = _routing(t, e, k, seed=t)
+    x = torch.randn(t, h, generator=torch.Generator().manual_seed(1))
+    if spec.dtype in ("bf16", "fp8"):
+        x = x.to(torch.bfloat16)
+    g = torch.Generator().manual_seed(2)
+    # a map over the router's ids: a permutation of the local experts, a third of them absent
+    emap = torch.randperm(e, generator=g)
+    emap[torch.randperm(e, generator=g)[: e // 3]] = -1
+    local = emap[ids]
+    ref = reference_experts(x, local.clamp(min=0), torch.where(local >= 0, wts, torch.zeros_like(wts)), spec=spec, **w)
+    packed = pack_experts(spec=spec, **w)
+    out = moe_experts(x, ids, wts, packed, isa=isa, expert_map=emap)
+    assert out.dtype == x.dtype and _rel(out, ref) <= TOL[spec.dtype]
+    queued = moe_experts_submit(x, ids, wts, packed, isa=isa, expert_map=emap).result()
+    assert torch.equal(queued, out)  # the same kernel on the same inputs
+
+
+def test_tokens_with_no_expert_here_get_zeros():
+    w = _layer(4, 32, 32)
+    packed = pack_experts(spec=KernelSpec("fp32"), **w)
+    ids = torch.tensor([[0, 1], [2, 3]])
+    emap = torch.tensor([0, 1, -1, -1])
+    out = moe_experts(torch.randn(2, 32), ids, torch.ones(2, 2), packed, expert_map=emap)
+    assert torch.equal(out[1], torch.zeros(32)) and out[0].abs().sum() > 0
+
+
+def test_calls_on_a_lane_run_in_order_and_their_times_bracket_the_work():
+    w = _layer(8, 64, 96)
+    packed = pack_experts(spec=KernelSpec("fp32"), **w)
+    xs = [torch.randn(5, 64, generator=torch.Generator().manual_seed(s)) for s in range(6)]
+    ids, wts = _routing(5, 8, 2)
+    before = time.perf_counter_ns()
+    calls = [moe_experts_submit(x, ids, wts, packed, lane=3) for x in xs]
+    outs = [c.result() for c in calls]
+    after = time.perf_counter_ns()
+    for x, out in zip(xs, outs, strict=True):
+        assert torch.equal(out, moe_experts(x, ids, wts, packed))
+    times = [c.times_ns() for c in calls]
+    for sub, start, end in times:
+        assert before <= sub <= start <= end <= after
+    for (_, _, end), (_, start, _) in zip(times, times[1:], strict=False):
+        assert start >= end  # one worker: FIFO, one call at a time
+    assert calls[0].result() is outs[0]  # a result is taken once and kept
+
+
+def test_concurrent_submitters_get_their_own_results():
+    w = _layer(8, 32, 64)
+    packed = pack_experts(spec=KernelSpec("bf16"), **w)
+    ids, wts = _routing(3, 8, 2)
+    errors: list[str] = []
+
+    def worker(seed: int, lane: int) -> None:
+        for j in range(10):
+            x = torch.randn(3, 32, generator=torch.Generator().manual_seed(seed * 100 + j)).to(torch.bfloat16)
+            if not torch.equal(moe_experts_submit(x, ids, wts, packed, lane=lane).result(),
+                               moe_experts(x, ids, wts, packed)):
+                errors.append(f"submitter {seed} call {j}")
+
+    threads = [threading.Thread(target=worker, args=(s, s % 2)) for s in range(4)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert not errors
+
+
+def test_bad_input_is_refused_before_it_is_queued():
+    w = _layer(4, 32, 32)
+    packed = pack_experts(spec=KernelSpec("fp32"), **w)
+    with pytest.raises(RuntimeError, match="out of range"):
+        moe_experts_submit(torch.randn(1, 32), torch.tensor([[0, 7]]), torch.ones(1, 2), packed)
+    with pytest.raises(RuntimeError, match="expert_map entry"):
+        moe_experts(torch.randn(1, 32), torch.tensor([[0, 1]]), torch.ones(1, 2), packed,
+                    expert_map=torch.tensor([0, 9, -1, 2]))
+    with pytest.raises(MoelabError, match="lane=8"):
+        moe_experts_submit(torch.randn(1, 32), torch.tensor([[0, 1]]), torch.ones(1, 2), packed, lane=8)
+    with pytest.raises(MoelabError, match="hidden states have shape"):
+        moe_experts_submit(torch.randn(1, 31), torch.tensor([[0, 1]]), torch.ones(1, 2), packed)
+
+
+def test_native_lane_records_one_event_per_call_with_the_workers_times():
+    from moelab.adapters import moe_layers
+    from moelab.hybrid.events import EventLog
+    from moelab.hybrid.lanes import NativeLane
+    from moelab.kernels.backend import KernelBackend
+    from moelab.models.tiny import build_tiny
+
+    module = moe_layers(build_tiny("mixtral", seed=0, dtype=torch.float32))[0].experts
+    e = module.gate_up_proj.shape[0]
+    backend = KernelBackend(KernelSpec("fp32"))
+    log = EventLog("t")
+    lane = NativeLane("host", log, lane=1)
+    hidden = moe_layers_hidden(module)
+    ids = torch.tensor([[0, 2], [1, 3]]) % e
+    wts = torch.rand(2, 2)
+    x = torch.randn(2, hidden)
+    hmap = torch.arange(e)
+    hmap[1::2] = -1
+    call = lane.submit_experts(backend, module, x, ids, wts, hmap, step=4, layer=1, kind="expert-host", tokens=2,
+                               cause="miss")
+    out = call.result()
+    call.result()
+    assert torch.equal(out, backend(module, x, ids, wts, expert_map=hmap))
+    assert len(log) == 1
+    ev = log.events[0]
+    assert (ev.step, ev.layer, ev.lane, ev.kind, ev.tokens, ev.cause) == (4, 1, "host", "expert-host", 2, "miss")
+    _, start, end = call.times_ns()
+    assert ev.t_start_us == (start - log.t0) / 1e3 and ev.t_end_us == (end - log.t0) / 1e3 >= ev.t_start_us
+
+
+def moe_layers_hidden(module) -> int:
+    from moelab.backends.base import hidden_size
+
+    return hidden_size(module)
