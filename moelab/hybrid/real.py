@@ -44,6 +44,7 @@ import threading
 from concurrent.futures import Future
 from typing import Any
 
+import numpy as np
 import torch
 
 from moelab.backends import get_backend
@@ -211,11 +212,12 @@ class RealExecutor(LaneExecutor):
 def _split(num_experts: int, device: list[int], ids, weights):
     """``(device map, host map, device pairs, host pairs)`` of one experts call: ``device`` experts
     run on the device, every other one (and padding rows' experts) on the host; pairs count the
-    (token, slot)s with a non-zero weight on each side."""
+    (token, slot)s with a non-zero weight on each side (counted in numpy: CPU tensors)."""
     dmap, hmap = split_maps(num_experts, device, ids.device)
-    active = weights != 0
-    dev_pairs = int((active & (dmap[ids] >= 0)).sum())
-    return dmap, hmap, dev_pairs, int(active.sum()) - dev_pairs
+    w = weights.detach()
+    active = (w if w.dtype in (torch.float32, torch.float64) else w.float()).numpy() != 0
+    dev_pairs = int(np.count_nonzero(active & (dmap.numpy()[ids.numpy()] >= 0)))
+    return dmap, hmap, dev_pairs, int(np.count_nonzero(active)) - dev_pairs
 
 
 class _Sum:
