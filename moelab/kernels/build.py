@@ -143,8 +143,15 @@ def load_extension() -> ModuleType:
 
 
 def cpu_features() -> frozenset[str]:
-    """x86 features the running CPU supports (as detected by the compiled extension)."""
-    return frozenset(load_extension().cpu_features())
+    """x86 features the running CPU supports (as detected by the compiled extension; asked once
+    per process: every kernel call reads them to pick its path)."""
+    global _features
+    if _features is None:
+        _features = frozenset(load_extension().cpu_features())
+    return _features
+
+
+_features: frozenset[str] | None = None
 
 
 def supported_isas() -> tuple[Isa, ...]:
