@@ -170,6 +170,10 @@ class ModelShape:
 
     # ------------------------------------------------------------------ validation
     def __post_init__(self) -> None:
+        # per-layer terms that do not depend on the context, computed once (the simulator asks
+        # for one step's attention cost per forward: recomputing every layer's matrices made that
+        # the largest share of a simulation's time)
+        object.__setattr__(self, "_memo", {})
         where = f"model shape {self.name!r}"
         for f in ("num_layers", "num_experts", "top_k", "hidden_size", "expert_intermediate", "vocab_size"):
             v = getattr(self, f)
@@ -295,6 +299,33 @@ class ModelShape:
     def _attn_matrices(self, layer: int) -> tuple[list[tuple[int, int]], int]:
         """(rows, cols) of the attention's linear weights in decoder layer ``layer``, and its
         other parameters (norms, biases, sinks, conv, ...)."""
+        key = ("attn", layer)
+        hit = self._memo.get(key)
+        if hit is None:
+            hit = self._memo[key] = self._attn_matrices_of(layer)
+        return hit
+
+    def _layer_terms(self) -> list[tuple[int, bool, int, int, int, bool]]:
+        """Per decoder layer: (KV values per token, sliding?, recurrent state values, projection
+        FLOPs per row, attention-core FLOPs per attended position and row (0: linear), linear?)."""
+        terms = self._memo.get("terms")
+        if terms is None:
+            terms = []
+            for i in range(self.num_layers):
+                mats, _ = self._attn_matrices(i)
+                linear = i in self.linear_layers
+                if linear:
+                    core = 0
+                elif self.attention == "mla":
+                    core = 2 * self.num_heads * (self.kv_lora_rank + self.qk_rope_head_dim + self.kv_lora_rank)
+                else:
+                    core = 4 * self.num_heads * self.head_dim
+                terms.append((self.kv_values_per_token(i), i in self.sliding_layers and bool(self.sliding_window),
+                              self._state_values(i), 2 * sum(r * c for r, c in mats), core, linear))
+            self._memo["terms"] = terms
+        return terms
+
+    def _attn_matrices_of(self, layer: int) -> tuple[list[tuple[int, int]], int]:
         H = self.hidden_size
         if layer in self.linear_layers:
             kd = self.linear_key_heads * self.linear_key_head_dim
@@ -390,35 +421,38 @@ class ModelShape:
     def kv_cache_bytes(self, context: int, batch: int = 1, layer: int | None = None) -> float:
         """Bytes of KV cache (or linear-attention state) one step reads in one layer."""
         kvb = DTYPES[self.kv_dtype].bits / 8
+        terms = self._layer_terms()
+        c, w = int(context), self.sliding_window
 
         def one(i: int) -> float:
-            per_seq = self.kv_values_per_token(i) * self._attended(i, context) + self._state_values(i)
-            return per_seq * kvb * int(batch)
+            kv, sliding, state = terms[i][:3]
+            return (kv * (min(c, w) if sliding else c) + state) * kvb * int(batch)
 
         return self._mean_over_layers(one, layer)
 
     def attention_bytes(self, context: int, batch: int = 1, layer: int | None = None) -> float:
         """Bytes one decode step reads in one layer's attention: its weights plus the KV cache
         of ``batch`` sequences of ``context`` tokens (``layer=None``: mean over layers)."""
-        return self.attention_weight_bytes(layer) + self.kv_cache_bytes(context, batch, layer)
+        key = ("weight_bytes", layer)
+        wb = self._memo.get(key)
+        if wb is None:
+            wb = self._memo[key] = self.attention_weight_bytes(layer)
+        return wb + self.kv_cache_bytes(context, batch, layer)
 
     def attention_flops(self, context: int, batch: int = 1, layer: int | None = None) -> float:
         """FLOPs of one decode step of one layer's attention for ``batch`` sequences at
         ``context``: projections (2 × weights × batch) plus scores and values. MLA is counted in
         its weight-absorbed decode form (each head attends over kv_lora_rank + rope values and
         reads values of kv_lora_rank); linear attention updates its state (≈ 4 × state)."""
+        terms = self._layer_terms()
+        c, w = int(context), self.sliding_window
+        linear_core = 4 * self.linear_value_heads * self.linear_key_head_dim * self.linear_value_head_dim
 
         def one(i: int) -> float:
-            mats, _ = self._attn_matrices(i)
-            proj = 2 * sum(r * c for r, c in mats)
-            if i in self.linear_layers:
-                core = 4 * self.linear_value_heads * self.linear_key_head_dim * self.linear_value_head_dim
-            elif self.attention == "mla":
-                per_pos = self.kv_lora_rank + self.qk_rope_head_dim + self.kv_lora_rank
-                core = 2 * self.num_heads * per_pos * self._attended(i, context)
-            else:
-                core = 4 * self.num_heads * self.head_dim * self._attended(i, context)
-            return (proj + core) * int(batch)
+            _, sliding, _, proj, core, linear = terms[i]
+            if linear:
+                return (proj + linear_core) * int(batch)
+            return (proj + core * (min(c, w) if sliding else c)) * int(batch)
 
         return self._mean_over_layers(one, layer)
 
