@@ -418,11 +418,26 @@ class ModelShape:
         return (self.linear_value_heads * self.linear_key_head_dim * self.linear_value_head_dim
                 + (2 * kd + vd) * max(self.linear_conv_kernel - 1, 0))
 
+    def _sums(self) -> tuple[int, int, int, int, int, int, int]:
+        """Sums over decoder layers of the per-layer terms: KV values per token (full, sliding),
+        state values, projection FLOPs, core FLOPs per position (full, sliding), linear layers."""
+        sums = self._memo.get("sums")
+        if sums is None:
+            t = self._layer_terms()
+            sums = self._memo["sums"] = (
+                sum(x[0] for x in t if not x[1]), sum(x[0] for x in t if x[1]), sum(x[2] for x in t),
+                sum(x[3] for x in t), sum(x[4] for x in t if not x[1] and not x[5]),
+                sum(x[4] for x in t if x[1] and not x[5]), sum(1 for x in t if x[5]))
+        return sums
+
     def kv_cache_bytes(self, context: int, batch: int = 1, layer: int | None = None) -> float:
         """Bytes of KV cache (or linear-attention state) one step reads in one layer."""
         kvb = DTYPES[self.kv_dtype].bits / 8
         terms = self._layer_terms()
         c, w = int(context), self.sliding_window
+        if layer is None:  # the mean over layers in closed form (integers until the last step)
+            kv_full, kv_slide, state = self._sums()[:3]
+            return (kv_full * c + kv_slide * (min(c, w) if w else c) + state) * kvb * int(batch) / self.num_layers
 
         def one(i: int) -> float:
             kv, sliding, state = terms[i][:3]
@@ -447,6 +462,10 @@ class ModelShape:
         terms = self._layer_terms()
         c, w = int(context), self.sliding_window
         linear_core = 4 * self.linear_value_heads * self.linear_key_head_dim * self.linear_value_head_dim
+        if layer is None:  # the mean over layers in closed form (integers until the last step)
+            _, _, _, proj, core_full, core_slide, n_linear = self._sums()
+            total = proj + core_full * c + core_slide * (min(c, w) if w else c) + n_linear * linear_core
+            return total * int(batch) / self.num_layers
 
         def one(i: int) -> float:
             _, sliding, _, proj, core, linear = terms[i]
