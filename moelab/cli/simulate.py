@@ -92,6 +92,8 @@ def register(subparsers) -> None:
                    "KTransformers' NUMA-aware kernels do) or split (expert e on node e %% nodes)")
     v.add_argument("--json", action="store_true", help="print the rows as JSON")
     v.set_defaults(func=run_validate)
+    from moelab.cli.simulate_throughput import register as register_throughput
+    register_throughput(sub)
 
 
 def run(args) -> int:
