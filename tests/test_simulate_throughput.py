@@ -253,6 +253,28 @@ def test_full_search_and_baseline_fit():
     assert d["best"]["memory"]["fits"] is True and d["assumptions"]
 
 
+def test_search_beats_every_fitting_candidate_and_bounds_hold():
+    # the search's answer is at least as fast as any configuration of its grids that fits (pinning no
+    # experts; pinning more never slows a layer), and the bound it prunes with never exceeds a step's time
+    s, hw = get_shape("olmoe-1b-7b"), get_profile("moegen-a5000").with_changes(host_memory_gb=40.0)
+    lc = LayerCosts(CostModel.of(s, hw))
+    plan = plan_throughput(s, hw, expert_slots=2, baseline=False)
+    B = plan.best.config.batch
+    rng = random.Random(3)
+    tried = 0
+    for _ in range(60):
+        cfg = ThroughputConfig(batch=B, micro_batch=rng.choice([2 ** i for i in range(12) if 2 ** i <= B]),
+                               expert_batch=rng.choice([64, 128, 256, 512, 1024]), cpu_attention=rng.randrange(11) / 10,
+                               expert_slots=2, pin_dense=rng.random() < 0.5)
+        if schedule_memory(lc, cfg).fits is not True:
+            continue
+        st = step_time(lc, cfg)
+        assert plan.tokens_per_s >= st.tokens_per_s * (1 - 1e-12)
+        assert step_lower_bound_us(lc, cfg) <= st.step_us * (1 + 1e-12)
+        tried += 1
+    assert tried >= 20
+
+
 def test_monotonic_host_memory_and_link():
     s = get_shape("olmoe-1b-7b")
     hw = get_profile("moegen-a5000")
@@ -306,3 +328,21 @@ def test_cli_throughput_bad_input(capsys):
                  "--set", "host_memory_gb=50"]) == 2
     err = capsys.readouterr().err.strip()
     assert "93.4 GB" in err and "\n" not in err
+
+
+# ---------------------------------------------------------------------- validation rows
+def test_validation_rows_are_predictions_with_assumptions(monkeypatch):
+    import moelab.simulate.moegen.validate as v
+    from moelab.simulate.validate import format_rows
+
+    assert {(c.shape, c.profile) for c in v.CASES} == {(m, f"moegen-{g}") for m in ("mixtral-8x7b", "deepseek-v2-lite")
+                                                       for g in ("a5000", "a6000")}
+    monkeypatch.setattr(v, "CASES", (v.ThroughputCase("olmoe-a6000", "olmoe-1b-7b", "moegen-a6000", "test"),))
+    rows = v.throughput_rows(quick=True)
+    (r,) = rows
+    plan = plan_throughput("olmoe-1b-7b", "moegen-a6000", prompt=v.PROMPT, generate=v.GENERATE)
+    assert r["simulated"] == pytest.approx(plan.tokens_per_s) and r["reference"] == pytest.approx(
+        plan.baseline.tokens_per_s)
+    assert r["error"] is None and "prompt 512 + generate 256" in r["assumed"]
+    text = format_rows(rows, {"wall_s": 0})
+    assert "olmoe-a6000" in text and "no published figure" in text

@@ -398,17 +398,41 @@ def layer_busy_us(lc: LayerCosts, cfg: ThroughputConfig, *, moe: bool = True, pi
     return busy
 
 
+def layer_lower_bound_us(lc: LayerCosts, cfg: ThroughputConfig, *, moe: bool = True, pinned: int = 0) -> float:
+    """A lower bound of the layer's longest path: its busiest engine (:func:`layer_busy_us`), or the
+    path through the CPU share — PreAttn → Q copy → CPUAttn → O copy → PostAttn → and every later GPU
+    job (shared experts, router, experts or the dense MLP, serial on the GPU)."""
+    busy = layer_busy_us(lc, cfg, moe=moe, pinned=pinned)
+    bound = max(busy.values())
+    n_c = cfg.cpu_rows if cfg.phase == "decode" else 0
+    if n_c:
+        c = lc.costs
+        T = cfg.tokens_per_step
+        chain = sum(lc.cpu_share_us(cfg, n_c)) + lc.gpu_us(lc.o_bytes, lc.o_flops(T), lc.k_post)
+        chunks = _chunks(T, cfg.expert_batch)
+        if moe:
+            active, n_e = lc.expert_tokens(T)
+            chain += (sum(c.shared_us(n) for n in chunks) if c.shared_bytes else 0.0)
+            chain += lc.gpu_us(c.router_bytes, c.router_flops_per_token * T, 2)
+            chain += active * sum(c.device_us(n) for n in _chunks(n_e, cfg.expert_batch))
+        else:
+            chain += sum(lc.gpu_us(c.dense_mlp_bytes, c.dense_mlp_flops_per_token * n, lc.hw.gpu_kernels_per_expert)
+                         for n in chunks)
+        bound = max(bound, chain)
+    return bound
+
+
 def step_lower_bound_us(lc: LayerCosts, cfg: ThroughputConfig) -> float:
-    """A lower bound of :func:`step_time`'s ``step_us``: each layer's busiest engine (:func:`layer_busy_us`)."""
+    """A lower bound of :func:`step_time`'s ``step_us``: each layer's :func:`layer_lower_bound_us`."""
     s = lc.shape
     M = s.num_moe_layers
     D = s.num_layers - M
     p, r = divmod(cfg.pinned_experts, M)
-    lb = (M - r) * max(layer_busy_us(lc, cfg, pinned=p).values())
+    lb = (M - r) * layer_lower_bound_us(lc, cfg, pinned=p)
     if r:
-        lb += r * max(layer_busy_us(lc, cfg, pinned=p + 1).values())
+        lb += r * layer_lower_bound_us(lc, cfg, pinned=p + 1)
     if D:
-        lb += D * max(layer_busy_us(lc, cfg, moe=False).values())
+        lb += D * layer_lower_bound_us(lc, cfg, moe=False)
     return lb + lc.lm_head_us(cfg)
 
 
@@ -468,5 +492,5 @@ def step_jobs(lc: LayerCosts, cfg: ThroughputConfig) -> list[Job]:
     return jobs
 
 
-__all__ = ["ASSUMPTIONS", "LayerCosts", "StepTime", "ThroughputConfig", "layer_busy_us", "layer_dag", "step_jobs", "step_lower_bound_us",
+__all__ = ["ASSUMPTIONS", "LayerCosts", "StepTime", "ThroughputConfig", "layer_busy_us", "layer_dag", "layer_lower_bound_us", "step_jobs", "step_lower_bound_us",
            "step_time"]

@@ -257,7 +257,8 @@ def plan_throughput(shape: Any, profile: Any, *, phase: str = "decode", prompt: 
     omegas = ([float(cpu_attention)] if cpu_attention is not None else
               (list(OMEGAS) if phase == "decode" else [0.0]))
     best: Evaluated | None = None
-    n_ok = n_bad = 0
+    n_bad = 0
+    cands: list[tuple[float, ThroughputConfig]] = []
     first_refusal: MemoryNeeds | None = None
     for B in batches:
         tokens = B if phase == "decode" else B * prompt
@@ -278,13 +279,17 @@ def plan_throughput(shape: Any, profile: Any, *, phase: str = "decode", prompt: 
                             continue
                         for w in omegas:
                             cfg = replace(base, cpu_attention=w, pinned_experts=p)
-                            n_ok += 1
-                            if best is not None and (cfg.tokens_per_step / step_lower_bound_us(lc, cfg)
-                                                     <= best.step.tokens / best.step.step_us):
-                                continue  # its busiest engines alone make it slower than the best: skip exactly
-                            st = step_time(lc, cfg)
-                            if best is None or st.tokens_per_s > best.step.tokens_per_s:
-                                best = Evaluated(cfg, st, None)  # type: ignore[arg-type]
+                            cands.append((cfg.tokens_per_step / step_lower_bound_us(lc, cfg) * 1e6, cfg))
+    # branch and bound: evaluate in order of the bound (the busiest engine's sum); once a candidate's bound
+    # cannot beat the best found, no later one can — the answer is that of evaluating every candidate
+    cands.sort(key=lambda x: -x[0])
+    for bound, cfg in cands:
+        if best is not None and bound <= best.step.tokens_per_s:
+            break
+        st = step_time(lc, cfg)
+        if best is None or st.tokens_per_s > best.step.tokens_per_s:
+            best = Evaluated(cfg, st, None)  # type: ignore[arg-type]
+    n_ok = len(cands)
     if best is None:
         needs = first_refusal
         raise MemoryDoesNotFit("no MoE-Gen configuration of " + s.name + f" fits {hw.name}: "
