@@ -307,16 +307,20 @@ def test_refusals_name_the_numbers():
 
 
 # ---------------------------------------------------------------------- CLI
-def test_cli_throughput_json_and_text(capsys):
+def test_cli_throughput_json_and_text(capsys, tmp_path):
     args = ["simulate", "throughput", "--model-shape", "deepseek-v2-lite", "--hardware", "moegen-a6000",
             "--micro-batch", "64", "--expert-batch", "1024", "--cpu-attention", "0", "--expert-slots", "2"]
     assert main([*args, "--json"]) == 0
     d = json.loads(capsys.readouterr().out)
     assert d["profile"] == "moegen-a6000" and d["best"]["cpu_attention"] == 0.0 and d["best"]["micro_batch"] == 64
     assert d["tokens_per_s"] > 0 and d["best"]["memory"]["fits"] is True and d["baseline"]["tokens_per_s"] > 0
-    assert main(args) == 0
+    ev = tmp_path / "ev.parquet"
+    assert main([*args, "--events", str(ev)]) == 0
     out = capsys.readouterr().out
-    assert "tokens/s" in out and "on-demand offloading" in out and "assumed:" in out
+    assert "tokens/s" in out and "on-demand offloading" in out and "assumed:" in out and "wrote one step" in out
+    from moelab.timeline import Timeline
+
+    assert Timeline(str(ev)).summary(critical_path=False)["tokens_per_s"] == pytest.approx(d["tokens_per_s"])
 
 
 def test_cli_throughput_bad_input(capsys):
@@ -346,3 +350,28 @@ def test_validation_rows_are_predictions_with_assumptions(monkeypatch):
     assert r["error"] is None and "prompt 512 + generate 256" in r["assumed"]
     text = format_rows(rows, {"wall_s": 0})
     assert "olmoe-a6000" in text and "no published figure" in text
+
+
+# ---------------------------------------------------------------------- events and the timeline
+def test_schedule_events_draw_on_the_timeline(tmp_path):
+    from moelab.events import COLUMNS
+    from moelab.simulate.moegen.events import schedule_events, schedule_timeline
+    from moelab.timeline import Timeline
+
+    cfg = ThroughputConfig(batch=64, micro_batch=16, expert_batch=64, cpu_attention=0.5, expert_slots=2,
+                           pinned_experts=3)
+    lc = _lc("olmoe-1b-7b")
+    ev = schedule_events("olmoe-1b-7b", "moegen-a5000", cfg, steps=2)
+    assert list(ev.columns) == list(COLUMNS)
+    assert set(ev["lane"]) == {"device", "host", "copy-htod", "copy-dtoh"}
+    st = step_time(lc, cfg)
+    assert ev["t_end_us"].max() == pytest.approx(2 * st.step_us)
+    # one event per job of positive cost, per step; micro-batches and expert chunks named in cause
+    assert len(ev) == 2 * sum(1 for j in step_jobs(lc, cfg) if j.cost_us > 0)
+    assert {"GPUAttn[0]", "CPUAttn", "Wcopy[0]"} <= set(ev["cause"])
+    tl = schedule_timeline("olmoe-1b-7b", "moegen-a5000", cfg, steps=2)
+    assert tl.summary(critical_path=False)["tokens_per_s"] == pytest.approx(st.tokens_per_s)
+    assert len(tl.figure().data) > 0
+    path = tmp_path / "events.parquet"
+    ev.to_parquet(path, index=False)
+    assert len(Timeline(str(path))) == len(ev)

@@ -61,6 +61,9 @@ def register(sub) -> None:
                    help="pin the GPU expert slots S_Expert")
     t.add_argument("--no-baseline", action="store_true", dest="tp_no_baseline",
                    help="skip the on-demand offloading baseline")
+    t.add_argument("--events", metavar="OUT.parquet", default=None, dest="tp_events",
+                   help="also write one step of the best configuration as events (the project's event schema; "
+                   "open with moelab timeline or moelab.Timeline)")
     t.add_argument("--json", action="store_true", dest="tp_json", help="print the plan as JSON")
     t.set_defaults(func=run_throughput)
 
@@ -80,6 +83,10 @@ def run_throughput(args) -> int:
                            batch=args.tp_batch, micro_batch=args.tp_micro_batch, expert_batch=args.tp_expert_batch,
                            cpu_attention=args.tp_omega, expert_slots=args.tp_slots,
                            baseline=not args.tp_no_baseline)
+    if args.tp_events:
+        from moelab.simulate.moegen.events import schedule_events
+
+        schedule_events(shape, hw, plan.best.config).to_parquet(args.tp_events, index=False)
     if args.tp_json:
         emit_json(plan.to_dict())
         return 0
@@ -103,6 +110,8 @@ def run_throughput(args) -> int:
               f"expert copied when needed, no prefetch); MoE-Gen {plan.speedup:.1f}×")
     elif not args.tp_no_baseline:
         print("on-demand offloading: not even batch 1 fits on the GPU with its KV cache")
+    if args.tp_events:
+        print(f"wrote one step's events to {args.tp_events} (moelab.Timeline({args.tp_events!r}).figure())")
     print(f"searched {plan.candidates} configurations that fit ({plan.refused} refused by memory)")
     for a in plan.assumptions:
         print(f"assumed: {a}")

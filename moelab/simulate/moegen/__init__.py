@@ -6,7 +6,10 @@
   :class:`ThroughputConfig` (``B``, ``b_a``, ``b_e``, ``ω``, ``S_Expert``, ``S_Params``), costed by the
   one cost model; a step's time and tokens/s;
 * :mod:`~moelab.simulate.moegen.search` — Eqs. 1–3: the best configuration under GPU and host memory,
-  and the on-demand offloading baseline.
+  and the on-demand offloading baseline;
+* :mod:`~moelab.simulate.moegen.events` — a simulated step as events of the project's schema, for
+  :class:`moelab.timeline.Timeline`;
+* :mod:`~moelab.simulate.moegen.validate` — the validation page's rows for MoE-Gen's settings.
 
 >>> plan = plan_throughput("mixtral-8x7b", "moegen-a5000")     # decode, prompt 512 + generate 256
 >>> plan.tokens_per_s, plan.best.config, plan.baseline.tokens_per_s
