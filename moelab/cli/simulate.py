@@ -65,7 +65,7 @@ def register(subparsers) -> None:
     p.add_argument("--csv", metavar="OUT", help="also write the grid as CSV")
     p.add_argument("--json", action="store_true", help="print the grid as JSON")
     p.set_defaults(func=run)
-    sub = p.add_subparsers(dest="simulate_command", metavar="validate")
+    sub = p.add_subparsers(dest="simulate_command", metavar="{validate,throughput}")
     v = sub.add_parser(
         "validate",
         help="the simulator's error against this machine and the papers",
