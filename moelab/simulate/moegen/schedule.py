@@ -116,7 +116,9 @@ class ThroughputConfig:
 ASSUMPTIONS: tuple[str, ...] = (
     "uniform routing: each active expert gets T·k/active tokens, E·(1−(1−k/E)^T) experts active among T tokens",
     "decode attention at the generation's mean context prompt + generate/2; KV reserved for prompt + generate",
-    "the batch's hidden states stay in GPU memory (S_IS) and are not copied; the LM head runs in b_e-row chunks",
+    "attention results go to host memory (B·H values DtoH per layer); each FFN chunk copies its tokens HtoD and "
+    "its output DtoH (Fig. 2); S_IS still counts the batch's activations on the GPU; the LM head runs in b_e-row "
+    "chunks",
     "host→device and device→host copies at the profile's link rate each (PCIe is full duplex)",
     "CPU attention reads the host KV at every NUMA node's bandwidth × cpu_memory_efficiency",
     "the next layer's dense modules are prefetched after the layer's expert copies (double-buffered S_Dense)",
@@ -144,6 +146,8 @@ class LayerCosts:
         self.o_bytes = self.o_params * bpp
         self.up_bytes = (s.kv_lora_rank * nh * (s.qk_nope_head_dim + s.v_head_dim) * bpp) if self.mla else 0.0
         self.kv_tok = float(s.kv_bytes_per_token())
+        self.hidden_bytes = H * self.act_bytes
+        """Bytes of one token's hidden state (the activations' dtype)."""
         k = self.hw.gpu_kernels_per_attention
         self.k_pre, self.k_attn, self.k_post = max(1, k // 2), max(1, k // 4), max(1, k - k // 2 - k // 4)
 
@@ -330,27 +334,36 @@ def layer_dag(lc: LayerCosts, cfg: ThroughputConfig, *, moe: bool = True, pinned
     T = cfg.tokens_per_step
     post = g.add("PostAttn", "gpu", lc.gpu_us(lc.o_bytes, lc.o_flops(T), lc.k_post), after_attn, rows=B,
                  module="attention", **f)
+    # the attention results are collected in host memory (Fig. 2); each FFN chunk brings its tokens back
+    hid = g.add("Hidden DtoH", "dtoh", lc.copy_us(T * lc.hidden_bytes), [post], rows=T, module="attention", **f)
+
+    def ffn_chunk(name: str, cost: float, n: int, preds: list[int], **fields) -> int:
+        tok = g.add(f"Tokens HtoD {name}", "htod", lc.copy_us(n * lc.hidden_bytes), preds + [hid], rows=n,
+                    **fields, **f)
+        job = g.add(name, "gpu", cost, preds + [tok], rows=n, **fields, **f)
+        g.add(f"Out DtoH {name}", "dtoh", lc.copy_us(n * lc.hidden_bytes), [job], rows=n, **fields, **f)
+        return job
+
     last = post
     if not moe:
         for i, n in enumerate(_chunks(T, cfg.expert_batch)):
-            last = g.add(f"DenseMLP[{i}]", "gpu", lc.gpu_us(c.dense_mlp_bytes, c.dense_mlp_flops_per_token * n,
-                                                              lc.hw.gpu_kernels_per_expert), [last], rows=n,
-                         module="dense-mlp", **f)
+            last = ffn_chunk(f"DenseMLP[{i}]", lc.gpu_us(c.dense_mlp_bytes, c.dense_mlp_flops_per_token * n,
+                                                          lc.hw.gpu_kernels_per_expert), n, [last],
+                             module="dense-mlp")
     else:
+        router = g.add("Router", "gpu", lc.gpu_us(c.router_bytes, c.router_flops_per_token * T, 2), [post],
+                       rows=T, module="router", **f)
         if c.shared_bytes:
             for i, n in enumerate(_chunks(T, cfg.expert_batch)):
-                last = g.add(f"Shared[{i}]", "gpu", c.shared_us(n), [last], rows=n, module="shared-experts", **f)
-        router = g.add("Router", "gpu", lc.gpu_us(c.router_bytes, c.router_flops_per_token * T, 2), [last],
-                       rows=T, module="router", **f)
-        last = router
+                ffn_chunk(f"Shared[{i}]", c.shared_us(n), n, [router], module="shared-experts")
         for e in range(active - stream):  # pinned experts: no copy
             for i, n in enumerate(_chunks(n_e, cfg.expert_batch)):
-                last = g.add(f"Expert[pinned {e}][{i}]", "gpu", c.device_us(n), [router], rows=n, expert=e,
-                             chunk=i, module="experts", pinned=True, **f)
+                ffn_chunk(f"Expert[pinned {e}][{i}]", c.device_us(n), n, [router], expert=e, chunk=i,
+                          module="experts", pinned=True)
         for e in range(stream):
             for i, n in enumerate(_chunks(n_e, cfg.expert_batch)):
-                last = g.add(f"Expert[{e}][{i}]", "gpu", c.device_us(n), [router, wcopy[e]], rows=n, expert=e,
-                             chunk=i, module="experts", **f)
+                last = ffn_chunk(f"Expert[{e}][{i}]", c.device_us(n), n, [router, wcopy[e]], expert=e, chunk=i,
+                                 module="experts")
             if e + slots < stream:  # the slot this expert used is free for the expert `slots` later
                 wcopy.append(g.add(f"Wcopy[{e + slots}]", "htod", c.fetch_us(), [last], expert=e + slots,
                                    module="experts", **f))
@@ -382,16 +395,27 @@ def layer_busy_us(lc: LayerCosts, cfg: ThroughputConfig, *, moe: bool = True, pi
         busy["htod"] += o
     T = cfg.tokens_per_step
     busy["gpu"] += lc.gpu_us(lc.o_bytes, lc.o_flops(T), lc.k_post)
+    busy["dtoh"] += lc.copy_us(T * lc.hidden_bytes)
     chunks = _chunks(T, cfg.expert_batch)
+
+    def ffn(sizes: list[int], times: int = 1) -> None:  # each chunk's tokens in, its output out
+        moved = times * sum(lc.copy_us(n * lc.hidden_bytes) for n in sizes)
+        busy["htod"] += moved
+        busy["dtoh"] += moved
+
     if not moe:
         busy["gpu"] += sum(lc.gpu_us(c.dense_mlp_bytes, c.dense_mlp_flops_per_token * n, lc.hw.gpu_kernels_per_expert)
                            for n in chunks)
+        ffn(chunks)
     else:
         if c.shared_bytes:
             busy["gpu"] += sum(c.shared_us(n) for n in chunks)
+            ffn(chunks)
         busy["gpu"] += lc.gpu_us(c.router_bytes, c.router_flops_per_token * T, 2)
         active, n_e = lc.expert_tokens(T)
-        busy["gpu"] += active * sum(c.device_us(n) for n in _chunks(n_e, cfg.expert_batch))
+        e_chunks = _chunks(n_e, cfg.expert_batch)
+        busy["gpu"] += active * sum(c.device_us(n) for n in e_chunks)
+        ffn(e_chunks, active)
         busy["htod"] += max(0, active - min(pinned, active)) * c.fetch_us()
     if not cfg.pin_dense:
         busy["htod"] += lc.copy_us(lc.dense_module_bytes(moe))
