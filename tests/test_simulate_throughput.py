@@ -275,6 +275,22 @@ def test_search_beats_every_fitting_candidate_and_bounds_hold():
     assert tried >= 20
 
 
+def test_device_sharing_host_memory_counts_every_term_there():
+    # a CPU worker as the device: Eq. 2 and Eq. 3 against one memory
+    hw = get_profile("moegen-a5000").with_changes(device_shares_host_memory=True, host_memory_gb=64.0)
+    s = get_shape("olmoe-1b-7b")
+    plan = plan_throughput(s, hw, expert_slots=1, cpu_attention=0.5)
+    m = plan.best.memory
+    assert not m.gpu.terms and m.fits is True
+    names = {t.name for t in m.host.terms}
+    assert {"S_Model", "S_KV-CPU", "S_Expert", "S_IS", "workspace"} <= names
+    assert m.host.need_bytes <= 64e9
+    # B is the largest at which the smallest configuration fits the one memory
+    lc = LayerCosts(CostModel.of(s, hw))
+    B = plan.best.config.batch
+    assert schedule_memory(lc, ThroughputConfig(batch=B + 1)).fits is False
+
+
 def test_monotonic_host_memory_and_link():
     s = get_shape("olmoe-1b-7b")
     hw = get_profile("moegen-a5000")

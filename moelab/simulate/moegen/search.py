@@ -110,9 +110,12 @@ def schedule_memory(lc: LayerCosts, cfg: ThroughputConfig, *, kv_on_gpu: bool = 
     gpu_t, host_t = _terms(lc, cfg, kv_on_gpu=kv_on_gpu, workspace_gb=workspace_gb)
     gcap = None if hw.gpu_memory_gb is None else hw.gpu_memory_gb * 1e9
     hcap = None if hw.host_memory_gb is None else hw.host_memory_gb * 1e9
-    gpu, host = Pool("GPU", tuple(gpu_t), gcap), Pool("host", tuple(host_t), hcap)
     notes = tuple(f"{hw.name} does not state {k}; not checked" for k, v in
                   (("gpu_memory_gb", gcap), ("host_memory_gb", hcap)) if v is None)
+    if hw.device_shares_host_memory:  # a CPU worker is the device: one memory holds every term
+        host_t, gpu_t, gcap = gpu_t + host_t, [], 0.0
+        notes += (f"{hw.name}'s device shares host memory: every term is counted against host memory",)
+    gpu, host = Pool("GPU", tuple(gpu_t), gcap), Pool("host", tuple(host_t), hcap)
     problems = []
     for pool, fld in ((gpu, "gpu_memory_gb"), (host, "host_memory_gb")):
         if pool.fits is False:
@@ -211,13 +214,33 @@ def _pow2(lo: int, hi: int) -> list[int]:
 def _max_pinned(lc: LayerCosts, cfg: ThroughputConfig) -> int:
     """The most routed experts the GPU holds beside ``cfg``'s other terms (−1: not even none fits)."""
     s, hw = lc.shape, lc.hw
-    if hw.gpu_memory_gb is None:
+    needs = schedule_memory(lc, replace(cfg, pinned_experts=0))
+    pool = needs.host if hw.device_shares_host_memory else needs.gpu
+    if pool.capacity_bytes is None:
         return s.num_moe_layers * s.num_experts
-    need = schedule_memory(lc, replace(cfg, pinned_experts=0)).gpu.need_bytes
-    free = hw.gpu_memory_gb * 1e9 - need
-    if free < 0:
+    free = pool.capacity_bytes - pool.need_bytes
+    if free < 0 or (not hw.device_shares_host_memory and needs.host.fits is False):
         return -1
     return min(s.num_moe_layers * s.num_experts, int(free // float(s.expert_bytes())))
+
+
+def _largest_fitting_batch(lc: LayerCosts, phase: str, prompt: int, generate: int, hi: int) -> int:
+    """Where the device shares host memory (Eq. 2 and Eq. 3 count against one memory): the largest ``B ≤ hi``
+    at which the smallest configuration (``b_a = b_e = 1``, one slot, nothing pinned) fits."""
+    def fits(B: int) -> bool:
+        cfg = ThroughputConfig(phase=phase, batch=B, prompt=prompt, generate=generate)  # type: ignore[arg-type]
+        return schedule_memory(lc, cfg).fits is not False
+
+    if not fits(1):
+        needs = schedule_memory(lc, ThroughputConfig(phase=phase, batch=1, prompt=prompt,  # type: ignore[arg-type]
+                                                     generate=generate))
+        raise MemoryDoesNotFit(" ".join(needs.problems) + " Fix: a smaller dtype (--dtype fp8 / int4), a shorter "
+                               "context, or more memory.", needs)
+    lo = 1
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
+    return lo
 
 
 def evaluate(lc: LayerCosts, cfg: ThroughputConfig) -> Evaluated:
@@ -246,6 +269,8 @@ def plan_throughput(shape: Any, profile: Any, *, phase: str = "decode", prompt: 
         needs = schedule_memory(lc, cfg)
         raise MemoryDoesNotFit(" ".join(needs.problems) + f" Fix: a batch of at most {b_host} fits host memory "
                                f"(Eq. 2).", needs)
+    if hw.device_shares_host_memory and batch is None:
+        b_host = _largest_fitting_batch(lc, phase, prompt, generate, b_host)
     if batch is not None:
         batches = [batch]
     elif phase == "decode":
