@@ -323,7 +323,9 @@ def plan_throughput(shape: Any, profile: Any, *, phase: str = "decode", prompt: 
                                "--expert-batch, a shorter context, or more GPU memory (--set gpu_memory_gb=SIZE).",
                                needs)  # type: ignore[arg-type]
     best = Evaluated(best.config, best.step, schedule_memory(lc, best.config))
-    assert best.memory.fits is not False, best.memory.problems
+    if best.memory.fits is False:  # the candidates were built to fit: a broken invariant, not bad input
+        raise MoelabError("internal error: the MoE-Gen search chose a configuration that does not fit: "
+                          + " ".join(best.memory.problems))
     base_eval = on_demand_baseline(s, hw, phase=phase, prompt=prompt, generate=generate) if baseline else None
     log.info("MoE-Gen %s search of %s on %s: %d configurations, %d refused by memory", phase, s.name, hw.name,
              n_ok, n_bad)
