@@ -89,6 +89,68 @@ def test_dag_bad_input():
         g.add("j", "gpu", 1.0, [3])
 
 
+# ---------------------------------------------------------------------- one layer, by hand
+class _StubCosts:
+    """Round numbers for each job: expert copy 5, expert chunk 2, no shared experts."""
+
+    shared_bytes = router_bytes = router_flops_per_token = 0.0
+
+    def fetch_us(self):
+        return 5.0
+
+    def device_us(self, n):
+        return 2.0
+
+
+class _StubLayer(LayerCosts):
+    """A layer whose jobs cost round numbers: GPU micro-batch (PreAttn 1, KV HtoD 3, GPUAttn 2, KV DtoH 0.5),
+    CPU share (PreAttn 1, Q DtoH 1, CPUAttn 10, O HtoD 1), PostAttn and Router 1, activations 0.25 a copy,
+    two active experts of 3 tokens."""
+
+    def __init__(self):
+        self.costs, self._memo = _StubCosts(), {}
+        self.o_bytes = self.o_params = self.hidden_bytes = 1.0
+        self.k_post = 1
+
+    def gpu_us(self, nbytes, flops, kernels):
+        return 1.0
+
+    def copy_us(self, nbytes):
+        return 0.25
+
+    def micro_batch_us(self, cfg, rows):
+        return (1.0, 3.0, 2.0, 0.5)
+
+    def cpu_share_us(self, cfg, rows):
+        return (1.0, 1.0, 10.0, 1.0)
+
+    def expert_tokens(self, tokens):
+        return 2, 3
+
+
+def test_layer_longest_path_by_hand():
+    cfg = ThroughputConfig(batch=4, micro_batch=2, expert_batch=8, cpu_attention=0.5, expert_slots=1, pin_dense=True)
+    g = layer_dag(_StubLayer(), cfg)
+    t = {j.name: (j.start_us, j.finish_us) for j in g.jobs}
+    # GPU: PreAttn[cpu share] 0-1, PreAttn[0] 1-2; the CPU share: Q 1-2, CPUAttn 2-12; KV HtoD[0] 0-3,
+    # GPUAttn[0] 3-5; Wcopy[0] 3-8 behind the KV copy; O HtoD 12-13; PostAttn 13-14; Router 14-15;
+    # expert 0: tokens 15-15.25, compute 15.25-17.25; one slot: Wcopy[1] 17.25-22.25; expert 1: 22.5-24.5
+    assert t["CPUAttn"] == (2.0, 12.0) and t["GPUAttn[0]"] == (3.0, 5.0) and t["Wcopy[0]"] == (3.0, 8.0)
+    assert t["O HtoD[cpu share]"] == (12.0, 13.0) and t["PostAttn"] == (13.0, 14.0) and t["Router"] == (14.0, 15.0)
+    assert t["Expert[0][0]"] == (15.25, 17.25) and t["Wcopy[1]"] == (17.25, 22.25)
+    assert t["Expert[1][0]"] == (22.5, 24.5) and g.T == 24.75
+    # two slots: Wcopy[1] runs 8-13 behind Wcopy[0], the O copy waits for it (13-14), everything 1 later until
+    # the experts: tokens 16-16.25, expert 0 16.25-18.25, expert 1 18.25-20.25, its output 20.25-20.5
+    g2 = layer_dag(_StubLayer(), ThroughputConfig(batch=4, micro_batch=2, expert_batch=8, cpu_attention=0.5,
+                                                  expert_slots=2, pin_dense=True))
+    t2 = {j.name: (j.start_us, j.finish_us) for j in g2.jobs}
+    assert t2["Wcopy[1]"] == (8.0, 13.0) and t2["Expert[1][0]"] == (18.25, 20.25) and g2.T == 20.5
+    # pinning both experts removes the copies: router 14-15, experts 15.25-17.25 and 17.25-19.25 (tokens in
+    # 15-15.25 and 15.25-15.5), last output 19.25-19.5
+    g3 = layer_dag(_StubLayer(), cfg, pinned=2)
+    assert not any(j.name.startswith("Wcopy") for j in g3.jobs) and g3.T == 19.5
+
+
 # ---------------------------------------------------------------------- one layer against its definition
 _CFGS = [ThroughputConfig(batch=300, micro_batch=64, expert_batch=50, cpu_attention=0.3, expert_slots=2),
          ThroughputConfig(batch=257, micro_batch=32, expert_batch=512, cpu_attention=0.0, expert_slots=1),
