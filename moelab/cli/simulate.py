@@ -65,7 +65,7 @@ def register(subparsers) -> None:
     p.add_argument("--csv", metavar="OUT", help="also write the grid as CSV")
     p.add_argument("--json", action="store_true", help="print the grid as JSON")
     p.set_defaults(func=run)
-    sub = p.add_subparsers(dest="simulate_command", metavar="validate")
+    sub = p.add_subparsers(dest="simulate_command", metavar="{validate,throughput}")
     v = sub.add_parser(
         "validate",
         help="the simulator's error against this machine and the papers",
@@ -92,6 +92,8 @@ def register(subparsers) -> None:
                    "KTransformers' NUMA-aware kernels do) or split (expert e on node e %% nodes)")
     v.add_argument("--json", action="store_true", help="print the rows as JSON")
     v.set_defaults(func=run_validate)
+    from moelab.cli.simulate_throughput import register as register_throughput
+    register_throughput(sub)
 
 
 def run(args) -> int:

@@ -10,6 +10,8 @@
 * :mod:`moelab.timing.shapes`, :mod:`moelab.simulate.synthetic` — model shapes without
   weights, synthetic routing with fitted statistics;
 * :mod:`moelab.simulate.whatif` — ``moelab simulate --grid``: what-if grids with oracle bounds;
+* :mod:`moelab.simulate.moegen` — MoE-Gen's throughput schedule: a DAG of jobs per layer and the
+  search over batch sizes under GPU and host memory (``moelab simulate throughput``);
 * :mod:`moelab.simulate.validate` — ``moelab simulate validate``: the simulator's error.
 
 Names are imported on first use (importing ``moelab.simulate`` stays cheap).
@@ -29,6 +31,8 @@ _LAZY = {
     "simulate_plans": "moelab.simulate.executor",
     "SimResult": "moelab.simulate.executor",
     "whatif": "moelab.simulate.whatif",
+    "plan_throughput": "moelab.simulate.moegen",
+    "ThroughputPlan": "moelab.simulate.moegen",
     "run_validation": "moelab.simulate.validate",
     "summarize_sim": "moelab.simulate.executor",
     "Graph": "moelab.simulate.engine",

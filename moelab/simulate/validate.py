@@ -418,6 +418,9 @@ def run_validation(*, profile: Any = None, quick: bool = False, machine: bool = 
         rows += mrows
         info.update(minfo)
     rows += paper_rows(quick=quick, progress=progress, numa=numa)
+    from moelab.simulate.moegen.validate import throughput_rows
+
+    rows += throughput_rows(quick=quick)  # MoE-Gen's settings: predictions, no published figure
     info["wall_s"] = time.perf_counter() - t0
     return rows, info
 
@@ -434,8 +437,8 @@ def format_rows(rows: list[dict], info: dict) -> str:
     head = ["case", "metric", "published/measured", "simulated", "error", "target", "predicts"]
     body = []
     for r in rows:
-        ref = f"{r['reference']:.3g} ({r['reference_kind']})"
-        err = f"{r['error']:+.1f} {r['error_unit']}"
+        ref = "—" if r["reference"] is None else f"{r['reference']:.3g} ({r['reference_kind']})"
+        err = "—" if r["error"] is None else f"{r['error']:+.1f} {r['error_unit']}"
         case = f"[run {r['run']}] {r['case']}" if len(runs) > 1 and r["group"] == "machine" else r["case"]
         flag = (" BUSY" if r.get("busy") else "") + (" UNSTABLE" if r.get("unstable") else "")
         body.append([case, r["metric"], ref + flag, f"{r['simulated']:.3g}", err, r["target"], _label(r)])
@@ -463,6 +466,12 @@ def format_rows(rows: list[dict], info: dict) -> str:
                    f"{papers[0]['assumed']} (KTransformers); sensitivity per case:")
         for r in papers:
             out.append(f"  {r['case']}: {r['sensitivity']}")
+    preds = [r for r in rows if r["group"] == "predictions"]
+    if preds:
+        out.append("predictions (MoE-Gen's settings; techniques.md gives no published figure, so no error): the "
+                   "reference is on-demand offloading simulated on the same machine. Assumed: " + preds[0]["assumed"])
+        for r in preds:
+            out.append(f"  {r['case']}: {r['configuration']}; {r['sensitivity'] or 'no sensitivity runs (--quick)'}")
     out.append(f"({info.get('wall_s', 0):.0f} s)")
     return "\n".join(out)
 
