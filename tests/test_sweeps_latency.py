@@ -247,3 +247,71 @@ def test_a_deferred_slot_is_simulated_once():
     # deferral never defers in the last MoE layer; the experts 0 and 1 live on different NUMA nodes:
     # the same work on the same lanes, so no slower
     assert out[1] >= out[0] * 0.999
+
+
+# --------------------------------------------------------------------------- MoE-Gen throughput as the speed axis
+THROUGHPUT_SPEC = """\
+name: thr
+models: [tiny-random-mixtral]
+policies:
+  - none
+  - {policy: skipping, min_kept: 0, grid: {skipped: [1]}}
+tasks:
+  - {task: arith, limit: 2}
+eval: {max_gen_toks: 4}
+hardware: [moegen-a5000]
+simulate:
+  model_shape: {shape: mixtral-8x7b, num_layers: 4}
+  schedule: moegen
+  prompt: 256
+  generate: 64
+retries: 0
+"""
+
+
+@pytest.mark.slow
+def test_throughput_schedule_is_the_moegen_search_at_the_cells_own_slots_per_token(tmp_path):
+    """Each cell's speed is plan_throughput of its shape at the routed experts its own decode plans
+    ran per token (the top-k unmodified; fewer when skipping), and the report labels the axis."""
+    import dataclasses
+
+    from moelab.simulate import get_shape
+    from moelab.simulate.moegen import plan_throughput
+    from moelab.sweeps.driver import run_sweep
+    from moelab.sweeps.report import collect, markdown_latency, write_html
+    from moelab.sweeps.spec import load_spec
+
+    spec = load_spec(_write(tmp_path, THROUGHPUT_SPEC))
+    summary = run_sweep(spec, store=tmp_path / "store", threads=1, progress=False)
+    assert (summary.done, summary.failed) == (2, {})
+    statuses = collect(spec, tmp_path / "store")
+    shape = dataclasses.replace(get_shape("mixtral-8x7b"), num_layers=4, moe_layers=(0, 1, 2, 3))
+    figs = {x.cell.policy: x.record["latency"]["moegen-a5000"] for x in statuses}
+    assert figs["none"]["slots_per_token"] == pytest.approx(2.0)  # top-2, nothing dropped
+    assert 1.0 <= figs["skipping"]["slots_per_token"] < 2.0
+    for f in figs.values():
+        want = plan_throughput(shape, "moegen-a5000", prompt=256, generate=64, slots_per_token=f["slots_per_token"])
+        assert f["tokens_per_s"] == pytest.approx(want.tokens_per_s, rel=1e-12)
+        assert f["tokens_per_s_basis"] == "moegen" and f["settings"]["schedule"]["name"] == "moegen"
+        assert f["configuration"]["batch"] == want.best.config.batch
+    assert figs["skipping"]["tokens_per_s"] > figs["none"]["tokens_per_s"]  # fewer expert tokens per step
+    page = write_html(spec, statuses, tmp_path / "r.html").read_text()
+    assert "Accuracy vs simulated throughput tokens/s (MoE-Gen, best batch) · moegen-a5000" in page
+    assert "MoE-Gen, best batch" in markdown_latency(statuses)
+
+
+def test_throughput_schedule_enters_the_hash_and_bad_values_are_refused(tmp_path):
+    from moelab.sweeps.spec import expand, load_spec
+
+    cells = {c.hash for c in expand(load_spec(_write(tmp_path, THROUGHPUT_SPEC)), FP)}
+    per_seq = THROUGHPUT_SPEC.replace("  schedule: moegen\n  prompt: 256\n  generate: 64\n", "")
+    longer = THROUGHPUT_SPEC.replace("generate: 64", "generate: 128")
+    for i, text in enumerate((per_seq, longer)):
+        assert not cells & {c.hash for c in expand(load_spec(_write(tmp_path, text, f"v{i}.yaml")), FP)}
+    for old, new, message in [
+        ("schedule: moegen", "schedule: moegn", r"schedule 'moegn'.*'moegen'"),
+        ("prompt: 256", "prompt: 0", r"prompt=0: expected a positive number"),
+        ("  schedule: moegen\n", "", r"prompt/generate are the throughput schedule's lengths"),
+    ]:
+        with pytest.raises(MoelabError, match=message):
+            load_spec(_write(tmp_path, THROUGHPUT_SPEC.replace(old, new), "bad.yaml"))

@@ -22,6 +22,13 @@ for ``artifacts: {trace: true}``, else in a temporary folder), then for each pro
    independent prompts, so attention does not grow over the whole sweep), the sequences
    placed end to end; :func:`moelab.simulate.executor.summarize_sim` of all their events.
 
+**Throughput** (``simulate: {schedule: moegen, prompt: 512, generate: 256}``): instead of the
+per-sequence simulation, each profile's figure is MoE-Gen's offline-batch decode throughput
+(:func:`moelab.simulate.moegen.plan_throughput`: tokens/s at the best batch the memory allows) for
+the cell's shape, with the routed experts a token runs taken from the cell's own plans (fewer under
+skipping; deferral changes when, not what) — :func:`throughput_figures`. The record's
+``tokens_per_s_basis`` is then ``moegen``, and the report's axis says so.
+
 ``latency[profile]`` (:func:`figures`) holds ``tokens_per_s`` (decode tokens over decode time;
 prefill tokens over prefill time for a task with no decode steps, ``tokens_per_s_basis`` says
 which), ``decode_step_ms``, ``prefill_ms``, ``wall_ms``, lane busy %, overlap %, stalls by cause,
@@ -58,6 +65,29 @@ def hybrid_settings(data: Any) -> dict[str, Any]:
 
     cfg = HybridConfig.from_dict(DEFAULT_HYBRID if data is None else data, where="simulate.hybrid")
     return cfg.to_dict()
+
+
+#: Schedules a cell's speed can be simulated with (``simulate: {schedule: ...}``).
+SCHEDULES = ("per-sequence", "moegen")
+
+
+def schedule_settings(name: Any, prompt: Any = None, generate: Any = None) -> dict[str, Any]:
+    """``{name, prompt, generate}`` of a ``simulate: {schedule: ...}`` block ({} for the default
+    per-sequence simulation); refuses unknown names and non-positive lengths."""
+    if name in (None, "per-sequence"):
+        if prompt is not None or generate is not None:
+            raise MoelabError("prompt/generate are the throughput schedule's lengths; set schedule: moegen too, or "
+                              "remove them.")
+        return {}
+    if name not in SCHEDULES:
+        raise MoelabError(f"schedule {name!r}: expected one of {', '.join(SCHEDULES)}.{did_you_mean(str(name), SCHEDULES)}")
+    out = {"name": str(name), "prompt": 512 if prompt is None else prompt, "generate": 256 if generate is None else generate}
+    for k in ("prompt", "generate"):
+        v = out[k]
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise MoelabError(f"{k}={v!r}: expected a positive number of tokens (MoE-Gen's setting: prompt 512, "
+                              "generate 256).")
+    return out
 
 
 def resolve_shape(override: dict[str, Any]) -> Any:
@@ -115,8 +145,11 @@ def profile_key(name: str) -> dict[str, Any]:
 
 def key(hardware: list[str], simulate: dict[str, Any]) -> dict[str, Any]:
     """The cell-hash part of the latency inputs (profiles' fields, hybrid config, shape)."""
-    return {"method": METHOD, "profiles": {h: profile_key(h) for h in hardware},
-            "hybrid": simulate.get("hybrid"), "model_shape": simulate.get("model_shape")}
+    out = {"method": METHOD, "profiles": {h: profile_key(h) for h in hardware},
+           "hybrid": simulate.get("hybrid"), "model_shape": simulate.get("model_shape")}
+    if simulate.get("schedule"):
+        out["schedule"] = simulate["schedule"]
+    return out
 
 
 # --------------------------------------------------------------------------- computing
@@ -232,21 +265,53 @@ def figures(summary: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def slots_per_token(plans: list) -> float | None:
+    """Routed experts a decode token runs, on average over the decode plans (immediate and
+    deferred slots; dropped ones not): what a routing policy leaves of the top-k. None without decode."""
+    slots = tokens = 0
+    for p in plans:
+        if p.phase == "decode":
+            slots += sum(n for _, n in p.device) + sum(n for _, n in p.host)
+            tokens += p.tokens
+    return slots / tokens if tokens else None
+
+
+def throughput_figures(plans: list, shape: Any, profile: str, schedule: dict[str, Any]) -> dict[str, Any]:
+    """MoE-Gen's decode throughput (:func:`moelab.simulate.moegen.plan_throughput`) for ``shape`` on
+    ``profile`` with the routed experts per token of ``plans``: tokens/s at the best batch, the
+    configuration and the on-demand baseline."""
+    from moelab.simulate.moegen import plan_throughput
+
+    k = slots_per_token(plans)
+    plan = plan_throughput(shape, profile, prompt=int(schedule["prompt"]), generate=int(schedule["generate"]),
+                           slots_per_token=None if k is None else min(max(k, 1e-6), shape.top_k))
+    best = plan.best.to_dict()
+    return {"tokens_per_s": plan.tokens_per_s, "tokens_per_s_basis": "moegen", "slots_per_token": k,
+            "decode_step_ms": best["step_ms"], "configuration": best,
+            "baseline_tokens_per_s": None if plan.baseline is None else plan.baseline.tokens_per_s,
+            "assumptions": list(plan.assumptions)}
+
+
 def cell_latency(cell: Any, trace_dir: str | Path, shape: Any) -> dict[str, dict[str, Any]]:
     """``{profile: figures}`` of a cell's recorded trace (module docstring); raises on bad input."""
     from moelab.trace import open_trace
 
     trace = open_trace(trace_dir)
+    schedule = (cell.simulate or {}).get("schedule") or {}
     out = {}
     for name in cell.hardware:
         profile = get_profile(name)
         cfg = hybrid_config(cell, name)
         plans = plan_cell(cell, trace, shape, name)
-        fig = figures(simulate_sequences(plans, shape, name))
+        if schedule.get("name") == "moegen":
+            fig = throughput_figures(plans, shape, name, schedule)
+        else:
+            fig = figures(simulate_sequences(plans, shape, name))
         fig["settings"] = {
             "moelab": moelab.__version__, "method": METHOD,
             "profile": profile.to_dict(), "profile_provenance": dict(profile.provenance),
             "hybrid": cfg.to_dict(), "routing_policy": {"name": cell.policy, "settings": cell.settings},
+            "schedule": schedule or {"name": "per-sequence"},
             "model_shape": {"name": shape.name, "source": getattr(shape, "source", ""),
                             "override": (cell.simulate or {}).get("model_shape"),
                             "expert_bytes": int(shape.expert_bytes())},

@@ -166,11 +166,21 @@ def pareto_figure(points: list[SpeedPoint], profile: str):
                                  name=f"Pareto front · {name}", line={"shape": "hv", "color": color},
                                  legendgroup=name, text=[_label(p) for p in front],
                                  hovertemplate="%{text}<extra>Pareto front</extra>"))
-    fig.update_layout(title={"text": f"Accuracy vs simulated tokens/s on {profile}<br><sup>± 1 standard error; "
+    axis = speed_axis(points)
+    fig.update_layout(title={"text": f"Accuracy vs {axis} on {profile}<br><sup>± 1 standard error; "
                                      "up and right is better</sup>"}, margin={"t": 80},
-                      xaxis_title="simulated decode tokens/s", yaxis_title="accuracy", height=440)
+                      xaxis_title=axis, yaxis_title="accuracy", height=440)
     fig.update_xaxes(type="log")
     return fig
+
+
+def speed_axis(points: list[SpeedPoint]) -> str:
+    """What the points' tokens/s are: the per-sequence simulated decode, or MoE-Gen's offline-batch
+    throughput at the best batch (``simulate: {schedule: moegen}``, :mod:`moelab.sweeps.latency`)."""
+    bases = {(p.status.record["latency"][p.profile] or {}).get("tokens_per_s_basis") for p in points}
+    if bases == {"moegen"}:
+        return "simulated throughput tokens/s (MoE-Gen, best batch)"
+    return "simulated decode tokens/s"
 
 
 def latency_rows(points: list[SpeedPoint]) -> list[dict[str, Any]]:
@@ -198,7 +208,7 @@ def markdown_latency(statuses: list[CellStatus]) -> str:
     out = []
     for profile, points in sorted(speed_points(statuses).items()):
         rows = latency_rows(points)
-        out.append(f"**simulated on {profile}** (decode tokens/s of each cell's own routing trace; "
+        out.append(f"**simulated on {profile}** ({speed_axis(points)} of each cell's own routing; "
                    "Pareto = on its model and task's accuracy-vs-tokens/s front)\n")
         out.append("| " + " | ".join(rows[0]) + " |")
         out.append("|---" * len(rows[0]) + "|")
@@ -415,7 +425,9 @@ def write_html(spec: SweepSpec, statuses: list[CellStatus], out: str | os.PathLi
             first = False
     speed = speed_points(statuses)
     for profile, points in sorted(speed.items()):
-        parts.append(f"<h2>Accuracy vs simulated tokens/s · {html.escape(profile)}</h2>")
+        axis = speed_axis(points)
+        heading = "simulated tokens/s" if axis == "simulated decode tokens/s" else axis
+        parts.append(f"<h2>Accuracy vs {html.escape(heading)} · {html.escape(profile)}</h2>")
         n_front = sum(len(pareto_front(g)) for g in speed_groups(points).values())
         parts.append(f"<p>{len(points)} cell(s); {n_front} on a Pareto front (per model and task: no other "
                      "setting is both more accurate and faster). Speeds are each cell's own routing trace "

@@ -320,15 +320,18 @@ def _cell_simulate(spec: SweepSpec, model: str) -> dict[str, Any]:
         return {}
     from moelab.sweeps.latency import hybrid_settings
 
-    return {"hybrid": hybrid_settings(spec.simulate.get("hybrid")),
-            "model_shape": (spec.simulate.get("model_shape") or {}).get(model)}
+    out = {"hybrid": hybrid_settings(spec.simulate.get("hybrid")),
+           "model_shape": (spec.simulate.get("model_shape") or {}).get(model)}
+    if spec.simulate.get("schedule"):  # only when set: the cells of specs without it keep their hashes
+        out["schedule"] = dict(spec.simulate["schedule"])
+    return out
 
 
 # --------------------------------------------------------------------------- YAML
 #: Keys of every spec, whatever its kind.
 COMMON_KEYS = ("name", "kind", "description", "store", "retries")
 _EVAL_KEYS = ("models", "policies", "tasks", "seeds", "hardware", "simulate", "eval", "artifacts")
-_SIMULATE_KEYS = ("hybrid", "model_shape")
+_SIMULATE_KEYS = ("hybrid", "model_shape", "schedule", "prompt", "generate")
 _TASK_KEYS = ("task", "limit", "num_fewshot")
 _MODEL_KEYS = ("model", "dtype")
 _ARTIFACTS = ("trace", "timeline")
@@ -514,6 +517,12 @@ def _simulate(r: _Reader, data: Any, model_names: list[str]) -> dict[str, Any]:
             except MoelabError as exc:
                 raise r.fail(("simulate", "model_shape", m), str(exc)) from None
         out["model_shape"] = shapes
+    try:
+        schedule = latency.schedule_settings(data.get("schedule"), data.get("prompt"), data.get("generate"))
+    except MoelabError as exc:
+        raise r.fail(("simulate", "schedule"), str(exc)) from None
+    if schedule:
+        out["schedule"] = schedule
     return out
 
 

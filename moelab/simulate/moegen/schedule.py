@@ -129,11 +129,16 @@ ASSUMPTIONS: tuple[str, ...] = (
 class LayerCosts:
     """Bytes, FLOPs and µs of MoE-Gen's jobs for one shape on one profile (see the module docstring)."""
 
-    def __init__(self, costs: CostModel) -> None:
+    def __init__(self, costs: CostModel, slots_per_token: float | None = None) -> None:
         s = costs.shape
         if s is None:
             raise MoelabError("MoE-Gen's schedule needs a cost model built by CostModel.of(shape, profile).")
+        if slots_per_token is not None and not 0 < float(slots_per_token) <= s.top_k:
+            raise MoelabError(f"slots_per_token={slots_per_token!r}: expected a number in (0, {s.top_k}] (the routed "
+                              f"experts a token runs on average; {s.top_k} = the shape's top-k, nothing skipped).")
         self.costs, self.shape, self.hw = costs, s, costs.profile
+        self.top_k = float(slots_per_token) if slots_per_token is not None else s.top_k
+        """Routed experts each token runs (the shape's top-k; fewer where a routing policy drops slots)."""
         self._memo: dict[tuple, float] = {}
         bpp = float(s.bytes_per_param())
         self.act_bytes = 4.0 if s.dtype == "fp32" else 2.0
@@ -247,9 +252,9 @@ class LayerCosts:
 
     # ------------------------------------------------------------------ routing
     def expert_tokens(self, tokens: int) -> tuple[int, int]:
-        """(active experts, tokens each) of one MoE layer over ``tokens`` tokens, uniform routing."""
-        s = self.shape
-        E, k = s.num_experts, s.top_k
+        """(active experts, tokens each) of one MoE layer over ``tokens`` tokens, uniform routing
+        (``top_k`` slots per token: the shape's, or a routing policy's mean)."""
+        E, k = self.shape.num_experts, self.top_k
         active = min(E, max(1, round(E * (1.0 - (1.0 - k / E) ** tokens))))
         return active, max(1, round(tokens * k / active))
 

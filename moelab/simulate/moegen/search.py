@@ -250,14 +250,16 @@ def evaluate(lc: LayerCosts, cfg: ThroughputConfig) -> Evaluated:
 def plan_throughput(shape: Any, profile: Any, *, phase: str = "decode", prompt: int = 512, generate: int = 256,
                     batch: int | None = None, micro_batch: int | None = None, expert_batch: int | None = None,
                     cpu_attention: float | None = None, expert_slots: int | None = None,
-                    baseline: bool = True) -> ThroughputPlan:
+                    baseline: bool = True, slots_per_token: float | None = None) -> ThroughputPlan:
     """Search MoE-Gen's configuration of ``phase`` for ``shape`` on ``profile`` (names or objects) with
     ``prompt`` + ``generate`` tokens per sequence (MoE-Gen's setting: 512 + 256). A value given for
     ``batch``, ``micro_batch``, ``expert_batch``, ``cpu_attention`` or ``expert_slots`` pins that
-    axis; the others are searched. Raises :class:`MemoryDoesNotFit` when nothing fits."""
+    axis; the others are searched. ``slots_per_token``: routed experts a token runs on average (default
+    the shape's top-k; a sweep passes its routing policy's, e.g. fewer under skipping). Raises
+    :class:`MemoryDoesNotFit` when nothing fits."""
     s = get_shape(shape) if not hasattr(shape, "num_experts") else shape
     hw = get_profile(profile)
-    lc = LayerCosts(CostModel.of(s, hw))
+    lc = LayerCosts(CostModel.of(s, hw), slots_per_token)
     if phase not in ("decode", "prefill"):
         raise MoelabError(f"phase {phase!r}: expected decode or prefill.")
     if phase == "prefill" and cpu_attention:
@@ -326,19 +328,20 @@ def plan_throughput(shape: Any, profile: Any, *, phase: str = "decode", prompt: 
     if best.memory.fits is False:  # the candidates were built to fit: a broken invariant, not bad input
         raise MoelabError("internal error: the MoE-Gen search chose a configuration that does not fit: "
                           + " ".join(best.memory.problems))
-    base_eval = on_demand_baseline(s, hw, phase=phase, prompt=prompt, generate=generate) if baseline else None
+    base_eval = on_demand_baseline(s, hw, phase=phase, prompt=prompt, generate=generate,
+                                   slots_per_token=slots_per_token) if baseline else None
     log.info("MoE-Gen %s search of %s on %s: %d configurations, %d refused by memory", phase, s.name, hw.name,
              n_ok, n_bad)
     return ThroughputPlan(s.name, hw.name, phase, best, base_eval, n_ok, n_bad)
 
 
 def on_demand_baseline(shape: Any, profile: Any, *, phase: str = "decode", prompt: int = 512,
-                       generate: int = 256) -> Evaluated | None:
+                       generate: int = 256, slots_per_token: float | None = None) -> Evaluated | None:
     """On-demand offloading (see the module docstring) at the largest power-of-two ``B`` whose KV cache
     fits on the GPU beside the resident dense weights and one expert slot; None if not even ``B = 1`` fits."""
     s = get_shape(shape) if not hasattr(shape, "num_experts") else shape
     hw = get_profile(profile)
-    lc = LayerCosts(CostModel.of(s, hw))
+    lc = LayerCosts(CostModel.of(s, hw), slots_per_token)
     best = None
     B = 1
     while B <= 1 << 16:
