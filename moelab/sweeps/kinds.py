@@ -11,7 +11,9 @@ interface, so a new kind is one registered class:
 * ``cache`` (:mod:`moelab.sweeps.trace_kinds`): traces × cache policies × capacities ×
   scopes × prefetch settings replayed by :func:`moelab.caches.simulate` (hit rates);
 * ``predictor`` (:mod:`moelab.sweeps.trace_kinds`): traces × predictor kinds × distances
-  fitted and scored by :func:`moelab.predictors.evaluate` (prediction accuracy).
+  fitted and scored by :func:`moelab.predictors.evaluate` (prediction accuracy);
+* ``schedule`` (:mod:`moelab.sweeps.schedule_kind`): model shapes × hardware profiles × a
+  simulated schedule's settings (MoE-Gen's throughput search; tokens/s).
 
 Every kind's record has the store's common fields (``metrics``, ``score``,
 ``score_stderr``, ``n_docs``, ``finished_at``, ...; :mod:`moelab.sweeps.store`).
@@ -62,6 +64,7 @@ def _load_builtins() -> None:
     CELL_KINDS.register("eval", "moelab.sweeps.eval_kind:EVAL", stacklevel=2)
     CELL_KINDS.register("cache", "moelab.sweeps.trace_kinds:CACHE", stacklevel=2)
     CELL_KINDS.register("predictor", "moelab.sweeps.trace_kinds:PREDICTOR", stacklevel=2)
+    CELL_KINDS.register("schedule", "moelab.sweeps.schedule_kind:SCHEDULE", stacklevel=2)
 
 
 #: name → :class:`CellKind` instance.
