@@ -40,6 +40,7 @@ def test_rows_on_a_tiny_model(tiny):
     assert set(runs) == {"nothing enabled", "full"}
     for row in runs.values():
         assert row["step_ms"] > 0 and row["sim_step_ms"] > 0
+        assert row["events_per_step"] > 0 and row["recording_pct"] > 0
     # the model's experts implementation is left as it was
     assert getattr(tiny.config, "_experts_implementation", None) == before
 

@@ -211,6 +211,23 @@ def _loops(model, ids, steps: int, repeats: int) -> Measurement:
     return from_samples([_decode(model, ids, steps) for _ in range(repeats)], warmup=0)
 
 
+def event_record_us(n: int = 20000) -> float:
+    """µs to record one event (:meth:`moelab.hybrid.events.EventLog.add`, its lock included), the
+    median of 5 batches of ``n``: what the events of a step cost its lanes and control thread."""
+    import time
+
+    from moelab.hybrid.events import EventLog
+
+    times = []
+    for _ in range(5):
+        log = EventLog("bench")
+        t0 = time.perf_counter()
+        for i in range(n):
+            log.add(1, i & 7, "host", "expert-host", 1.0, 2.0, expert=3, tokens=1, nbytes=10, cause="miss")
+        times.append((time.perf_counter() - t0) / n * 1e6)
+    return statistics.median(times)
+
+
 def side_by_side(layers: int = 3, steps: int = 8, repeats: int = 7, profile: Any = None, *,
                  allow_busy: bool = False, model: Any = None) -> dict[str, Any]:
     """Plain transformers (each experts implementation) vs moelab's real executor (nothing enabled,
@@ -247,18 +264,22 @@ def side_by_side(layers: int = 3, steps: int = 8, repeats: int = 7, profile: Any
                          "step_ms": m.median * 1e3})
     finally:
         model.config._experts_implementation = before
+    add_us = event_record_us()
     for label, cfg in side_configs(path).items():
         run = HybridRun(model, cfg)
         with run:
             _decode(model, ids, 2)
-            n0 = len(run.plans)
+            n0, e0 = len(run.plans), len(run.events)
             m = from_samples([_decode(model, ids, steps) for _ in range(repeats)], warmup=0)
             plans = list(run.plans[n0:])
+            per_step = (len(run.events) - e0) / (repeats * (steps + 1))  # each loop: a prefill and its steps
         sim = simulate_plans(plans, shape, prof, context=ids.shape[1] + steps // 2).summary()
         rows.append({"label": f"moelab real executor, {label}", "kind": label, "measurement": m,
-                     "step_ms": m.median * 1e3, "sim_step_ms": sim["decode_step_us"] / 1e3})
+                     "step_ms": m.median * 1e3, "sim_step_ms": sim["decode_step_us"] / 1e3,
+                     "events_per_step": per_step, "recording_pct": 100 * per_step * add_us / (m.median * 1e6)})
     best = min((r for r in rows if r["kind"] == "plain"), key=lambda r: r["step_ms"])
-    return {"rows": rows, "best_plain": best, "profile": path, "layers": layers, "steps": steps, "repeats": repeats}
+    return {"rows": rows, "best_plain": best, "profile": path, "layers": layers, "steps": steps, "repeats": repeats,
+            "event_record_us": add_us}
 
 
 def main(argv: list[str] | None = None) -> int:  # pragma: no cover - a benchmark
@@ -338,8 +359,12 @@ def _side_table(out, layers: int, steps: int, repeats: int, profile: Any, allow_
         tail = f"{sim:12.2f}  {row['step_ms'] / sim:8.2f}" if sim else f"{'':12}  {'':8}"
         out(f"  {row['label']:44}  {row['step_ms']:8.2f}  {_stat(row['measurement']):>18}  "
             f"{row['step_ms'] / base:12.2f}x  {tail}")
+    for row in r["rows"]:
+        if "events_per_step" in row:
+            out(f"  events, {row['kind']}: {row['events_per_step']:.0f} per step, recording "
+                f"{row['recording_pct']:.2f} % of the step (at {r['event_record_us']:.2f} µs an event)")
     out("  targets (issue #26): nothing enabled within 3 % of the best plain (or within the spreads); "
-        "full configuration within 1.25x of its simulated step.")
+        "full configuration within 1.25x of its simulated step; recording events ≤ 5 % of a step.")
 
 
 def _realistic_table(out, layers: int, steps: int, flagged: list) -> None:  # pragma: no cover - prints
