@@ -402,11 +402,14 @@ class ModelShape:
         of ``batch`` sequences of ``context`` tokens (``layer=None``: mean over layers)."""
         return self.attention_weight_bytes(layer) + self.kv_cache_bytes(context, batch, layer)
 
-    def attention_flops(self, context: int, batch: int = 1, layer: int | None = None) -> float:
-        """FLOPs of one decode step of one layer's attention for ``batch`` sequences at
-        ``context``: projections (2 × weights × batch) plus scores and values. MLA is counted in
-        its weight-absorbed decode form (each head attends over kv_lora_rank + rope values and
-        reads values of kv_lora_rank); linear attention updates its state (≈ 4 × state)."""
+    def attention_flops(self, context: int, batch: int = 1, layer: int | None = None, *,
+                        prefill: bool = False) -> float:
+        """FLOPs of one layer's attention for ``batch`` rows at ``context``: projections (2 ×
+        weights × batch) plus scores and values. MLA is counted in its weight-absorbed decode form
+        (each head attends over kv_lora_rank + rope values and reads values of kv_lora_rank), or
+        with ``prefill=True`` in the form prefill kernels run (keys and values up-projected per
+        head: scores over qk_nope + qk_rope, values of v_head_dim); linear attention updates its
+        state (≈ 4 × state)."""
 
         def one(i: int) -> float:
             mats, _ = self._attn_matrices(i)
@@ -414,7 +417,8 @@ class ModelShape:
             if i in self.linear_layers:
                 core = 4 * self.linear_value_heads * self.linear_key_head_dim * self.linear_value_head_dim
             elif self.attention == "mla":
-                per_pos = self.kv_lora_rank + self.qk_rope_head_dim + self.kv_lora_rank
+                per_pos = (self.qk_nope_head_dim + self.qk_rope_head_dim + self.v_head_dim if prefill
+                           else self.kv_lora_rank + self.qk_rope_head_dim + self.kv_lora_rank)
                 core = 2 * self.num_heads * per_pos * self._attended(i, context)
             else:
                 core = 4 * self.num_heads * self.head_dim * self._attended(i, context)

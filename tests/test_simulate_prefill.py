@@ -1,0 +1,220 @@
+"""Stream-loading prefill (OSDI '26 §3.1) and the hybrid path: the ring recurrences by hand, the
+ring-size rule, memory refusal, the crossover search, events and the CLI."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from moelab.errors import MoelabError
+from moelab.events import COLUMNS
+from moelab.simulate.prefill import (
+    PrefillConfig,
+    crossover_tokens,
+    expected_load,
+    hybrid_time_us,
+    prefill,
+    slp_schedule,
+    stream_schedule,
+)
+from moelab.timing.costs import CostModel
+from moelab.timing.memory import MemoryDoesNotFit
+from moelab.timing.profile import apply_settings, get_profile
+from moelab.timing.shapes import get_shape
+
+LITE = get_shape("deepseek-v2-lite")
+HW = "pcie4-x16"
+
+
+def _run(load, comp, R, ring=None, **kw):
+    ring = [True] * len(load) if ring is None else ring
+    ls, le, cs, ce, slot = stream_schedule(load, comp, ring, R, **kw)
+    return [tuple(float(x) for x in row) for row in zip(ls, le, cs, ce, strict=True)], slot.tolist()
+
+
+# ---------------------------------------------------------------------- the recurrences, by hand
+def test_ring_of_one_slot_serialises_copy_and_compute():
+    # load_start(j) >= max(load_end(j-1), compute_end(j-1)): nothing overlaps
+    rows, slot = _run([2, 2, 2], [3, 3, 3], R=1)
+    assert rows == [(0, 2, 2, 5), (5, 7, 7, 10), (10, 12, 12, 15)]
+    assert slot == [0, 0, 0]
+
+
+def test_ping_pong_of_two_slots():
+    # j1 loads while j0 computes; j2 waits for j0's compute to free slot 0
+    rows, slot = _run([2, 2, 2], [3, 3, 3], R=2)
+    assert rows == [(0, 2, 2, 5), (2, 4, 5, 8), (5, 7, 8, 11)]
+    assert slot == [0, 1, 0]
+
+
+def test_ring_of_e_slots_never_waits_for_a_slot_and_beats_two_here():
+    load, comp = [1, 1, 1, 1], [5, 0.5, 0.5, 0.5]
+    r2, _ = _run(load, comp, R=2)
+    r4, slot = _run(load, comp, R=4)
+    assert r2 == [(0, 1, 1, 6), (1, 2, 6, 6.5), (6, 7, 7, 7.5), (7, 8, 8, 8.5)]
+    assert r4 == [(0, 1, 1, 6), (1, 2, 6, 6.5), (2, 3, 6.5, 7), (3, 4, 7, 7.5)]
+    assert slot == [0, 1, 2, 3]
+
+
+def test_dense_budget_blocks_the_loader_until_a_dense_module_is_freed():
+    # dense (0.6 GB), expert, dense (0.6 GB) under a 1 GB budget, one ring slot
+    kw = dict(ring=[False, True, False], budget_bytes=[0.6e9, 0, 0.6e9])
+    rows, slot = _run([1, 1, 1], [3, 1, 1], R=1, dense_budget=1e9, **kw)
+    assert rows == [(0, 1, 1, 4), (1, 2, 4, 5), (4, 5, 5, 6)]  # the 2nd dense waits for the 1st's compute end
+    assert slot == [-1, 0, -1]
+    free, _ = _run([1, 1, 1], [3, 1, 1], R=1, dense_budget=2e9, **kw)
+    assert free[2] == (2, 3, 5, 6)
+    with pytest.raises(MoelabError, match="dense budget"):
+        _run([1], [1], R=1, ring=[False], budget_bytes=[2e9], dense_budget=1e9)
+
+
+def test_expected_load_is_uniform_routing():
+    assert expected_load(2048, 256, 8) == (256, 64.0)
+    a, n = expected_load(1, 64, 6)  # one token hits k experts
+    assert a == 6 and n == 1.0
+
+
+# ---------------------------------------------------------------------- the schedule on a shape
+def test_slp_time_is_at_least_every_copy_and_every_compute():
+    costs = CostModel.of(LITE, HW)
+    s, _, _ = slp_schedule(costs, PrefillConfig(prompt_tokens=2048, crossover=False))
+    n_x = LITE.num_experts * LITE.num_moe_layers
+    assert (s.kind == "expert").sum() == n_x
+    assert s.time_us >= (s.load_end - s.load_start).sum() - 1e-6  # one copy engine, all weights streamed
+    assert s.time_us >= (s.compute_end - s.compute_start).sum() - 1e-6
+    assert np.all(s.compute_start >= s.load_end - 1e-9)
+    assert np.all(np.diff(s.compute_start) >= 0)
+
+
+def test_ring_of_e_never_slower_than_two_when_it_fits():
+    for T in (256, 4096, 32768):
+        tE = prefill(LITE, HW, PrefillConfig(prompt_tokens=T, ring_slots=LITE.num_experts, crossover=False))
+        t2 = prefill(LITE, HW, PrefillConfig(prompt_tokens=T, ring_slots=2, crossover=False))
+        assert tE.time_us <= t2.time_us + 1e-6
+
+
+def test_faster_link_is_never_slower():
+    hw = get_profile(HW)
+    fast = apply_settings(hw, ["link_bandwidth_gbs=64"])
+    for T in (512, 8192):
+        for R in (2, None):
+            cfg = PrefillConfig(prompt_tokens=T, ring_slots=R, crossover=False)
+            assert prefill(LITE, fast, cfg).time_us <= prefill(LITE, hw, cfg).time_us + 1e-6
+
+
+def test_ring_rule_e_while_transfer_dominates_then_two():
+    short = prefill(LITE, HW, PrefillConfig(prompt_tokens=64, crossover=False))
+    assert short.ring_slots == LITE.num_experts and "transfer dominates" in short.ring_reason
+    fast = apply_settings(get_profile(HW), ["link_bandwidth_gbs=10000"])  # copies cheaper than compute
+    long = prefill(LITE, fast, PrefillConfig(prompt_tokens=32768, crossover=False))
+    assert long.ring_slots == 2 and "turning point" in long.ring_reason
+
+
+def test_ring_of_two_when_e_slots_overflow_gpu_memory():
+    costs = CostModel.of(LITE, HW)
+    # E slots need 64 × 17.3 MB = 1.1 GB; give the GPU room for the rest and a few slots only
+    hw = apply_settings(get_profile(HW), ["gpu_memory_gb=2.7"])
+    r = prefill(LITE, hw, PrefillConfig(prompt_tokens=1024, crossover=False))
+    assert r.ring_slots == 2 and "overflow" in r.ring_reason
+    assert r.memory.fits and costs.num_experts > r.memory.max_slots_that_fit >= 2
+
+
+def test_memory_refusal_names_the_numbers():
+    hw = apply_settings(get_profile(HW), ["gpu_memory_gb=1.5"])
+    with pytest.raises(MemoryDoesNotFit) as e:
+        prefill(LITE, hw, PrefillConfig(prompt_tokens=4096, path="slp", crossover=False))
+    msg = str(e.value)
+    assert "1.5 GB" in msg and "gpu_memory_gb" in msg and "R=2" in msg and "expert ring" in msg
+    assert "4096 tokens" in msg
+
+
+# ---------------------------------------------------------------------- the crossover
+def test_crossover_is_where_slp_starts_to_win():
+    costs = CostModel.of(LITE, HW)
+    c = crossover_tokens(costs, PrefillConfig(prompt_tokens=1))
+    assert c is not None and c > 1
+
+    def times(t):
+        cfg = PrefillConfig(prompt_tokens=t, crossover=False)
+        return slp_schedule(costs, cfg)[0].time_us, hybrid_time_us(costs, cfg)[0]
+
+    s, h = times(c)
+    assert s <= h
+    s, h = times(c - 1)
+    assert s > h
+
+
+def test_crossover_moves_shorter_with_a_faster_link():
+    hw = get_profile(HW)
+    slow = crossover_tokens(CostModel.of(LITE, apply_settings(hw, ["link_bandwidth_gbs=16"])), PrefillConfig(1))
+    fast = crossover_tokens(CostModel.of(LITE, apply_settings(hw, ["link_bandwidth_gbs=64"])), PrefillConfig(1))
+    assert slow is not None and fast is not None and fast < slow
+
+
+def test_auto_path_follows_the_crossover():
+    r = prefill(LITE, HW, PrefillConfig(prompt_tokens=64, path="auto"))
+    assert r.crossover_tokens is not None
+    assert r.path == ("slp" if r.crossover_tokens <= 64 else "hybrid")
+    long = prefill(LITE, HW, PrefillConfig(prompt_tokens=max(2 * r.crossover_tokens, 64), path="auto"))
+    assert long.path == "slp" and long.time_us <= long.hybrid_time_us
+
+
+def test_bad_inputs_name_the_value():
+    for kw, word in ((dict(prompt_tokens=0), "prompt_tokens"), (dict(prompt_tokens=8, path="gpu"), "gpu"),
+                     (dict(prompt_tokens=8, ring_slots=0), "ring_slots"),
+                     (dict(prompt_tokens=8, dense_budget_gb=0), "dense_budget_gb")):
+        with pytest.raises(MoelabError, match=word):
+            PrefillConfig(**kw)
+
+
+# ---------------------------------------------------------------------- events and the timeline
+def test_events_have_the_schema_and_ring_slots_as_lanes():
+    r = prefill(LITE, HW, PrefillConfig(prompt_tokens=256, ring_slots=4, crossover=False))
+    ev = r.events()
+    assert list(ev.columns) == list(COLUMNS)
+    lanes = set(ev["lane"])
+    assert {"copy", "device", "unloader", "slot0", "slot1", "slot2", "slot3"} <= lanes and "slot4" not in lanes
+    s = r.schedule
+    assert (ev["kind"] == "transfer-prefetch").sum() == len(s.kind)
+    # a slot never holds two experts at once
+    for lane in ("slot0", "slot3"):
+        sl = ev[ev["lane"] == lane].sort_values("t_start_us")
+        assert np.all(sl["t_start_us"].to_numpy()[1:] >= sl["t_end_us"].to_numpy()[:-1] - 1e-9)
+    assert ev["t_end_us"].max() == pytest.approx(r.time_us)
+
+
+def test_a_timeline_figure_builds_from_the_slp_events():
+    pytest.importorskip("plotly")
+    from moelab.timeline import Timeline
+
+    r = prefill(LITE, HW, PrefillConfig(prompt_tokens=128, ring_slots=2, crossover=False))
+    tl = Timeline(r.events(), name="slp")
+    assert {"slot0", "slot1"} <= set(tl.lanes)
+    fig = tl.figure()
+    assert len(fig.data) > 0
+
+
+# ---------------------------------------------------------------------- CLI
+def test_cli_prefill_text_and_json(capsys):
+    from moelab.cli import main
+
+    assert main(["simulate", "--phase", "prefill", "--model-shape", "deepseek-v2-lite", "--hardware", HW,
+                 "--prompt-tokens", "4096", "--prefill-path", "slp", "--ring-slots", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "prefill of 4096 tokens on the slp path" in out and "R=8" in out and "crossover" in out
+    assert main(["simulate", "--phase", "prefill", "--model-shape", "deepseek-v2-lite", "--hardware", HW,
+                 "--prompt-tokens", "300", "--prefill-path", "hybrid", "--chunk-tokens", "128", "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["path"] == "hybrid" and d["prompt_tokens"] == 300 and d["chunk_tokens"] == 128
+    assert d["tokens_per_s"] > 0 and d["crossover_tokens"] is not None
+
+
+def test_cli_prefill_refusal_is_one_clear_error(capsys):
+    from moelab.cli import main
+
+    rc = main(["simulate", "--phase", "prefill", "--model-shape", "deepseek-v2-lite", "--hardware", HW,
+               "--set", "gpu_memory_gb=1", "--prompt-tokens", "4096", "--prefill-path", "slp"])
+    assert rc != 0
+    assert "gpu_memory_gb" in capsys.readouterr().err
