@@ -218,3 +218,38 @@ def test_cli_prefill_refusal_is_one_clear_error(capsys):
                "--set", "gpu_memory_gb=1", "--prompt-tokens", "4096", "--prefill-path", "slp"])
     assert rc != 0
     assert "gpu_memory_gb" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------- batch > 1 decode (what-if grid)
+def test_batch_decode_counts_every_sequence_and_its_kv_cache():
+    from moelab.simulate.whatif import whatif
+
+    df = whatif(LITE, HW, synthetic=True, steps=2, warmup=1, batch=4, context=256, grid=["capacity=0"],
+                oracle=False)
+    row = df.iloc[0]
+    # tokens per decode step = the batch: tok/s × step time
+    assert row["tokens_per_s"] * row["step_ms"] / 1e3 == pytest.approx(4.0, rel=1e-6)
+    one = whatif(LITE, HW, synthetic=True, steps=2, warmup=1, batch=1, context=256, grid=["capacity=0"],
+                 oracle=False).iloc[0]
+    assert row["gpu_need_gb"] > one["gpu_need_gb"]  # four sequences' KV cache
+    with pytest.raises(MemoryDoesNotFit, match="batch 4096"):
+        whatif(LITE, HW, synthetic=True, steps=1, warmup=0, batch=4096, context=32768, grid=["capacity=0"],
+               oracle=False)
+
+
+# ---------------------------------------------------------------------- validation rows (predictions)
+def test_osdi_prefill_rows_are_predictions_without_a_score():
+    from moelab.simulate.prefill_cases import osdi_prefill_rows
+    from moelab.simulate.validate import format_rows
+
+    rows = osdi_prefill_rows(quick=True)
+    assert [r["case"] for r in rows] == ["osdi26-slp-prefill-2k", "osdi26-slp-prefill-32k", "osdi26-slp-crossover"]
+    for r in rows:
+        assert r["reference"] is None and r["error"] is None and r["target"] == "prediction only"
+    assert all(r["simulated"] > 0 for r in rows[:2])
+    cross = rows[2]["simulated"]
+    # the crossover separates the two paths at 2K: SLP faster there iff 2K is past it
+    hyb = float(rows[0]["sensitivity"].split("hybrid path ")[1].split(" tok/s")[0])
+    assert (rows[0]["simulated"] >= hyb) == (cross is not None and cross <= 2048)
+    text = format_rows(rows, {"wall_s": 0})
+    assert "osdi26-slp-crossover" in text and "prediction only" in text and "no published number" in text
