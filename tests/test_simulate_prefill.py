@@ -253,3 +253,36 @@ def test_osdi_prefill_rows_are_predictions_without_a_score():
     assert (rows[0]["simulated"] >= hyb) == (cross is not None and cross <= 2048)
     text = format_rows(rows, {"wall_s": 0})
     assert "osdi26-slp-crossover" in text and "prediction only" in text and "no published number" in text
+
+
+# ---------------------------------------------------------------------- mixed prefill + decode
+def test_decode_lane_shares_the_gpu_at_module_boundaries_by_hand():
+    from moelab.simulate.prefill_mixed import _DecodeLane
+
+    lane = _DecodeLane([(1.0, 1.0)])  # a decode step: 1 µs GPU, then 1 µs CPU
+    rows, _ = _run([1, 1], [2, 2], R=2, gpu=lane)
+    # decode runs 0-1 first (ready at 0); SLP 1-3; decode (ready 2) waits for the GPU: 3-4; SLP 4-6
+    assert rows == [(0, 1, 1, 3), (1, 2, 4, 6)]
+    assert lane.step_ends == [2.0, 5.0] and lane.busy == 2.0
+
+
+def test_mixed_prefill_is_never_faster_and_decode_never_faster_than_alone():
+    from moelab.simulate.prefill_mixed import mixed_prefill_decode
+
+    for T, Y in ((512, 1), (2048, 4)):
+        m = mixed_prefill_decode(LITE, HW, PrefillConfig(prompt_tokens=T, crossover=False), decode_batch=Y)
+        assert m.prefill_us >= m.prefill_alone_us - 1e-6
+        assert m.decode_tokens_per_s <= m.decode_tokens_per_s_alone + 1e-9
+        assert m.cpu_slowdown > 1.0 and m.memory.gpu.term("decode dense weights").bytes > 0
+
+
+def test_mixed_refusal_names_decode_memory(capsys):
+    from moelab.cli import main
+
+    rc = main(["simulate", "--phase", "prefill", "--model-shape", "deepseek-v2-lite", "--hardware", HW,
+               "--set", "gpu_memory_gb=4", "--prompt-tokens", "1024", "--prefill-path", "slp", "--decode-batch", "2"])
+    assert rc != 0 and "decode dense weights" in capsys.readouterr().err
+    assert main(["simulate", "--phase", "prefill", "--model-shape", "deepseek-v2-lite", "--hardware", HW,
+                 "--prompt-tokens", "1024", "--prefill-path", "slp", "--decode-batch", "2", "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["decode_batch"] == 2 and d["prefill_ms"] >= d["prefill_alone_ms"]

@@ -70,6 +70,9 @@ def register(subparsers) -> None:
     p.add_argument("--ring-slots", type=positive_int, default=None, metavar="R",
                    help="prefill: expert slots of the ring (default: E while transfer dominates, else 2)")
     p.add_argument("--chunk-tokens", type=positive_int, default=512, help="prefill: hybrid path chunk (default 512)")
+    p.add_argument("--decode-batch", type=non_negative_int, default=0, metavar="Y",
+                   help="prefill: Y sequences (at --context) decode while the prompt prefills by SLP on the same "
+                   "GPU (moelab.simulate.prefill_mixed; default 0: the prefill alone)")
     p.add_argument("--no-oracle", action="store_true", help="skip the oracle bound (half the time)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--csv", metavar="OUT", help="also write the grid as CSV")
@@ -163,17 +166,26 @@ def run(args) -> int:
 def run_prefill(args) -> int:
     """``--phase prefill``: one prompt's prefill on the chosen path (moelab.simulate.prefill)."""
     from moelab.simulate.prefill import PrefillConfig, format_prefill, prefill
+    from moelab.simulate.prefill_mixed import format_mixed, mixed_prefill_decode
 
     hw = apply_settings(get_profile(args.hardware), args.settings)
     if args.numa == "pooled":
         hw = pool_numa(hw)
-    res = prefill(get_shape(args.model_shape, dtype=args.dtype), hw,
-                  PrefillConfig(prompt_tokens=args.prompt_tokens, path=args.prefill_path, ring_slots=args.ring_slots,
-                                chunk_tokens=args.chunk_tokens))
+    shape = get_shape(args.model_shape, dtype=args.dtype)
+    cfg = PrefillConfig(prompt_tokens=args.prompt_tokens, path=args.prefill_path, ring_slots=args.ring_slots,
+                        chunk_tokens=args.chunk_tokens)
+    if args.decode_batch:
+        if args.prefill_path == "hybrid":
+            raise MoelabError("--decode-batch models decode beside stream-loading prefill; use --prefill-path slp "
+                              "(or auto).")
+        res = mixed_prefill_decode(shape, hw, cfg, decode_batch=args.decode_batch, decode_context=args.context)
+        fmt = format_mixed
+    else:
+        res, fmt = prefill(shape, hw, cfg), format_prefill
     if args.json:
         emit_json(res.to_dict())
     else:
-        print(format_prefill(res))
+        print(fmt(res))
     return 0
 
 

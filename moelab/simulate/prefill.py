@@ -146,11 +146,13 @@ class StreamSchedule:
 
 
 def stream_schedule(load_us, compute_us, ring: Any, ring_slots: int, *, budget_bytes: Any = None,
-                    dense_budget: float = math.inf) -> tuple[np.ndarray, ...]:
+                    dense_budget: float = math.inf, gpu: Any = None) -> tuple[np.ndarray, ...]:
     """The recurrences of SLP over modules in stream order: ``load_us``/``compute_us`` per module,
     ``ring`` True where the module takes a ring slot, ``budget_bytes`` what a module outside the
-    ring holds of ``dense_budget`` until its compute ends. Returns (load_start, load_end,
-    compute_start, compute_end, slot)."""
+    ring holds of ``dense_budget`` until its compute ends. ``gpu`` (optional): a callable
+    ``gpu(j, load_end, compute_free) -> start`` when the GPU is shared with other work (it may
+    run that work first, so start ≥ max(load_end, compute_free)); None: the GPU is SLP's alone.
+    Returns (load_start, load_end, compute_start, compute_end, slot)."""
     load = np.asarray(load_us, dtype=np.float64)
     comp = np.asarray(compute_us, dtype=np.float64)
     ring = np.asarray(ring, dtype=bool)
@@ -186,7 +188,7 @@ def stream_schedule(load_us, compute_us, ring: Any, ring_slots: int, *, budget_b
             dense_idx.append(j)
             in_use += held[j]
         ls[j], le[j] = start, start + load[j]
-        cs[j] = max(le[j], prev_ce)
+        cs[j] = max(le[j], prev_ce) if gpu is None else max(le[j], prev_ce, gpu(j, le[j], prev_ce))
         ce[j] = cs[j] + comp[j]
         prev_le, prev_ce = le[j], ce[j]
     return ls, le, cs, ce, slot
@@ -283,15 +285,17 @@ def prefill_activation_bytes(shape: Any, tokens: int) -> float:
     return float(tokens * (16 * H + 4 * k * H))
 
 
-def slp_memory(shape: Any, costs: CostModel, tokens: int, ring_slots: int, dense_budget_gb: float) -> MemoryNeeds:
+def slp_memory(shape: Any, costs: CostModel, tokens: int, ring_slots: int, dense_budget_gb: float,
+               extra_gpu: tuple[MemoryTerm, ...] = ()) -> MemoryNeeds:
     """GPU and host memory of SLP with ``ring_slots`` slots: dense budget, ring, the prompt's KV cache,
-    workspace + prefill activations on the GPU; every weight on the host (nothing is raised)."""
+    workspace + prefill activations (+ ``extra_gpu``, other work's) on the GPU; every weight on the
+    host (nothing is raised)."""
     hw, eb = costs.profile, costs.expert_bytes
     gpu_terms = (MemoryTerm("dense budget", dense_budget_gb * 1e9, "dense modules streamed (OSDI: about 1 GB)"),
                  MemoryTerm("expert ring", ring_slots * eb, f"{ring_slots} slots × {eb / 1e6:.1f} MB"),
                  MemoryTerm("KV cache", kv_bytes(shape, tokens, 1), f"{tokens} tokens"),
                  MemoryTerm("workspace", WORKSPACE_GB * 1e9 + prefill_activation_bytes(shape, tokens),
-                            f"{WORKSPACE_GB:g} GB reserve + activations of {tokens} tokens"))
+                            f"{WORKSPACE_GB:g} GB reserve + activations of {tokens} tokens"), *extra_gpu)
     host_terms = (MemoryTerm("weights", float(shape.total_bytes()), "every weight, streamed from here"),)
     gpu_cap = None if hw.gpu_memory_gb is None else hw.gpu_memory_gb * 1e9
     host_cap = None if hw.host_memory_gb is None else hw.host_memory_gb * 1e9
@@ -310,7 +314,8 @@ def slp_memory(shape: Any, costs: CostModel, tokens: int, ring_slots: int, dense
     return MemoryNeeds(shape.name, hw.name, ring_slots, ring_slots, gpu, host, (), max_slots, tuple(problems))
 
 
-def choose_ring(costs: CostModel, cfg: PrefillConfig, mods: dict[str, np.ndarray]) -> tuple[int, str, MemoryNeeds]:
+def choose_ring(costs: CostModel, cfg: PrefillConfig, mods: dict[str, np.ndarray],
+                extra_gpu: tuple[MemoryTerm, ...] = ()) -> tuple[int, str, MemoryNeeds]:
     """(R, why, memory): ``cfg.ring_slots`` or the rule; refuses (:class:`MemoryDoesNotFit`) what does not fit."""
     shape, E, T = costs.shape, costs.num_experts, cfg.prompt_tokens
     if cfg.ring_slots is not None:
@@ -326,22 +331,24 @@ def choose_ring(costs: CostModel, cfg: PrefillConfig, mods: dict[str, np.ndarray
         else:
             R, why = min(2, E), (f"R=2: past the turning point (experts' compute {compute / 1e3:.3g} ms > their "
                                  f"copies {transfer / 1e3:.3g} ms per MoE layer)")
-        if R == E and R > 2 and slp_memory(shape, costs, T, R, cfg.dense_budget_gb).problems:
+        if R == E and R > 2 and slp_memory(shape, costs, T, R, cfg.dense_budget_gb, extra_gpu).problems:
             R, why = 2, f"R=2: activations + {E} slots overflow GPU memory"
-    needs = slp_memory(shape, costs, T, R, cfg.dense_budget_gb)
+    needs = slp_memory(shape, costs, T, R, cfg.dense_budget_gb, extra_gpu)
     if needs.problems:
         raise MemoryDoesNotFit(" ".join(needs.problems), needs)
     return R, why, needs
 
 
 # ---------------------------------------------------------------------- the two paths
-def slp_schedule(costs: CostModel, cfg: PrefillConfig) -> tuple[StreamSchedule, str, MemoryNeeds]:
-    """The SLP schedule of ``cfg``'s prompt (the ring chosen by :func:`choose_ring`)."""
+def slp_schedule(costs: CostModel, cfg: PrefillConfig, *, gpu: Any = None,
+                 extra_gpu: tuple[MemoryTerm, ...] = ()) -> tuple[StreamSchedule, str, MemoryNeeds]:
+    """The SLP schedule of ``cfg``'s prompt (the ring chosen by :func:`choose_ring`); ``gpu``: other
+    work sharing the GPU (:func:`stream_schedule`), ``extra_gpu`` its GPU memory."""
     mods = slp_modules(costs, cfg)
-    R, why, needs = choose_ring(costs, cfg, mods)
+    R, why, needs = choose_ring(costs, cfg, mods, extra_gpu)
     ring = mods["kind"] == EXPERT
     ls, le, cs, ce, slot = stream_schedule(mods["load_us"], mods["compute_us"], ring, R, budget_bytes=mods["held"],
-                                           dense_budget=cfg.dense_budget_gb * 1e9)
+                                           dense_budget=cfg.dense_budget_gb * 1e9, gpu=gpu)
     sched = StreamSchedule(mods["kind"].astype(str), mods["layer"].astype(np.int64), mods["expert"].astype(np.int64),
                            mods["tokens"], mods["bytes"], slot, ls, le, cs, ce, R)
     return sched, why, needs
