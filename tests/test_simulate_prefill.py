@@ -286,3 +286,59 @@ def test_mixed_refusal_names_decode_memory(capsys):
                  "--prompt-tokens", "1024", "--prefill-path", "slp", "--decode-batch", "2", "--json"]) == 0
     d = json.loads(capsys.readouterr().out)
     assert d["decode_batch"] == 2 and d["prefill_ms"] >= d["prefill_alone_ms"]
+
+
+# ---------------------------------------------------------------------- the CPU stand-in of the real executor
+@pytest.fixture(scope="module")
+def tiny_layer():
+    from moelab.adapters import moe_layers
+    from moelab.loading import load
+
+    model, _ = load("moelab-tiny-mixtral")
+    return model, moe_layers(model)[1]
+
+
+@pytest.mark.parametrize("R", [1, 2, 8])
+def test_real_slp_layer_equals_the_plain_layer_and_keeps_the_ring_order(tiny_layer, R):
+    import torch
+
+    from moelab.backends.reference import REFERENCE
+    from moelab.hybrid.slp import slp_layer
+
+    model, layer = tiny_layer
+    torch.manual_seed(R)
+    hidden = torch.randn(29, model.config.hidden_size, dtype=layer.experts.down_proj.dtype)
+    out, log = slp_layer(layer, hidden, ring_slots=R)
+    r = layer.route(hidden)
+    with torch.no_grad():
+        assert torch.equal(out, REFERENCE(layer.experts, hidden, r.experts, r.weights))  # same maths and order
+        torch.testing.assert_close(out, layer.experts(hidden, r.experts, r.weights))  # the eager layer
+    ev = log.table().to_pandas()
+    E = layer.num_experts
+    copy = ev[ev["lane"] == "copy"].set_index("expert")
+    dev = ev[ev["lane"] == "device"].set_index("expert")
+    rel = ev[ev["lane"] == "unloader"].set_index("expert")
+    assert len(copy) == len(dev) == len(rel) == E
+    assert set(ev["lane"]) - {"copy", "device", "unloader"} == {f"slot{i}" for i in range(min(R, E))}
+    for j in range(E):
+        assert dev.at[j, "t_start_us"] >= copy.at[j, "t_end_us"]  # ON: compute after its copy
+        assert rel.at[j, "t_start_us"] >= dev.at[j, "t_end_us"]  # OFF: release after compute
+        if j >= R:  # the slot is reused only once the unloader freed expert j - R
+            assert copy.at[j, "t_start_us"] >= rel.at[j - R, "t_start_us"]
+    assert dev["tokens"].sum() == r.experts.numel()
+
+
+def test_real_slp_events_draw_as_a_timeline(tiny_layer):
+    pytest.importorskip("plotly")
+    import torch
+
+    from moelab.hybrid.slp import slp_layer
+    from moelab.timeline import Timeline
+
+    model, layer = tiny_layer
+    _, log = slp_layer(layer, torch.randn(5, model.config.hidden_size), ring_slots=2)
+    tl = Timeline(log, name="slp-real")
+    assert {"slot0", "slot1", "copy", "device"} <= set(tl.lanes)
+    assert len(tl.figure().data) > 0
+    with pytest.raises(MoelabError, match="ring_slots"):
+        slp_layer(layer, torch.randn(2, model.config.hidden_size), ring_slots=0)

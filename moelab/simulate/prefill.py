@@ -164,21 +164,23 @@ def stream_schedule(load_us, compute_us, ring: Any, ring_slots: int, *, budget_b
         i = int(held.argmax())
         raise MoelabError(f"module {i} holds {gb(held[i])} outside the ring, more than the dense budget "
                           f"{gb(dense_budget)}; raise dense_budget_gb to at least {held[i] / 1e9:.3g}.")
-    ls, le, cs, ce = (np.zeros(n) for _ in range(4))
+    ls, le, cs, ce = ([0.0] * n for _ in range(4))  # lists: the loop reads them one by one
     slot = np.full(n, -1, np.int64)
     ring_idx = np.flatnonzero(ring)
-    pos = np.full(n, -1, np.int64)
-    pos[ring_idx] = np.arange(ring_idx.size)
+    slot[ring_idx] = np.arange(ring_idx.size) % int(ring_slots)
+    pos_a = np.full(n, -1, np.int64)
+    pos_a[ring_idx] = np.arange(ring_idx.size)
+    pos, ring_at = pos_a.tolist(), ring_idx.tolist()
+    load, comp, ring_l, held = load.tolist(), comp.tolist(), ring.tolist(), held.tolist()
     R = int(ring_slots)
     dense_idx: list[int] = []  # modules outside the ring with bytes held, in order
     first_held, in_use = 0, 0.0
     prev_le = prev_ce = 0.0
     for j in range(n):
         start = prev_le
-        if ring[j]:
-            slot[j] = pos[j] % R
+        if ring_l[j]:
             if pos[j] >= R:
-                start = max(start, ce[ring_idx[pos[j] - R]])
+                start = max(start, ce[ring_at[pos[j] - R]])
         elif held[j] > 0:
             while in_use + held[j] > dense_budget:  # block until the oldest resident dense module is freed
                 k = dense_idx[first_held]
@@ -191,7 +193,7 @@ def stream_schedule(load_us, compute_us, ring: Any, ring_slots: int, *, budget_b
         cs[j] = max(le[j], prev_ce) if gpu is None else max(le[j], prev_ce, gpu(j, le[j], prev_ce))
         ce[j] = cs[j] + comp[j]
         prev_le, prev_ce = le[j], ce[j]
-    return ls, le, cs, ce, slot
+    return np.array(ls), np.array(le), np.array(cs), np.array(ce), slot
 
 
 # ---------------------------------------------------------------------- costs of the modules
@@ -252,28 +254,34 @@ def _layer_dense(costs: CostModel, layer: int, T: int, context: int) -> tuple[fl
 
 def slp_modules(costs: CostModel, cfg: PrefillConfig) -> dict[str, np.ndarray]:
     """The prompt's modules in stream order with their copy and compute costs (module docstring)."""
-    s, T = costs.shape, cfg.prompt_tokens
+    s, T, E = costs.shape, cfg.prompt_tokens, costs.num_experts
     budget = cfg.dense_budget_gb * 1e9
-    rows: list[tuple] = []  # kind, layer, expert, tokens, bytes, held, load, compute
+    names = ("kind", "layer", "expert", "tokens", "bytes", "held", "load_us", "compute_us")
+    blocks: list[tuple] = []  # per block of rows: the columns above, each a scalar or an array
+
     act = float(T * s.hidden_size * 2)  # the embedding rows, bf16, gathered on the host
-    rows.append((EMBED, -1, -1, T, act, 0.0, copy_us(costs, act), 0.0))
+    blocks.append((EMBED, -1, -1, T, act, 0.0, copy_us(costs, act), 0.0))
     moe_ord = {layer: i for i, layer in enumerate(costs.moe_layers)}
-    fetch = costs.fetch_us()
+    fetch, experts = costs.fetch_us(), np.arange(E)
     for layer in range(costs.num_layers):
         w, t = _layer_dense(costs, layer, T, T)
-        rows.append((DENSE, layer, -1, T, w, w, copy_us(costs, w), t))
+        blocks.append((DENSE, layer, -1, T, w, w, copy_us(costs, w), t))
         if layer in moe_ord:
-            for e, n in enumerate(_layer_tokens(costs, cfg, moe_ord[layer])):
-                rows.append((EXPERT, moe_ord[layer], e, n, costs.expert_bytes, 0.0, fetch,
-                             costs.device_us(float(n)) if n > 0 else 0.0))
+            n = _layer_tokens(costs, cfg, moe_ord[layer])
+            uniq, inv = np.unique(n, return_inverse=True)
+            t_of = np.array([costs.device_us(float(x)) if x > 0 else 0.0 for x in uniq])
+            blocks.append((EXPERT, moe_ord[layer], experts, n, costs.expert_bytes, 0.0, fetch, t_of[inv]))
     pieces = max(1, math.ceil(costs.lm_head_bytes / budget))  # the LM head, vocabulary slices within the budget
-    for i in range(pieces):
-        b = costs.lm_head_bytes / pieces
-        rows.append((HEAD, -1, i, 1, b, b, copy_us(costs, b),
-                     dense_us(costs, b, costs.lm_head_flops_per_token / pieces, 1)))
-    cols = list(zip(*rows, strict=True))
-    names = ("kind", "layer", "expert", "tokens", "bytes", "held", "load_us", "compute_us")
-    return {k: np.asarray(v, dtype=object if k == "kind" else np.float64) for k, v in zip(names, cols, strict=True)}
+    b = costs.lm_head_bytes / pieces
+    blocks.append((HEAD, -1, np.arange(pieces), 1, b, b, copy_us(costs, b),
+                   dense_us(costs, b, costs.lm_head_flops_per_token / pieces, 1)))
+    sizes = [max(np.size(v) for v in blk) for blk in blocks]
+    out = {}
+    for i, k in enumerate(names):
+        dt = object if k == "kind" else np.float64
+        out[k] = np.concatenate([np.broadcast_to(np.asarray(blk[i], dtype=dt), (m,)) for blk, m in zip(blocks, sizes,
+                                                                                                      strict=True)])
+    return out
 
 
 # ---------------------------------------------------------------------- memory

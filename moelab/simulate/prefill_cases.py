@@ -63,7 +63,7 @@ def osdi_prefill_rows(*, quick: bool = False, numa: str = "pooled") -> list[dict
                          f"link efficiency 0.75: {r75.tokens_per_s:.0f} tok/s", hw))
     base = PrefillConfig(prompt_tokens=1)
     cross = crossover_tokens(CostModel.of(shape, hw), base)
-    cross75 = crossover_tokens(CostModel.of(shape, slow), base)
+    cross75 = "not in --quick" if quick else crossover_tokens(CostModel.of(shape, slow), base)
     rows.append(_row("osdi26-slp-crossover", "crossover_tokens", None if cross is None else float(cross), "tokens",
                      f"link efficiency 0.75: {cross75 if cross75 is not None else 'none'} tokens; hybrid chunk "
                      f"{CHUNK_TOKENS}", hw))
