@@ -342,3 +342,15 @@ def test_real_slp_events_draw_as_a_timeline(tiny_layer):
     assert len(tl.figure().data) > 0
     with pytest.raises(MoelabError, match="ring_slots"):
         slp_layer(layer, torch.randn(2, model.config.hidden_size), ring_slots=0)
+
+
+def test_cli_prefill_writes_events_the_timeline_opens(tmp_path, capsys):
+    from moelab.cli import main
+    from moelab.timeline import Timeline
+
+    out = tmp_path / "slp.parquet"
+    assert main(["simulate", "--phase", "prefill", "--model-shape", "deepseek-v2-lite", "--hardware", HW,
+                 "--prompt-tokens", "512", "--prefill-path", "slp", "--ring-slots", "3", "--events", str(out)]) == 0
+    capsys.readouterr()
+    tl = Timeline(out)
+    assert {"slot0", "slot1", "slot2", "copy", "device", "unloader"} == set(tl.lanes)

@@ -70,6 +70,8 @@ def register(subparsers) -> None:
     p.add_argument("--ring-slots", type=positive_int, default=None, metavar="R",
                    help="prefill: expert slots of the ring (default: E while transfer dominates, else 2)")
     p.add_argument("--chunk-tokens", type=positive_int, default=512, help="prefill: hybrid path chunk (default 512)")
+    p.add_argument("--events", metavar="OUT.parquet", help="prefill: write the SLP schedule's events (loader, "
+                   "compute, unloader, ring slots) for moelab timeline / moelab.Timeline")
     p.add_argument("--decode-batch", type=non_negative_int, default=0, metavar="Y",
                    help="prefill: Y sequences (at --context) decode while the prompt prefills by SLP on the same "
                    "GPU (moelab.simulate.prefill_mixed; default 0: the prefill alone)")
@@ -182,6 +184,10 @@ def run_prefill(args) -> int:
         fmt = format_mixed
     else:
         res, fmt = prefill(shape, hw, cfg), format_prefill
+    if args.events:
+        from moelab.simulate.prefill_events import write_events
+
+        write_events(res.schedule, args.events)
     if args.json:
         emit_json(res.to_dict())
     else:

@@ -71,4 +71,20 @@ def slp_events(s, run: str = "slp") -> pd.DataFrame:
     return df.loc[:, list(COLUMNS)].sort_values(["t_start_us", "t_end_us"], kind="stable").reset_index(drop=True)
 
 
-__all__ = ["slp_events"]
+def write_events(schedule, path) -> None:
+    """Write the SLP ``schedule``'s events as an events Parquet file (``moelab.Timeline(path)`` opens it)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from moelab.errors import MoelabError
+
+    if schedule is None:
+        raise MoelabError("no stream-loading schedule to write: the prefill took the hybrid path; use "
+                          "--prefill-path slp (or a prompt past the crossover) for --events.")
+    df = slp_events(schedule)
+    for c, t in (("step", "int32"), ("layer", "int32"), ("expert", "int32"), ("tokens", "int32")):
+        df[c] = df[c].astype(t)
+    pq.write_table(pa.Table.from_pandas(df, preserve_index=False), str(path))
+
+
+__all__ = ["slp_events", "write_events"]
