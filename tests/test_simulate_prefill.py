@@ -354,3 +354,18 @@ def test_cli_prefill_writes_events_the_timeline_opens(tmp_path, capsys):
     capsys.readouterr()
     tl = Timeline(out)
     assert {"slot0", "slot1", "slot2", "copy", "device", "unloader"} == set(tl.lanes)
+
+
+def test_a_given_routing_loads_every_expert_but_computes_only_the_routed():
+    costs = CostModel.of(LITE, HW)
+    T, E, L = 64, LITE.num_experts, LITE.num_moe_layers
+    tpe = np.zeros((L, E))
+    tpe[:, 3] = T * LITE.top_k  # every token's every slot on expert 3 (a degenerate routing)
+    s, _, _ = slp_schedule(costs, PrefillConfig(prompt_tokens=T, tokens_per_expert=tpe, crossover=False))
+    x = s.kind == "expert"
+    busy = s.compute_end[x] - s.compute_start[x]
+    assert x.sum() == L * E  # loading ignores routing
+    assert np.all(busy[s.expert[x] != 3] == 0)
+    assert np.allclose(busy[s.expert[x] == 3], costs.device_us(float(T * LITE.top_k)))
+    with pytest.raises(MoelabError, match="tokens_per_expert"):
+        slp_schedule(costs, PrefillConfig(prompt_tokens=T, tokens_per_expert=np.zeros((2, 2)), crossover=False))
