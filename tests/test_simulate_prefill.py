@@ -369,3 +369,11 @@ def test_a_given_routing_loads_every_expert_but_computes_only_the_routed():
     assert np.allclose(busy[s.expert[x] == 3], costs.device_us(float(T * LITE.top_k)))
     with pytest.raises(MoelabError, match="tokens_per_expert"):
         slp_schedule(costs, PrefillConfig(prompt_tokens=T, tokens_per_expert=np.zeros((2, 2)), crossover=False))
+
+
+def test_mla_prefill_flops_are_the_up_projected_form():
+    s = LITE  # MLA: each attended position costs 2 × heads × (qk_nope + qk_rope + v_head) in prefill kernels
+    step = s.attention_flops(2, 1, layer=0, prefill=True) - s.attention_flops(1, 1, layer=0, prefill=True)
+    assert step == 2 * s.num_heads * (s.qk_nope_head_dim + s.qk_rope_head_dim + s.v_head_dim)
+    dec = s.attention_flops(2, 1, layer=0) - s.attention_flops(1, 1, layer=0)  # decode: the absorbed form
+    assert dec == 2 * s.num_heads * (2 * s.kv_lora_rank + s.qk_rope_head_dim)
