@@ -70,6 +70,8 @@ def register(subparsers) -> None:
     p.add_argument("--ring-slots", type=positive_int, default=None, metavar="R",
                    help="prefill: expert slots of the ring (default: E while transfer dominates, else 2)")
     p.add_argument("--chunk-tokens", type=positive_int, default=512, help="prefill: hybrid path chunk (default 512)")
+    p.add_argument("--dense-budget-gb", type=float, default=1.0, metavar="GB",
+                   help="prefill: GPU memory for streamed dense modules, outside the ring (default 1, OSDI's)")
     p.add_argument("--events", metavar="OUT.parquet", help="prefill: write the SLP schedule's events (loader, "
                    "compute, unloader, ring slots) for moelab timeline / moelab.Timeline")
     p.add_argument("--decode-batch", type=non_negative_int, default=0, metavar="Y",
@@ -175,7 +177,7 @@ def run_prefill(args) -> int:
         hw = pool_numa(hw)
     shape = get_shape(args.model_shape, dtype=args.dtype)
     cfg = PrefillConfig(prompt_tokens=args.prompt_tokens, path=args.prefill_path, ring_slots=args.ring_slots,
-                        chunk_tokens=args.chunk_tokens)
+                        chunk_tokens=args.chunk_tokens, dense_budget_gb=args.dense_budget_gb)
     if args.decode_batch:
         if args.prefill_path == "hybrid":
             raise MoelabError("--decode-batch models decode beside stream-loading prefill; use --prefill-path slp "

@@ -163,7 +163,8 @@ def stream_schedule(load_us, compute_us, ring: Any, ring_slots: int, *, budget_b
     if held.size and held.max() > dense_budget:
         i = int(held.argmax())
         raise MoelabError(f"module {i} holds {gb(held[i])} outside the ring, more than the dense budget "
-                          f"{gb(dense_budget)}; raise dense_budget_gb to at least {held[i] / 1e9:.3g}.")
+                          f"{gb(dense_budget)}; raise dense_budget_gb (--dense-budget-gb) to at least "
+                          f"{math.ceil(held[i] / 1e7) / 100:g}.")
     ls, le, cs, ce = ([0.0] * n for _ in range(4))  # lists: the loop reads them one by one
     slot = np.full(n, -1, np.int64)
     ring_idx = np.flatnonzero(ring)
@@ -312,13 +313,16 @@ def slp_memory(shape: Any, costs: CostModel, tokens: int, ring_slots: int, dense
     if gpu_cap is not None:
         max_slots = max(0, min(costs.num_experts, math.floor((gpu_cap - gpu.need_bytes + ring_slots * eb) / eb)))
     problems = []
+    fixes = {"gpu_memory_gb": f"a shorter prompt, fewer ring slots (at most {max_slots} fit beside the rest), a "
+                              "smaller dense budget or dtype (--dtype fp8)",
+             "host_memory_gb": "a smaller dtype (--dtype fp8 / int4)"}
     for pool, field_name in ((gpu, "gpu_memory_gb"), (host, "host_memory_gb")):
         if pool.fits is False:
             terms = ", ".join(f"{t.name} {gb(t.bytes)} ({t.detail})" for t in pool.terms)
             problems.append(f"stream-loading prefill of {tokens} tokens of {shape.name} with R={ring_slots} needs "
                             f"{gb(pool.need_bytes)} of {pool.name} memory, {hw.name} has {pool.capacity_bytes / 1e9:g} "
-                            f"GB ({field_name}) — {terms}. Fix: a shorter prompt, fewer ring slots (at most "
-                            f"{max_slots} fit), a smaller dtype (--dtype fp8), or more memory (--set {field_name}=SIZE).")
+                            f"GB ({field_name}) — {terms}. Fix: {fixes[field_name]}, or more memory "
+                            f"(--set {field_name}=SIZE).")
     return MemoryNeeds(shape.name, hw.name, ring_slots, ring_slots, gpu, host, (), max_slots, tuple(problems))
 
 
