@@ -199,7 +199,7 @@ class HandShape:
     def attention_bytes(self, context, batch=1):
         return 5_000_000
 
-    def attention_flops(self, context, batch=1):
+    def attention_flops(self, context, batch=1, layer=None, prefill=False):
         return 2.0 * batch
 
 

@@ -60,6 +60,23 @@ def register(subparsers) -> None:
                    "none), deferral, placement, policy (cache policy, default lru; static pins the most used experts "
                    "of the warm-up steps), prefetch (none, oracle, repeat; default none), skipping, min_immediate "
                    "(experts per token deferral keeps, default 2)")
+    p.add_argument("--phase", choices=("decode", "prefill"), default="decode",
+                   help="decode (default): the what-if grid; prefill: one prompt of --prompt-tokens on the "
+                   "stream-loading (OSDI '26) or hybrid path (moelab.simulate.prefill; no routing source needed)")
+    p.add_argument("--prompt-tokens", type=positive_int, default=8192, help="prefill: prompt length (default 8192)")
+    p.add_argument("--prefill-path", choices=("slp", "hybrid", "auto"), default="auto",
+                   help="prefill: slp (experts streamed to a GPU ring), hybrid (GPU attention, CPU experts, "
+                   "chunked) or auto (default: slp from the simulated crossover length on)")
+    p.add_argument("--ring-slots", type=positive_int, default=None, metavar="R",
+                   help="prefill: expert slots of the ring (default: E while transfer dominates, else 2)")
+    p.add_argument("--chunk-tokens", type=positive_int, default=512, help="prefill: hybrid path chunk (default 512)")
+    p.add_argument("--dense-budget-gb", type=float, default=1.0, metavar="GB",
+                   help="prefill: GPU memory for streamed dense modules, outside the ring (default 1, OSDI's)")
+    p.add_argument("--events", metavar="OUT.parquet", help="prefill: write the SLP schedule's events (loader, "
+                   "compute, unloader, ring slots) for moelab timeline / moelab.Timeline")
+    p.add_argument("--decode-batch", type=non_negative_int, default=0, metavar="Y",
+                   help="prefill: Y sequences (at --context) decode while the prompt prefills by SLP on the same "
+                   "GPU (moelab.simulate.prefill_mixed; default 0: the prefill alone)")
     p.add_argument("--no-oracle", action="store_true", help="skip the oracle bound (half the time)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--csv", metavar="OUT", help="also write the grid as CSV")
@@ -104,6 +121,8 @@ def run(args) -> int:
     if not args.model_shape or not args.hardware:
         raise MoelabError("moelab simulate needs --model-shape SHAPE and --hardware PROFILE (and --trace DIR or "
                           "--synthetic); see moelab simulate --help.")
+    if args.phase == "prefill":
+        return run_prefill(args)
     if not args.trace and not args.synthetic:
         raise MoelabError("give a routing source: --trace DIR (recorded on this shape) or --synthetic.")
     if args.fit_from and not args.synthetic:
@@ -147,6 +166,36 @@ def run(args) -> int:
     print(format_table(df))
     print(f"{a['cells']} cells{' + oracle bounds' if not args.no_oracle else ''} in {a['wall_s']:.1f} s wall "
           f"(routing {a['routing_s']:.1f} s)" + (f"; wrote {args.csv}" if args.csv else ""))
+    return 0
+
+
+def run_prefill(args) -> int:
+    """``--phase prefill``: one prompt's prefill on the chosen path (moelab.simulate.prefill)."""
+    from moelab.simulate.prefill import PrefillConfig, format_prefill, prefill
+    from moelab.simulate.prefill_mixed import format_mixed, mixed_prefill_decode
+
+    hw = apply_settings(get_profile(args.hardware), args.settings)
+    if args.numa == "pooled":
+        hw = pool_numa(hw)
+    shape = get_shape(args.model_shape, dtype=args.dtype)
+    cfg = PrefillConfig(prompt_tokens=args.prompt_tokens, path=args.prefill_path, ring_slots=args.ring_slots,
+                        chunk_tokens=args.chunk_tokens, dense_budget_gb=args.dense_budget_gb)
+    if args.decode_batch:
+        if args.prefill_path == "hybrid":
+            raise MoelabError("--decode-batch models decode beside stream-loading prefill; use --prefill-path slp "
+                              "(or auto).")
+        res = mixed_prefill_decode(shape, hw, cfg, decode_batch=args.decode_batch, decode_context=args.context)
+        fmt = format_mixed
+    else:
+        res, fmt = prefill(shape, hw, cfg), format_prefill
+    if args.events:
+        from moelab.simulate.prefill_events import write_events
+
+        write_events(res.schedule, args.events)
+    if args.json:
+        emit_json(res.to_dict())
+    else:
+        print(fmt(res))
     return 0
 
 

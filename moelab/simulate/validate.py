@@ -13,6 +13,8 @@ the simulated one) and the host lane's busy % (the real run's events vs the simu
 decode rate; OSDI '26 §3.3.1), simulated on their machines' profiles with synthetic routing
 (statistics fitted from a bundled model's trace), each with the sensitivity of the result to
 the assumptions the paper does not state (context length and CPU kernel efficiency at ±20 %).
+OSDI '26's prefill (DeepSeek-R1 at 2K–32K prompts and the SLP-vs-hybrid crossover,
+:mod:`moelab.simulate.prefill_cases`) follows as predictions only: no published number to score.
 
 Every number here is simulated or measured when the command runs; nothing is tuned to a result.
 """
@@ -419,8 +421,10 @@ def run_validation(*, profile: Any = None, quick: bool = False, machine: bool = 
         info.update(minfo)
     rows += paper_rows(quick=quick, progress=progress, numa=numa)
     from moelab.simulate.moegen.validate import throughput_rows
+    from moelab.simulate.prefill_cases import osdi_prefill_rows
 
     rows += throughput_rows(quick=quick)  # MoE-Gen's settings: predictions, no published figure
+    rows += osdi_prefill_rows(quick=quick, numa=numa)  # predictions only: no published number to score
     info["wall_s"] = time.perf_counter() - t0
     return rows, info
 
@@ -439,9 +443,10 @@ def format_rows(rows: list[dict], info: dict) -> str:
     for r in rows:
         ref = "—" if r["reference"] is None else f"{r['reference']:.3g} ({r['reference_kind']})"
         err = "—" if r["error"] is None else f"{r['error']:+.1f} {r['error_unit']}"
+        sim = "none" if r["simulated"] is None else f"{r['simulated']:.3g}"
         case = f"[run {r['run']}] {r['case']}" if len(runs) > 1 and r["group"] == "machine" else r["case"]
         flag = (" BUSY" if r.get("busy") else "") + (" UNSTABLE" if r.get("unstable") else "")
-        body.append([case, r["metric"], ref + flag, f"{r['simulated']:.3g}", err, r["target"], _label(r)])
+        body.append([case, r["metric"], ref + flag, sim, err, r["target"], _label(r)])
     widths = [max(len(h), *(len(b[i]) for b in body)) if body else len(h) for i, h in enumerate(head)]
     out = []
     if any(r["group"] == "machine" for r in rows):
@@ -468,10 +473,20 @@ def format_rows(rows: list[dict], info: dict) -> str:
             out.append(f"  {r['case']}: {r['sensitivity']}")
     preds = [r for r in rows if r["group"] == "predictions"]
     if preds:
-        out.append("predictions (MoE-Gen's settings; techniques.md gives no published figure, so no error): the "
-                   "reference is on-demand offloading simulated on the same machine. Assumed: " + preds[0]["assumed"])
-        for r in preds:
-            out.append(f"  {r['case']}: {r['configuration']}; {r['sensitivity'] or 'no sensitivity runs (--quick)'}")
+        groups: dict[str, list[dict]] = {}
+        for r in preds:  # one paragraph per source (MoE-Gen's settings, OSDI '26's prefill, ...)
+            groups.setdefault(r.get("source", ""), []).append(r)
+        for source, group in groups.items():
+            if "configuration" in group[0]:  # MoE-Gen: the reference is the simulated on-demand baseline
+                out.append(f"predictions ({source}; techniques.md gives no published figure, so no error): the "
+                           "reference is on-demand offloading simulated on the same machine. Assumed: "
+                           + group[0]["assumed"])
+                out += [f"  {r['case']}: {r['configuration']}; {r['sensitivity'] or 'no sensitivity runs (--quick)'}"
+                        for r in group]
+            else:
+                out.append(f"predictions (no published number to score): {source}. Assumed: {group[0]['assumed']}; "
+                           "per case:")
+                out += [f"  {r['case']}: {r['sensitivity']}" for r in group]
     out.append(f"({info.get('wall_s', 0):.0f} s)")
     return "\n".join(out)
 

@@ -252,7 +252,8 @@ class CostModel:
         """(bytes, FLOPs) of one decoder layer's attention at ``context`` for ``batch`` rows."""
         s = self.shape
         if prefill:  # one sequence of ``batch`` tokens; each attends to half the context on average
-            return float(s.attention_bytes(int(context), 1)), float(s.attention_flops(max(int(context) // 2, 1), batch))
+            return float(s.attention_bytes(int(context), 1)), float(s.attention_flops(max(int(context) // 2, 1), batch,
+                                                                               prefill=True))
         return float(s.attention_bytes(int(context), batch)), float(s.attention_flops(int(context), batch))
 
 

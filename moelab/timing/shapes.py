@@ -305,10 +305,11 @@ class ModelShape:
             hit = self._memo[key] = self._attn_matrices_of(layer)
         return hit
 
-    def _layer_terms(self) -> list[tuple[int, bool, int, int, int, bool]]:
+    def _layer_terms(self, prefill: bool = False) -> list[tuple[int, bool, int, int, int, bool]]:
         """Per decoder layer: (KV values per token, sliding?, recurrent state values, projection
-        FLOPs per row, attention-core FLOPs per attended position and row (0: linear), linear?)."""
-        terms = self._memo.get("terms")
+        FLOPs per row, attention-core FLOPs per attended position and row (0: linear), linear?);
+        ``prefill``: MLA's core in its up-projected prefill form (see :meth:`attention_flops`)."""
+        terms = self._memo.get(("terms", prefill))
         if terms is None:
             terms = []
             for i in range(self.num_layers):
@@ -317,12 +318,14 @@ class ModelShape:
                 if linear:
                     core = 0
                 elif self.attention == "mla":
-                    core = 2 * self.num_heads * (self.kv_lora_rank + self.qk_rope_head_dim + self.kv_lora_rank)
+                    per_pos = (self.qk_nope_head_dim + self.qk_rope_head_dim + self.v_head_dim if prefill
+                               else self.kv_lora_rank + self.qk_rope_head_dim + self.kv_lora_rank)
+                    core = 2 * self.num_heads * per_pos
                 else:
                     core = 4 * self.num_heads * self.head_dim
                 terms.append((self.kv_values_per_token(i), i in self.sliding_layers and bool(self.sliding_window),
                               self._state_values(i), 2 * sum(r * c for r, c in mats), core, linear))
-            self._memo["terms"] = terms
+            self._memo[("terms", prefill)] = terms
         return terms
 
     def _attn_matrices_of(self, layer: int) -> tuple[list[tuple[int, int]], int]:
@@ -418,13 +421,13 @@ class ModelShape:
         return (self.linear_value_heads * self.linear_key_head_dim * self.linear_value_head_dim
                 + (2 * kd + vd) * max(self.linear_conv_kernel - 1, 0))
 
-    def _sums(self) -> tuple[int, int, int, int, int, int, int]:
+    def _sums(self, prefill: bool = False) -> tuple[int, int, int, int, int, int, int]:
         """Sums over decoder layers of the per-layer terms: KV values per token (full, sliding),
         state values, projection FLOPs, core FLOPs per position (full, sliding), linear layers."""
-        sums = self._memo.get("sums")
+        sums = self._memo.get(("sums", prefill))
         if sums is None:
-            t = self._layer_terms()
-            sums = self._memo["sums"] = (
+            t = self._layer_terms(prefill)
+            sums = self._memo[("sums", prefill)] = (
                 sum(x[0] for x in t if not x[1]), sum(x[0] for x in t if x[1]), sum(x[2] for x in t),
                 sum(x[3] for x in t), sum(x[4] for x in t if not x[1] and not x[5]),
                 sum(x[4] for x in t if x[1] and not x[5]), sum(1 for x in t if x[5]))
@@ -454,16 +457,19 @@ class ModelShape:
             wb = self._memo[key] = self.attention_weight_bytes(layer)
         return wb + self.kv_cache_bytes(context, batch, layer)
 
-    def attention_flops(self, context: int, batch: int = 1, layer: int | None = None) -> float:
-        """FLOPs of one decode step of one layer's attention for ``batch`` sequences at
-        ``context``: projections (2 × weights × batch) plus scores and values. MLA is counted in
-        its weight-absorbed decode form (each head attends over kv_lora_rank + rope values and
-        reads values of kv_lora_rank); linear attention updates its state (≈ 4 × state)."""
-        terms = self._layer_terms()
+    def attention_flops(self, context: int, batch: int = 1, layer: int | None = None, *,
+                        prefill: bool = False) -> float:
+        """FLOPs of one layer's attention for ``batch`` rows at ``context``: projections (2 ×
+        weights × batch) plus scores and values. MLA is counted in its weight-absorbed decode form
+        (each head attends over kv_lora_rank + rope values and reads values of kv_lora_rank), or
+        with ``prefill=True`` in the form prefill kernels run (keys and values up-projected per
+        head: scores over qk_nope + qk_rope, values of v_head_dim); linear attention updates its
+        state (≈ 4 × state)."""
+        terms = self._layer_terms(prefill)
         c, w = int(context), self.sliding_window
         linear_core = 4 * self.linear_value_heads * self.linear_key_head_dim * self.linear_value_head_dim
         if layer is None:  # the mean over layers in closed form (integers until the last step)
-            _, _, _, proj, core_full, core_slide, n_linear = self._sums()
+            _, _, _, proj, core_full, core_slide, n_linear = self._sums(prefill)
             total = proj + core_full * c + core_slide * (min(c, w) if w else c) + n_linear * linear_core
             return total * int(batch) / self.num_layers
 
