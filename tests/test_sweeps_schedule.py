@@ -97,3 +97,33 @@ def test_bad_specs_are_refused_with_their_line(tmp_path, old, new, message):
     assert old in SPEC
     with pytest.raises(MoelabError, match=message):
         load_spec(_write(tmp_path, SPEC.replace(old, new)))
+
+
+def test_prefill_cells_are_the_slp_prediction(tmp_path):
+    from moelab.simulate.prefill import PrefillConfig, prefill
+    from moelab.sweeps.driver import run_sweep
+    from moelab.sweeps.report import collect, table_rows
+    from moelab.sweeps.spec import load_spec
+    from moelab.timing.shapes import get_shape
+
+    text = """\
+name: pre
+kind: schedule
+schedule: prefill
+shapes: [deepseek-v2-lite]
+hardware: [osdi26-5090]
+grid: {prompt_tokens: [2048, 16384], path: [slp, hybrid]}
+settings: {crossover: false}
+retries: 0
+"""
+    spec = load_spec(_write(tmp_path, text))
+    summary = run_sweep(spec, store=tmp_path / "store", threads=1, progress=False)
+    assert (summary.done, summary.failed) == (4, {})
+    statuses = collect(spec, tmp_path / "store")
+    for x in statuses:
+        p = x.cell.point
+        want = prefill(get_shape("deepseek-v2-lite"), "osdi26-5090",
+                       PrefillConfig(prompt_tokens=p["prompt_tokens"], path=p["path"], crossover=False))
+        assert x.record["score"] == pytest.approx(want.tokens_per_s, rel=1e-12)
+        assert x.record["metrics"]["path"] == p["path"]
+    assert {r["path"] for r in table_rows(statuses)} == {"slp", "hybrid"}

@@ -1,5 +1,5 @@
-"""The ``schedule`` cell kind: simulated schedules (MoE-Gen's throughput, stream-loading prefill)
-swept over model shapes × hardware profiles × the schedule's settings.
+"""The ``schedule`` cell kind: simulated schedules (MoE-Gen's throughput, OSDI '26's stream-loading
+prefill) swept over model shapes × hardware profiles × the schedule's settings.
 
 Its cells need no model and no trace: each runs one schedule of :data:`SCHEDULES` on a packaged
 model shape (or a ``config.json``) and a hardware profile, so a grid of batch sizes, micro-batches
@@ -14,8 +14,11 @@ or prompt lengths is a resumable sweep like any other (the store, the executors,
     settings: {prompt: 512, generate: 256}                     # fixed for every cell
 
 Every axis a cell does not pin is searched by the schedule itself (MoE-Gen: ``batch``,
-``micro_batch``, ``expert_batch``, ``cpu_attention``, ``expert_slots``). A cell's ``score`` is its
-tokens/s; ``metrics`` is the schedule's whole answer (the configuration, its memory, the
+``micro_batch``, ``expert_batch``, ``cpu_attention``, ``expert_slots``). ``schedule: prefill``
+(:func:`moelab.simulate.prefill.prefill`) takes ``prompt_tokens`` (required), ``path`` (``slp``,
+``hybrid``, ``auto``: by the searched crossover), ``ring_slots``, ``dense_budget_gb``,
+``chunk_tokens``; both take ``dtype`` (re-cost the shape's weights, e.g. ``fp8``). A cell's
+``score`` is its tokens/s; ``metrics`` is the schedule's whole answer (the configuration, its memory, the
 baseline, the assumptions). A configuration that does not fit the profile's memory fails its
 cell with the refusal, which names every term.
 """
@@ -38,11 +41,28 @@ from moelab.sweeps.spec import _store_path
 KEY_VERSION = 1
 
 
+def _shape(name: str, values: dict[str, Any]) -> Any:
+    """The cell's model shape (its weights re-costed in ``dtype`` where the settings give one)."""
+    from moelab.timing.shapes import get_shape
+
+    return get_shape(name, dtype=values.pop("dtype", None))
+
+
 def _moegen(shape: str, profile: str, values: dict[str, Any]) -> tuple[float, dict[str, Any]]:
     from moelab.simulate.moegen import plan_throughput
 
-    plan = plan_throughput(shape, profile, **values)
+    values = dict(values)
+    plan = plan_throughput(_shape(shape, values), profile, **values)
     return plan.tokens_per_s, plan.to_dict()
+
+
+def _prefill(shape: str, profile: str, values: dict[str, Any]) -> tuple[float, dict[str, Any]]:
+    from moelab.simulate.prefill import PrefillConfig, prefill
+
+    values = dict(values)
+    s = _shape(shape, values)
+    result = prefill(s, profile, PrefillConfig(**values))
+    return result.tokens_per_s, result.to_dict()
 
 
 @dataclass(frozen=True)
@@ -56,8 +76,10 @@ class Schedule:
 
 #: Schedules by name (``schedule:`` of a spec).
 SCHEDULES: dict[str, Schedule] = {
-    "moegen": Schedule(_moegen, ("phase", "prompt", "generate", "batch", "micro_batch", "expert_batch",
+    "moegen": Schedule(_moegen, ("dtype", "phase", "prompt", "generate", "batch", "micro_batch", "expert_batch",
                                  "cpu_attention", "expert_slots"), {"phase": "decode", "prompt": 512, "generate": 256}),
+    "prefill": Schedule(_prefill, ("dtype", "prompt_tokens", "path", "ring_slots", "dense_budget_gb", "chunk_tokens",
+                                   "crossover"), {"path": "auto"}),
 }
 
 
@@ -198,6 +220,11 @@ class ScheduleKind(CellKind):
 
     def row(self, cell: ScheduleCell, record: dict[str, Any] | None) -> dict[str, Any]:
         m = (record or {}).get("metrics") or {}
+        if cell.schedule == "prefill":
+            return {"shape": cell.shape, "profile": cell.profile, "schedule": cell.schedule,
+                    "point": ", ".join(f"{k}={v}" for k, v in cell.point.items()) or "-",
+                    "tokens/s": (record or {}).get("score"), "path": m.get("path"), "time ms": m.get("time_ms"),
+                    "ring slots": m.get("ring_slots"), "crossover tokens": m.get("crossover_tokens")}
         best = m.get("best") or {}
         return {"shape": cell.shape, "profile": cell.profile, "schedule": cell.schedule,
                 "point": ", ".join(f"{k}={v}" for k, v in cell.point.items()) or "(searched)",
