@@ -474,8 +474,8 @@ def format_rows(rows: list[dict], info: dict) -> str:
     preds = [r for r in rows if r["group"] == "predictions"]
     if preds:
         groups: dict[str, list[dict]] = {}
-        for r in preds:  # one paragraph per source (MoE-Gen's settings, OSDI '26's prefill, ...)
-            groups.setdefault(r.get("source", ""), []).append(r)
+        for r in preds:  # one paragraph per paper (MoE-Gen's settings, OSDI '26's prefill, ...)
+            groups.setdefault(r.get("source", "").split(":")[0], []).append(r)
         for source, group in groups.items():
             if "configuration" in group[0]:  # MoE-Gen: the reference is the simulated on-demand baseline
                 out.append(f"predictions ({source}; techniques.md gives no published figure, so no error): the "
