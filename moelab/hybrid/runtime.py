@@ -272,9 +272,12 @@ class HybridRun:
                 self.planner_samples.append(dt)
 
     def _plan_layer(self, ctx: ForwardContext, layer, call: ExpertsCall) -> None:
-        # a thin adapter: the layer's routing as Python lists for the real tokens (one host copy;
-        # a decode step has a few values, for which list code beats numpy's per-call cost), then
-        # the one planner (moelab.hybrid.planner), the same object offline planning runs
+        # a thin adapter: the layer's routing for the real tokens, then the one planner
+        # (moelab.hybrid.planner), the same object offline planning runs; as arrays for its
+        # compiled path, as Python lists for the reference (a decode step has a few values, for
+        # which list code beats numpy's per-call cost)
+        if self.planner.path == "compiled":
+            return self._plan_layer_arrays(ctx, layer, call)
         plan = call._plan
         experts = call.experts
         K = experts.shape[-1]
@@ -294,6 +297,34 @@ class HybridRun:
             w = [r for r, k in zip(w, keep, strict=True) if k] if w is not None else None
             state = [r for r, k in zip(state, keep, strict=True) if k] if state is not None else None
         scores = self._scores(ctx, layer, valid) if self.cache is not None else None
+        proposal = None
+        if self.predictor is not None:
+            proposal = ctx.scratch.pop(("hybrid-prefetch", layer.index + self.predictor.distance), None)
+        lp = self.planner.plan_layer(ctx.index, ctx.step, ctx.phase, layer.index, ids, w, state, scores, proposal)
+        self.plans.append(lp)
+        ctx.scratch[("hybrid-plan", layer.index)] = lp
+
+    def _plan_layer_arrays(self, ctx: ForwardContext, layer, call: ExpertsCall) -> None:
+        """:meth:`_plan_layer` for the compiled planner: the routing as numpy arrays (copies: the
+        planner's inputs stay as they were when it planned), no Python lists."""
+        plan = call._plan
+        experts = call.experts
+        K = experts.shape[-1]
+        ids = experts.reshape(-1, K).numpy(force=True)
+        T = ids.shape[0]
+        mask = ctx.mask_cpu
+        valid = mask.reshape(-1) if mask is not None and mask.size == T else None
+        rows = None if valid is None or valid.all() else valid
+        ids = ids.copy() if rows is None else ids[rows]
+        w = None
+        if T > 1:  # the weights order only a union of several tokens' experts
+            w = (plan.weights if plan is not None else call.weights).reshape(-1, K).float().numpy(force=True)
+            w = w.copy() if rows is None else w[rows]
+        state = None
+        if plan is not None:
+            state = plan.state.reshape(-1, K).numpy(force=True)
+            state = state.copy() if rows is None else state[rows]
+        scores = self._scores(ctx, layer, valid) if self.cache.needs_scores else None
         proposal = None
         if self.predictor is not None:
             proposal = ctx.scratch.pop(("hybrid-prefetch", layer.index + self.predictor.distance), None)
