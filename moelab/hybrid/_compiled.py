@@ -560,10 +560,14 @@ def plan(cache, s, out, layer, ids, w, st, has_state, scores, place, admit_all, 
             nd = 0
             for i in range(n):
                 nd += where[i] == FETCHED
-            pf = _impactful(cache, s, place, pf_target, T, nd, pf)
-        pk = np.empty(pf.shape[0], dtype=np.int64)
-        for q in range(pf.shape[0]):
-            pk[q] = po + pf[q]
+            chosen = _impactful(cache, s, place, pf_target, T, nd, pf)
+            pk = np.empty(chosen.shape[0], dtype=np.int64)
+            for q in range(chosen.shape[0]):
+                pk[q] = po + chosen[q]
+        else:
+            pk = np.empty(pf.shape[0], dtype=np.int64)
+            for q in range(pf.shape[0]):
+                pk[q] = po + pf[q]
         moved = _fast.prefetch(cache, pk, budget)
         cnt[MOVED] = moved
         if moved:
@@ -601,6 +605,14 @@ def unsupported(planner: Any) -> str | None:
             "HostMisses", "FetchMisses", "GreedyHSS"):
         return f"placement {planner.placement.name!r} plans in Python"
     return None
+
+
+def _ints2(x: Any) -> np.ndarray:
+    """Per-token integer rows (ids or slot states) as a 2-D int64 array."""
+    a = np.asarray(x, dtype=np.int64)
+    if a.ndim != 2:
+        a = a.reshape(len(a), -1) if a.size else np.zeros((0, 1), dtype=np.int64)
+    return a
 
 
 def _box_class(cache_type, static_type, out_type):
@@ -883,28 +895,41 @@ class CompiledPlanner:
 
     def plan_layer(self, forward: int, step: int, phase: str, layer: int, ids: Any, weights: Any,
                    state: Any = None, scores: Any = None, prefetch: Any = None):
-        """:meth:`moelab.hybrid.planner.Planner.plan_layer`, compiled: the same arguments (lists or arrays)."""
+        """:meth:`moelab.hybrid.planner.Planner.plan_layer`, compiled: the same arguments, as lists or
+        arrays (integer ids and states of any width, as the model's tensors hold them: the kernel is
+        compiled per dtype, so nothing is converted on the hot path)."""
         p = self.planner
-        ids = np.ascontiguousarray(ids, dtype=np.int64)  # one layout: one compiled specialisation
-        if ids.ndim != 2:
-            ids = ids.reshape(len(ids), -1) if ids.size else np.zeros((0, 1), dtype=np.int64)
+        if type(ids) is not np.ndarray or ids.ndim != 2 or ids.dtype.kind not in "iu":
+            ids = _ints2(ids)
         T, K = ids.shape
-        w = np.ascontiguousarray(weights, dtype=np.float32).reshape(T, K) if T > 1 else self._f1
+        w = self._f1
+        if T > 1:
+            w = weights if type(weights) is np.ndarray and weights.dtype == np.float32 else \
+                np.asarray(weights, dtype=np.float32)
+            w = w.reshape(T, K)
         has_state = state is not None
-        st = np.ascontiguousarray(state, dtype=np.int64).reshape(T, K) if has_state else self._i1
+        if not has_state:
+            st = self._i1
+        elif type(state) is np.ndarray and state.ndim == 2 and state.dtype.kind in "iu":
+            st = state
+        else:
+            st = _ints2(state).reshape(T, K)
+        sc = self._f1
         if self.is_mrs:
             if scores is None:
                 raise MoelabError(f"policy {self.view.name!r} needs the router scores of each step.")
-            sc = np.asarray(scores, dtype=np.float32)
-            sc = np.ascontiguousarray(sc.reshape(-1, sc.shape[-1]) if sc.ndim != 2 else sc)
-        else:
-            sc = self._f1
+            sc = scores
+            if type(sc) is not np.ndarray or sc.dtype != np.float32 or sc.ndim != 2:
+                sc = np.asarray(sc, dtype=np.float32)
+                sc = sc.reshape(-1, sc.shape[-1])
         if self._ntab <= T or self._slots < T * K:
             self._grow(T, T * K)
         target = layer + p.distance
         pf, pf_target, budget = self._pf0, -1, -1
         if prefetch is not None and target < p.num_layers:
-            pf, pf_target = np.ascontiguousarray(prefetch, dtype=np.int64).reshape(-1), target
+            pf, pf_target = prefetch, target
+            if type(pf) is not np.ndarray or pf.ndim != 1 or pf.dtype.kind not in "iu":
+                pf = np.asarray(prefetch, dtype=np.int64).reshape(-1)
             b = p.budget
             if p.budget_per_forward and b is not None:
                 if p._budget_forward != forward:
@@ -915,11 +940,12 @@ class CompiledPlanner:
             self.view.reference._check_layer(layer)
         rec = self._run(self._box, layer, ids, w, st, has_state, sc, self.place, self.admit_all, pf, pf_target,
                         budget, self.impact)
-        if rec[ERROR]:
-            self._raise(int(rec[ERROR]), layer, ids, pf, pf_target)
+        head = rec[:8].tolist()
+        if head[ERROR]:
+            self._raise(head[ERROR], layer, ids, pf, pf_target)
         if pf_target >= 0 and p.budget_per_forward and p.budget is not None:
-            p._budget_left -= int(rec[MOVED])
-        return LazyPlan(forward, step, phase, layer, T, int(rec[SKIPPED]), rec, pf_target, self)
+            p._budget_left -= head[MOVED]
+        return LazyPlan(forward, step, phase, layer, T, head[SKIPPED], rec, pf_target, self)
 
     def fill(self, lp: LazyPlan) -> None:
         """Decode ``lp``'s record into the :class:`~moelab.hybrid.planner.LayerPlan` fields (once)."""
