@@ -45,6 +45,7 @@ import numpy as np
 
 from moelab.caches import _fast
 from moelab.caches._fast import HAVE_NUMBA, njit
+from moelab.caches.policies import nan_scores_message
 from moelab.errors import MoelabError
 
 log = logging.getLogger(__name__)
@@ -219,7 +220,11 @@ def _host_end(work, count, read, call_h, node):
 
 @njit(cache=True, nogil=True)
 def _greedy(n, needed, tokens, hit, where, s):
-    """:class:`moelab.hybrid.placement.GreedyHSS`'s ``place`` (see its comments), in its arithmetic order."""
+    """:class:`moelab.hybrid.placement.GreedyHSS`'s ``place`` (see its comments), in its arithmetic order.
+
+    Size: the reference's two phases (fetch the heaviest misses, then steal the lightest hits)
+    share its lane totals, which each phase changes and restores in the reference's order; kept
+    as one function so that order reads against the reference line by line."""
     cp = s.costs
     dcall, call_h, fetch_us, sync, ebytes, node = cp[0], cp[1], cp[2], cp[3], cp[4], cp[5]
     has_shared = cp[6] != 0.0
@@ -478,7 +483,11 @@ def _impactful(cache, s, place, target, T, n_demand, pf):
 @njit(cache=True, nogil=True)
 def plan(cache, s, out, layer, ids, w, st, has_state, scores, place, admit_all, pf, pf_target, budget, impact):
     """One MoE layer's plan (see the module docstring); results in ``out``, its counts in
-    ``out.cnt`` (``cnt[ERROR]`` nonzero: nothing was changed, the wrapper raises)."""
+    ``out.cnt`` (``cnt[ERROR]`` nonzero: nothing was changed, the wrapper raises).
+
+    Size: the per-layer hot path, compiled: one layer's routing and settings as plain arguments
+    (a parameter object per call costs a boxing at the boundary), the steps in the planner's
+    order in one body."""
     cnt = out.cnt
     for i in range(cnt.shape[0]):
         cnt[i] = 0
@@ -669,6 +678,9 @@ def _trampoline():
 
         @njit(nogil=True)
         def run(box, layer, ids, w, st, has_state, scores, place, admit_all, pf, pf_target, budget, impact):
+            """:func:`plan` on a planner's boxed state, then :func:`pack`.
+
+            Size: :func:`plan`'s per-call arguments."""
             plan(box.cache, box.s, box.out, layer, ids, w, st, has_state, scores, place, admit_all, pf, pf_target,
                  budget, impact)
             return pack(box.out)
@@ -795,6 +807,7 @@ def _lazy_plan_class():
         ``LayerPlan``."""
 
         def __init__(self, forward, step, phase, layer, tokens, skipped, rec, target, dec) -> None:
+            """Size: the plan's scalar fields, its record, and what decodes it (one per layer plan)."""
             d = self.__dict__
             d["forward"], d["step"], d["phase"], d["layer"], d["tokens"], d["skipped"] = (
                 forward, step, phase, layer, tokens, skipped)
@@ -897,7 +910,9 @@ class CompiledPlanner:
                    state: Any = None, scores: Any = None, prefetch: Any = None):
         """:meth:`moelab.hybrid.planner.Planner.plan_layer`, compiled: the same arguments, as lists or
         arrays (integer ids and states of any width, as the model's tensors hold them: the kernel is
-        compiled per dtype, so nothing is converted on the hot path)."""
+        compiled per dtype, so nothing is converted on the hot path).
+
+        Size: the reference's signature (positional on the per-layer hot path)."""
         p = self.planner
         if type(ids) is not np.ndarray or ids.ndim != 2 or ids.dtype.kind not in "iu":
             ids = _ints2(ids)
@@ -983,8 +998,6 @@ class CompiledPlanner:
     def _raise(self, code: int, layer: int, ids: np.ndarray, pf: np.ndarray, target: int) -> None:
         ref = self.view.reference
         if code == BAD_SCORES:
-            from moelab.caches.policies import nan_scores_message
-
             raise MoelabError(nan_scores_message(None, layer))
         if code == BAD_EXPERT:
             for e in ids.reshape(-1).tolist():
