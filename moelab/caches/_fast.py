@@ -30,6 +30,7 @@ and changes the cache in place:
 * :func:`access` — serve the keys one (forward, MoE layer) needs, in access order, under the
   cache's insertion rule, writing their hit flags: what a planner calls per layer.
 * :func:`prefetch` — insert proposed keys as speculative entries, within a budget.
+* :func:`access_admit` — :func:`access` inserting only the misses an admission filter lets in.
 * :func:`mrs_scores` — MRS's score update from a group's top-p rows (before its :func:`access`).
 * :func:`victim` — the key the next insertion into a partition would evict (read-only).
 * :func:`load` — initial contents; :func:`replay` — a whole access stream, group by group
@@ -520,9 +521,10 @@ def _store(c, k, t):
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _serve(c, k, future, stamp):
+def _serve(c, k, future, stamp, allow):
     """One demand access of key ``k`` (``future``: its next use, Belady); victims not stamped
-    ``stamp``. Returns 1 on a hit."""
+    ``stamp``; a miss is inserted only where ``allow`` (the caller's admission: a miss the hybrid
+    planner runs on the host is counted but not copied in). Returns 1 on a hit."""
     t = _tick(c)
     if c.code == BELADY:
         c.nxtk[k] = future
@@ -532,7 +534,7 @@ def _serve(c, k, future, stamp):
             c.spec[k] = 0
             c.srank[k] = 1
             c.counters[PREFETCH_HITS] += 1
-    elif _admits(c, k, True) and _make_room(c, k, stamp):
+    elif allow and _admits(c, k, True) and _make_room(c, k, stamp):
         _store(c, k, t)
     c.last[k] = t
     c.freq[k] += 1
@@ -568,24 +570,25 @@ def _load(c, keys):
 
 
 @njit(cache=True, nogil=True)
-def _access(c, keys, future, hit):
-    """:func:`access` on the pointer view ``c``."""
+def _access(c, keys, future, hit, admit):
+    """:func:`access` on the pointer view ``c`` (``admit``: :func:`access_admit`'s, or empty)."""
     stamp = _begin_batch(c, keys)
     belady = c.code == BELADY
+    admit_all = admit.shape[0] == 0  # every miss may be inserted
     n = keys.shape[0]
     nhit = 0
     if c.insertion == 0:
         for i in range(n):  # the hits first, in access order
             hit[i] = c.resident[keys[i]]
             if hit[i] != 0:
-                nhit += _serve(c, keys[i], future[i] if belady else 0, NOTHING)
+                nhit += _serve(c, keys[i], future[i] if belady else 0, NOTHING, True)
         for i in range(n):  # then every miss
             if hit[i] == 0:
-                _serve(c, keys[i], future[i] if belady else 0, NOTHING)
+                _serve(c, keys[i], future[i] if belady else 0, NOTHING, admit_all or admit[i] != 0)
         return nhit
     vstamp = NOTHING if belady else stamp
     for i in range(n):
-        hit[i] = _serve(c, keys[i], future[i] if belady else 0, vstamp)
+        hit[i] = _serve(c, keys[i], future[i] if belady else 0, vstamp, admit_all or admit[i] != 0)
         nhit += hit[i]
     return nhit
 
@@ -660,7 +663,16 @@ def access(cache, keys, future, hit):
     are served first, then every miss (the victim any cached key); under ``protect-step``
     one pass in order, a miss evicting none of ``keys`` (Belady: nothing protected).
     ``cache.journal`` then lists what was inserted and evicted."""
-    return _access(_pointers(cache), keys, future, hit)
+    return _access(_pointers(cache), keys, future, hit, np.zeros(0, dtype=np.uint8))
+
+
+@njit(cache=True, nogil=True)
+def access_admit(cache, keys, future, hit, admit):
+    """:func:`access` with an admission filter: a miss of ``keys[i]`` is inserted only where
+    ``admit[i]`` is nonzero (the reference's ``ExpertCache.access(..., admit=)``: the hybrid
+    planner admits the misses its placement fetches); a miss not admitted is still counted and
+    seen by the policy (its use time, LFU's count). An empty ``admit`` admits every miss."""
+    return _access(_pointers(cache), keys, future, hit, admit)
 
 
 @njit(cache=True, nogil=True)
@@ -688,6 +700,7 @@ def replay(cache, stream, scores, prefetches, hit):
     pf = prefetches
     cur_pass = -1
     left = pf.budget
+    every = np.zeros(0, dtype=np.uint8)
     for g in range(stream.group_layer.shape[0]):
         if pf.per_group or stream.group_pass[g] != cur_pass:
             cur_pass = stream.group_pass[g]
@@ -697,7 +710,7 @@ def replay(cache, stream, scores, prefetches, hit):
             r0, r1 = scores.row_ptr[g], scores.row_ptr[g + 1]
             _mrs_scores(c, layer, scores.p_layer[layer], scores.top_v[r0:r1], scores.top_e[r0:r1])
         a, b = stream.group_ptr[g], stream.group_ptr[g + 1]
-        _access(c, stream.keys[a:b], stream.future[a:b], hit[a:b])
+        _access(c, stream.keys[a:b], stream.future[a:b], hit[a:b], every)
         if pf.ptr[g + 1] > pf.ptr[g]:
             moved = _prefetch(c, pf.keys[pf.ptr[g] : pf.ptr[g + 1]], left)
             if left > 0:

@@ -35,9 +35,12 @@ budget, :mod:`moelab.caches.simulation`).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+import numpy as np
 
 from moelab.caches import get_policy
 from moelab.caches import make_cache as _make
@@ -49,6 +52,7 @@ from moelab.hybrid.placement import FETCH, HOST, Placement, get_placement
 from moelab.timing import get_profile
 from moelab.timing.costs import CostModel
 
+log = logging.getLogger(__name__)
 
 @dataclass
 class Transfer:
@@ -239,6 +243,19 @@ class Planner:
             cache.journal(self._evicted, self._inserted)
             self._offsets = [int(cache.key_offset_[i]) for i in range(self.num_layers)]
             self._key_pair = [cache.layer_expert(k) for k in range(cache.key_offset_[-1])]
+        # the compiled per-layer path (moelab.hybrid._compiled) where this configuration allows
+        # it and MOELAB_PLANNER does not say otherwise; it then owns the cache's state, and
+        # self.cache is its read view (the reference cache object stays as built)
+        from moelab.hybrid._compiled import choose
+
+        self.path_reason: str | None = None
+        self._compiled = choose(self)
+        self.path = "compiled" if self._compiled is not None else "reference"
+        """Which per-layer path plans: ``compiled`` or ``reference`` (:attr:`path_reason`: why not compiled)."""
+        if self._compiled is not None:
+            self.reference_cache, self.cache = cache, self._compiled.view
+            self.plan_layer = self._compiled.plan_layer  # one Python call less per layer (same signature)
+        log.debug("hybrid planner: %s path%s", self.path, f" ({self.path_reason})" if self.path_reason else "")
 
     @classmethod
     def build(cls, config: HybridConfig, *, num_experts: Sequence[int], top_k: Sequence[int],
@@ -288,6 +305,12 @@ class Planner:
         proposal) and where it sits (forward, step, phase, layer), positional on the per-layer hot path, where
         packing them into an object per call would cost a share of the planner's time.
         """
+        if self._compiled is not None:
+            return self._compiled.plan_layer(forward, step, phase, layer, ids, weights, state, scores, prefetch)
+        if isinstance(ids, np.ndarray):  # the runtime's arrays, for the compiled path: the reference takes lists
+            ids = ids.tolist()
+            weights = weights.tolist() if isinstance(weights, np.ndarray) else weights
+            state = state.tolist() if isinstance(state, np.ndarray) else state
         lp = LayerPlan(forward, step, phase, layer, len(ids))
         needed, tokens, lp.deferred, lp.skipped = slots_and_union(ids, weights, state)
         lp.accessed = needed

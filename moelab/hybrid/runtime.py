@@ -71,6 +71,15 @@ from moelab.timing.shapes import ModelShape
 log = logging.getLogger(__name__)
 
 
+def _host_array(t: torch.Tensor) -> np.ndarray:
+    """A tensor's values as numpy: its own memory for a CPU tensor outside autograd (one call),
+    else a host copy."""
+    try:
+        return t.numpy()
+    except (RuntimeError, TypeError):  # on a device, or needs grad
+        return t.numpy(force=True)
+
+
 def _as_config(config: HybridConfig | dict | str | Path | None) -> HybridConfig:
     if config is None:
         return HybridConfig()
@@ -257,8 +266,10 @@ class HybridRun:
         got = router_inputs(ctx, call)  # the real tokens' router inputs and ids, as moelab.predictors.online reads them
         if got is None:
             return
-        ctx.scratch[("hybrid-prefetch", layer.index + self.predictor.distance)] = self.predictor.predict_union(
-            layer.index, hidden=got[0], token_ids=got[1], m=self.config.prefetch.m).tolist()
+        proposal = self.predictor.predict_union(layer.index, hidden=got[0], token_ids=got[1], m=self.config.prefetch.m)
+        # the compiled planner reads the array itself; the reference, a list
+        ctx.scratch[("hybrid-prefetch", layer.index + self.predictor.distance)] = \
+            proposal if self.planner.path == "compiled" else proposal.tolist()
 
     def _on_plan(self, ctx: ForwardContext, layer, call: ExpertsCall) -> None:
         t0 = time.perf_counter_ns()
@@ -272,9 +283,12 @@ class HybridRun:
                 self.planner_samples.append(dt)
 
     def _plan_layer(self, ctx: ForwardContext, layer, call: ExpertsCall) -> None:
-        # a thin adapter: the layer's routing as Python lists for the real tokens (one host copy;
-        # a decode step has a few values, for which list code beats numpy's per-call cost), then
-        # the one planner (moelab.hybrid.planner), the same object offline planning runs
+        # a thin adapter: the layer's routing for the real tokens, then the one planner
+        # (moelab.hybrid.planner), the same object offline planning runs; as arrays for its
+        # compiled path, as Python lists for the reference (a decode step has a few values, for
+        # which list code beats numpy's per-call cost)
+        if self.planner.path == "compiled":
+            return self._plan_layer_arrays(ctx, layer, call)
         plan = call._plan
         experts = call.experts
         K = experts.shape[-1]
@@ -301,6 +315,36 @@ class HybridRun:
         self.plans.append(lp)
         ctx.scratch[("hybrid-plan", layer.index)] = lp
 
+    def _plan_layer_arrays(self, ctx: ForwardContext, layer, call: ExpertsCall) -> None:
+        """:meth:`_plan_layer` for the compiled planner: the routing as numpy arrays (copies: the
+        planner's inputs stay as they were when it planned), no Python lists; as few torch calls
+        as a decode step allows (each costs microseconds)."""
+        plan = call._plan
+        experts = call.experts
+        K = experts.shape[-1]
+        ids = _host_array(experts if experts.dim() == 2 else experts.reshape(-1, K))
+        T = ids.shape[0]
+        mask = ctx.mask_cpu  # None when every token is real
+        valid = mask.reshape(-1) if mask is not None and mask.size == T else None
+        rows = None if valid is None or valid.all() else valid
+        ids = ids.copy() if rows is None else ids[rows]
+        w = None
+        if T > 1:  # the weights order only a union of several tokens' experts
+            w = _host_array((plan.weights if plan is not None else call.weights).reshape(-1, K).float())
+            w = w.copy() if rows is None else w[rows]
+        state = None
+        if plan is not None:
+            st = plan.state
+            state = _host_array(st if st.dim() == 2 else st.reshape(-1, K))
+            state = state.copy() if rows is None else state[rows]
+        scores = self._scores(ctx, layer, valid) if self.cache.needs_scores else None
+        proposal = None
+        if self.predictor is not None:
+            proposal = ctx.scratch.pop(("hybrid-prefetch", layer.index + self.predictor.distance), None)
+        lp = self.planner.plan_layer(ctx.index, ctx.step, ctx.phase, layer.index, ids, w, state, scores, proposal)
+        self.plans.append(lp)
+        ctx.scratch[("hybrid-plan", layer.index)] = lp
+
     def _scores(self, ctx: ForwardContext, layer, valid: np.ndarray | None) -> np.ndarray | None:
         logits = ctx.scratch.pop(("hybrid-logits", layer.index), None)
         if logits is None:
@@ -313,7 +357,7 @@ class HybridRun:
             logits = logits.float()
         # few torch calls: each costs microseconds on a decode step's tiny tensors
         s = torch.softmax(logits, -1) if layer.spec.scoring == "softmax" else torch.sigmoid(logits)
-        return s.numpy(force=True)
+        return _host_array(s)
 
     # ------------------------------------------------------------------ results
     def plan_table(self):

@@ -1,0 +1,271 @@
+"""The compiled per-layer planner (moelab.hybrid._compiled) plans exactly what the Python
+planner (the reference) plans: field by field over synthetic routings (one token and several,
+deferred and dropped slots, prefetch proposals), for every cache policy a running model allows,
+both scopes, both admissions, each compiled placement, prefetch on and off; and a hybrid run
+of a bundled model gives the same plan table on either path."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+from dataclasses import asdict
+
+import pytest
+
+pytest.importorskip("numba")
+
+from moelab.errors import MoelabError  # noqa: E402
+from moelab.hybrid import _compiled  # noqa: E402
+from moelab.hybrid.config import HybridConfig  # noqa: E402
+from moelab.hybrid.planner import Planner  # noqa: E402
+from moelab.timing.shapes import get_shape  # noqa: E402
+
+L, E, K = 4, 8, 2
+
+
+def _slow_device_profile(tmp_path) -> str:
+    """pcie4-x16 with a device slower than its host: greedy-hss then steals hits for the host."""
+    import yaml
+
+    from moelab.timing.profiles import __file__ as where
+
+    data = yaml.safe_load((__import__("pathlib").Path(where).parent / "pcie4-x16.yaml").read_text())
+    data["name"] = "slow-device"
+    data["gpu_memory_bandwidth_gbs"]["value"] = 5.0
+    data["cpu_memory_bandwidth_gbs"]["value"] = 2000.0
+    data["cpu_peak_tflops"]["value"] = 200.0
+    out = tmp_path / "slow-device.yaml"
+    out.write_text(yaml.safe_dump(data))
+    return str(out)
+
+
+def _planners(monkeypatch, cfg: dict, **extra):
+    config = HybridConfig.from_dict(cfg)
+    shape = get_shape("mixtral-8x7b") if cfg.get("hardware") else None
+    kw = dict(num_experts=[E] * L, top_k=[K] * L, expert_bytes=1000, shape=shape, **extra)
+    monkeypatch.setenv(_compiled.ENV, "reference")
+    ref = Planner.build(config, **kw)
+    monkeypatch.setenv(_compiled.ENV, "compiled")
+    comp = Planner.build(config, **kw)
+    monkeypatch.delenv(_compiled.ENV)
+    assert (ref.path, comp.path) == ("reference", "compiled")
+    return ref, comp
+
+
+def _routing(rng: random.Random, tokens: int, states: bool):
+    ids, w, st = [], [], []
+    for _ in range(tokens):
+        row = rng.sample(range(E), K)
+        ids.append(row)
+        # weights from a few values: ties between tokens' experts happen
+        w.append([rng.choice([0.1, 0.25, 0.5, 0.75]) for _ in row])
+        st.append([rng.choice([0, 0, 0, 1, 2]) for _ in row] if states else [0] * K)
+    return ids, w, (st if states else None)
+
+
+def _scores(rng: random.Random, tokens: int):
+    import numpy as np
+
+    s = np.array([[rng.choice([0.0, 0.1, 0.2, 0.3, 0.5]) for _ in range(E)] for _ in range(tokens)], dtype=np.float32)
+    return s
+
+
+def _drive(ref, comp, seed: int, steps: int = 40, prefetch: bool = False) -> Counter:
+    """Plan the same random routing with both planners, comparing every plan; returns counts of
+    what the plans did (transfers by priority, stolen hits)."""
+    rng = random.Random(seed)
+    seen: Counter = Counter()
+    for f in range(steps):
+        tokens = rng.choice([1, 1, 1, 2, 3, 5])
+        for layer in range(L):
+            ids, w, st = _routing(rng, tokens, states=rng.random() < 0.5)
+            sc = _scores(rng, tokens)
+            pf = rng.sample(range(E), rng.choice([0, 1, 2, 3])) if prefetch else None
+            a = ref.plan_layer(f, f, "decode", layer, ids, w if tokens > 1 else None, st, sc, pf)
+            b = comp.plan_layer(f, f, "decode", layer, ids, w if tokens > 1 else None, st, sc, pf)
+            assert asdict(a) == asdict(b), (f, layer)
+            assert a == b
+            seen.update(t.priority for t in a.transfers)
+            seen["stolen"] += len(set(a.hits) & {e for e, _ in a.host})
+    rc, cc = ref.cache, comp.cache
+    assert (rc.hits, rc.misses, rc.evictions, rc.transfers, rc.prefetched, rc.prefetch_hits) == \
+        (cc.hits, cc.misses, cc.evictions, cc.transfers, cc.prefetched, cc.prefetch_hits)
+    assert rc.contents() == cc.contents()
+    assert rc.speculative == cc.speculative
+    assert rc.eviction_order() == cc.eviction_order()
+    return seen
+
+
+POLICIES = [("lru", {}), ("lfu", {}), ("lfu", {"reset_on_evict": True}), ("fifo", {}), ("mrs", {}),
+            ("mrs", {"alpha": 1.0, "p": 2}), ("static", {"pinned": [0, 3, 9, 12, 17, 30]}),
+            ("lru", {"insertion": "protect-step"})]
+
+
+@pytest.mark.parametrize("policy,options", POLICIES)
+@pytest.mark.parametrize("scope", ["layer", "global"])
+@pytest.mark.parametrize("admission", ["placement", "all"])
+def test_policies_scopes_admissions(monkeypatch, policy, options, scope, admission):
+    cfg = {"cache": {"capacity": 0.25 if scope == "layer" else 0.3, "policy": policy, "scope": scope,
+                     "options": options, "admission": admission},
+           "placement": "host-misses", "prefetch": {"budget": 2}}
+    ref, comp = _planners(monkeypatch, cfg)
+    _drive(ref, comp, seed=hash((policy, scope, admission)) % 1000, prefetch=True)
+
+
+@pytest.mark.parametrize("placement", ["host-misses", "fetch-misses", "greedy-hss"])
+@pytest.mark.parametrize("prefetch", [None, "order", "impact"])
+@pytest.mark.parametrize("policy", ["lru", "mrs"])
+@pytest.mark.parametrize("hardware", ["pcie4-x16", "gh200", "slow-device"])
+def test_placements_prefetch(monkeypatch, tmp_path, placement, prefetch, policy, hardware):
+    # impact-driven selection looks ahead by distance × the profile's decode layer time: a
+    # distance of 3 lets it choose several experts on a fast link
+    if hardware == "slow-device":
+        hardware = _slow_device_profile(tmp_path)
+    # a slow device fetches nothing: admission "all" fills its cache (then hits exist to steal)
+    admission = "all" if "slow-device" in hardware else "placement"
+    cfg = {"cache": {"capacity": 0.5, "policy": policy, "admission": admission}, "placement": placement,
+           "hardware": hardware,
+           "prefetch": {"select": prefetch or "order", "distance": 1 if prefetch != "impact" else 3}}
+    ref, comp = _planners(monkeypatch, cfg)
+    seen = _drive(ref, comp, seed=7, steps=60, prefetch=prefetch is not None)
+    # the cases are not vacuous: what each placement does shows up in the plans
+    if placement == "greedy-hss":  # a fast device fetches misses; a slow one gives the host hits
+        assert seen["stolen" if "slow-device" in str(hardware) else "demand"] > 0
+    if prefetch == "impact" and hardware == "gh200":
+        assert seen["prefetch"] > 0
+
+
+@pytest.mark.parametrize("budget_scope,budget", [("forward", 3), ("layer", 1), ("layer", None)])
+def test_prefetch_budgets(monkeypatch, budget_scope, budget):
+    cfg = {"cache": {"capacity": 0.25, "policy": "lru"}, "placement": "fetch-misses",
+           "prefetch": {"budget": budget, "budget_scope": budget_scope, "distance": 2}}
+    ref, comp = _planners(monkeypatch, cfg)
+    _drive(ref, comp, seed=3, prefetch=True)
+
+
+def test_warm_start(monkeypatch):
+    cfg = {"cache": {"capacity": 0.25, "policy": "lfu"}, "placement": "fetch-misses"}
+    ref, comp = _planners(monkeypatch, cfg, warm=[1, 2, 9, 10, 20, 30])
+    assert ref.cache.contents() == comp.cache.contents()
+    _drive(ref, comp, seed=11)
+
+
+def test_hand_computed_case(monkeypatch):
+    # LRU, 2 slots in layer 0, host-misses: token 0 needs 3 then 1; token 1 needs 1 then 5;
+    # union by largest weight: 1 (0.6), 3 (0.4), 5 (0.3); all misses on the host, none admitted
+    cfg = {"cache": {"capacity": 2, "policy": "lru"}, "placement": "host-misses"}
+    _, comp = _planners(monkeypatch, cfg)
+    lp = comp.plan_layer(0, 0, "decode", 0, [[3, 1], [1, 5]], [[0.4, 0.2], [0.6, 0.3]], [[0, 1], [0, 2]], None, None)
+    assert lp.accessed == [1, 3]  # 5's slot dropped
+    assert lp.deferred == [(1, 1)] and lp.skipped == 1
+    assert lp.host == [(1, 2), (3, 1)] and lp.device == [] and lp.misses == [1, 3] and lp.transfers == []
+    assert comp.cache.contents(0) == []
+    # fetch-misses: both fetched and admitted, then a hit
+    cfg["placement"] = "fetch-misses"
+    _, comp = _planners(monkeypatch, cfg)
+    comp.plan_layer(0, 0, "decode", 0, [[3, 1]], None, None, None, None)
+    lp = comp.plan_layer(1, 1, "decode", 0, [[1, 6]], None, None, None, None)
+    assert lp.hits == [1] and lp.misses == [6] and lp.evictions == [(0, 3)]
+    assert comp.cache.contents(0) == [1, 6]
+
+
+def test_unsupported_falls_back_and_forcing(monkeypatch):
+    cfg = HybridConfig.from_dict({"cache": {"capacity": 0.25}, "placement": "min-cost", "hardware": "pcie4-x16"})
+    kw = dict(num_experts=[E] * L, top_k=[K] * L, expert_bytes=1000, shape=get_shape("mixtral-8x7b"))
+    monkeypatch.delenv(_compiled.ENV, raising=False)
+    p = Planner.build(cfg, **kw)
+    assert p.path == "reference" and "min-cost" in p.path_reason
+    monkeypatch.setenv(_compiled.ENV, "compiled")
+    with pytest.raises(MoelabError, match="cannot run compiled"):
+        Planner.build(cfg, **kw)
+    monkeypatch.setenv(_compiled.ENV, "fast")
+    with pytest.raises(MoelabError, match="MOELAB_PLANNER"):
+        Planner.build(cfg, **kw)
+
+
+def test_bad_input_is_refused(monkeypatch):
+    cfg = {"cache": {"capacity": 0.25, "policy": "mrs"}, "placement": "host-misses"}
+    ref, comp = _planners(monkeypatch, cfg)
+    import numpy as np
+
+    with pytest.raises(MoelabError, match="out of range"):
+        comp.plan_layer(0, 0, "decode", 0, [[1, E]], None, None, np.zeros((1, E), np.float32), None)
+    with pytest.raises(MoelabError, match="scores"):
+        comp.plan_layer(0, 0, "decode", 0, [[1, 2]], None, None, None, None)
+    bad = np.zeros((1, E), np.float32)
+    bad[0, 3] = np.nan
+    with pytest.raises(MoelabError):
+        comp.plan_layer(0, 0, "decode", 0, [[1, 2]], None, None, bad, None)
+
+
+def test_lazy_plan_copies_as_a_layer_plan(monkeypatch):
+    import copy
+    import pickle
+
+    from moelab.hybrid.planner import LayerPlan
+
+    cfg = {"cache": {"capacity": 2, "policy": "lru"}, "placement": "fetch-misses", "prefetch": {"budget": 1}}
+    ref, comp = _planners(monkeypatch, cfg)
+    args = (0, 0, "decode", 0, [[3, 1]], None, [[0, 1]], None, [5, 6])
+    a, b = ref.plan_layer(*args), comp.plan_layer(*args)
+    # the plan outlives the planner's buffers: a second plan does not change the first
+    comp.plan_layer(1, 1, "decode", 0, [[2, 7]], None, None, None, None)
+    ref.plan_layer(1, 1, "decode", 0, [[2, 7]], None, None, None, None)
+    for x in (pickle.loads(pickle.dumps(b)), copy.deepcopy(b), b):
+        assert type(x) is LayerPlan or isinstance(x, LayerPlan)
+        assert x == a and a == x
+        assert not x != a  # noqa: SIM202 - __ne__ of the lazy plan
+        assert repr(x) == repr(a)
+    assert b.transfers[-1].priority == "prefetch" and b.deferred == [(1, 1)]
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+@pytest.mark.parametrize("model_name", ["moelab-tiny-mixtral", "moelab-tiny-qwen2moe"])
+def test_a_hybrid_run_plans_the_same_on_both_paths(monkeypatch, tmp_path, model_name, batch):
+    """The bench's full configuration (MRS cache, greedy-hss, deferral, learned prefetch where the
+    bundled predictor exists) in a running model: the compiled path's plan table, outputs and
+    cache counters equal the reference's; the reference planner, offline over the compiled run's
+    recorded trace, plans the same again."""
+    from pathlib import Path
+
+    import moelab
+    from moelab.hybrid.offline import plan_routing, routing_from_trace
+    from moelab.timing.shapes import ModelShape
+
+    model, tok = moelab.load(model_name)
+    layers = moelab.moe_layers(model)
+    k = min(ly.top_k for ly in layers)
+    cfg = {"cache": {"capacity": 0.25, "policy": "mrs"}, "placement": "greedy-hss", "hardware": "pcie4-x16",
+           "routing": {"deferred": 1 if k <= 2 else 2, "min_immediate": 1}}
+    pred = Path(__file__).resolve().parent.parent / "predictors" / model_name / "learned-d1"
+    if pred.is_dir():
+        cfg["prefetch"] = {"predictor": str(pred), "distance": 1}
+    prompts = ["Question: Tom has 3 apples and 4 more?\nAnswer:", "Question: 7 + 8 =?\nAnswer:",
+               "Question: 12 - 5?\nAnswer:"]
+    got = {}
+    for path in ("reference", "compiled"):
+        monkeypatch.setenv(_compiled.ENV, path)
+        seqs = []
+        with (moelab.record(model, tmp_path / path, hidden_states=True, hidden_dtype="float32") as rec,
+              moelab.hybrid(model, cfg) as run):
+            assert run.planner.path == path
+            for i in range(0, 3, batch):
+                enc = tok(prompts[i:i + batch], return_tensors="pt", padding=True, padding_side="left")
+                seqs.append(model.generate(**enc, max_new_tokens=6, do_sample=False,
+                                           pad_token_id=tok.pad_token_id).tolist())
+        c = run.cache
+        got[path] = (run.plan_table(), seqs, (c.hits, c.misses, c.evictions, c.transfers, c.prefetched),
+                     c.contents(), rec.trace, run)
+    ref, comp = got["reference"], got["compiled"]
+    assert ref[0].equals(comp[0]) and len(ref[0]) > 0
+    assert ref[1:4] == comp[1:4]
+    assert any(d for d in comp[0]["deferred"])
+    if model_name == "moelab-tiny-mixtral":  # (impact-driven selection prefetches nothing for qwen2moe here)
+        assert any(t[3] == "prefetch" for ts in comp[0]["transfers"] for t in ts)
+    # the reference planner offline over the compiled run's trace
+    monkeypatch.setenv(_compiled.ENV, "reference")
+    run = comp[5]
+    offline = plan_routing(routing_from_trace(comp[4]), cfg, expert_bytes=run.expert_bytes,
+                           num_experts=[ly.num_experts for ly in layers], top_k=[ly.top_k for ly in layers],
+                           shape=ModelShape.from_model(model))
+    assert [asdict(p) for p in offline] == [asdict(p) for p in run.plans]
