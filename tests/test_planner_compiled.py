@@ -183,6 +183,25 @@ def test_unsupported_falls_back_and_forcing(monkeypatch):
         Planner.build(cfg, **kw)
 
 
+def test_the_config_chooses_the_path_and_auto_compiles_only_the_real_executors(monkeypatch):
+    kw = dict(num_experts=[E] * L, top_k=[K] * L, expert_bytes=1000)
+    monkeypatch.delenv(_compiled.ENV, raising=False)
+
+    def path(**cfg):
+        p = Planner.build(HybridConfig.from_dict({"cache": {"capacity": 0.25}, **cfg}), **kw)
+        return p.path, p.path_reason
+
+    got, why = path()  # functional executor, planner: auto
+    assert got == "reference" and "planner: auto" in why and "functional" in why
+    assert path(executor="real", device="cpu") == ("compiled", None)
+    assert path(planner="compiled") == ("compiled", None)
+    assert path(executor="real", device="cpu", planner="reference") == ("reference", "planner: reference")
+    monkeypatch.setenv(_compiled.ENV, "compiled")  # the environment overrides the config
+    assert path(planner="reference")[0] == "compiled"
+    with pytest.raises(MoelabError, match="planner 'compild'.*'compiled'"):
+        HybridConfig.from_dict({"planner": "compild"})
+
+
 def test_bad_input_is_refused(monkeypatch):
     cfg = {"cache": {"capacity": 0.25, "policy": "mrs"}, "placement": "host-misses"}
     ref, comp = _planners(monkeypatch, cfg)

@@ -1008,19 +1008,35 @@ class CompiledPlanner:
         raise MoelabError(f"MoE layer {layer}: routing out of range for the compiled planner.")  # pragma: no cover
 
 
+#: Executors whose runs the compiled path is chosen for under ``planner: auto``.
+AUTO_EXECUTORS = ("real", "cuda")
+
+
 def choose(planner: Any) -> CompiledPlanner | None:
-    """The compiled path of ``planner``, or None (the reference), by ``planner.config``'s
-    support and :data:`ENV` (``reference`` / ``compiled`` / unset: automatic)."""
+    """The compiled path of ``planner``, or None (the reference): :data:`ENV` if set, else
+    ``planner.config.planner`` (``auto``: compiled for the real and CUDA executors where the
+    configuration allows it; :class:`~moelab.hybrid.config.HybridConfig`)."""
     forced = os.environ.get(ENV, "").strip().lower()
     if forced not in ("", "auto", "reference", "compiled"):
         raise MoelabError(f"{ENV}={forced!r}: expected reference, compiled or auto (or unset).")
-    why = unsupported(planner)
-    if forced == "reference" or (why is not None and forced != "compiled"):
-        planner.path_reason = f"{ENV}=reference" if forced == "reference" else why
+    config = getattr(planner, "config", None)
+    mode = forced or getattr(config, "planner", "auto")
+    source = f"{ENV}={forced}" if forced else f"planner: {mode}"
+    if mode == "reference":
+        planner.path_reason = source
         return None
-    if why is not None:
-        raise MoelabError(f"{ENV}=compiled, but this configuration cannot run compiled: {why}; unset {ENV} "
-                          "(or set it to reference).")
+    why = unsupported(planner)
+    if mode == "auto":
+        executor = getattr(config, "executor", "functional")
+        if why is None and executor not in AUTO_EXECUTORS:
+            why = (f"planner: auto plans the {executor} executor and offline planning with the reference (a "
+                   "process's first compiled plan compiles for seconds); set planner: compiled to use it")
+        if why is not None:
+            planner.path_reason = why
+            return None
+    elif why is not None:
+        raise MoelabError(f"{source}, but this configuration cannot run compiled: {why}; use planner: auto or "
+                          "reference.")
     return CompiledPlanner(planner)
 
 

@@ -2,11 +2,12 @@
 
 Three measurements, printed as tables:
 
-1. **Planner cost** on the bundled models (batch 1 decode, Python): time spent in the
-   planner's handlers (the tensors-to-lists adapter, routing slots, cache access, placement,
-   prefetch issue) per MoE layer and decode step — the median of every layer plan, with the
-   caches' fast paths and, alternating in the same run, with their plain reference
-   definitions — with an MRS cache at 25 %, a learned-predictor prefetch (the bundled
+1. **Planner cost** on the bundled models (batch 1 decode): time spent in the planner's
+   handlers (the tensors-to-arrays adapter, routing slots, cache access, placement, prefetch
+   issue) per MoE layer and decode step — the median of every layer plan, with the compiled
+   planner (``planner: compiled``, :mod:`moelab.hybrid._compiled`) and, alternating in the same
+   run, the Python reference planner on the caches' plain reference definitions — with an MRS
+   cache at 25 %, a learned-predictor prefetch (the bundled
    ``learned-d1`` predictor when present) and deferral on; the predictor's own inference
    is reported beside it. Target ≤ 30 µs per layer.
 2. **Functional executor with nothing enabled** (no cache, no routing change, no
@@ -75,7 +76,7 @@ def planner_cost(model_name: str, steps: int = 64, repeats: int = 3) -> dict[str
         for _ in range(repeats):
             for fast in (True, False):
                 ExpertCache.fast = fast
-                run = HybridRun(model, cfg)
+                run = HybridRun(model, {**cfg, "planner": "compiled" if fast else "reference"})
                 calls: list[tuple] = []
                 with run:
                     _record_calls(run.planner, calls)
@@ -89,6 +90,7 @@ def planner_cost(model_name: str, steps: int = 64, repeats: int = 3) -> dict[str
                     timing[fast][key] = timing[fast].get(key, 0) + v
                 if fast:
                     replay += _replay(run, calls)
+                    path = run.planner.path
     finally:
         ExpertCache.fast = True
     med = {f: statistics.median(samples[f]) / 1e3 for f in (True, False)}
@@ -100,7 +102,7 @@ def planner_cost(model_name: str, steps: int = 64, repeats: int = 3) -> dict[str
         "planner_mean_us": timing[True]["planner_ns"] / n / 1e3,
         "planner_alone_us": statistics.median(replay) / 1e3,
         "predictor_us_per_layer": timing[True]["predictor_ns"] / n / 1e3,
-        "plans": len(samples[True]),
+        "plans": len(samples[True]), "path": path,
     }
 
 
@@ -328,11 +330,12 @@ def run(models, layers: int, steps: int, realistic: bool, allow_busy: bool = Fal
 
 def _planner_tables(out, models, flagged: list) -> None:  # pragma: no cover - prints
     out("planner cost (batch 1 decode; MRS 25 %, greedy-hss, deferral, learned-d1 prefetch when bundled;")
-    out("median per MoE layer and decode step; caches' fast paths vs their reference definitions, same run):")
+    out("median per MoE layer and decode step; the compiled planner vs the Python reference planner on the caches'")
+    out("reference definitions, alternating in one run):")
     for m in models:
         r = planner_cost(m)
         flagged.append(r["measurement"])
-        out(f"  {m}: planner {r['planner_us_per_layer']:.1f} µs [{_stat(r['measurement'])}] (reference caches "
+        out(f"  {m}: planner ({r['path']}) {r['planner_us_per_layer']:.1f} µs [{_stat(r['measurement'])}] (reference "
             f"{r['planner_us_reference']:.1f} µs, x{r['planner_us_reference'] / r['planner_us_per_layer']:.2f}; "
             f"mean {r['planner_mean_us']:.1f} µs; the planner alone, replayed outside the model: "
             f"{r['planner_alone_us']:.1f} µs), predictor {r['predictor_us_per_layer']:.1f} µs "

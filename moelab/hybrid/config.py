@@ -23,6 +23,8 @@ from moelab.hybrid.executors import available_executors
 from moelab.timing import available_profiles
 
 DEVICES = ("auto", "cpu", "cuda")
+#: ``HybridConfig.planner`` values.
+PLANNERS = ("auto", "compiled", "reference")
 #: ``cache.admission`` values (see :class:`CacheConfig`).
 ADMISSIONS = ("placement", "all")
 #: ``cache.warm`` values (see :class:`CacheConfig`).
@@ -128,6 +130,13 @@ class HybridConfig:
     hardware: str | None = None
     """Hardware profile (a name of ``moelab.timing.available_profiles()`` or a profile YAML
     file), for placements that need a cost model."""
+    planner: str = "auto"
+    """Which per-layer planner plans (:mod:`moelab.hybrid._compiled`; both plan identically):
+    ``compiled`` (numba, where the configuration allows it, else an error), ``reference`` (the
+    Python planner), or ``auto``: compiled for the ``real`` and ``cuda`` executors, whose per-layer
+    speed is what it is for, where the configuration allows it; the reference for the functional
+    and simulated executors and offline planning, where a process's first compiled plan (its
+    compilation, seconds) would outweigh what it saves. ``$MOELAB_PLANNER`` overrides it."""
 
     def __post_init__(self) -> None:
         names = available_executors()
@@ -138,6 +147,9 @@ class HybridConfig:
             )
         if self.device not in DEVICES:
             raise MoelabError(f"device {self.device!r}: expected one of {', '.join(DEVICES)}.")
+        if self.planner not in PLANNERS:
+            raise MoelabError(f"planner {self.planner!r}: expected one of {', '.join(PLANNERS)}."
+                              f"{did_you_mean(str(self.planner), PLANNERS)}")
         if self.executor == "cuda" and self.device == "cpu":
             raise MoelabError("executor 'cuda' runs its device lane on a GPU, but device is 'cpu'; use executor: "
                               "real with device: cpu (a CPU worker stands in for the device), or device: auto.")
