@@ -45,7 +45,8 @@ if [ -z "${SKIP_TESTS:-}" ]; then   # SKIP_TESTS=1: only the bench
 echo "== tests" | tee "$OUT/pytest.txt"
 timeout 300 $PY -m pytest -q -rs -p no:cacheprovider -n 4 tests/test_hybrid_cuda.py tests/test_hybrid.py \
     "tests/test_backends.py::test_torch_backends_run_on_cuda_and_the_kernels_refuse_it" \
-    tests/test_predictors_protocol.py -k "cuda or hybrid" \
+    tests/test_predictors_protocol.py tests/test_simulate_prefill.py \
+    -k "cuda or hybrid" \
     --deselect tests/test_hybrid.py::test_eval_under_a_hybrid_config_scores_what_the_policy_scores_and_records_the_config \
     2>&1 | tee -a "$OUT/pytest.txt"   # (that one needs lm-eval)
 rc=${PIPESTATUS[0]}

@@ -377,3 +377,36 @@ def test_mla_prefill_flops_are_the_up_projected_form():
     assert step == 2 * s.num_heads * (s.qk_nope_head_dim + s.qk_rope_head_dim + s.v_head_dim)
     dec = s.attention_flops(2, 1, layer=0) - s.attention_flops(1, 1, layer=0)  # decode: the absorbed form
     assert dec == 2 * s.num_heads * (2 * s.kv_lora_rank + s.qk_rope_head_dim)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(),
+                    reason="needs a CUDA GPU (stream-loading on CUDA streams and events); none here")
+@pytest.mark.parametrize("R", [1, 2, 8])
+def test_cuda_slp_layer_equals_the_cpu_stand_in_and_keeps_the_ring_order(R):
+    import torch
+
+    from moelab.adapters import moe_layers
+    from moelab.hybrid.slp import slp_layer, slp_layer_cuda
+    from moelab.loading import load
+
+    model, _ = load("moelab-tiny-mixtral")
+    layer = moe_layers(model)[1]
+    torch.manual_seed(R)
+    hidden = torch.randn(29, model.config.hidden_size, dtype=layer.experts.down_proj.dtype)
+    want, _ = slp_layer(layer, hidden, ring_slots=R)
+    layer.router.cuda()  # the dense module on the GPU; the experts stay in host memory
+    out, log = slp_layer_cuda(layer, hidden.cuda(), ring_slots=R)
+    assert layer.experts.down_proj.device.type == "cpu"
+    torch.testing.assert_close(out.cpu(), want, rtol=1e-5, atol=1e-6)
+    ev = log.table().to_pandas()
+    E = layer.num_experts
+    copy = ev[ev["lane"] == "copy"].set_index("expert")
+    dev = ev[ev["lane"] == "device"].set_index("expert")
+    assert len(copy) == len(dev) == E and dev["tokens"].sum() == 29 * layer.top_k
+    for j in range(E):
+        assert dev.at[j, "t_start_us"] >= copy.at[j, "t_end_us"] - 1  # ON (1 µs: two streams' clocks)
+        if j >= R:
+            assert copy.at[j, "t_start_us"] >= dev.at[j - R, "t_end_us"] - 1  # OFF frees the slot
+    with pytest.raises(MoelabError, match="CUDA"):
+        slp_layer_cuda(layer, hidden, ring_slots=R)

@@ -21,7 +21,14 @@ Events (:class:`~moelab.hybrid.events.EventLog`, the one schema) use the lanes a
 simulated schedule (:mod:`moelab.simulate.prefill_events`): ``copy`` / ``device`` / ``unloader``
 and one ``slot{i}`` lane per ring slot, so a timeline draws real and simulated side by side.
 Only the routed experts stream here; the dense module (attention, router, shared experts) is the
-caller's. On CUDA the same structure runs with CUDA streams and events — not built here.
+caller's.
+
+**On CUDA** (:func:`slp_layer_cuda`: hidden states on the GPU, the experts' stacks in host memory)
+the same ring runs on two CUDA streams with one CUDA event pair per module, and no host thread
+waits: the copy stream waits on ``OFF[j − R]`` before it copies expert ``j`` from pinned host
+memory into slot ``j mod R`` and records ``ON[j]``; the compute stream waits on ``ON[j]``, runs the
+expert and records ``OFF[j]`` (the unloader's release *is* that wait: freeing a slot needs no
+write-back). Timing events on both streams become the same events as above.
 """
 
 from __future__ import annotations
@@ -148,4 +155,99 @@ def slp_layer(layer: Any, hidden: torch.Tensor, *, ring_slots: int = 2, log: Eve
     return out.reshape(hidden.shape), log
 
 
-__all__ = ["slp_layer"]
+_PINNED: Any = None
+
+
+def _pinned_stacks(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Pinned host copies of ``module``'s expert stacks (made once per module and weight version)."""
+    import weakref
+
+    global _PINNED
+    if _PINNED is None:
+        _PINNED = weakref.WeakKeyDictionary()
+    key = tuple((n, t.data_ptr(), t._version) for n in _Ring.STACKS
+                if isinstance(t := getattr(module, n, None), torch.Tensor))
+    hit = _PINNED.get(module)
+    if hit is None or hit[0] != key:
+        stacks = {n: getattr(module, n).detach().cpu().pin_memory() for n, *_ in key}
+        _PINNED[module] = hit = (key, stacks)
+    return hit[1]
+
+
+def slp_layer_cuda(layer: Any, hidden: torch.Tensor, *, ring_slots: int = 2, log: EventLog | None = None,
+                   step: int = 0) -> tuple[torch.Tensor, EventLog]:
+    """:func:`slp_layer` on a GPU (module docstring, "On CUDA"): ``hidden`` and the layer's router on
+    CUDA, its experts' stacks in host memory; every expert streams host → GPU through a ring of
+    ``ring_slots`` slots on a copy stream while the compute stream runs the ones already loaded."""
+    if not torch.cuda.is_available() or hidden.device.type != "cuda":
+        raise MoelabError(f"slp_layer_cuda needs hidden states on a CUDA GPU (got {hidden.device}); use slp_layer for "
+                          "the CPU stand-in.")
+    E = int(layer.num_experts)
+    if isinstance(ring_slots, bool) or int(ring_slots) < 1:
+        raise MoelabError(f"ring_slots {ring_slots!r}: expected an integer ≥ 1 (at most {E} are used).")
+    R = min(int(ring_slots), E)
+    device = hidden.device
+    h = hidden.reshape(-1, hidden.shape[-1])
+    log = log or EventLog("slp")
+    host = _pinned_stacks(layer.experts)
+    ring = _Ring(layer.experts, R)
+    ring._bufs = {n: torch.empty((R, *t.shape[1:]), dtype=t.dtype, device=device) for n, t in host.items()}
+    ring.bytes_per_expert = sum(b[0].numel() * b.element_size() for b in ring._bufs.values())
+    compute = torch.cuda.current_stream(device)
+    copy = torch.cuda.Stream(device)
+    on = [torch.cuda.Event() for _ in range(E)]
+    off = [torch.cuda.Event() for _ in range(E)]
+    timed = []  # (lane, kind, expert, start event, end event, tokens, cause)
+
+    def stamp(stream: torch.cuda.Stream) -> torch.cuda.Event:
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record(stream)
+        return ev
+
+    with torch.no_grad():
+        routing = layer.route(h)
+        weights = routing.weights
+        # each expert's (slot, token) pairs on the host first, once: a data-dependent size read inside
+        # the loop would make the host wait for the compute stream and stop the loader running ahead
+        index = routing.experts.cpu()
+        pairs = []
+        for j in range(E):
+            slot_idx, tok = torch.where((index == j).T)  # slot-major, as the eager forward orders them
+            pairs.append((slot_idx.to(device), tok.to(device), int(tok.numel())))
+        out = torch.zeros_like(h)
+        base = stamp(compute)
+        base.synchronize()
+        t_base = log.now_us()
+        for j in range(E):  # enqueue only: the streams and events order the work
+            s = j % R
+            with torch.cuda.stream(copy):
+                if j >= R:
+                    copy.wait_event(off[j - R])  # the slot is free once expert j - R computed
+                a = stamp(copy)
+                for n, buf in ring._bufs.items():
+                    buf[s].copy_(host[n][j], non_blocking=True)
+                b = stamp(copy)
+                on[j].record(copy)
+            timed.append(("copy", "transfer-prefetch", j, a, b, 0, "stream"))
+            compute.wait_event(on[j])
+            a = stamp(compute)
+            slot_idx, tok, n = pairs[j]
+            if n:
+                y = expert_forward(ring, s, h[tok]) * weights[tok, slot_idx, None]
+                out.index_add_(0, tok, y.to(out.dtype))
+            b = stamp(compute)
+            off[j].record(compute)
+            timed.append(("device", "expert-device", j, a, b, n, "stream"))
+        torch.cuda.synchronize(device)
+    for lane, kind, j, a, b, tokens, cause in timed:
+        t0, t1 = t_base + base.elapsed_time(a) * 1e3, t_base + base.elapsed_time(b) * 1e3
+        log.add(step, layer.index, lane, kind, t0, t1, expert=j, tokens=tokens, nbytes=ring.bytes_per_expert,
+                cause=cause)
+        log.add(step, layer.index, f"slot{j % R}", "slot", t0, t1, expert=j, tokens=tokens,
+                cause="loading" if lane == "copy" else "computing")
+        if lane == "device":
+            log.add(step, layer.index, "unloader", "release", t1, t1, expert=j, cause="ring")
+    return out.reshape(hidden.shape), log
+
+
+__all__ = ["slp_layer", "slp_layer_cuda"]
