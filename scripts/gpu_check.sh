@@ -9,7 +9,8 @@
 # DeepSeek-V2-Lite MoE shapes). Exit status: non-zero when a test failed. About 3-4 minutes.
 # STEPS=N decode steps per bench point (8); HOST_BACKEND=moelab_bf16 times the native host kernels
 # (built on first use); DEVICE_BACKEND=batched_mm the GPU side with transformers' batched_mm;
-# SKIP_TESTS=1 runs only the bench.
+# SKIP_TESTS=1 runs only the bench. The bench also prints the simulator's prediction of each point's plans on
+# PROFILE (default h100-pcie5-ddr5) and plain transformers on the GPU (eager, batched_mm, grouped_mm experts).
 set -uo pipefail
 OUT="${OUT:-${1:-gpu_check_out}}"
 mkdir -p "$OUT"
@@ -54,7 +55,7 @@ fi
 
 echo "== bench (real executor, CUDA lanes; DeepSeek-V2-Lite MoE shapes x 3 layers, bf16, host-misses)" \
     | tee "$OUT/bench.txt"
-timeout 150 $PY - <<'PYEOF' 2>&1 | tee -a "$OUT/bench.txt"
+timeout 240 $PY - <<'PYEOF' 2>&1 | tee -a "$OUT/bench.txt"
 import json, os, time
 import torch
 from moelab.forward.bench import decode_loop
@@ -83,9 +84,58 @@ for cap, d in [(0.0, 0), (0.0, 2), (0.25, 0), (0.25, 2), (0.5, 0), (0.5, 2), (1.
     rows.append(r)
     print(f"{cap:>8.2f}  {d:>8d}  {r['step_ms']:7.1f}  {r.get('busy_device', 0):5.0f}/{r.get('busy_host', 0):4.0f}/"
           f"{r.get('busy_copy', 0):4.0f}/{r.get('busy_control', 0):4.0f}  {r['overlap_pct']:9.0f}")
+    try:  # the simulator's prediction of the same plans on the spec-sheet profile of such a box
+        from moelab.simulate.executor import simulate_plans
+        from moelab.timing.shapes import ModelShape
+        sim = simulate_plans(list(run.plans), ModelShape.from_model(model, name="v2-lite-shaped"),
+                             os.environ.get("PROFILE", "h100-pcie5-ddr5"), context=8).summary()
+        r["simulated_step_ms"] = sim["decode_step_us"] / 1e3
+        print(f"          simulated on {os.environ.get('PROFILE', 'h100-pcie5-ddr5')}: {r['simulated_step_ms']:.1f} ms")
+    except Exception as e:  # noqa: BLE001 - a check script: report and go on
+        print("          simulation failed:", type(e).__name__, e)
+
+# plain transformers on the GPU, every expert resident: the fastest of its experts implementations
+import time as _t
+from transformers import DynamicCache
+from moelab.compat import cache_kwargs, output_cache
+
+def gpu_decode(m, ids, n):
+    cache = DynamicCache(config=m.config)
+    out = m(input_ids=ids, **cache_kwargs(cache, m), use_cache=True)
+    nxt = out.logits[:, -1:].argmax(-1)
+    torch.cuda.synchronize()
+    t0 = _t.perf_counter()
+    for _ in range(n):
+        out = m(input_ids=nxt, **cache_kwargs(output_cache(out), m), use_cache=True)
+        nxt = out.logits[:, -1:].argmax(-1)
+    torch.cuda.synchronize()
+    return (_t.perf_counter() - t0) / n
+
+plain = {}
+try:
+    gpu_model = realistic_model(3).cuda()
+    for impl in ("eager", "batched_mm", "grouped_mm"):
+        try:
+            gpu_model.set_experts_implementation(impl)
+            gpu_decode(gpu_model, ids.cuda(), 2)
+            times = sorted(gpu_decode(gpu_model, ids.cuda(), steps) for _ in range(7))
+            plain[impl] = times[3] * 1e3
+            print(f"plain transformers on the GPU, {impl} experts: {plain[impl]:.2f} ms per step (median of 7)")
+        except Exception as e:  # noqa: BLE001
+            print(f"plain transformers, {impl}: failed: {type(e).__name__}: {e}")
+    del gpu_model
+    torch.cuda.empty_cache()
+except Exception as e:  # noqa: BLE001
+    print("plain transformers on the GPU failed:", type(e).__name__, e)
+if plain:
+    best = min(plain.values())
+    full = [r for r in rows if r["capacity"] == 1.0]
+    if full:
+        print(f"capacity 1.0 vs the best plain ({min(plain, key=plain.get)}): {full[0]['step_ms'] / best:.2f}x "
+              "(target: no slower)")
 json.dump({"host_backend": hb, "device_backend": db, "steps": steps, "torch": torch.__version__,
-           "gpu": torch.cuda.get_device_name(0), "rows": rows}, open(os.path.join(os.environ["OUT"], "bench.json"), "w"),
-          indent=2)
+           "gpu": torch.cuda.get_device_name(0), "rows": rows, "plain_ms": plain},
+          open(os.path.join(os.environ["OUT"], "bench.json"), "w"), indent=2)
 PYEOF
 brc=${PIPESTATUS[0]}
 echo "tests exit $rc, bench exit $brc" | tee -a "$OUT/bench.txt"
