@@ -182,7 +182,7 @@ def check_structure(model: Any) -> list[bool]:
             moe.append(False)
             continue
         if not hasattr(mlp, "gate") or not hasattr(experts, "down_proj") or not hasattr(experts, "gate_up_proj") \
-                or getattr(experts, "down_proj").dim() != 3 or not getattr(experts, "has_gate", True):
+                or experts.down_proj.dim() != 3 or not getattr(experts, "has_gate", True):
             raise MoelabError(f"layer {i}'s MoE block ({type(mlp).__name__}) is not a router `gate` with gated "
                               "`experts` (gate_up_proj, down_proj as 3-D stacks, transformers 5's layout); the "
                               "module-batched decoder refuses it.")

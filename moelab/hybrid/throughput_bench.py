@@ -33,7 +33,12 @@ import torch
 
 from moelab.errors import MoelabError
 from moelab.hybrid.events import EventLog
-from moelab.hybrid.throughput import ModuleBatchedDecoder, plain_generate, real_config, simulated_step
+from moelab.hybrid.throughput import (
+    ModuleBatchedDecoder,
+    plain_generate,
+    real_config,
+    simulated_step,
+)
 from moelab.measure import Measurement, from_samples, machine_load
 
 log = logging.getLogger(__name__)
