@@ -142,7 +142,8 @@ def test_bench_function_runs_on_a_tiny_model():
         assert x["ratio"] == pytest.approx(x["tokens_per_s"] / x["sim_tokens_per_s"])
         assert x["tokens_per_s"] == pytest.approx(4 * 2 / x["measurement"].median)
         assert x["real_ms"]["experts"] > 0 and x["real_ms"]["shared-experts"] == 0  # mixtral: no shared experts
-        assert set(x["sim_ms"]) == set(MODULES)
+        assert set(x["sim_ms"]) == set(MODULES) | {"expert_chunks"}
+        assert x["real_ms"]["expert_chunks"] > 0
     assert "moelab-tiny-mixtral" in format_result(r)
     json.dumps(to_json(r))
     with pytest.raises(MoelabError, match="v2-lite:N"):

@@ -80,29 +80,37 @@ def _prompts(model, batch: int, prompt: int) -> torch.Tensor:
 
 
 def real_breakdown(events: EventLog, steps: int) -> dict[str, float]:
-    """ms per decode step spent in each module (:data:`MODULES`), summed from the events' spans."""
+    """ms per decode step spent in each module (:data:`MODULES`), summed from the events' spans, and
+    ``expert_chunks``: routed-expert chunks per step."""
     out = dict.fromkeys(MODULES, 0.0)
+    chunks = 0
     for e in events.events:
         mod = _CAUSE_MODULE.get(e.cause.split("[", 1)[0])
         if mod:
             out[mod] += (e.t_end_us - e.t_start_us) / 1e3
-    return {k: v / max(steps, 1) for k, v in out.items()}
+        chunks += e.kind == "expert-device"
+    out = {k: v / max(steps, 1) for k, v in out.items()}
+    out["expert_chunks"] = chunks / max(steps, 1)
+    return out
 
 
 def sim_breakdown(model_shape, profile, cfg) -> dict[str, float]:
-    """ms per step of each module's jobs in the simulated step (copy jobs cost 0 here)."""
+    """ms per step of each module's jobs in the simulated step (copy jobs cost 0 here), and
+    ``expert_chunks``: routed-expert chunks per step (uniform routing)."""
     from moelab.hybrid.throughput import _in_place_costs
     from moelab.simulate.moegen import LayerCosts, step_jobs
     from moelab.timing.costs import CostModel
 
     lc = _in_place_costs()(LayerCosts(CostModel.of(model_shape, profile)))
     out = dict.fromkeys(MODULES, 0.0)
+    out["expert_chunks"] = 0.0
     for j in step_jobs(lc, cfg):
         if j.engine != "gpu":
             continue
         mod = j.fields.get("module")
-        if mod in out:
+        if mod in MODULES:
             out[mod] += j.cost_us / 1e3
+        out["expert_chunks"] += mod == "experts"
     return out
 
 
@@ -223,11 +231,12 @@ def format_result(result: dict[str, Any]) -> str:
                      f"{r['ratio']:5.2f}{'' if ok else '!'}  {r['plain_tokens_per_s']:11.1f}")
     lines.append("per-module ms per decode step, measured (last repeat's events) / simulated:")
     lines.append(f"  {'model':28} {'B':>3} {'b_a':>3} {'b_e':>3}  " + "  ".join(f"{m:>15}" for m in MODULES)
-                 + f"  {'step':>15}")
+                 + f"  {'step':>15}  {'expert chunks':>13}")
     for r in result["rows"]:
         cells = "  ".join(f"{r['real_ms'][m]:7.2f}/{r['sim_ms'][m]:<7.2f}" for m in MODULES)
         lines.append(f"  {r['model'][:28]:28} {r['batch']:>3} {r['micro_batch']:>3} {r['expert_batch']:>3}  {cells}"
-                     f"  {r['real_step_ms']:7.2f}/{r['sim_step_ms']:<7.2f}")
+                     f"  {r['real_step_ms']:7.2f}/{r['sim_step_ms']:<7.2f}  "
+                     f"{r['real_ms']['expert_chunks']:6.0f}/{r['sim_ms']['expert_chunks']:<6.0f}")
     return "\n".join(lines)
 
 
