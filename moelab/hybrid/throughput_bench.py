@@ -115,15 +115,15 @@ def sim_breakdown(model_shape, profile, cfg) -> dict[str, float]:
 
 
 def measure_point(model, ids: torch.Tensor, micro_batch: int, expert_batch: int, steps: int,
-                  repeats: int) -> tuple[Measurement, EventLog]:
+                  repeats: int, label: str = "model") -> tuple[Measurement, EventLog]:
     """Decode seconds of ``repeats`` module-batched runs after one warm-up (median, spread, load), and
-    the last repeat's events."""
+    the last repeat's events (run ``moegen-real LABEL B.. b_a.. b_e..``)."""
     load_before = machine_load()
     ModuleBatchedDecoder(model, micro_batch, expert_batch).generate(ids, min(steps, 2), keep_logits=False)
     samples, last = [], None
     for _ in range(repeats):
         dec = ModuleBatchedDecoder(model, micro_batch, expert_batch,
-                                   run=f"moegen-real B{ids.shape[0]} b_a{micro_batch} b_e{expert_batch}")
+                                   run=f"moegen-real {label} B{ids.shape[0]} b_a{micro_batch} b_e{expert_batch}")
         g = dec.generate(ids, steps, keep_logits=False)
         samples.append(g.decode_s)
         last = dec.log
@@ -190,7 +190,7 @@ def run_bench(models: Sequence[str] = DEFAULT_MODELS, *, batches: Sequence[int] 
                 for be in sorted(set(expert_batches)):
                     if progress:
                         progress(f"{label}: B {B}, b_a {ba}, b_e {be} ...")
-                    m, events = measure_point(model, ids, ba, be, steps, repeats)
+                    m, events = measure_point(model, ids, ba, be, steps, repeats, label)
                     st, mem = simulated_step(shape, prof, B, ba, be, prompt, steps)
                     cfg = real_config(shape, B, ba, be, prompt, steps)
                     tps = B * steps / m.median
