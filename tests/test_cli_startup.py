@@ -62,6 +62,10 @@ def test_bench_cli_defaults_match_the_benchmark():
     assert cli_bench.DTYPES == bench.DTYPES
     assert cli_bench.BASELINES == bench.BASELINES
 
+    from moelab.hybrid import throughput_bench
+
+    assert cli_bench.THROUGHPUT_MODELS == throughput_bench.DEFAULT_MODELS
+
 
 def test_policies_package_exports_resolve():
     import moelab.policies as policies

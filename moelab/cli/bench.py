@@ -13,10 +13,12 @@ DEFAULT_TOKENS: tuple[int, ...] = (1, 4, 16, 64, 256)
 DEFAULT_DTYPES: tuple[str, ...] = ("bf16", "int8", "int4", "fp8")
 DTYPES: tuple[str, ...] = ("fp32", "bf16", "int8", "int4", "fp8")
 BASELINES: tuple[str, ...] = ("eager", "batched_mm", "grouped_mm")
+# a copy of moelab.hybrid.throughput_bench.DEFAULT_MODELS (importing it loads torch)
+THROUGHPUT_MODELS: tuple[str, ...] = ("moelab-tiny-mixtral", "v2-lite:2")
 
 
 def register(subparsers) -> None:
-    p = subparsers.add_parser("bench", help="benchmarks (kernels, hybrid, timeline, simulate)", description="Benchmarks on this machine.")
+    p = subparsers.add_parser("bench", help="benchmarks (kernels, hybrid, timeline, simulate, throughput)", description="Benchmarks on this machine.")
     sub = p.add_subparsers(dest="bench_command", metavar="BENCHMARK")
     k = sub.add_parser(
         "kernels",
@@ -98,7 +100,64 @@ def register(subparsers) -> None:
     sm.add_argument("--allow-busy", action="store_true",
                    help="print figures measured on a busy machine (flagged) instead of refusing them")
     sm.set_defaults(func=run_simulate)
+    tp = sub.add_parser(
+        "throughput",
+        help="MoE-Gen's module-batched decode measured vs its simulation on this machine",
+        description="Run MoE-Gen's throughput schedule for real (moelab.hybrid.throughput: attention in micro-batches "
+        "of b_a sequences, the experts one after the other over all B tokens in b_e-row chunks; a CPU worker is the "
+        "device, so no KV or weight copies are made) for a small grid of B, b_a, b_e, and print measured tokens/s "
+        "(median of --repeats, spread, load) beside the simulated tokens/s of the same configuration on a calibrated "
+        "profile of this machine (ω = 0, every expert and dense module resident, copies costing 0), their ratio "
+        "(target within 1.25x) and the plain model's batched decode (moelab.hybrid.throughput_bench).",
+    )
+    tp.add_argument("--models", nargs="+", default=list(THROUGHPUT_MODELS), metavar="MODEL",
+                    help="bundled model names or v2-lite:N (DeepSeek-V2-Lite MoE shapes, N MoE layers, bf16) "
+                    f"(default: {' '.join(THROUGHPUT_MODELS)})")
+    tp.add_argument("--batches", nargs="+", type=positive_int, default=[8, 32], metavar="B",
+                    help="accumulated batches B (sequences; default 8 32)")
+    tp.add_argument("--micro-batches", nargs="+", type=positive_int, default=[4, 32], metavar="b_a",
+                    help="attention micro-batches (sequences), each clipped to B (default 4 32)")
+    tp.add_argument("--expert-batches", nargs="+", type=positive_int, default=[2, 64], metavar="b_e",
+                    help="rows per expert chunk (default 2 64)")
+    tp.add_argument("--prompt", type=positive_int, default=16, help="prompt tokens per sequence (default 16)")
+    tp.add_argument("--steps", type=positive_int, default=8, help="decode steps per run (default 8)")
+    tp.add_argument("--repeats", type=positive_int, default=5, help="timed runs per point (median; default 5)")
+    tp.add_argument("--threads", type=positive_int, default=None,
+                    help="torch intra-op threads for the calibration and every run (default: torch's setting)")
+    tp.add_argument("--profile", metavar="PROFILE", default=None,
+                    help="calibrated profile of this machine (moelab calibrate --out); default: calibrate now with "
+                    "--quick settings")
+    tp.add_argument("--events", metavar="PATH", default=None,
+                    help="write every point's last run's events (the one schema) to this Parquet file")
+    tp.add_argument("--json", action="store_true", help="print the results as JSON")
+    tp.add_argument("--allow-busy", action="store_true",
+                    help="print figures measured on a busy machine (flagged) instead of refusing them")
+    tp.set_defaults(func=run_throughput)
     p.set_defaults(func=lambda args: (p.print_help(), 2)[1])
+
+
+def run_throughput(args) -> int:
+    from moelab.hybrid.throughput_bench import format_result, run_bench, to_json
+
+    result = run_bench(args.models, batches=args.batches, micro_batches=args.micro_batches,
+                       expert_batches=args.expert_batches, prompt=args.prompt, steps=args.steps, repeats=args.repeats,
+                       profile=args.profile, allow_busy=args.allow_busy, keep_events=bool(args.events),
+                       threads=args.threads, progress=None if args.json else
+                       (lambda s: print(s, file=sys.stderr, flush=True)))
+    if args.events:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        pq.write_table(pa.concat_tables([r["events"].table() for r in result["rows"]]), args.events)
+    if args.json:
+        emit_json(to_json(result))
+    else:
+        print(format_result(result))
+        if args.events:
+            print(f"events: {args.events} (moelab.Timeline(PATH) reads them)")
+    _refuse_busy([m.reason for m in [r["measurement"] for r in result["rows"] + result["plain"]] if m.busy],
+                 args.allow_busy)
+    return 0
 
 
 def run_timeline(args) -> int:
