@@ -11,7 +11,7 @@ import pytest
 
 import moelab
 from moelab.errors import MoelabError
-from moelab.hybrid.bench import PLAIN_EXPERTS, side_by_side, side_configs
+from moelab.simulate.side_by_side import PLAIN_EXPERTS, side_by_side, side_configs
 
 
 @pytest.fixture(scope="module")

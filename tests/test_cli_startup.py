@@ -62,7 +62,7 @@ def test_bench_cli_defaults_match_the_benchmark():
     assert cli_bench.DTYPES == bench.DTYPES
     assert cli_bench.BASELINES == bench.BASELINES
 
-    from moelab.hybrid import throughput_bench
+    from moelab.simulate.moegen import bench as throughput_bench
 
     assert cli_bench.THROUGHPUT_MODELS == throughput_bench.DEFAULT_MODELS
 

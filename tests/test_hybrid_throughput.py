@@ -23,10 +23,9 @@ from moelab.hybrid.throughput import (
     ModuleBatchedDecoder,
     check_structure,
     plain_generate,
-    real_config,
-    simulated_step,
 )
 from moelab.models.tiny import build_tiny
+from moelab.simulate.moegen.real import InPlaceCosts, real_config, simulated_step
 
 
 @pytest.fixture(scope="module")
@@ -115,7 +114,6 @@ def test_the_experts_implementation_is_registered_with_transformers(models):
 
 
 def test_the_simulated_run_has_no_copies_and_is_the_sum_of_its_jobs(models):
-    from moelab.hybrid.throughput import _in_place_costs
     from moelab.simulate.moegen import LayerCosts, step_jobs
     from moelab.timing.costs import CostModel
     from moelab.timing.shapes import ModelShape
@@ -124,7 +122,7 @@ def test_the_simulated_run_has_no_copies_and_is_the_sum_of_its_jobs(models):
     cfg = real_config(shape, 8, 4, 2, 16, 8)
     assert cfg.cpu_attention == 0 and cfg.pin_dense and cfg.pinned_experts == shape.num_moe_layers * shape.num_experts
     st, mem = simulated_step(shape, "pcie4-x16", 8, 4, 2, 16, 8)
-    lc = _in_place_costs()(LayerCosts(CostModel.of(shape, "pcie4-x16")))
+    lc = InPlaceCosts(LayerCosts(CostModel.of(shape, "pcie4-x16")))
     jobs = step_jobs(lc, cfg)
     assert all(j.cost_us == 0 for j in jobs if j.engine != "gpu")
     assert not any(j.name.startswith(("Wcopy", "Dense prefetch", "CPUAttn")) for j in jobs)
@@ -133,7 +131,7 @@ def test_the_simulated_run_has_no_copies_and_is_the_sum_of_its_jobs(models):
 
 
 def test_bench_function_runs_on_a_tiny_model():
-    from moelab.hybrid.throughput_bench import MODULES, format_result, run_bench, to_json
+    from moelab.simulate.moegen.bench import MODULES, format_result, run_bench, to_json
 
     r = run_bench(["moelab-tiny-mixtral"], batches=[4], micro_batches=[2, 8], expert_batches=[3], repeats=1,
                   steps=2, profile="pcie4-x16", allow_busy=True)

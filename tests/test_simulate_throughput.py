@@ -433,7 +433,7 @@ def test_validation_rows_are_predictions_with_assumptions(monkeypatch):
 # ---------------------------------------------------------------------- events and the timeline
 def test_schedule_events_draw_on_the_timeline(tmp_path):
     from moelab.events import COLUMNS
-    from moelab.simulate.moegen.events import schedule_events, schedule_timeline
+    from moelab.simulate.moegen.events import schedule_events
     from moelab.timeline import Timeline
 
     cfg = ThroughputConfig(batch=64, micro_batch=16, expert_batch=64, cpu_attention=0.5, expert_slots=2,
@@ -447,7 +447,7 @@ def test_schedule_events_draw_on_the_timeline(tmp_path):
     # one event per job of positive cost, per step; micro-batches and expert chunks named in cause
     assert len(ev) == 2 * sum(1 for j in step_jobs(lc, cfg) if j.cost_us > 0)
     assert {"GPUAttn[0]", "CPUAttn", "Wcopy[0]"} <= set(ev["cause"])
-    tl = schedule_timeline("olmoe-1b-7b", "moegen-a5000", cfg, steps=2)
+    tl = Timeline(ev, name="MoE-Gen (simulated)", tokens=cfg.tokens_per_step * 2)
     assert tl.summary(critical_path=False)["tokens_per_s"] == pytest.approx(st.tokens_per_s)
     assert len(tl.figure().data) > 0
     path = tmp_path / "events.parquet"

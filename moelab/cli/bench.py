@@ -13,11 +13,16 @@ DEFAULT_TOKENS: tuple[int, ...] = (1, 4, 16, 64, 256)
 DEFAULT_DTYPES: tuple[str, ...] = ("bf16", "int8", "int4", "fp8")
 DTYPES: tuple[str, ...] = ("fp32", "bf16", "int8", "int4", "fp8")
 BASELINES: tuple[str, ...] = ("eager", "batched_mm", "grouped_mm")
-# a copy of moelab.hybrid.throughput_bench.DEFAULT_MODELS (importing it loads torch)
+# a copy of moelab.simulate.moegen.bench.DEFAULT_MODELS (importing it loads torch)
 THROUGHPUT_MODELS: tuple[str, ...] = ("moelab-tiny-mixtral", "v2-lite:2")
 
 
 def register(subparsers) -> None:
+    """The ``bench`` subcommands and their options.
+
+    Size: one argparse declaration per benchmark (kernels, hybrid, timeline, simulate, throughput), each
+    option with its help text; splitting it would scatter one command's interface over helpers.
+    """
     p = subparsers.add_parser("bench", help="benchmarks (kernels, hybrid, timeline, simulate, throughput)", description="Benchmarks on this machine.")
     sub = p.add_subparsers(dest="bench_command", metavar="BENCHMARK")
     k = sub.add_parser(
@@ -108,7 +113,7 @@ def register(subparsers) -> None:
         "device, so no KV or weight copies are made) for a small grid of B, b_a, b_e, and print measured tokens/s "
         "(median of --repeats, spread, load) beside the simulated tokens/s of the same configuration on a calibrated "
         "profile of this machine (ω = 0, every expert and dense module resident, copies costing 0), their ratio "
-        "(target within 1.25x) and the plain model's batched decode (moelab.hybrid.throughput_bench).",
+        "(target within 1.25x) and the plain model's batched decode (moelab.simulate.moegen.bench).",
     )
     tp.add_argument("--models", nargs="+", default=list(THROUGHPUT_MODELS), metavar="MODEL",
                     help="bundled model names or v2-lite:N (DeepSeek-V2-Lite MoE shapes, N MoE layers, bf16) "
@@ -137,7 +142,7 @@ def register(subparsers) -> None:
 
 
 def run_throughput(args) -> int:
-    from moelab.hybrid.throughput_bench import format_result, run_bench, to_json
+    from moelab.simulate.moegen.bench import format_result, run_bench, to_json
 
     result = run_bench(args.models, batches=args.batches, micro_batches=args.micro_batches,
                        expert_batches=args.expert_batches, prompt=args.prompt, steps=args.steps, repeats=args.repeats,
@@ -198,12 +203,16 @@ def run_simulate(args) -> int:
 
 
 def run_hybrid(args) -> int:
-    from moelab.hybrid.bench import run
+    from moelab.hybrid.bench import raise_if_busy, run
+    from moelab.simulate.side_by_side import side_table
 
     only_side = args.side_by_side
-    run(["moelab-tiny-mixtral", "moelab-tiny-qwen2moe"], args.layers, args.steps,
-        not (args.skip_realistic or only_side), allow_busy=args.allow_busy, planner=not only_side,
-        side=not args.skip_side_by_side, repeats=args.repeats, profile=args.profile)
+    flagged = run(["moelab-tiny-mixtral", "moelab-tiny-qwen2moe"], args.layers, args.steps,
+                  not (args.skip_realistic or only_side), allow_busy=args.allow_busy, planner=not only_side,
+                  check_busy=False)
+    if not args.skip_side_by_side:
+        side_table(print, args.layers, args.steps, args.repeats, args.profile, args.allow_busy, flagged)
+    raise_if_busy(flagged, args.allow_busy)
     return 0
 
 

@@ -10,6 +10,8 @@ import argparse
 
 from moelab.cli._util import emit_json, non_negative_int, positive_int
 from moelab.errors import MoelabError
+from moelab.timing.profile import apply_settings, get_profile
+from moelab.timing.shapes import get_shape
 
 
 def _share(text: str) -> float:
@@ -71,8 +73,6 @@ def register(sub) -> None:
 def run_throughput(args) -> int:
     from moelab.simulate.moegen import plan_throughput
     from moelab.timing.memory import gb
-    from moelab.timing.profile import apply_settings, get_profile
-    from moelab.timing.shapes import get_shape
 
     shape = get_shape(args.tp_shape, dtype=args.tp_dtype)
     hw = apply_settings(get_profile(args.tp_hardware), args.tp_settings)

@@ -101,7 +101,11 @@ class NativeLane:
 
     def submit_experts(self, backend, module, hidden, ids, weights, expert_map, *, step: int, layer: int, kind: str,
                        tokens: int = 0, nbytes: int = 0, cause: str = ""):
-        """Queue ``backend``'s experts call; returns the call (``result()`` waits for it)."""
+        """Queue ``backend``'s experts call; returns the call (``result()`` waits for it).
+
+        Size: the experts call's arguments (module, hidden, ids, weights, expert map) and one keyword per
+        column of the event it becomes, as :meth:`Lane.submit` takes them.
+        """
         call = backend.submit(module, hidden, ids, weights, expert_map, lane=self.lane)
         log, name, t0 = self.log, self.name, self.log.t0
 

@@ -24,7 +24,7 @@ Everything runs on the CPU: this machine has no GPU, and the "device" is a CPU w
 rest of moelab. So the copies MoE-Gen makes on a GPU machine — each micro-batch's KV host→device,
 new K/V and the collected hidden states device→host, each FFN chunk's tokens and output, expert
 weights into ``S_Expert`` slots, the next layer's dense modules — are **not made**: the KV cache
-and every weight stay in place in the one memory. :func:`simulated_step` asks the simulator
+and every weight stay in place in the one memory. :func:`moelab.simulate.moegen.real.simulated_step` asks the simulator
 (:mod:`moelab.simulate.moegen`) for the same configuration with that correspondence: every routed
 expert pinned (``S_Params`` = all experts, no ``Wcopy``), every dense module pinned (no prefetch),
 ``ω = 0`` (all attention on the device lane, as here), and every copy job costing 0 (a
@@ -376,53 +376,5 @@ def plain_generate(model: Any, input_ids: torch.Tensor, steps: int, *, keep_logi
     return Generation(torch.stack(toks, 1), kept, t1 - t0, t2 - t1, steps, int(ids.shape[0]), step_s)
 
 
-# ---------------------------------------------------------------------- the simulation of the same run
-def _in_place_costs():
-    from moelab.simulate.moegen.schedule import LayerCosts
-
-    class InPlaceCosts(LayerCosts):
-        """MoE-Gen's costs where the device shares host memory and nothing is copied: every copy job
-        (KV, hidden states, FFN chunks' tokens and outputs, expert weights, dense modules) costs 0."""
-
-        def __init__(self, lc: LayerCosts) -> None:
-            self.__dict__.update(lc.__dict__)
-            self._memo = {}
-
-        def copy_us(self, nbytes: float) -> float:
-            return 0.0
-
-        def kv_copy_us(self, nbytes: float) -> float:
-            return 0.0
-
-    return InPlaceCosts
-
-
-def real_config(model_shape: Any, batch: int, micro_batch: int, expert_batch: int, prompt: int, steps: int):
-    """The :class:`~moelab.simulate.moegen.ThroughputConfig` a real run on this machine corresponds to:
-    ``ω = 0``, every routed expert and dense module pinned (resident), decode of ``steps`` tokens after
-    a ``prompt``-token prompt."""
-    from moelab.simulate.moegen import ThroughputConfig
-
-    return ThroughputConfig(phase="decode", batch=batch, micro_batch=micro_batch, expert_batch=expert_batch,
-                            cpu_attention=0.0, expert_slots=1,
-                            pinned_experts=model_shape.num_moe_layers * model_shape.num_experts, pin_dense=True,
-                            prompt=prompt, generate=steps)
-
-
-def simulated_step(model_shape: Any, profile: Any, batch: int, micro_batch: int, expert_batch: int, prompt: int,
-                   steps: int):
-    """(the simulator's :class:`~moelab.simulate.moegen.StepTime`, its memory needs) of the configuration
-    :func:`real_config` — MoE-Gen's DAG with the copies a CPU stand-in does not make costed at 0
-    (see the module docstring)."""
-    from moelab.simulate.moegen import LayerCosts, schedule_memory, step_time
-    from moelab.timing.costs import CostModel
-    from moelab.timing.profile import get_profile
-
-    hw = get_profile(profile)
-    lc = _in_place_costs()(LayerCosts(CostModel.of(model_shape, hw)))
-    cfg = real_config(model_shape, batch, micro_batch, expert_batch, prompt, steps)
-    return step_time(lc, cfg), schedule_memory(lc, cfg)
-
-
 __all__ = ["EXPERTS_IMPLEMENTATION", "SHARED_NAMES", "Generation", "ModuleBatchedDecoder", "check_structure",
-           "moegen_experts_forward", "plain_generate", "real_config", "register", "simulated_step"]
+           "moegen_experts_forward", "plain_generate", "register"]

@@ -22,6 +22,7 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
+from moelab.errors import MoelabError
 from moelab.events import COLUMNS
 
 
@@ -75,8 +76,6 @@ def write_events(schedule, path) -> None:
     """Write the SLP ``schedule``'s events as an events Parquet file (``moelab.Timeline(path)`` opens it)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
-
-    from moelab.errors import MoelabError
 
     if schedule is None:
         raise MoelabError("no stream-loading schedule to write: the prefill took the hybrid path; use "

@@ -46,6 +46,7 @@ from typing import Any
 
 import moelab
 from moelab.errors import MoelabError, did_you_mean
+from moelab.simulate.moegen import plan_throughput
 from moelab.timing import get_profile
 from moelab.timing.shapes import ModelShape, get_shape
 
@@ -280,8 +281,6 @@ def throughput_figures(plans: list, shape: Any, profile: str, schedule: dict[str
     """MoE-Gen's decode throughput (:func:`moelab.simulate.moegen.plan_throughput`) for ``shape`` on
     ``profile`` with the routed experts per token of ``plans``: tokens/s at the best batch, the
     configuration and the on-demand baseline."""
-    from moelab.simulate.moegen import plan_throughput
-
     k = slots_per_token(plans)
     plan = plan_throughput(shape, profile, prompt=int(schedule["prompt"]), generate=int(schedule["generate"]),
                            slots_per_token=None if k is None else min(max(k, 1e-6), shape.top_k))

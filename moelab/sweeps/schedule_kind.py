@@ -35,30 +35,28 @@ from typing import Any
 
 import moelab
 from moelab.errors import MoelabError, did_you_mean
+from moelab.simulate.moegen import plan_throughput
+from moelab.simulate.prefill import PrefillConfig, prefill
 from moelab.sweeps.kinds import CellKind
 from moelab.sweeps.spec import _store_path
+from moelab.timing import get_profile
+from moelab.timing.shapes import get_shape
 
 KEY_VERSION = 1
 
 
 def _shape(name: str, values: dict[str, Any]) -> Any:
     """The cell's model shape (its weights re-costed in ``dtype`` where the settings give one)."""
-    from moelab.timing.shapes import get_shape
-
     return get_shape(name, dtype=values.pop("dtype", None))
 
 
 def _moegen(shape: str, profile: str, values: dict[str, Any]) -> tuple[float, dict[str, Any]]:
-    from moelab.simulate.moegen import plan_throughput
-
     values = dict(values)
     plan = plan_throughput(_shape(shape, values), profile, **values)
     return plan.tokens_per_s, plan.to_dict()
 
 
 def _prefill(shape: str, profile: str, values: dict[str, Any]) -> tuple[float, dict[str, Any]]:
-    from moelab.simulate.prefill import PrefillConfig, prefill
-
     values = dict(values)
     s = _shape(shape, values)
     result = prefill(s, profile, PrefillConfig(**values))
@@ -146,9 +144,6 @@ class ScheduleKind(CellKind):
     spec_keys = ("schedule", "shapes", "hardware", "grid", "settings")
 
     def parse(self, r: Any, data: dict[str, Any], common: dict[str, Any]) -> ScheduleSweepSpec:
-        from moelab.timing import get_profile
-        from moelab.timing.shapes import get_shape
-
         r.required(data, ("schedule", "shapes", "hardware"))
         name = data["schedule"]
         if name not in SCHEDULES:
@@ -189,8 +184,6 @@ class ScheduleKind(CellKind):
                                  settings=settings, **common)
 
     def expand(self, spec: ScheduleSweepSpec, store: Any) -> list[ScheduleCell]:
-        from moelab.timing import get_profile
-
         cells, seen = [], set()
         for shape, profile, point in itertools.product(spec.shapes, spec.hardware, spec.points):
             cell = ScheduleCell(schedule=spec.schedule, shape=shape, profile=profile, point=dict(point),

@@ -62,12 +62,4 @@ def schedule_events(shape: Any, profile: Any, config: ThroughputConfig, *, steps
     return pd.DataFrame(rows, columns=list(COLUMNS))
 
 
-def schedule_timeline(shape: Any, profile: Any, config: ThroughputConfig, *, steps: int = 1):
-    """:func:`schedule_events` as a :class:`moelab.timeline.Timeline` (tokens: ``config``'s per step)."""
-    from moelab.timeline import Timeline
-
-    return Timeline(schedule_events(shape, profile, config, steps=steps), name="MoE-Gen (simulated)",
-                    tokens=config.tokens_per_step * steps)
-
-
-__all__ = ["LANES", "schedule_events", "schedule_timeline"]
+__all__ = ["LANES", "schedule_events"]

@@ -256,7 +256,11 @@ def plan_throughput(shape: Any, profile: Any, *, phase: str = "decode", prompt: 
     ``batch``, ``micro_batch``, ``expert_batch``, ``cpu_attention`` or ``expert_slots`` pins that
     axis; the others are searched. ``slots_per_token``: routed experts a token runs on average (default
     the shape's top-k; a sweep passes its routing policy's, e.g. fewer under skipping). Raises
-    :class:`MemoryDoesNotFit` when nothing fits."""
+    :class:`MemoryDoesNotFit` when nothing fits.
+
+    Size: one keyword per axis of Eqs. 1–3 a caller may pin (the CLI's options); the body is the
+    branch-and-bound over the candidates in order of their lower bound, with its memory refusals.
+    """
     s = get_shape(shape) if not hasattr(shape, "num_experts") else shape
     hw = get_profile(profile)
     lc = LayerCosts(CostModel.of(s, hw), slots_per_token)

@@ -7,7 +7,7 @@ For each model and each point of a small grid (accumulated batch ``B``, attentio
   length (``prompt`` tokens, no padding) for ``steps`` decode steps, ``repeats`` times after one
   warm-up run: tokens/s is ``B × steps`` over the decode's wall time (prefill excluded), the
   median of the repeats with their spread and the machine's load (:func:`moelab.measure.from_samples`);
-* simulates the same configuration (:func:`~moelab.hybrid.throughput.simulated_step`: MoE-Gen's DAG
+* simulates the same configuration (:func:`~moelab.simulate.moegen.real.simulated_step`: MoE-Gen's DAG
   with ``ω = 0``, every expert and dense module resident and no copies — the CPU stand-in makes
   none) for the shape read off the live model (:meth:`ModelShape.from_model`) on a calibrated
   profile of this machine (``profile``: a ``moelab calibrate --out`` file; default: calibrated now
@@ -33,13 +33,14 @@ import torch
 
 from moelab.errors import MoelabError
 from moelab.hybrid.events import EventLog
-from moelab.hybrid.throughput import (
-    ModuleBatchedDecoder,
-    plain_generate,
-    real_config,
-    simulated_step,
-)
+from moelab.hybrid.throughput import ModuleBatchedDecoder, plain_generate
 from moelab.measure import Measurement, from_samples, machine_load
+from moelab.simulate.moegen.real import InPlaceCosts, real_config, simulated_step
+from moelab.simulate.moegen.schedule import LayerCosts, step_jobs
+from moelab.simulate.validate import calibrated_profile
+from moelab.timing import get_profile
+from moelab.timing.costs import CostModel
+from moelab.timing.shapes import ModelShape
 
 log = logging.getLogger(__name__)
 
@@ -97,11 +98,7 @@ def real_breakdown(events: EventLog, steps: int) -> dict[str, float]:
 def sim_breakdown(model_shape, profile, cfg) -> dict[str, float]:
     """ms per step of each module's jobs in the simulated step (copy jobs cost 0 here), and
     ``expert_chunks``: routed-expert chunks per step (uniform routing)."""
-    from moelab.hybrid.throughput import _in_place_costs
-    from moelab.simulate.moegen import LayerCosts, step_jobs
-    from moelab.timing.costs import CostModel
-
-    lc = _in_place_costs()(LayerCosts(CostModel.of(model_shape, profile)))
+    lc = InPlaceCosts(LayerCosts(CostModel.of(model_shape, profile)))
     out = dict.fromkeys(MODULES, 0.0)
     out["expert_chunks"] = 0.0
     for j in step_jobs(lc, cfg):
@@ -146,7 +143,11 @@ def run_bench(models: Sequence[str] = DEFAULT_MODELS, *, batches: Sequence[int] 
     docstring). Returns ``{"rows": [...], "plain": [...], "profile": path, ...}``; with ``keep_events``
     each row carries its last repeat's :class:`EventLog` under ``"events"``. ``threads``: torch's
     intra-op threads for the calibration and every run (default: as set); on a shared machine
-    whose other work takes the cores, more threads than free cores stall every parallel region."""
+    whose other work takes the cores, more threads than free cores stall every parallel region.
+
+    Size: the bench's grid (models, three batch axes), its run settings and its outputs are the CLI's
+    options one to one; the body checks them, calibrates, and loops over the grid.
+    """
     if threads is not None:
         if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
             raise MoelabError(f"threads={threads!r}: expected an integer ≥ 1 (torch intra-op threads).")
@@ -158,9 +159,6 @@ def run_bench(models: Sequence[str] = DEFAULT_MODELS, *, batches: Sequence[int] 
                              keep_events=keep_events, progress=progress)
         finally:
             torch.set_num_threads(before)
-    from moelab.timing import get_profile
-    from moelab.timing.shapes import ModelShape
-
     for name, v in (("prompt", prompt), ("steps", steps), ("repeats", repeats)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise MoelabError(f"{name}={v!r}: expected an integer ≥ 1.")
@@ -168,8 +166,6 @@ def run_bench(models: Sequence[str] = DEFAULT_MODELS, *, batches: Sequence[int] 
         if not vals or any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in vals):
             raise MoelabError(f"{name}={list(vals)!r}: expected one or more integers ≥ 1.")
     if profile is None:
-        from moelab.simulate.validate import calibrated_profile
-
         if progress:
             progress("calibrating this machine (moelab calibrate --quick settings) for the simulation ...")
         prof, path = calibrated_profile(quick=True, allow_busy=allow_busy)

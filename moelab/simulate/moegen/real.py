@@ -1,0 +1,55 @@
+"""The simulation a real module-batched run on this machine corresponds to (:mod:`moelab.hybrid.throughput`).
+
+A CPU stand-in makes none of MoE-Gen's copies (the "device" is host memory): the real run's
+configuration is MoE-Gen's with ``ω = 0`` and every routed expert and dense module resident, and
+its DAG's copy jobs cost 0 (:class:`InPlaceCosts`). ``moelab bench throughput``
+(:mod:`moelab.simulate.moegen.bench`) compares the two.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from moelab.simulate.moegen.schedule import LayerCosts, ThroughputConfig, step_time
+from moelab.simulate.moegen.search import schedule_memory
+from moelab.timing.costs import CostModel
+from moelab.timing.profile import get_profile
+
+
+class InPlaceCosts(LayerCosts):
+    """MoE-Gen's costs where the device shares host memory and nothing is copied: every copy job
+    (KV, hidden states, FFN chunks' tokens and outputs, expert weights, dense modules) costs 0."""
+
+    def __init__(self, lc: LayerCosts) -> None:
+        self.__dict__.update(lc.__dict__)
+        self._memo = {}
+
+    def copy_us(self, nbytes: float) -> float:
+        return 0.0
+
+    def kv_copy_us(self, nbytes: float) -> float:
+        return 0.0
+
+
+def real_config(model_shape: Any, batch: int, micro_batch: int, expert_batch: int, prompt: int,
+                steps: int) -> ThroughputConfig:
+    """The :class:`~moelab.simulate.moegen.ThroughputConfig` a real run on this machine corresponds to:
+    ``ω = 0``, every routed expert and dense module pinned (resident), decode of ``steps`` tokens after
+    a ``prompt``-token prompt."""
+    return ThroughputConfig(phase="decode", batch=batch, micro_batch=micro_batch, expert_batch=expert_batch,
+                            cpu_attention=0.0, expert_slots=1,
+                            pinned_experts=model_shape.num_moe_layers * model_shape.num_experts, pin_dense=True,
+                            prompt=prompt, generate=steps)
+
+
+def simulated_step(model_shape: Any, profile: Any, batch: int, micro_batch: int, expert_batch: int, prompt: int,
+                   steps: int):
+    """(the simulator's :class:`~moelab.simulate.moegen.StepTime`, its memory needs) of the configuration
+    :func:`real_config` — MoE-Gen's DAG with the copies a CPU stand-in does not make costed at 0."""
+    hw = get_profile(profile)
+    lc = InPlaceCosts(LayerCosts(CostModel.of(model_shape, hw)))
+    cfg = real_config(model_shape, batch, micro_batch, expert_batch, prompt, steps)
+    return step_time(lc, cfg), schedule_memory(lc, cfg)
+
+
+__all__ = ["InPlaceCosts", "real_config", "simulated_step"]

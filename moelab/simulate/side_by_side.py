@@ -1,0 +1,137 @@
+"""``moelab bench hybrid --side-by-side``: plain transformers vs moelab's real executor vs the
+simulator's prediction of the same run, on DeepSeek-V2-Lite-shaped layers (issue #26 item 6).
+
+In one run, each figure the median of ``--repeats`` (≥ 7) decode loops with its spread and the
+machine's load: plain transformers with each of its ``eager``, ``batched_mm`` and ``grouped_mm``
+experts (the fastest is the baseline), moelab's real executor with nothing enabled (every expert
+resident: capacity 1.0, no deferral, no prefetch) and with the full configuration (LRU at 25 %,
+``greedy-hss`` placement with the host stealing, deferral 2; no prefetch: a live run needs a
+fitted predictor, and this model's weights are random), and, for both runs, the simulator's
+prediction of the same plans on the calibrated profile of this machine (``--profile PROFILE`` from
+``moelab calibrate``, or calibrated now with ``moelab calibrate --quick``'s settings); and what
+recording the runs' events costs. Targets (issue #26): nothing enabled within 3 % of the plain
+model; full configuration within 1.25x of its prediction; recording ≤ 5 % of a step.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any
+
+import torch
+
+from moelab.errors import MoelabError
+from moelab.forward.bench import decode_loop as _decode
+from moelab.hybrid.bench import _stat, realistic_model
+from moelab.hybrid.events import EventLog
+from moelab.hybrid.runtime import HybridRun
+from moelab.measure import Measurement, from_samples
+from moelab.simulate.executor import simulate_plans
+from moelab.simulate.validate import calibrated_profile
+from moelab.timing import get_profile
+from moelab.timing.shapes import ModelShape
+
+#: the plain model's experts implementations the side-by-side table measures (transformers 5)
+PLAIN_EXPERTS: tuple[str, ...] = ("eager", "batched_mm", "grouped_mm")
+
+
+def side_configs(profile_path: str) -> dict[str, dict[str, Any]]:
+    """The two moelab configurations of :func:`side_by_side`: nothing enabled, and everything on."""
+    base = {"executor": "real", "device_backend": "reference", "host_backend": "moelab_bf16", "device": "cpu"}
+    nothing = {**base, "cache": {"capacity": 1.0, "policy": "lru"}, "placement": "host-misses",
+               "routing": {"deferred": 0}}
+    full = {**base, "cache": {"capacity": 0.25, "policy": "lru"}, "placement": "greedy-hss",
+            "hardware": profile_path, "routing": {"deferred": 2, "min_immediate": 0}}
+    return {"nothing enabled": nothing, "full": full}
+
+
+def _loops(model, ids, steps: int, repeats: int) -> Measurement:
+    _decode(model, ids, 2)  # warm-up: packing, first copies, allocator
+    return from_samples([_decode(model, ids, steps) for _ in range(repeats)], warmup=0)
+
+
+def event_record_us(n: int = 20000) -> float:
+    """µs to record one event (:meth:`moelab.hybrid.events.EventLog.add`, its lock included), the
+    median of 5 batches of ``n``: what the events of a step cost its lanes and control thread."""
+    times = []
+    for _ in range(5):
+        log = EventLog("bench")
+        t0 = time.perf_counter()
+        for i in range(n):
+            log.add(1, i & 7, "host", "expert-host", 1.0, 2.0, expert=3, tokens=1, nbytes=10, cause="miss")
+        times.append((time.perf_counter() - t0) / n * 1e6)
+    return statistics.median(times)
+
+
+def side_by_side(layers: int = 3, steps: int = 8, repeats: int = 7, profile: Any = None, *,
+                 allow_busy: bool = False, model: Any = None) -> dict[str, Any]:
+    """Plain transformers (each experts implementation) vs moelab's real executor (nothing enabled,
+    full configuration) vs the simulator's prediction of those runs, on :func:`realistic_model`.
+
+    ``profile``: a calibrated profile file (``moelab calibrate --out``) or a profile's name, or None
+    to calibrate now (``--quick`` settings; refused on a busy machine unless ``allow_busy``).
+    ``model``: another model to measure instead of ``realistic_model(layers)``. Returns the rows
+    (``label``, ``measurement``, ``step_ms``, ``sim_step_ms`` for moelab's runs) and the profile used.
+    """
+    if repeats < 1 or steps < 1:
+        raise MoelabError(f"repeats={repeats}, steps={steps}: both must be ≥ 1 (issue #26 asks for ≥ 7 repeats).")
+    if profile is None:
+        prof, path = calibrated_profile(quick=True, allow_busy=allow_busy)
+    else:
+        path = str(profile)
+        prof = get_profile(path)
+    model = realistic_model(layers) if model is None else model
+    ids = torch.randint(3, 250, (1, 8), generator=torch.Generator().manual_seed(0))
+    shape = ModelShape.from_model(model, name="v2-lite-shaped")
+    rows: list[dict[str, Any]] = []
+    before = getattr(model.config, "_experts_implementation", None)
+    try:
+        for impl in PLAIN_EXPERTS:
+            model.set_experts_implementation(impl)
+            m = _loops(model, ids, steps, repeats)
+            rows.append({"label": f"plain transformers, {impl} experts", "kind": "plain", "measurement": m,
+                         "step_ms": m.median * 1e3})
+    finally:
+        model.config._experts_implementation = before
+    add_us = event_record_us()
+    for label, cfg in side_configs(path).items():
+        run = HybridRun(model, cfg)
+        with run:
+            _decode(model, ids, 2)
+            n0, e0 = len(run.plans), len(run.events)
+            m = from_samples([_decode(model, ids, steps) for _ in range(repeats)], warmup=0)
+            plans = list(run.plans[n0:])
+            per_step = (len(run.events) - e0) / (repeats * (steps + 1))  # each loop: a prefill and its steps
+        sim = simulate_plans(plans, shape, prof, context=ids.shape[1] + steps // 2).summary()
+        rows.append({"label": f"moelab real executor, {label}", "kind": label, "measurement": m,
+                     "step_ms": m.median * 1e3, "sim_step_ms": sim["decode_step_us"] / 1e3,
+                     "events_per_step": per_step, "recording_pct": 100 * per_step * add_us / (m.median * 1e6)})
+    best = min((r for r in rows if r["kind"] == "plain"), key=lambda r: r["step_ms"])
+    return {"rows": rows, "best_plain": best, "profile": path, "layers": layers, "steps": steps, "repeats": repeats,
+            "event_record_us": add_us}
+
+
+def side_table(out, layers: int, steps: int, repeats: int, profile: Any, allow_busy: bool,
+               flagged: list) -> None:  # pragma: no cover - prints
+    r = side_by_side(layers, steps, repeats, profile, allow_busy=allow_busy)
+    base = r["best_plain"]["step_ms"]
+    out(f"side by side, DeepSeek-V2-Lite MoE shapes x {layers} layers, bf16, decode batch 1, "
+        f"{torch.get_num_threads()} torch threads; median of {repeats} loops of {steps} steps "
+        f"(simulator: {r['profile']}):")
+    out(f"  {'':44}  {'step ms':>8}  {'spread, load':>18}  {'vs best plain':>13}  {'simulated ms':>12}  {'real/sim':>8}")
+    for row in r["rows"]:
+        flagged.append(row["measurement"])
+        sim = row.get("sim_step_ms")
+        tail = f"{sim:12.2f}  {row['step_ms'] / sim:8.2f}" if sim else f"{'':12}  {'':8}"
+        out(f"  {row['label']:44}  {row['step_ms']:8.2f}  {_stat(row['measurement']):>18}  "
+            f"{row['step_ms'] / base:12.2f}x  {tail}")
+    for row in r["rows"]:
+        if "events_per_step" in row:
+            out(f"  events, {row['kind']}: {row['events_per_step']:.0f} per step, recording "
+                f"{row['recording_pct']:.2f} % of the step (at {r['event_record_us']:.2f} µs an event)")
+    out("  targets (issue #26): nothing enabled within 3 % of the best plain (or within the spreads); "
+        "full configuration within 1.25x of its simulated step; recording events ≤ 5 % of a step.")
+
+
+__all__ = ["PLAIN_EXPERTS", "event_record_us", "side_by_side", "side_configs", "side_table"]
