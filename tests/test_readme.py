@@ -61,6 +61,7 @@ PAGES = (
     "docs/reference/simulator.md",
     "docs/reference/simulator-inputs.md",
     "docs/reference/simulator-whatif.md",
+    "docs/reference/simulator-throughput.md",
     "docs/reference/bundled-models.md",
 )
 LANGS = {"bash": "shell", "sh": "shell", "shell": "shell", "console": "shell", "python": "python", "py": "python"}
