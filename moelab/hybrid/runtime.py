@@ -308,12 +308,7 @@ class HybridRun:
             w = [r for r, k in zip(w, keep, strict=True) if k] if w is not None else None
             state = [r for r, k in zip(state, keep, strict=True) if k] if state is not None else None
         scores = self._scores(ctx, layer, valid) if self.cache is not None else None
-        proposal = None
-        if self.predictor is not None:
-            proposal = ctx.scratch.pop(("hybrid-prefetch", layer.index + self.predictor.distance), None)
-        lp = self.planner.plan_layer(ctx.index, ctx.step, ctx.phase, layer.index, ids, w, state, scores, proposal)
-        self.plans.append(lp)
-        ctx.scratch[("hybrid-plan", layer.index)] = lp
+        self._plan_with(ctx, layer, ids, w, state, scores)
 
     def _plan_layer_arrays(self, ctx: ForwardContext, layer, call: ExpertsCall) -> None:
         """:meth:`_plan_layer` for the compiled planner: the routing as numpy arrays (copies: the
@@ -338,6 +333,10 @@ class HybridRun:
             state = _host_array(st if st.dim() == 2 else st.reshape(-1, K))
             state = state.copy() if rows is None else state[rows]
         scores = self._scores(ctx, layer, valid) if self.cache.needs_scores else None
+        self._plan_with(ctx, layer, ids, w, state, scores)
+
+    def _plan_with(self, ctx: ForwardContext, layer, ids, w, state, scores) -> None:
+        """Plan the layer from its routing (lists or arrays) and the prefetch proposal waiting for it."""
         proposal = None
         if self.predictor is not None:
             proposal = ctx.scratch.pop(("hybrid-prefetch", layer.index + self.predictor.distance), None)

@@ -338,19 +338,27 @@ class ModuleBatchedDecoder:
         t0 = time.perf_counter()
         caches, logits = self.prefill(ids)
         t1 = time.perf_counter()
-        tok = logits.argmax(-1)
-        toks, kept, step_s = [tok], [logits] if keep_logits else [], []
         P = ids.shape[1]
-        for s in range(steps):
-            ts = time.perf_counter()
-            logits = self.step(tok, caches, P + s, step=s)
-            tok = logits.argmax(-1)
-            step_s.append(time.perf_counter() - ts)
-            toks.append(tok)
-            if keep_logits:
-                kept.append(logits)
+        toks, kept, step_s = _greedy_steps(logits, steps, keep_logits,
+                                           lambda s, tok: self.step(tok, caches, P + s, step=s))
         t2 = time.perf_counter()
         return Generation(torch.stack(toks, 1), kept, t1 - t0, t2 - t1, steps, int(ids.shape[0]), step_s)
+
+
+def _greedy_steps(logits: torch.Tensor, steps: int, keep_logits: bool, step) -> tuple[list, list, list]:
+    """Greedy decode from the prompt's last ``logits``: ``step(s, tokens)`` gives step ``s``'s logits;
+    returns (tokens per step, the logits kept, seconds per step)."""
+    tok = logits.argmax(-1)
+    toks, kept, step_s = [tok], [logits] if keep_logits else [], []
+    for s in range(steps):
+        ts = time.perf_counter()
+        logits = step(s, tok)
+        tok = logits.argmax(-1)
+        step_s.append(time.perf_counter() - ts)
+        toks.append(tok)
+        if keep_logits:
+            kept.append(logits)
+    return toks, kept, step_s
 
 
 @torch.no_grad()
@@ -360,18 +368,14 @@ def plain_generate(model: Any, input_ids: torch.Tensor, steps: int, *, keep_logi
     t0 = time.perf_counter()
     out = model(input_ids=ids, use_cache=True)
     t1 = time.perf_counter()
-    cache, logits = output_cache(out), out.logits[:, -1, :]
-    tok = logits.argmax(-1)
-    toks, kept, step_s = [tok], [logits] if keep_logits else [], []
-    for _ in range(steps):
-        ts = time.perf_counter()
-        out = model(input_ids=tok[:, None], use_cache=True, **cache_kwargs(cache, model))
-        cache, logits = output_cache(out), out.logits[:, -1, :]
-        tok = logits.argmax(-1)
-        step_s.append(time.perf_counter() - ts)
-        toks.append(tok)
-        if keep_logits:
-            kept.append(logits)
+    box = {"cache": output_cache(out)}
+
+    def step(_s: int, tok: torch.Tensor) -> torch.Tensor:
+        o = model(input_ids=tok[:, None], use_cache=True, **cache_kwargs(box["cache"], model))
+        box["cache"] = output_cache(o)
+        return o.logits[:, -1, :]
+
+    toks, kept, step_s = _greedy_steps(out.logits[:, -1, :], steps, keep_logits, step)
     t2 = time.perf_counter()
     return Generation(torch.stack(toks, 1), kept, t1 - t0, t2 - t1, steps, int(ids.shape[0]), step_s)
 
