@@ -130,7 +130,10 @@ def _immediate_items(n: int, E: int, v: np.ndarray, nv: np.ndarray, hh: np.ndarr
     vkey = np.repeat(plans, nv) * E + v[:, 0]
     fplan = np.repeat(plans, nf)
     fkey = fplan * E + ff[:, 0]
-    keep = ~np.isin(fkey, vkey)  # deferred slots of device experts stay in the device's call
+    vs = np.sort(vkey)  # (np.isin hashes both arrays: several times slower here than a sorted lookup)
+    at = np.minimum(np.searchsorted(vs, fkey), max(len(vs) - 1, 0))
+    keep = ~(vs[at] == fkey) if len(vs) else np.ones(len(fkey), dtype=bool)  # deferred slots of device
+    # experts stay in the device's call
     ff, fplan, fkey = ff[keep], fplan[keep], fkey[keep]
     hplan = np.repeat(plans, nh)
     hkey = hplan * E + hh[:, 0]
