@@ -35,6 +35,7 @@ plans of its own trace field by field (tests/test_hybrid_offline.py).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable, Iterator, Sequence
 from itertools import islice
 from pathlib import Path
@@ -353,6 +354,9 @@ def plan_routing(
     command), so a call names only what it changes; a settings object would be one more thing to build.
     """
     cfg = _as_config(config)
+    if cfg.planner == "auto":  # offline planning runs the reference under auto (HybridConfig.planner): a
+        # process's first compiled plan compiles for seconds; planner: compiled asks for it
+        cfg = dataclasses.replace(cfg, planner="reference")
     L = len(num_experts)
     states = _RoutingStates(cfg.routing, top_k, routing_policies, routing_memo)
     proposer = _proposer(predictor, cfg, num_experts)
