@@ -3,8 +3,10 @@
 // (even/odd halves of each 32-bit pair); int8 uses the vpsignb/vpmaddubsw trick on the
 // signed value (no saturation for |q|, |x| <= 127); int4 uses vpmaddubsw on the
 // unsigned nibble and the same offset correction as the AVX-512 path. fp8 (e4m3) bytes
-// are decoded exactly to fp16 with two shifts and a mask, widened with vcvtph2ps and
-// multiplied in fp32 against bf16 activations; the block scale is applied once per block.
+// are decoded in the decode regime by shifts and a mask straight into fp32 bit patterns
+// (value * 2^-120, exact) and multiplied against fp32 activation copies scaled by 2^60; in the
+// compute-bound regime a tile is decoded once through fp16 (vcvtph2ps). The block scale is
+// applied once per block.
 //
 // Two regimes, chosen per call by the rows (tokens) an expert has:
 //  * n < kBlockedMinRows (decode): memory-bound; weights are widened in registers as they
@@ -143,61 +145,81 @@ void mk_int(const MatView& m, int tile, const TilePtrs& p, float* out, size_t ld
     for (int i = 0; i < MH; ++i) _mm256_storeu_ps(out + size_t(t) * ldo + i * 8, facc[i][t]);
 }
 
-// fp8: [Kd/4][2][16][2] bytes. A half-line (32 bytes) holds 16 rows x {k, k+2} (low,
-// high byte of each 16-bit lane); e4m3 bits moved to bits 13..7 with the sign at 15 are
-// the fp16 of value / 256 (the 256 is folded into the scales). Only the block's
-// accumulators live in registers (AVX2 has 16): at the end of each block they are scaled
-// once and added to the output rows, which stay in L1.
+// fp8: [Kd/4][2][16][2] bytes. The 32-bit lane j of a half-line (32 bytes at k + hl) holds
+// rows 2j and 2j+1 at {k + hl, k + hl + 2} as bytes [r2j@k, r2j@k+2, r2j+1@k, r2j+1@k+2]. Each
+// byte is moved to the top of its lane, shifted right arithmetically by 4 and masked: that is
+// the fp32 bit pattern of value * 2^-120 (sign at 31, e4m3's exponent and mantissa at 26..20),
+// exact for every e4m3 value (subnormals become fp32 subnormals). Three integer shifts, four
+// shifts-and-masks per 32 weights and no conversion instruction: vcvtph2ps (two uops on Zen)
+// bounded the decode loop at ~60 % of read bandwidth. The activations arrive times kFp8XScale
+// (2^60, the fp32 copies of moe_op.cpp), so products stay normal; the packed scale (which
+// carries FP8_SCALE_FOLD = 2^8) times kFp8Unscale = 2^52 undoes 2^-120 * 2^60 exactly.
+// Accumulators hold even and odd rows; they are interleaved into row order once per block.
+constexpr float kFp8Unscale = 0x1p52f;  // 2^(120 - 60 - 8)
+
+inline __m256 fp8_lane_top(__m256i top) {  // byte in bits 31..24 of each lane -> value * 2^-120
+  return _mm256_castsi256_ps(
+      _mm256_and_si256(_mm256_srai_epi32(top, 4), _mm256_set1_epi32(int32_t(0x87F00000u))));
+}
+
 template <int MT, int NT>
 void mk_fp8(const MatView& m, int tile, const TilePtrs& p, float* out, size_t ldo) {
-  constexpr int MH = 2 * MT;
+  constexpr int CH = NT == 1 ? 2 : 1;  // one token: two chains per accumulator (FMA latency)
   const uint8_t* w[MT];
   const float* sc[MT];
   for (int i = 0; i < MT; ++i) {
     w[i] = m.w + size_t(tile + i) * m.tile_bytes;
     sc[i] = m.scales + size_t(tile + i) * m.scale_tile;
   }
-  const __m256i fmask = _mm256_set1_epi16(int16_t(0xBF80));
   const int groups = m.kd / m.group;
   for (int g = 0; g < groups; ++g) {
-    __m256 acc[MH][NT];
-    for (int i = 0; i < MH; ++i)
-      for (int t = 0; t < NT; ++t) acc[i][t] = _mm256_setzero_ps();
+    __m256 acc[MT][2][NT][CH];  // [tile][even rows, odd rows][token][chain]
+    for (int i = 0; i < MT; ++i)
+      for (int h = 0; h < 2; ++h)
+        for (int t = 0; t < NT; ++t)
+          for (int c = 0; c < CH; ++c) acc[i][h][t][c] = _mm256_setzero_ps();
     const int k_end = (g + 1) * m.group;
     for (int k = g * m.group; k < k_end; k += 4) {
       const size_t off = size_t(k / 4) * 64;
       for (int hl = 0; hl < 2; ++hl) {
-        __m256i h16[2][MT];  // [0]: rows at k + hl, [1]: rows at k + hl + 2 (fp16 bits)
+        const int c = CH == 2 ? hl : 0;
         for (int i = 0; i < MT; ++i) {
           const __m256i v = _mm256_load_si256(reinterpret_cast<const __m256i*>(w[i] + off + 32 * hl));
-          h16[0][i] = _mm256_and_si256(_mm256_srai_epi16(_mm256_slli_epi16(v, 8), 1), fmask);
-          h16[1][i] = _mm256_and_si256(_mm256_srai_epi16(v, 1), fmask);
-        }
-        for (int j = 0; j < 2; ++j) {
-          const int kk = k + hl + 2 * j;
-          __m256 wv[MH];
-          for (int i = 0; i < MT; ++i) {
-            wv[2 * i] = _mm256_cvtph_ps(_mm256_castsi256_si128(h16[j][i]));
-            wv[2 * i + 1] = _mm256_cvtph_ps(_mm256_extracti128_si256(h16[j][i], 1));
-          }
+          const __m256 e0 = fp8_lane_top(_mm256_slli_epi32(v, 24));  // even rows at k + hl
+          const __m256 e2 = fp8_lane_top(_mm256_slli_epi32(v, 16));  // even rows at k + hl + 2
+          const __m256 o0 = fp8_lane_top(_mm256_slli_epi32(v, 8));   // odd rows at k + hl
+          const __m256 o2 = fp8_lane_top(v);                         // odd rows at k + hl + 2
           for (int t = 0; t < NT; ++t) {
-            const __m256 xb = _mm256_broadcast_ss(p.xf[t] + kk);
-            for (int i = 0; i < MH; ++i) acc[i][t] = _mm256_fmadd_ps(wv[i], xb, acc[i][t]);
+            const __m256 x0 = _mm256_broadcast_ss(p.xf[t] + k + hl);
+            const __m256 x2 = _mm256_broadcast_ss(p.xf[t] + k + hl + 2);
+            acc[i][0][t][c] = _mm256_fmadd_ps(e0, x0, acc[i][0][t][c]);
+            acc[i][1][t][c] = _mm256_fmadd_ps(o0, x0, acc[i][1][t][c]);
+            acc[i][0][t][c] = _mm256_fmadd_ps(e2, x2, acc[i][0][t][c]);
+            acc[i][1][t][c] = _mm256_fmadd_ps(o2, x2, acc[i][1][t][c]);
           }
         }
       }
     }
-    for (int i = 0; i < MH; ++i) {
-      const __m256 s = _mm256_set1_ps(sc[i / 2][g]);  // once per (tile, block)
+    for (int i = 0; i < MT; ++i) {
+      const __m256 s = _mm256_set1_ps(sc[i][g] * kFp8Unscale);  // once per (tile, block)
       for (int t = 0; t < NT; ++t) {
-        float* o = out + size_t(t) * ldo + i * 8;
-        _mm256_storeu_ps(o, g ? _mm256_fmadd_ps(acc[i][t], s, _mm256_loadu_ps(o)) : _mm256_mul_ps(acc[i][t], s));
+        __m256 ev = acc[i][0][t][0], od = acc[i][1][t][0];
+        if constexpr (CH == 2) {
+          ev = _mm256_add_ps(ev, acc[i][0][t][1]);
+          od = _mm256_add_ps(od, acc[i][1][t][1]);
+        }
+        const __m256 lo = _mm256_unpacklo_ps(ev, od), hi = _mm256_unpackhi_ps(ev, od);
+        const __m256 r[2] = {_mm256_permute2f128_ps(lo, hi, 0x20), _mm256_permute2f128_ps(lo, hi, 0x31)};
+        for (int h = 0; h < 2; ++h) {
+          float* o = out + size_t(t) * ldo + i * 16 + h * 8;
+          _mm256_storeu_ps(o, g ? _mm256_fmadd_ps(r[h], s, _mm256_loadu_ps(o)) : _mm256_mul_ps(r[h], s));
+        }
       }
     }
   }
   if (groups == 0)
     for (int t = 0; t < NT; ++t)
-      for (int i = 0; i < MH; ++i) _mm256_storeu_ps(out + size_t(t) * ldo + i * 8, _mm256_setzero_ps());
+      for (int i = 0; i < 2 * MT; ++i) _mm256_storeu_ps(out + size_t(t) * ldo + i * 8, _mm256_setzero_ps());
 }
 
 template <int MT, int NT>
@@ -246,7 +268,8 @@ void decode_tile(const MatView& m, int tile, int k0, int kc, float* wt) {
     const float* sc = m.scales + size_t(tile) * m.scale_tile;
     for (int k = 0; k < kc; k += 4) {
       const uint8_t* line = w + size_t((k0 + k) / 4) * 64;
-      const __m256 s = _mm256_set1_ps(sc[(k0 + k) / m.group]);  // a 4-k line lies in one block
+      // a 4-k line lies in one block; the activations' kFp8XScale is undone here
+      const __m256 s = _mm256_set1_ps(sc[(k0 + k) / m.group] * kFp8XUnscale);
       for (int hl = 0; hl < 2; ++hl) {
         const __m256i v = _mm256_load_si256(reinterpret_cast<const __m256i*>(line + 32 * hl));
         const __m256i h0 = _mm256_and_si256(_mm256_srai_epi16(_mm256_slli_epi16(v, 8), 1), fmask);

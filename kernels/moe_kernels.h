@@ -28,6 +28,12 @@
 
 namespace moelab {
 
+// fp8 weights on AVX2: the fp32 activation copies (ActView::xf) are the bf16 values times
+// 2^60, so that the decode loop's weights (value * 2^-120, see moe_avx2.cpp) multiply into
+// normal fp32 products; an fp32 copy overflows only for |x| > 2^68. Powers of two: exact.
+constexpr float kFp8XScale = 0x1p60f;
+constexpr float kFp8XUnscale = 0x1p-60f;
+
 enum WeightType : int { W_F32 = 0, W_BF16 = 1, W_INT8 = 2, W_INT4 = 3, W_FP8 = 4 };
 enum ActKind : int { ACT_SILU = 0, ACT_GPT_OSS = 1 };
 enum Isa : int { ISA_PORTABLE = 0, ISA_AVX2 = 1, ISA_AVX512 = 2 };

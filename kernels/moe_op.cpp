@@ -166,7 +166,7 @@ void compute(Job& j) {
   const bool has_scales = is_int || is_fp8;
   const bool bf16_act = wtype == W_BF16 || is_fp8;  // fp8 weights meet bf16 activations
   // AVX2 multiplies bf16/fp8 weights in fp32: it reads fp32 copies of the (bf16-valued)
-  // activations, made once per call instead of once per task.
+  // activations, made once per call instead of once per task (fp8: times kFp8XScale).
   const bool want_xf = bf16_act && isa == ISA_AVX2;
   const int offset = wtype == W_INT8 ? 128 : 8;
   const int64_t T = xc.size(0), K = j.ids64.size(1), S = T * K;
@@ -247,6 +247,7 @@ void compute(Job& j) {
         for (int k = 0; k < Kp1; ++k) {
           const uint32_t u = uint32_t(src[size_t(t) * Kp1 + k]) << 16;
           std::memcpy(&xf[size_t(t) * Kp1 + k], &u, 4);
+          if (is_fp8) xf[size_t(t) * Kp1 + k] *= kFp8XScale;
         }
       a1.xf = xf.data();
     }
@@ -316,6 +317,7 @@ void compute(Job& j) {
           for (int i = 0; i < S1; ++i) {
             const uint32_t u = uint32_t(f32_to_bf16(src[i])) << 16;
             std::memcpy(&dst[i], &u, 4);
+            if (is_fp8) dst[i] *= kFp8XScale;
           }
         } else if (bf16_act) {
           uint16_t* dst = &hb[p * Ip + size_t(s) * S1];

@@ -106,3 +106,27 @@ def test_last_call_stats_count_tasks_and_per_thread_busy_time():
 
 def test_fma_peak_probe_reports_positive_gflops(isa):
     assert load_extension().fma_peak_gflops(ISA_CODES[isa], 1) > 0
+
+
+@pytest.mark.parametrize("bytes_", ["all", "small"])
+@pytest.mark.parametrize("rows", [1, 2, 4, 7, 8, 24])
+def test_every_e4m3_byte_decodes_exactly_in_both_regimes(isa, bytes_, rows):
+    # Stored e4m3 weights drawn from every byte but NaN ("all"), or only from subnormals and
+    # the smallest normals ("small": exponent field 0 or 1, so a subnormal decoded as zero or
+    # with the normals' implicit bit is a large error, not a rounding one). Unit scales.
+    from moelab.kernels import Fp8Weights
+
+    e, h, i = 3, 272, 64
+    g = torch.Generator().manual_seed(11)
+    pool = torch.tensor([b for b in range(256) if b & 0x7F != 0x7F and (bytes_ == "all" or (b & 0x70) == 0)],
+                        dtype=torch.uint8)
+    fp8 = {}
+    for name, shape in (("gate", (e, i, h)), ("up", (e, i, h)), ("down", (e, h, i))):
+        q = pool[torch.randint(0, len(pool), shape, generator=g)].view(torch.float8_e4m3fn)
+        grid = (e, -(-shape[1] // 16), -(-shape[2] // 16))
+        fp8[name] = Fp8Weights(q, torch.ones(grid), (16, 16))
+    ids, wts = _routing("one", rows, e, 1)
+    x = torch.randn(rows, h, generator=g).to(torch.bfloat16)
+    packed = pack_experts(spec=KernelSpec("fp8"), **fp8)
+    ref = reference_experts(x, ids, wts, spec=KernelSpec("fp8"), **fp8)
+    _check(moe_experts(x, ids, wts, packed, isa=isa), ref, "fp8")
