@@ -154,6 +154,43 @@ def test_validate_refuses_a_busy_machine_before_any_run(monkeypatch):
         V.machine_rows(quick=True)
 
 
+# ---------------------------------------------------------------------- the benches' profile
+class _Calibrating(Exception):
+    """Raised by the fake calibration: the bench asked for one (and stops there)."""
+
+
+def test_both_benches_calibrate_through_one_helper_and_only_the_throughput_bench_says_so(monkeypatch):
+    from moelab.simulate import validate as V
+    from moelab.simulate.moegen.bench import run_bench
+    from moelab.simulate.side_by_side import side_by_side
+
+    calls: list[dict] = []
+
+    def fake(**kw):
+        calls.append(kw)
+        raise _Calibrating
+
+    monkeypatch.setattr(V, "calibrated_profile", fake)
+    said: list[str] = []
+    with pytest.raises(_Calibrating):
+        run_bench(["tiny-random-mixtral"], profile=None, progress=said.append)
+    with pytest.raises(_Calibrating):
+        side_by_side(profile=None, allow_busy=True)
+    # moelab calibrate --quick's settings, each bench's allow_busy passed on
+    assert calls == [{"quick": True, "allow_busy": False}, {"quick": True, "allow_busy": True}]
+    assert said == ["calibrating this machine (moelab calibrate --quick settings) for the simulation ..."]
+
+
+def test_a_given_profile_is_used_as_given_and_nothing_is_calibrated(monkeypatch):
+    from moelab.simulate import validate as V
+    from moelab.timing import get_profile
+
+    monkeypatch.setattr(V, "calibrated_profile", lambda **k: pytest.fail("calibrated with a profile given"))
+    said: list[str] = []
+    prof, path = V.profile_or_calibrated("pcie4-x16", progress=said.append)
+    assert path == "pcie4-x16" and prof.to_dict() == get_profile("pcie4-x16").to_dict() and said == []
+
+
 # ---------------------------------------------------------------------- repeated validation runs
 def test_runs_agree_when_their_medians_are_within_ten_percent_of_the_larger():
     from moelab.simulate.validate import runs_agree

@@ -127,3 +127,20 @@ retries: 0
         assert x.record["score"] == pytest.approx(want.tokens_per_s, rel=1e-12)
         assert x.record["metrics"]["path"] == p["path"]
     assert {r["path"] for r in table_rows(statuses)} == {"slp", "hybrid"}
+
+
+def test_the_common_keys_mean_the_same_in_every_kind(tmp_path):
+    """name, store, retries, description: one base for every kind's spec; ``store`` is relative
+    to the spec file, the default ``runs/sweeps/<name>``."""
+    from moelab.sweeps.schedule_kind import ScheduleSweepSpec
+    from moelab.sweeps.spec import SpecBase, SweepSpec, load_spec
+    from moelab.sweeps.trace_kinds import TraceSweepSpec
+
+    assert all(issubclass(c, SpecBase) for c in (SweepSpec, TraceSweepSpec, ScheduleSweepSpec))
+    spec = load_spec(_write(tmp_path, SPEC.replace("retries: 0", "retries: 3\nstore: out\ndescription: a grid")))
+    assert isinstance(spec, ScheduleSweepSpec)
+    assert (spec.name, spec.retries, spec.description) == ("sched", 3, "a grid")
+    assert spec.store_path() == tmp_path.resolve() / "out"
+    assert load_spec(_write(tmp_path, SPEC)).store_path() == Path("runs") / "sweeps" / "sched"
+    eval_spec = SweepSpec("e", models=[], policies=[], tasks=[], store="x", source=str(tmp_path / "s.yaml"))
+    assert eval_spec.store_path() == tmp_path.resolve() / "x" and eval_spec.retries == 1

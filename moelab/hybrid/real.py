@@ -114,19 +114,29 @@ class RealExecutor(LaneExecutor):
         cfg = run.config
         self.device_backend = get_backend(cfg.device_backend or "reference")
         self.host_backend = get_backend(cfg.host_backend or "reference")
-        self.lanes = {name: Lane(name, self.log) for name in ("device", "host", "copy")}
         # a native host backend runs on a C++ worker of the kernels extension: no Python thread
-        # between the control thread and the kernel (issue #26: host lanes without the GIL)
+        # between the control thread and the kernel (issue #26: host lanes without the GIL), so
+        # the Python host lane is started only for another backend (it would sit idle)
         self.native_host = NativeLane("host", self.log, lane=0) if native_lane_ok(self.host_backend) else None
-        slots = 0 if run.cache is None else int(sum(run.cache.slots_))
-        self.pool = ExpertPool(run.layers, max(slots, 1), torch.device("cpu"))
-        if run.cache is not None:  # a warm start: its experts are resident before the first forward
-            for key in run.cache.eviction_order():
-                self.pool.copy_in(*run.cache.layer_expert(key))
+        names = ("device", "copy") if self.native_host is not None else ("device", "host", "copy")
+        #: the Python lanes this executor started (their threads are joined by :meth:`close`)
+        self.lanes: dict[str, Lane] = {}
+        try:
+            for name in names:
+                self.lanes[name] = Lane(name, self.log)
+            slots = 0 if run.cache is None else int(sum(run.cache.slots_))
+            self.pool = ExpertPool(run.layers, max(slots, 1), torch.device("cpu"))
+            if run.cache is not None:  # a warm start: its experts are resident before the first forward
+                for key in run.cache.eviction_order():
+                    self.pool.copy_in(*run.cache.layer_expert(key))
+        except BaseException:  # the run never gets this executor to close: join what was started
+            self.close()
+            raise
 
     def close(self) -> None:
-        for lane in self.lanes.values():
-            lane.close()
+        """Join the Python lanes' threads (the native host lane's worker belongs to the extension)."""
+        while self.lanes:
+            self.lanes.popitem()[1].close()
 
     # ------------------------------------------------------------------ work
     def _submit_transfers(self, ctx, lp) -> dict[int, Future]:

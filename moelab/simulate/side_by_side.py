@@ -28,8 +28,7 @@ from moelab.hybrid.events import EventLog
 from moelab.hybrid.runtime import HybridRun
 from moelab.measure import Measurement, from_samples
 from moelab.simulate.executor import simulate_plans
-from moelab.simulate.validate import calibrated_profile
-from moelab.timing import get_profile
+from moelab.simulate.validate import profile_or_calibrated
 from moelab.timing.shapes import ModelShape
 
 #: the plain model's experts implementations the side-by-side table measures (transformers 5)
@@ -76,11 +75,7 @@ def side_by_side(layers: int = 3, steps: int = 8, repeats: int = 7, profile: Any
     """
     if repeats < 1 or steps < 1:
         raise MoelabError(f"repeats={repeats}, steps={steps}: both must be ≥ 1 (issue #26 asks for ≥ 7 repeats).")
-    if profile is None:
-        prof, path = calibrated_profile(quick=True, allow_busy=allow_busy)
-    else:
-        path = str(profile)
-        prof = get_profile(path)
+    prof, path = profile_or_calibrated(profile, allow_busy=allow_busy)
     model = realistic_model(layers) if model is None else model
     ids = torch.randint(3, 250, (1, 8), generator=torch.Generator().manual_seed(0))
     shape = ModelShape.from_model(model, name="v2-lite-shaped")

@@ -26,6 +26,7 @@ import logging
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -312,6 +313,21 @@ def calibrated_profile(*, quick: bool = True, progress: bool = False, allow_busy
     return load_profile(path), str(path)
 
 
+def profile_or_calibrated(profile: Any = None, *, allow_busy: bool = False,
+                          progress: Callable[[str], None] | None = None) -> tuple[Any, str]:
+    """``(profile, path)`` for a bench that sets real runs beside their simulation: ``profile`` as
+    given (a ``moelab calibrate --out`` file or a profile's name), or, for None, this machine
+    calibrated now with ``moelab calibrate --quick``'s settings (:func:`calibrated_profile`;
+    refused on a busy machine unless ``allow_busy``). ``progress`` is told before a calibration
+    starts (``moelab bench throughput`` says so; ``bench hybrid --side-by-side`` is silent)."""
+    if profile is not None:
+        path = str(profile)
+        return get_profile(path), path
+    if progress:
+        progress("calibrating this machine (moelab calibrate --quick settings) for the simulation ...")
+    return calibrated_profile(quick=True, allow_busy=allow_busy)
+
+
 def _case_rows(label: str, r: dict, run: int, label_sim: str) -> list[dict]:
     err = 100 * (r["sim_step_ms"] / r["step_ms"] - 1)
     hw_err = 100 * (r["sim_hw_step_ms"] / r["step_ms"] - 1)
@@ -492,4 +508,4 @@ def format_rows(rows: list[dict], info: dict) -> str:
 
 
 __all__ = ["MACHINE_TARGET", "calibrated_profile", "format_rows", "machine_rows", "machine_targets", "paper_rows",
-           "run_validation", "runs_agree"]
+           "profile_or_calibrated", "run_validation", "runs_agree"]

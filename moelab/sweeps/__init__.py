@@ -18,6 +18,7 @@ from moelab._lazy import lazy_attributes
 
 _LAZY: dict[str, str] = {
     "Cell": "moelab.sweeps.spec",
+    "SpecBase": "moelab.sweeps.spec",
     "SweepSpec": "moelab.sweeps.spec",
     "load_spec": "moelab.sweeps.spec",
     "parse_spec": "moelab.sweeps.spec",

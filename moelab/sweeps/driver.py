@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from moelab.sweeps.spec import Cell, SweepSpec
+from moelab.sweeps.spec import Cell, SpecBase
 from moelab.sweeps.store import Store, open_store
 
 log = logging.getLogger(__name__)
@@ -45,7 +45,7 @@ class SweepSummary:
                 f"of {self.total}{extra}; store {self.store}")
 
 
-def store_path(spec: SweepSpec, store: str | os.PathLike | None = None) -> Path:
+def store_path(spec: SpecBase, store: str | os.PathLike | None = None) -> Path:
     return Path(store).expanduser() if store is not None else spec.store_path()
 
 

@@ -29,8 +29,7 @@ import hashlib
 import itertools
 import json
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field, fields
-from pathlib import Path
+from dataclasses import dataclass, field
 from typing import Any
 
 import moelab
@@ -38,7 +37,7 @@ from moelab.errors import MoelabError, did_you_mean
 from moelab.simulate.moegen import plan_throughput
 from moelab.simulate.prefill import PrefillConfig, prefill
 from moelab.sweeps.kinds import CellKind
-from moelab.sweeps.spec import _store_path
+from moelab.sweeps.spec import SpecBase, StoredCell
 from moelab.timing import get_profile
 from moelab.timing.shapes import get_shape
 
@@ -82,25 +81,20 @@ SCHEDULES: dict[str, Schedule] = {
 
 
 @dataclass
-class ScheduleSweepSpec:
-    name: str
+class ScheduleSweepSpec(SpecBase):
+    """A ``schedule`` spec (see the module docstring; the common fields:
+    :class:`~moelab.sweeps.spec.SpecBase`)."""
+
     schedule: str
     shapes: list[str]
     hardware: list[str]
     points: list[dict[str, Any]]
     settings: dict[str, Any]
     kind: str = "schedule"
-    store: str | None = None
-    retries: int = 1
-    description: str = ""
-    source: str | None = None
-
-    def store_path(self) -> Path:
-        return _store_path(self.name, self.store, self.source)
 
 
 @dataclass
-class ScheduleCell:
+class ScheduleCell(StoredCell):
     """One schedule run: a shape × a profile × one grid point."""
 
     schedule: str
@@ -125,13 +119,6 @@ class ScheduleCell:
 
     def values(self) -> dict[str, Any]:
         return {**self.settings, **self.point}
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> ScheduleCell:
-        return cls(**{f.name: d[f.name] for f in fields(cls) if f.name in d})
 
 
 def schedule_cell_key(cell: ScheduleCell, moelab_version: str) -> dict[str, Any]:

@@ -39,7 +39,7 @@ import json
 import os
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 import moelab
 from moelab._resources import resource_dir
@@ -107,8 +107,46 @@ class EvalSettings:
 
 
 @dataclass
-class SweepSpec:
+class SpecBase:
+    """What every sweep spec has, whatever its kind: the common YAML keys (:data:`COMMON_KEYS`,
+    read by :func:`parse_spec` and handed to the kind's ``parse``) and the results store they
+    name. Every kind's spec (:class:`SweepSpec`, the trace kinds', the schedule kind's) is a
+    subclass; the common fields after ``name`` are keyword-only, so a kind's own required fields
+    follow ``name`` in its constructor."""
+
     name: str
+    store: str | None = field(default=None, kw_only=True)
+    """The results store directory (None: ``runs/sweeps/<name>``)."""
+    retries: int = field(default=1, kw_only=True)
+    """Extra attempts of a failed cell before it is reported as failed."""
+    description: str = field(default="", kw_only=True)
+    source: str | None = field(default=None, kw_only=True)
+    """The YAML file this spec was read from."""
+
+    def store_path(self) -> Path:
+        """The results store: ``store`` (relative to the spec file) or ``runs/sweeps/<name>``."""
+        if self.store is None:
+            return Path("runs") / "sweeps" / self.name
+        p = Path(self.store).expanduser()
+        if not p.is_absolute() and self.source is not None:
+            p = Path(self.source).resolve().parent / p
+        return p
+
+
+class StoredCell:
+    """What every kind's cell (a dataclass) shares: its form in the results store, a plain dict
+    (:meth:`to_dict`), and back (:meth:`from_dict`, which ignores keys the class no longer has)."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)  # type: ignore[call-overload]
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Self:
+        return cls(**{f.name: d[f.name] for f in fields(cls) if f.name in d})  # type: ignore[arg-type]
+
+
+@dataclass
+class SweepSpec(SpecBase):
     models: list[ModelSpec]
     policies: list[PolicySpec]
     tasks: list[TaskSpec]
@@ -120,13 +158,6 @@ class SweepSpec:
     """How cells are costed on ``hardware``: ``hybrid`` (the HybridConfig dict a routing-policy
     cell is planned under) and ``model_shape`` (model name → ``{shape: NAME, ...}`` override)."""
     eval: EvalSettings = field(default_factory=EvalSettings)
-    store: str | None = None
-    """The results store directory (None: ``runs/sweeps/<name>``)."""
-    retries: int = 1
-    """Extra attempts of a failed cell before it is reported as failed."""
-    description: str = ""
-    source: str | None = None
-    """The YAML file this spec was read from."""
     artifacts: dict[str, bool] = field(default_factory=dict)
     """Per-cell artifacts: ``{trace: true}`` records each cell's routing trace, ``{timeline:
     true}`` a hybrid-config cell's timeline (``events.parquet``), in the cell's store folder."""
@@ -137,22 +168,9 @@ class SweepSpec:
     top-1 agreement, ... (empty: not asked for)."""
     kind = "eval"
 
-    def store_path(self) -> Path:
-        return _store_path(self.name, self.store, self.source)
-
-
-def _store_path(name: str, store: str | None, source: str | None) -> Path:
-    """A spec's results store: ``store`` (relative to the spec file) or ``runs/sweeps/<name>``."""
-    if store is None:
-        return Path("runs") / "sweeps" / name
-    p = Path(store).expanduser()
-    if not p.is_absolute() and source is not None:
-        p = Path(source).resolve().parent / p
-    return p
-
 
 @dataclass
-class Cell:
+class Cell(StoredCell):
     """One unit of work and of the results store: a model × policy setting × task × seed."""
 
     model: str
@@ -198,13 +216,6 @@ class Cell:
     @property
     def affected(self) -> int | None:
         return pol.affected(self.policy, self.settings)
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> Cell:
-        return cls(**{f.name: d[f.name] for f in fields(cls) if f.name in d})
 
 
 # --------------------------------------------------------------------------- keys

@@ -37,7 +37,7 @@ import hashlib
 import itertools
 import json
 import logging
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -46,7 +46,7 @@ from moelab.caches.base import SCOPES, available_policies, get_policy
 from moelab.caches.results import CacheResult
 from moelab.errors import MoelabError, did_you_mean
 from moelab.sweeps.kinds import CellKind
-from moelab.sweeps.spec import _store_path
+from moelab.sweeps.spec import SpecBase, StoredCell
 from moelab.timing import DEFAULT_PROFILE, reference_expert_bytes
 
 log = logging.getLogger(__name__)
@@ -55,10 +55,10 @@ KEY_VERSION = 1
 
 
 @dataclass
-class TraceSweepSpec:
-    """A ``cache`` or ``predictor`` spec (see the module docstring)."""
+class TraceSweepSpec(SpecBase):
+    """A ``cache`` or ``predictor`` spec (see the module docstring; the common fields:
+    :class:`~moelab.sweeps.spec.SpecBase`)."""
 
-    name: str
     kind: str
     traces: list[dict[str, str | None]]
     """``{"train": dir, "test": dir or None}`` (cache specs use ``train`` only)."""
@@ -68,17 +68,10 @@ class TraceSweepSpec:
     """The grid of each method: capacity × scope × prefetch, or distance."""
     settings: dict[str, Any] = field(default_factory=dict)
     seeds: list[int] = field(default_factory=lambda: [0])
-    store: str | None = None
-    retries: int = 1
-    description: str = ""
-    source: str | None = None
-
-    def store_path(self) -> Path:
-        return _store_path(self.name, self.store, self.source)
 
 
 @dataclass
-class TraceCell:
+class TraceCell(StoredCell):
     """One replay: a trace × method (cache policy or predictor kind) × grid point × seed."""
 
     kind: str
@@ -107,13 +100,6 @@ class TraceCell:
     def label(self) -> str:
         point = ",".join(f"{k}={_short(v)}" for k, v in self.point.items())
         return f"{Path(self.trace).name} · {self.kind} {self.method}({point})"
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> TraceCell:
-        return cls(**{f.name: d[f.name] for f in fields(cls) if f.name in d})
 
 
 def _short(v: Any) -> str:

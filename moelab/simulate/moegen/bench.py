@@ -11,7 +11,7 @@ For each model and each point of a small grid (accumulated batch ``B``, attentio
   with ``ω = 0``, every expert and dense module resident and no copies — the CPU stand-in makes
   none) for the shape read off the live model (:meth:`ModelShape.from_model`) on a calibrated
   profile of this machine (``profile``: a ``moelab calibrate --out`` file; default: calibrated now
-  with ``--quick`` settings, :func:`moelab.simulate.validate.calibrated_profile`), and prints the
+  with ``--quick`` settings, :func:`moelab.simulate.validate.profile_or_calibrated`), and prints the
   ratio measured / simulated tokens/s (the issue's target: within 1.25× either way);
 * measures the plain model's batched greedy decode of the same prompts for reference;
 * breaks one step down by module (attention, router, shared experts, routed experts, dense MLP, LM
@@ -37,8 +37,7 @@ from moelab.hybrid.throughput import ModuleBatchedDecoder, plain_generate
 from moelab.measure import Measurement, from_samples, machine_load
 from moelab.simulate.moegen.real import InPlaceCosts, real_config, simulated_step
 from moelab.simulate.moegen.schedule import LayerCosts, step_jobs
-from moelab.simulate.validate import calibrated_profile
-from moelab.timing import get_profile
+from moelab.simulate.validate import profile_or_calibrated
 from moelab.timing.costs import CostModel
 from moelab.timing.shapes import ModelShape
 
@@ -165,13 +164,7 @@ def run_bench(models: Sequence[str] = DEFAULT_MODELS, *, batches: Sequence[int] 
     for name, vals in (("batches", batches), ("micro_batches", micro_batches), ("expert_batches", expert_batches)):
         if not vals or any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in vals):
             raise MoelabError(f"{name}={list(vals)!r}: expected one or more integers ≥ 1.")
-    if profile is None:
-        if progress:
-            progress("calibrating this machine (moelab calibrate --quick settings) for the simulation ...")
-        prof, path = calibrated_profile(quick=True, allow_busy=allow_busy)
-    else:
-        path = str(profile)
-        prof = get_profile(path)
+    prof, path = profile_or_calibrated(profile, allow_busy=allow_busy, progress=progress)
     rows, plain = [], []
     for spec in models:
         model, label = load_model(spec)
