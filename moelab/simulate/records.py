@@ -70,8 +70,18 @@ def plan_columns(plans: Sequence[Any]) -> dict | None:
     dec = decs[0]
     if any(d is not dec for d in decs):
         return None
-    from moelab.hybrid._compiled import (DEVICE, ERROR, FETCHED, HOSTED, MOVED, N_DEFERRED, N_EVICTED, N_NEEDED,
-                                         N_PF_IN, STOLEN)
+    from moelab.hybrid._compiled import (
+        DEVICE,
+        ERROR,
+        FETCHED,
+        HOSTED,
+        MOVED,
+        N_DEFERRED,
+        N_EVICTED,
+        N_NEEDED,
+        N_PF_IN,
+        STOLEN,
+    )
 
     lens = np.fromiter(map(len, recs), dtype=np.int64, count=n)
     rec = np.frombuffer(b"".join(recs), dtype=np.int64)  # (joining the buffers: 3× np.concatenate's speed)
