@@ -296,9 +296,10 @@ def _task_costs(enc: Encoded, lay: Layout, costs: CostModel, context: int):
         else:
             c += 1
             ctx_of[f] = (c, max(t, 1), False)
-    att = {f: costs.attention(cc, b, pre) for f, (cc, b, pre) in ctx_of.items()}
-    a_bytes = np.array([att[f][0] for f in enc.forward.tolist()]) if P else np.zeros(0)
-    a_flops = np.array([att[f][1] for f in enc.forward.tolist()]) if P else np.zeros(0)
+    att = np.array([costs.attention(cc, b, pre)[:2] for cc, b, pre in ctx_of.values()], dtype=np.float64)
+    of_fwd = np.repeat(np.arange(len(fwd_ids)), np.diff(np.append(first, P)))  # plans come in forward order
+    a_bytes = att[of_fwd, 0] if P else np.zeros(0)
+    a_flops = att[of_fwd, 1] if P else np.zeros(0)
 
     # decoder layers between the previous planned MoE layer (of the same forward) and this one
     moe = np.asarray(costs.moe_layers, dtype=np.int64)
@@ -386,10 +387,13 @@ def _task_costs(enc: Encoded, lay: Layout, costs: CostModel, context: int):
             key = owner * N + node
             first = np.ones(len(idx), dtype=bool)
             first[1:] = key[1:] != key[:-1]
-            if N > 1:  # items of one plan are not sorted by node: mark the first of each (plan, node)
-                _, firsts = np.unique(key, return_index=True)
-                first = np.zeros(len(idx), dtype=bool)
-                first[firsts] = True
+            if N > 1:  # items of one plan are not sorted by node: mark the first of each (plan, node),
+                first[:] = False  # node by node (items come in plan order)
+                for k in range(N):
+                    on = np.flatnonzero(node == k)
+                    head = np.ones(len(on), dtype=bool)
+                    head[1:] = owner[on[1:]] != owner[on[:-1]]
+                    first[on[head]] = True
             fixed[idx[first]] += costs.host_call_us
         nbytes[idx] = costs.expert_bytes
         cap[idx] = costs.host_cap(np.full(len(idx), costs.expert_bytes), costs.expert_flops_per_token * items[:, 1])
@@ -424,9 +428,8 @@ def _copy_before(enc: Encoded, lay: Layout, E: int) -> np.ndarray:
     maximum of the copies' positions."""
     X = _ranges(lay.X0, enc.nx)
     V = _ranges(lay.V0, enc.nv)
-    out = np.full(len(V), -1, dtype=np.int64)
     if not (len(V) and len(X)):
-        return out
+        return np.full(len(V), -1, dtype=np.int64)
     kx = enc.x[:, 0] * E + enc.x[:, 1]
     kv = np.repeat(enc.layer, enc.nv) * E + enc.v[:, 0]
     big = lay.n + 1
@@ -444,10 +447,10 @@ def _copy_before(enc: Encoded, lay: Layout, E: int) -> np.ndarray:
     run = np.maximum.accumulate(np.where(isx, val, -1))
     sel = ~isx
     k_s, run_s = key[sel], run[sel]
-    has = run_s >= k_s * big
-    copy = np.where(has, run_s - k_s * big, -1)
-    out[np.searchsorted(V, ids[sel])] = copy  # V ascends: back in device-expert order
-    return out
+    copy = np.where(run_s >= k_s * big, run_s - k_s * big, -1)
+    by_task = np.empty(big, dtype=np.int64)
+    by_task[ids[sel]] = copy
+    return by_task[V]  # back in device-expert order
 
 
 def _deps_vectorized(enc: Encoded, lay: Layout, E: int) -> tuple[np.ndarray, np.ndarray]:
@@ -484,10 +487,16 @@ def _deps_vectorized(enc: Encoded, lay: Layout, E: int) -> tuple[np.ndarray, np.
     if P > 1:
         same = np.flatnonzero(enc.forward[1:] == enc.forward[:-1])
         s3[lay.W[same + 1]], l3[lay.W[same + 1]] = lay.F0[same], enc.nf[same]
-    lens = np.stack([l1, l2, l3], axis=1)
-    idx = _ranges(np.stack([s1, s2, s3], axis=1).ravel(), lens.ravel())
     ptr = np.zeros(n + 1, dtype=np.int64)
-    np.cumsum(lens.sum(axis=1), out=ptr[1:])
+    np.cumsum(l1 + l2 + l3, out=ptr[1:])
+    idx = np.empty(int(ptr[-1]), dtype=np.int64)
+    one = np.flatnonzero(l1)  # every task but the first has its first range of one task: scattered,
+    idx[ptr[one]] = s1[one]  # the few longer ranges expanded
+    for s, ln, at in ((s2, l2, ptr[:-1] + l1), (s3, l3, ptr[:-1] + l1 + l2)):
+        some = np.flatnonzero(ln)
+        s, ln = s[some], ln[some]
+        vals = _ranges(s, ln)
+        idx[vals + np.repeat(at[some] - s, ln)] = vals
     return ptr, idx
 
 
@@ -614,19 +623,22 @@ def _events(enc: Encoded, lay: Layout, cat: np.ndarray, g: Graph, s: Schedule, h
 
     lanes = lane_names(hw)
     # lane code of every task: control 0, device 1, copy servers, host nodes
-    lane_base = np.array([0, 1, 2] + [2 + hw.copy_engines + k for k in range(hw.numa_nodes)], dtype=np.int64)
-    lane = lane_base[g.resource] + np.where(g.resource == RES_COPY, s.server, 0)
+    # columns in their final dtypes from the start (codes in int8/int16: fewer pages to touch and no casts)
+    code = np.int8 if len(lanes) < 128 else np.int16
+    lane_base = np.array([0, 1, 2] + [2 + hw.copy_engines + k for k in range(hw.numa_nodes)], dtype=code)
+    lane = lane_base[g.resource]
+    copies = g.resource == RES_COPY
+    lane[copies] += s.server[copies].astype(code)
     n = g.n
-    plan_of = np.zeros(n, np.int64)
     P = enc.n_plans
-    sizes = np.diff(np.concatenate([lay.D, [n]])) if P else np.zeros(0, np.int64)
-    plan_of[:] = np.repeat(np.arange(P), sizes) if P else 0
-    step = enc.forward[plan_of] if P else np.zeros(n, np.int64)
-    layer = enc.layer[plan_of] if P else np.zeros(n, np.int64)
-    kind = np.zeros(n, np.int64)
-    cause = np.full(n, CAUSES.index(""), np.int64)
-    expert = np.full(n, -1, np.int64)
-    tokens = np.zeros(n, np.int64)
+    sizes = np.diff(np.append(lay.D, n)) if P else np.zeros(0, np.int64)
+    plan_of = np.repeat(np.arange(P), sizes) if P else np.zeros(n, np.int64)
+    step = enc.forward.astype(np.int32)[plan_of] if P else np.zeros(n, np.int32)
+    layer = enc.layer.astype(np.int32)[plan_of] if P else np.zeros(n, np.int32)
+    kind = np.zeros(n, np.int8)
+    cause = np.full(n, CAUSES.index(""), np.int8)
+    expert = np.full(n, -1, np.int32)
+    tokens = np.zeros(n, np.int32)
     eb = getattr(g, "event_bytes", None)
     nbytes = (g.nbytes if eb is None else eb).astype(np.int64)
     t0, t1 = s.start.copy(), s.end.copy()
@@ -693,15 +705,14 @@ def _events(enc: Encoded, lay: Layout, cat: np.ndarray, g: Graph, s: Schedule, h
         for k, v in (("step", st), ("layer", ly), ("lane", ln), ("kind", np.full(m, KINDS.index("wait"))),
                      ("expert", np.full(m, -1)), ("tokens", np.zeros(m, np.int64)), ("bytes", np.zeros(m, np.int64)),
                      ("t_start_us", a), ("t_end_us", b), ("cause", np.full(m, c))):
-            cols[k] = np.concatenate([cols[k], v])
+            cols[k] = np.concatenate([cols[k], np.asarray(v).astype(cols[k].dtype, copy=False)])
     m = len(cols["step"])
     df = pd.DataFrame({
-        "run": pd.Categorical.from_codes(np.zeros(m, np.int64), [run]),
-        "step": cols["step"].astype(np.int32), "layer": cols["layer"].astype(np.int32),
+        "run": pd.Categorical.from_codes(np.zeros(m, np.int8), [run]),
+        "step": cols["step"], "layer": cols["layer"],
         "lane": pd.Categorical.from_codes(cols["lane"], lanes),
         "kind": pd.Categorical.from_codes(cols["kind"], list(KINDS)),
-        "expert": cols["expert"].astype(np.int32), "tokens": cols["tokens"].astype(np.int32),
-        "bytes": cols["bytes"].astype(np.int64), "t_start_us": cols["t_start_us"], "t_end_us": cols["t_end_us"],
+        "expert": cols["expert"], "tokens": cols["tokens"], "bytes": cols["bytes"], "t_start_us": cols["t_start_us"], "t_end_us": cols["t_end_us"],
         "cause": pd.Categorical.from_codes(cols["cause"], list(CAUSES)),
     })
     return df  # in task order (each layer's dense, transfers, experts, wait), extra waits last
