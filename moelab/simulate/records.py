@@ -24,7 +24,7 @@ several planners give None, and the encoder reads the lists instead.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from operator import attrgetter
+from operator import itemgetter
 from typing import Any
 
 import numpy as np
@@ -61,15 +61,18 @@ def plan_columns(plans: Sequence[Any]) -> dict | None:
     n = len(plans)
     if n == 0:
         return None
-    try:
-        cols = list(zip(*map(attrgetter("_rec", "_dec", "forward", "step", "layer", "tokens", "phase"), plans),
-                        strict=True))
-    except AttributeError:  # a plain LayerPlan, or one whose lists were read (its record is gone)
+    try:  # a lazy plan keeps its fields in its __dict__: read them column by column (C-level maps)
+        dicts = list(map(vars, plans))
+        recs, decs = list(map(itemgetter("_rec"), dicts)), list(map(itemgetter("_dec"), dicts))
+    except (TypeError, KeyError):  # a plain LayerPlan, or one whose lists were read (its record is gone)
         return None
-    recs, decs = cols[0], cols[1]
     dec = decs[0]
     if any(d is not dec for d in decs):
         return None
+
+    def column(name: str, dtype: Any = np.int64) -> np.ndarray:
+        return np.fromiter(map(itemgetter(name), dicts), dtype=dtype, count=n)
+
     from moelab.hybrid._compiled import (
         DEVICE,
         ERROR,
@@ -92,16 +95,14 @@ def plan_columns(plans: Sequence[Any]) -> dict | None:
     if head[:, ERROR].any():
         raise MoelabError("a compiled plan's record carries an error code; plan again (this is a bug).")
     nn, nd, ne, ni = head[:, N_NEEDED], head[:, N_DEFERRED], head[:, N_EVICTED], head[:, N_PF_IN]
-    layer = np.fromiter(cols[4], dtype=np.int64, count=n)
+    layer = column("layer")
     plans_idx = np.arange(n, dtype=np.int64)
 
     # ---- the needed experts, one item each: expert, tokens, hit, where, spec, inserted afterwards
     item = _ranges(off + 8, nn)
     iplan = np.repeat(plans_idx, nn)
-    stride = nn[iplan]
-    expert, tok = rec[item], rec[item + stride]
-    hit, where = rec[item + 2 * stride], rec[item + 3 * stride]
-    spec, ins = rec[item + 4 * stride], rec[item + 5 * stride]
+    fields = rec[item + np.outer(np.arange(6), nn[iplan])]  # [6, items]: one gather
+    expert, tok, hit, where, spec, ins = fields
     fetched = where == FETCHED
 
     dev = _grouped(iplan, where == DEVICE, fetched)
@@ -123,8 +124,8 @@ def plan_columns(plans: Sequence[Any]) -> dict | None:
     npf = np.where(head[:, MOVED] != 0, ni, 0)
     pf = rec[_ranges(off + 8 + 6 * nn + 2 * nd + ne, npf)]
     pfplan = np.repeat(plans_idx, npf)
-    moved = np.flatnonzero(npf)  # the prefetch's target layer, read from the plans that moved anything
-    target = np.repeat(np.fromiter((plans[i]._target for i in moved.tolist()), np.int64, len(moved)), npf[moved])
+    moved = np.flatnonzero(npf)  # the prefetch's target layer
+    target = np.repeat(column("_target")[moved], npf[moved])
     x_all = np.concatenate([
         np.column_stack([layer[trplan], expert[tr], layer_bytes[layer[trplan]], np.where(fetched[tr], 0, 1)]),
         np.column_stack([target, pf - key_off[target], layer_bytes[target], np.full(len(pf), 2)]),
@@ -133,10 +134,8 @@ def plan_columns(plans: Sequence[Any]) -> dict | None:
     x = x_all[order]
     nx = np.bincount(trplan, minlength=n) + npf
     return {
-        "forward": np.fromiter(cols[2], dtype=np.int64, count=n),
-        "step": np.fromiter(cols[3], dtype=np.int64, count=n),
-        "layer": layer, "tokens": np.fromiter(cols[5], dtype=np.int64, count=n),
-        "prefill": np.fromiter(map("prefill".__eq__, cols[6]), dtype=bool, count=n),
+        "forward": column("forward"), "step": column("step"), "layer": layer, "tokens": column("tokens"),
+        "prefill": np.fromiter(map("prefill".__eq__, map(itemgetter("phase"), dicts)), dtype=bool, count=n),
         "nv": nv, "v": v, "nh": nh, "h": h, "nf": nf, "f": f, "nx": nx, "x": x,
     }
 
