@@ -103,3 +103,28 @@ def test_fast_path_events_from_records_equal_the_reference():
     ref = simulate_plans(_plans(shape, config, "reference", steps=4, tokens=1, seed=3), shape, hw,
                          engine="reference", reference_graph=True)
     assert len(fast.events) > 0 and events_equal(ref.events, fast.events)
+
+
+def test_bench_cli_reads_records_and_checks_parity(capsys):
+    import json
+
+    from moelab.cli import main
+
+    args = ["bench", "simulate", "--tokens", "2", "--reference-tokens", "1", "--repeat", "1", "--allow-busy", "--json"]
+    assert main([*args, "--planner", "compiled"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert (d["planner"], d["plans_from"], d["parity"]) == ("compiled", "records", True)
+    assert d["fast"]["events"] > 0 and d["plans"] == 2 * 58
+    assert main([*args, "--planner", "reference"]) == 0
+    d2 = json.loads(capsys.readouterr().out)
+    assert (d2["planner"], d2["plans_from"], d2["parity"]) == ("reference", "lists", True)
+    assert d2["fast"]["events"] == d["fast"]["events"]  # the same plans either way
+
+
+def test_bench_planner_names_are_checked():
+    from moelab.errors import MoelabError
+    from moelab.simulate.bench import bench_planner
+
+    assert bench_planner("reference") == "reference" and bench_planner("auto") == "compiled"
+    with pytest.raises(MoelabError, match="bench planner 'compild'"):
+        bench_planner("compild")

@@ -7,6 +7,12 @@ model plans) under :func:`bench_config`: a per-layer LRU device cache of 25 %, m
 the host (and inserted into the cache), two of each token's experts deferred, and two
 prefetches per layer for the next one (the ``repeat`` predictor). The shape is the catalog's
 DeepSeek-V3 (:mod:`moelab.timing.shapes`).
+
+The plans come from the compiled planner where numba is installed (:func:`bench_planner`; the
+planner of a running model's real executor), whose plans keep packed records that the encoder
+reads with numpy (:mod:`moelab.simulate.records`); ``planner="reference"`` times the encoder on
+the Python planner's lists instead. Either way the plans are equal field by field, and the
+reference engine runs on the plans' lists, so the parity covers both readings.
 """
 
 from __future__ import annotations
