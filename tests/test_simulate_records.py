@@ -128,3 +128,14 @@ def test_bench_planner_names_are_checked():
     assert bench_planner("reference") == "reference" and bench_planner("auto") == "compiled"
     with pytest.raises(MoelabError, match="bench planner 'compild'"):
         bench_planner("compild")
+
+
+def test_plans_of_two_planners_are_read_from_their_lists():
+    from moelab.simulate.bench import bench_config
+    from moelab.simulate.records import plan_columns
+
+    shape = _shape()
+    a = _plans(shape, bench_config(), "compiled", steps=1, tokens=1, seed=0)
+    b = _plans(shape, bench_config(), "compiled", steps=1, tokens=1, seed=1)
+    assert plan_columns(a) is not None and plan_columns(b) is not None
+    assert plan_columns(a + b) is None  # two planners' records: the lists are read instead

@@ -67,7 +67,7 @@ def plan_columns(plans: Sequence[Any]) -> dict | None:
     except (TypeError, KeyError):  # a plain LayerPlan, or one whose lists were read (its record is gone)
         return None
     dec = decs[0]
-    if any(d is not dec for d in decs):
+    if decs.count(dec) != n:  # plans of several planners (a planner compares by identity)
         return None
 
     def column(name: str, dtype: Any = np.int64) -> np.ndarray:
