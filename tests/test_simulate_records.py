@@ -10,6 +10,13 @@ from moelab.caches._fast import HAVE_NUMBA
 
 pytestmark = pytest.mark.skipif(not HAVE_NUMBA, reason="numba is not installed: the compiled planner does not run")
 
+
+
+@pytest.fixture(autouse=True)
+def _planner_unforced(monkeypatch):
+    monkeypatch.delenv("MOELAB_PLANNER", raising=False)  # these tests name the planner of each plan
+
+
 ARRAYS = ("forward", "step", "layer", "tokens", "prefill", "nx", "nv", "nh", "nf", "last", "x", "v", "h", "f")
 
 
@@ -121,11 +128,13 @@ def test_bench_cli_reads_records_and_checks_parity(capsys):
     assert d2["fast"]["events"] == d["fast"]["events"]  # the same plans either way
 
 
-def test_bench_planner_names_are_checked():
+def test_bench_planner_names_are_checked(monkeypatch):
     from moelab.errors import MoelabError
     from moelab.simulate.bench import bench_planner
 
     assert bench_planner("reference") == "reference" and bench_planner("auto") == "compiled"
+    monkeypatch.setenv("MOELAB_PLANNER", "reference")  # the environment overrides, as for every planner
+    assert bench_planner("compiled") == "reference"
     with pytest.raises(MoelabError, match="bench planner 'compild'"):
         bench_planner("compild")
 

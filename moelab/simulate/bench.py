@@ -18,6 +18,7 @@ reference engine runs on the plans' lists, so the parity covers both readings.
 from __future__ import annotations
 
 import logging
+import os
 import statistics
 import time
 from typing import Any
@@ -106,6 +107,11 @@ def bench_planner(planner: str = "auto") -> str:
 
     if planner not in PLANNERS:
         raise MoelabError(f"bench planner {planner!r}: expected one of {', '.join(PLANNERS)}.")
+    from moelab.hybrid._compiled import ENV
+
+    forced = os.environ.get(ENV, "").strip().lower()
+    if forced in ("compiled", "reference"):
+        return forced
     if planner != "auto":
         return planner
     from moelab.caches._fast import HAVE_NUMBA
