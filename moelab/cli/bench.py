@@ -101,6 +101,9 @@ def register(subparsers) -> None:
                     help="decode steps run by the reference too, for the parity check (default 16)")
     sm.add_argument("--hardware", default="ktransformers-a100", help="hardware profile (default ktransformers-a100)")
     sm.add_argument("--repeat", type=positive_int, default=3, help="timed runs of the fast path (median; default 3)")
+    sm.add_argument("--planner", default="auto", choices=("auto", "compiled", "reference"),
+                    help="planner of the plans: compiled (packed records, read directly), reference (Python "
+                    "lists); auto: compiled where numba is installed (its first use compiles for a minute or more)")
     sm.add_argument("--json", action="store_true", help="print the results as JSON")
     sm.add_argument("--allow-busy", action="store_true",
                    help="print figures measured on a busy machine (flagged) instead of refusing them")
@@ -191,7 +194,7 @@ def run_simulate(args) -> int:
     from moelab.simulate.bench import format_result, run
 
     result = run(tokens=args.tokens, hardware=args.hardware, reference_tokens=min(args.reference_tokens, args.tokens),
-                 repeat=args.repeat)
+                 repeat=args.repeat, planner=args.planner)
     if args.json:
         emit_json(result)
     else:

@@ -7,17 +7,25 @@ model plans) under :func:`bench_config`: a per-layer LRU device cache of 25 %, m
 the host (and inserted into the cache), two of each token's experts deferred, and two
 prefetches per layer for the next one (the ``repeat`` predictor). The shape is the catalog's
 DeepSeek-V3 (:mod:`moelab.timing.shapes`).
+
+The plans come from the compiled planner where numba is installed (:func:`bench_planner`; the
+planner of a running model's real executor), whose plans keep packed records that the encoder
+reads with numpy (:mod:`moelab.simulate.records`); ``planner="reference"`` times the encoder on
+the Python planner's lists instead. Either way the plans are equal field by field, and the
+reference engine runs on the plans' lists, so the parity covers both readings.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import statistics
 import time
 from typing import Any
 
 import numpy as np
 
+from moelab.errors import MoelabError
 from moelab.measure import measure
 from moelab.routing import ForwardRouting
 from moelab.timing.shapes import get_shape
@@ -90,18 +98,42 @@ def events_equal(a, b) -> bool:
     return all(np.allclose(a[c].to_numpy(), b[c].to_numpy(), rtol=1e-9, atol=1e-6) for c in ("t_start_us", "t_end_us"))
 
 
+def bench_planner(planner: str = "auto") -> str:
+    """The planner the benchmark plans with: ``compiled`` (:mod:`moelab.hybrid._compiled`, whose plans
+    keep packed records the simulator's encoder reads directly: the planner a running model's real
+    executor uses) or ``reference`` (the Python planner: plain lists, which the encoder reads
+    instead); ``auto``: compiled where numba is installed. ``$MOELAB_PLANNER`` still overrides."""
+    from moelab.hybrid.config import PLANNERS
+
+    if planner not in PLANNERS:
+        raise MoelabError(f"bench planner {planner!r}: expected one of {', '.join(PLANNERS)}.")
+    from moelab.hybrid._compiled import ENV
+
+    forced = os.environ.get(ENV, "").strip().lower()
+    if forced in ("compiled", "reference"):
+        return forced
+    if planner != "auto":
+        return planner
+    from moelab.caches._fast import HAVE_NUMBA
+
+    return "compiled" if HAVE_NUMBA else "reference"
+
+
 def run(tokens: int = 512, hardware: str = "ktransformers-a100", reference_tokens: int = 16, seed: int = 0,
-        repeat: int = 3) -> dict:
+        repeat: int = 3, planner: str = "auto") -> dict:
     """Time the fast path on ``tokens`` decode steps (median of ``repeat``) and the reference on
     ``reference_tokens`` (it runs at tens of thousands of events/s), and check parity on the
-    reference's plans."""
+    reference's plans. ``planner``: :func:`bench_planner` (the plans' content is the same either
+    way; what differs is whether the encoder reads packed records or Python lists)."""
     from moelab.simulate.executor import simulate_plans
+    from moelab.simulate.records import plan_columns
 
     shape = deepseek_v3_shape()
     t = time.perf_counter()
-    config = bench_config(hardware=hardware)
+    config = {**bench_config(hardware=hardware), "planner": bench_planner(planner)}
     plans = random_plans(shape, config, steps=tokens, seed=seed)
     plan_s = time.perf_counter() - t
+    records = plan_columns(plans[:1]) is not None  # the encoder reads packed records (else lists)
     simulate_plans(plans[: len(shape.moe_layers)], shape, hardware, engine="fast")  # build + warm up
     cpu: list[float] = []
     box: dict = {}
@@ -114,14 +146,17 @@ def run(tokens: int = 512, hardware: str = "ktransformers-a100", reference_token
     m = measure(fast_path, warmup=0, repeat=repeat)  # the median of ``repeat``, its spread and the load
     fast, fast_s, fast_cpu = box["fast"], m.median, statistics.median(cpu)
     small = plans[: reference_tokens * len(shape.moe_layers)]
+    fast_small = simulate_plans(small, shape, hardware, engine="fast")
+    # the reference on the plans' lists (reading them drops a compiled plan's record): the parity
+    # covers the encoder's two readings too
+    small = [p.plain() if hasattr(p, "plain") else p for p in small]
     t, c = time.perf_counter(), time.process_time()
     ref = simulate_plans(small, shape, hardware, engine="reference", reference_graph=True)
     ref_s, ref_cpu = time.perf_counter() - t, time.process_time() - c
-    fast_small = simulate_plans(small, shape, hardware, engine="fast")
     summary = fast.summary()
     return {
         "shape": getattr(shape, "name", "?"), "hardware": hardware, "decode_tokens": tokens, "plans": len(plans),
-        "plan_generation_s": plan_s,
+        "plan_generation_s": plan_s, "planner": config["planner"], "plans_from": "records" if records else "lists",
         "fast": {"repeat": repeat, "events": len(fast.events), "tasks": fast.graph.n, "engine_events": fast.schedule.events,
                  "seconds": fast_s, "spread": m.spread, "load": m.load_after.get("load1"), "busy": m.reason,
                  "cpu_seconds": fast_cpu, "events_per_s": len(fast.events) / fast_s,
@@ -139,7 +174,8 @@ def format_result(r: dict) -> str:
     f, ref = r["fast"], r["reference"]
     lines = [
         f"simulate bench: {r['shape']} decode of {r['decode_tokens']} tokens on {r['hardware']} "
-        f"({r['plans']} layer plans; generated in {r['plan_generation_s']:.2f} s)",
+        f"({r['plans']} layer plans of the {r['planner']} planner, read from {r['plans_from']}; generated in "
+        f"{r['plan_generation_s']:.2f} s)",
         f"  fast path : {f['events']:>9,d} events in {f['seconds']:.3f} s wall ({f['cpu_seconds']:.3f} s CPU) = "
         f"{f['events_per_s'] / 1e6:.2f} M events/s ({f['events_per_cpu_s'] / 1e6:.2f} M per CPU-second; "
         f"{f['tasks']:,d} tasks, {f['engine_events']:,d} engine steps; plans → events, all included; median of "

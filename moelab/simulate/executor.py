@@ -147,31 +147,59 @@ def _immediate_items(n: int, E: int, v: np.ndarray, nv: np.ndarray, hh: np.ndarr
     return hh, np.bincount(hplan[stay], minlength=n), ff, np.bincount(fplan, minlength=n)
 
 
-def encode(plans: Sequence[Any], num_experts: int, num_moe_layers: int, *, has_shared: bool) -> Encoded:
-    """Flatten plans (LayerPlan-like objects) in order; checks experts and layers against the shape."""
+def _list_columns(plans: Sequence[Any], num_experts: int) -> dict:
+    """The encoder's columns (:func:`moelab.simulate.records.plan_columns`) read from the plans' lists."""
     n = len(plans)
     E = num_experts
     get = attrgetter("forward", "step", "layer", "tokens", "phase", "device", "host", "deferred", "transfers", "hits")
     cols_p = list(zip(*map(get, plans), strict=True)) if n else [()] * 10
-    fwd = np.fromiter(cols_p[0], dtype=np.int64, count=n)
-    step = np.fromiter(cols_p[1], dtype=np.int64, count=n)
-    enc_layer = np.fromiter(cols_p[2], dtype=np.int64, count=n)
-    tokens = np.fromiter(cols_p[3], dtype=np.int64, count=n)
-    prefill = np.fromiter(map("prefill".__eq__, cols_p[4]), dtype=bool, count=n)
     devs, hosts, dfrs, trs, hits = cols_p[5:10]
     phits = [getattr(p, "prefetch_hits", None) or () for p in plans]
     nv = np.fromiter(map(len, devs), dtype=np.int64, count=n)
-    nh = np.fromiter(map(len, hosts), np.int64, n)
-    nf = np.fromiter(map(len, dfrs), np.int64, n)
-    v, hh, ff = _flat_pairs(devs), _flat_pairs(hosts), _flat_pairs(dfrs)
+    v = _flat_pairs(devs)
     flat_tr = list(chain.from_iterable(trs))
-    nx = np.fromiter(map(len, trs), dtype=np.int64, count=n)
     if flat_tr:
         cols = list(zip(*map(attrgetter("layer", "expert", "bytes", "priority"), flat_tr), strict=True))
         x = np.column_stack([np.fromiter(cols[0], np.int64), np.fromiter(cols[1], np.int64),
                              np.fromiter(cols[2], np.int64), np.fromiter(map(XKIND.__getitem__, cols[3]), np.int64)])
     else:
         x = np.zeros((0, 4), np.int64)
+    plans_idx = np.arange(n, dtype=np.int64)
+    keys = np.repeat(plans_idx, nv) * E + v[:, 0]
+    fate = np.full(len(v), 2, dtype=np.int64)
+    for code, lists in ((0, hits), (1, phits)):
+        counts = np.fromiter(map(len, lists), dtype=np.int64, count=n)
+        if counts.sum():
+            k = np.repeat(plans_idx, counts) * E + np.fromiter(chain.from_iterable(lists), np.int64, int(counts.sum()))
+            if len(k) and (k.min() < 0 or k.max() >= n * E):
+                raise MoelabError(f"a plan's hits name an expert outside 0..{E - 1}; give the shape of the model "
+                                  "the trace was recorded on.")
+            mark = np.zeros(n * E, dtype=bool)
+            mark[k] = True
+            fate[mark[keys]] = code
+    return {
+        "forward": np.fromiter(cols_p[0], dtype=np.int64, count=n), "step": np.fromiter(cols_p[1], np.int64, n),
+        "layer": np.fromiter(cols_p[2], np.int64, n), "tokens": np.fromiter(cols_p[3], np.int64, n),
+        "prefill": np.fromiter(map("prefill".__eq__, cols_p[4]), dtype=bool, count=n),
+        "nv": nv, "v": np.column_stack([v, fate]), "nh": np.fromiter(map(len, hosts), np.int64, n),
+        "h": _flat_pairs(hosts), "nf": np.fromiter(map(len, dfrs), np.int64, n), "f": _flat_pairs(dfrs),
+        "nx": np.fromiter(map(len, trs), dtype=np.int64, count=n), "x": x,
+    }
+
+
+def encode(plans: Sequence[Any], num_experts: int, num_moe_layers: int, *, has_shared: bool) -> Encoded:
+    """Flatten plans (LayerPlan-like objects) in order; checks experts and layers against the shape.
+
+    The compiled planner's plans are read from their packed records
+    (:func:`moelab.simulate.records.plan_columns`: numpy over one concatenated array), any other
+    plans from their lists; both give the same arrays."""
+    from moelab.simulate.records import plan_columns
+
+    n = len(plans)
+    E = num_experts
+    c = plan_columns(plans) or _list_columns(plans, E)
+    fwd, enc_layer, v, hh, ff, x = c["forward"], c["layer"], c["v"], c["h"], c["f"], c["x"]
+    nh, nf = c["nh"], c["nf"]
     if n:
         if enc_layer.min() < 0 or enc_layer.max() >= num_moe_layers:
             raise MoelabError(f"a plan names MoE layer {int(enc_layer.max())} but the model shape has "
@@ -186,27 +214,13 @@ def encode(plans: Sequence[Any], num_experts: int, num_moe_layers: int, *, has_s
     if len(x) and (x[:, 0].min() < 0 or x[:, 0].max() >= num_moe_layers):
         raise MoelabError(f"a transfer names MoE layer {int(x[:, 0].max())}; the model shape has {num_moe_layers}.")
     if len(ff):
-        hh, nh, ff, nf = _immediate_items(n, E, v, nv, hh, nh, ff, nf)
-    plans_idx = np.arange(n, dtype=np.int64)
-    keys = np.repeat(plans_idx, nv) * E + v[:, 0]
-    fate = np.full(len(v), 2, dtype=np.int64)
-    for code, lists in ((0, hits), (1, phits)):
-        counts = np.fromiter(map(len, lists), dtype=np.int64, count=n)
-        if counts.sum():
-            k = np.repeat(plans_idx, counts) * E + np.fromiter(chain.from_iterable(lists), np.int64, int(counts.sum()))
-            if len(k) and (k.min() < 0 or k.max() >= n * E):
-                raise MoelabError(f"a plan's hits name an expert outside 0..{E - 1}; give the shape of the model "
-                                  "the trace was recorded on.")
-            mark = np.zeros(n * E, dtype=bool)
-            mark[k] = True
-            fate[mark[keys]] = code
+        hh, nh, ff, nf = _immediate_items(n, E, v, c["nv"], hh, nh, ff, nf)
     last = np.ones(n, dtype=bool)
     if n > 1:
         last[:-1] = fwd[1:] != fwd[:-1]
     return Encoded(
-        forward=fwd, step=step, layer=enc_layer, tokens=tokens, prefill=prefill, nx=nx, nv=nv,
-        nh=nh, nf=nf,
-        ns=1 if has_shared else 0, last=last, x=x, v=np.column_stack([v, fate]), h=hh, f=ff,
+        forward=fwd, step=c["step"], layer=enc_layer, tokens=c["tokens"], prefill=c["prefill"], nx=c["nx"],
+        nv=c["nv"], nh=nh, nf=nf, ns=1 if has_shared else 0, last=last, x=x, v=v, h=hh, f=ff,
     )
 
 
@@ -282,9 +296,10 @@ def _task_costs(enc: Encoded, lay: Layout, costs: CostModel, context: int):
         else:
             c += 1
             ctx_of[f] = (c, max(t, 1), False)
-    att = {f: costs.attention(cc, b, pre) for f, (cc, b, pre) in ctx_of.items()}
-    a_bytes = np.array([att[f][0] for f in enc.forward.tolist()]) if P else np.zeros(0)
-    a_flops = np.array([att[f][1] for f in enc.forward.tolist()]) if P else np.zeros(0)
+    att = np.array([costs.attention(cc, b, pre)[:2] for cc, b, pre in ctx_of.values()], dtype=np.float64)
+    of_fwd = np.repeat(np.arange(len(fwd_ids)), np.diff(np.append(first, P)))  # plans come in forward order
+    a_bytes = att[of_fwd, 0] if P else np.zeros(0)
+    a_flops = att[of_fwd, 1] if P else np.zeros(0)
 
     # decoder layers between the previous planned MoE layer (of the same forward) and this one
     moe = np.asarray(costs.moe_layers, dtype=np.int64)
@@ -372,10 +387,13 @@ def _task_costs(enc: Encoded, lay: Layout, costs: CostModel, context: int):
             key = owner * N + node
             first = np.ones(len(idx), dtype=bool)
             first[1:] = key[1:] != key[:-1]
-            if N > 1:  # items of one plan are not sorted by node: mark the first of each (plan, node)
-                _, firsts = np.unique(key, return_index=True)
-                first = np.zeros(len(idx), dtype=bool)
-                first[firsts] = True
+            if N > 1:  # items of one plan are not sorted by node: mark the first of each (plan, node),
+                first[:] = False  # node by node (items come in plan order)
+                for k in range(N):
+                    on = np.flatnonzero(node == k)
+                    head = np.ones(len(on), dtype=bool)
+                    head[1:] = owner[on[1:]] != owner[on[:-1]]
+                    first[on[head]] = True
             fixed[idx[first]] += costs.host_call_us
         nbytes[idx] = costs.expert_bytes
         cap[idx] = costs.host_cap(np.full(len(idx), costs.expert_bytes), costs.expert_flops_per_token * items[:, 1])
@@ -404,56 +422,82 @@ def _task_costs(enc: Encoded, lay: Layout, costs: CostModel, context: int):
 
 
 # ---------------------------------------------------------------------- dependencies
-def _deps_vectorized(enc: Encoded, lay: Layout, E: int) -> tuple[np.ndarray, np.ndarray]:
-    P = enc.n_plans
-    src: list[np.ndarray] = []
-    dst: list[np.ndarray] = []
-
-    def add(t, d):
-        src.append(np.asarray(t, dtype=np.int64))
-        dst.append(np.asarray(d, dtype=np.int64))
-
-    # control chain: every D but the first follows the task just before it (a W or a T)
-    add(lay.D[1:], lay.D[1:] - 1)
-    # transfers, shared, device, host, deferred follow their layer's dense work
-    for starts, counts in ((lay.X0, enc.nx), (lay.S0, np.full(P, enc.ns)), (lay.V0, enc.nv), (lay.H0, enc.nh),
-                           (lay.F0, enc.nf)):
-        add(_ranges(starts, counts), np.repeat(lay.D, counts))
-    # a device expert after the latest copy of it issued before it
+def _copy_before(enc: Encoded, lay: Layout, E: int) -> np.ndarray:
+    """For each device expert, the latest copy of its (layer, expert) issued before it (its task
+    index), or -1: one sort of the copies and device experts by (key, task index), then a running
+    maximum of the copies' positions."""
     X = _ranges(lay.X0, enc.nx)
     V = _ranges(lay.V0, enc.nv)
-    if len(V) and len(X):
-        kx = enc.x[:, 0] * E + enc.x[:, 1]
-        kv = np.repeat(enc.layer, enc.nv) * E + enc.v[:, 0]
-        keys = np.concatenate([kx, kv])
-        ids = np.concatenate([X, V])
-        isx = np.concatenate([np.ones(len(X), bool), np.zeros(len(V), bool)])
+    if not (len(V) and len(X)):
+        return np.full(len(V), -1, dtype=np.int64)
+    kx = enc.x[:, 0] * E + enc.x[:, 1]
+    kv = np.repeat(enc.layer, enc.nv) * E + enc.v[:, 0]
+    big = lay.n + 1
+    if (max(int(kx.max()), int(kv.max())) + 1) * big < 1 << 61:  # one int64 sort of key·big + task
+        val = np.sort(np.concatenate([kx * big + X, kv * big + V]))
+        key, ids = np.divmod(val, big)
+        isx = np.zeros(big, dtype=bool)
+        isx[X] = True
+        isx = isx[ids]
+    else:  # pragma: no cover - more than 2^61 / (tasks) keys
+        keys, ids = np.concatenate([kx, kv]), np.concatenate([X, V])
         order = np.lexsort((ids, keys))
-        big = lay.n + 1
-        val = np.where(isx[order], keys[order] * big + ids[order], -1)
-        run = np.maximum.accumulate(val)
-        sel = ~isx[order]
-        k_s, run_s, id_s = keys[order][sel], run[sel], ids[order][sel]
-        has = run_s >= k_s * big
-        add(id_s[has], run_s[has] - k_s[has] * big)
-    # the wait: its dense work, shared + device + host experts, the previous layer's deferred
-    add(lay.W, lay.D)
-    add(np.repeat(lay.W, enc.ns + enc.nv + enc.nh), _ranges(lay.S0, enc.ns + enc.nv + enc.nh))
-    if P > 1:
-        same = enc.forward[1:] == enc.forward[:-1]
-        prevF0, prevn = lay.F0[:-1][same], enc.nf[:-1][same]
-        add(np.repeat(lay.W[1:][same], prevn), _ranges(prevF0, prevn))
-    # the tail: the forward's last wait and its last layer's deferred experts
+        key, ids, val = keys[order], ids[order], keys[order] * big + ids[order]
+        isx = np.concatenate([np.ones(len(X), bool), np.zeros(len(V), bool)])[order]
+    run = np.maximum.accumulate(np.where(isx, val, -1))
+    sel = ~isx
+    k_s, run_s = key[sel], run[sel]
+    copy = np.where(run_s >= k_s * big, run_s - k_s * big, -1)
+    by_task = np.empty(big, dtype=np.int64)
+    by_task[ids[sel]] = copy
+    return by_task[V]  # back in device-expert order
+
+
+def _deps_vectorized(enc: Encoded, lay: Layout, E: int) -> tuple[np.ndarray, np.ndarray]:
+    """The dependencies as CSR, written straight in task order: each task's are at most three
+    ranges of task indices (no sort of the edges).
+
+    * dense work ``D``: the control task just before it (the previous plan's wait, or tail);
+    * transfers, shared, host and deferred experts: their plan's ``D``; a device expert also the
+      latest copy of it issued before it (:func:`_copy_before`);
+    * the wait ``W``: ``D``, the plan's shared, device and host experts (contiguous) and the
+      previous plan's deferred experts when it is of the same forward;
+    * the tail ``T``: the forward's last ``W`` and that plan's deferred experts.
+    """
+    P, n = enc.n_plans, lay.n
+    sizes = np.diff(np.append(lay.D, n)) if P else np.zeros(0, np.int64)
+    plan_of = np.repeat(np.arange(P, dtype=np.int64), sizes)
+    s1 = lay.D[plan_of]  # every task's first range: one task, its plan's dense work ...
+    l1 = np.ones(n, dtype=np.int64)
+    s1[lay.D] = lay.D - 1  # ... but the control chain's
+    if P:
+        l1[lay.D[0]] = 0
     lastp = np.flatnonzero(enc.last)
-    add(lay.T[lastp], lay.W[lastp])
-    add(np.repeat(lay.T[lastp], enc.nf[lastp]), _ranges(lay.F0[lastp], enc.nf[lastp]))
-    t = np.concatenate(src) if src else np.zeros(0, np.int64)
-    d = np.concatenate(dst) if dst else np.zeros(0, np.int64)
-    order = np.argsort(t, kind="stable")  # the engine needs each task's dependencies, in any order
-    t, d = t[order], d[order]
-    ptr = np.zeros(lay.n + 1, dtype=np.int64)
-    np.add.at(ptr, t + 1, 1)
-    return np.cumsum(ptr), d
+    T = lay.T[lastp]
+    s1[T] = lay.W[lastp]
+    s2 = np.zeros(n, dtype=np.int64)
+    l2 = np.zeros(n, dtype=np.int64)
+    V = _ranges(lay.V0, enc.nv)
+    copy = _copy_before(enc, lay, E)
+    s2[V], l2[V] = copy, copy >= 0
+    s2[lay.W], l2[lay.W] = lay.S0, enc.ns + enc.nv + enc.nh
+    s2[T], l2[T] = lay.F0[lastp], enc.nf[lastp]
+    s3 = np.zeros(n, dtype=np.int64)
+    l3 = np.zeros(n, dtype=np.int64)
+    if P > 1:
+        same = np.flatnonzero(enc.forward[1:] == enc.forward[:-1])
+        s3[lay.W[same + 1]], l3[lay.W[same + 1]] = lay.F0[same], enc.nf[same]
+    ptr = np.zeros(n + 1, dtype=np.int64)
+    np.cumsum(l1 + l2 + l3, out=ptr[1:])
+    idx = np.empty(int(ptr[-1]), dtype=np.int64)
+    one = np.flatnonzero(l1)  # every task but the first has its first range of one task: scattered,
+    idx[ptr[one]] = s1[one]  # the few longer ranges expanded
+    for s, ln, at in ((s2, l2, ptr[:-1] + l1), (s3, l3, ptr[:-1] + l1 + l2)):
+        some = np.flatnonzero(ln)
+        s, ln = s[some], ln[some]
+        vals = _ranges(s, ln)
+        idx[vals + np.repeat(at[some] - s, ln)] = vals
+    return ptr, idx
 
 
 def _deps_reference(enc: Encoded, lay: Layout, E: int) -> tuple[np.ndarray, np.ndarray]:
@@ -579,19 +623,22 @@ def _events(enc: Encoded, lay: Layout, cat: np.ndarray, g: Graph, s: Schedule, h
 
     lanes = lane_names(hw)
     # lane code of every task: control 0, device 1, copy servers, host nodes
-    lane_base = np.array([0, 1, 2] + [2 + hw.copy_engines + k for k in range(hw.numa_nodes)], dtype=np.int64)
-    lane = lane_base[g.resource] + np.where(g.resource == RES_COPY, s.server, 0)
+    # columns in their final dtypes from the start (codes in int8/int16: fewer pages to touch and no casts)
+    code = np.int8 if len(lanes) < 128 else np.int16
+    lane_base = np.array([0, 1, 2] + [2 + hw.copy_engines + k for k in range(hw.numa_nodes)], dtype=code)
+    lane = lane_base[g.resource]
+    copies = g.resource == RES_COPY
+    lane[copies] += s.server[copies].astype(code)
     n = g.n
-    plan_of = np.zeros(n, np.int64)
     P = enc.n_plans
-    sizes = np.diff(np.concatenate([lay.D, [n]])) if P else np.zeros(0, np.int64)
-    plan_of[:] = np.repeat(np.arange(P), sizes) if P else 0
-    step = enc.forward[plan_of] if P else np.zeros(n, np.int64)
-    layer = enc.layer[plan_of] if P else np.zeros(n, np.int64)
-    kind = np.zeros(n, np.int64)
-    cause = np.full(n, CAUSES.index(""), np.int64)
-    expert = np.full(n, -1, np.int64)
-    tokens = np.zeros(n, np.int64)
+    sizes = np.diff(np.append(lay.D, n)) if P else np.zeros(0, np.int64)
+    plan_of = np.repeat(np.arange(P), sizes) if P else np.zeros(n, np.int64)
+    step = enc.forward.astype(np.int32)[plan_of] if P else np.zeros(n, np.int32)
+    layer = enc.layer.astype(np.int32)[plan_of] if P else np.zeros(n, np.int32)
+    kind = np.zeros(n, np.int8)
+    cause = np.full(n, CAUSES.index(""), np.int8)
+    expert = np.full(n, -1, np.int32)
+    tokens = np.zeros(n, np.int32)
     eb = getattr(g, "event_bytes", None)
     nbytes = (g.nbytes if eb is None else eb).astype(np.int64)
     t0, t1 = s.start.copy(), s.end.copy()
@@ -658,15 +705,14 @@ def _events(enc: Encoded, lay: Layout, cat: np.ndarray, g: Graph, s: Schedule, h
         for k, v in (("step", st), ("layer", ly), ("lane", ln), ("kind", np.full(m, KINDS.index("wait"))),
                      ("expert", np.full(m, -1)), ("tokens", np.zeros(m, np.int64)), ("bytes", np.zeros(m, np.int64)),
                      ("t_start_us", a), ("t_end_us", b), ("cause", np.full(m, c))):
-            cols[k] = np.concatenate([cols[k], v])
+            cols[k] = np.concatenate([cols[k], np.asarray(v).astype(cols[k].dtype, copy=False)])
     m = len(cols["step"])
     df = pd.DataFrame({
-        "run": pd.Categorical.from_codes(np.zeros(m, np.int64), [run]),
-        "step": cols["step"].astype(np.int32), "layer": cols["layer"].astype(np.int32),
+        "run": pd.Categorical.from_codes(np.zeros(m, np.int8), [run]),
+        "step": cols["step"], "layer": cols["layer"],
         "lane": pd.Categorical.from_codes(cols["lane"], lanes),
         "kind": pd.Categorical.from_codes(cols["kind"], list(KINDS)),
-        "expert": cols["expert"].astype(np.int32), "tokens": cols["tokens"].astype(np.int32),
-        "bytes": cols["bytes"].astype(np.int64), "t_start_us": cols["t_start_us"], "t_end_us": cols["t_end_us"],
+        "expert": cols["expert"], "tokens": cols["tokens"], "bytes": cols["bytes"], "t_start_us": cols["t_start_us"], "t_end_us": cols["t_end_us"],
         "cause": pd.Categorical.from_codes(cols["cause"], list(CAUSES)),
     })
     return df  # in task order (each layer's dense, transfers, experts, wait), extra waits last
