@@ -114,6 +114,12 @@ class Out(NamedTuple):
     """(E + 1,) float64 per-expert scratch (largest weight; zero between calls)."""
     seen: np.ndarray
     """(E + 1,) int64 per-expert scratch (position + 1 in ``needed``; zero between calls)."""
+    keys: np.ndarray
+    """(E,) int64 scratch: the needed experts' cache keys."""
+    admit: np.ndarray
+    """(E,) uint8 scratch: the access's admission filter."""
+    flags: np.ndarray
+    """(E,) uint8 scratch: the access's hit flags."""
 
 
 # ---------------------------------------------------------------------- the kernel
@@ -520,7 +526,7 @@ def plan(cache, s, out, layer, ids, w, st, has_state, scores, place, admit_all, 
     n = _union(ids, w, st, has_state, out)
     cnt[N_NEEDED] = n
     needed, hit, where, spec = out.needed, out.hit, out.where, out.spec
-    keys = np.empty(n, dtype=np.int64)
+    keys = out.keys[:n]  # preallocated scratch: no allocation on the per-layer path
     nhit = 0
     for i in range(n):
         k = off + needed[i]
@@ -534,11 +540,10 @@ def plan(cache, s, out, layer, ids, w, st, has_state, scores, place, admit_all, 
         _greedy(n, needed, out.tokens, hit, where, s)
     if p > 0:
         _fast.mrs_scores(cache, layer, p, top_v, top_e)
-    admit = np.ones(n, dtype=np.uint8)
-    if not admit_all:
-        for i in range(n):
-            admit[i] = where[i] == FETCHED
-    flags = np.empty(n, dtype=np.uint8)  # the same as ``hit``: nothing changed since
+    admit = out.admit[:n]
+    for i in range(n):
+        admit[i] = 1 if admit_all or where[i] == FETCHED else 0
+    flags = out.flags[:n]  # the same as ``hit``: nothing changed since
     _fast.access_admit(cache, keys, keys[:0], flags, admit)
     s.layer_hm[layer, 0] += nhit
     s.layer_hm[layer, 1] += n - nhit
@@ -678,12 +683,14 @@ def _trampoline():
 
         @njit(nogil=True)
         def run(box, layer, ids, w, st, has_state, scores, place, admit_all, pf, pf_target, budget, impact):
-            """:func:`plan` on a planner's boxed state, then :func:`pack`.
+            """:func:`plan` on a planner's boxed state, then :func:`pack`; with the error code, the
+            skipped slots and the prefetched experts (what the caller reads at once, as ints).
 
             Size: :func:`plan`'s per-call arguments."""
             plan(box.cache, box.s, box.out, layer, ids, w, st, has_state, scores, place, admit_all, pf, pf_target,
                  budget, impact)
-            return pack(box.out)
+            cnt = box.out.cnt
+            return pack(box.out), cnt[ERROR], cnt[SKIPPED], cnt[MOVED]
 
         _BOX["run"] = run
     return _BOX["run"]
@@ -897,7 +904,8 @@ class CompiledPlanner:
             self.out = Out(np.zeros(E, np.int64), np.zeros(E, np.int64), np.zeros(E, np.uint8), np.zeros(E, np.int64),
                            np.zeros(E, np.uint8), np.zeros(E, np.uint8), np.zeros((self._slots, 2), np.int64),
                            np.zeros(NK, np.int64), np.zeros(NK, np.int64), np.zeros(NK, np.int64),
-                           np.zeros(8, np.int64), np.zeros(E + 1, np.float64), np.zeros(E + 1, np.int64))
+                           np.zeros(8, np.int64), np.zeros(E + 1, np.float64), np.zeros(E + 1, np.int64),
+                           np.zeros(E, np.int64), np.zeros(E, np.uint8), np.zeros(E, np.uint8))
         from numba import typeof
 
         key = (typeof(self.state), typeof(self.static), typeof(self.out))
@@ -953,14 +961,13 @@ class CompiledPlanner:
             budget = -1 if b is None else int(b)
         if not 0 <= layer < p.num_layers:
             self.view.reference._check_layer(layer)
-        rec = self._run(self._box, layer, ids, w, st, has_state, sc, self.place, self.admit_all, pf, pf_target,
-                        budget, self.impact)
-        head = rec[:8].tolist()
-        if head[ERROR]:
-            self._raise(head[ERROR], layer, ids, pf, pf_target)
+        rec, err, skipped, moved = self._run(self._box, layer, ids, w, st, has_state, sc, self.place, self.admit_all,
+                                             pf, pf_target, budget, self.impact)
+        if err:
+            self._raise(err, layer, ids, pf, pf_target)
         if pf_target >= 0 and p.budget_per_forward and p.budget is not None:
-            p._budget_left -= head[MOVED]
-        return LazyPlan(forward, step, phase, layer, T, head[SKIPPED], rec, pf_target, self)
+            p._budget_left -= moved
+        return LazyPlan(forward, step, phase, layer, T, skipped, rec, pf_target, self)
 
     def fill(self, lp: LazyPlan) -> None:
         """Decode ``lp``'s record into the :class:`~moelab.hybrid.planner.LayerPlan` fields (once)."""

@@ -30,6 +30,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from moelab.caches.base import ExpertCache
@@ -69,12 +70,16 @@ def planner_cost(model_name: str, steps: int = 64, repeats: int = 3) -> dict[str
                 ExpertCache.fast = fast
                 run = HybridRun(model, {**cfg, "planner": "compiled" if fast else "reference"})
                 calls: list[tuple] = []
+                copy_ns: list[int] = []
                 with run:
-                    _record_calls(run.planner, calls)
+                    _record_calls(run.planner, calls, copy_ns)
                     _decode(model, ids, 4)
                     run.timing_reset()
                     run.planner_samples = []
+                    copy_ns.clear()
                     _decode(model, ids, steps)
+                # the plans' own time: less what recording their inputs cost inside the timed call
+                run.planner_samples = [t - c for t, c in zip(run.planner_samples, copy_ns, strict=True)]
                 samples[fast] += run.planner_samples
                 per_repeat[fast].append(statistics.median(run.planner_samples) / 1e9)
                 for key, v in run.timing.items():
@@ -97,13 +102,21 @@ def planner_cost(model_name: str, steps: int = 64, repeats: int = 3) -> dict[str
     }
 
 
-def _record_calls(planner, calls: list) -> None:
-    """Keep the arguments of every ``plan_layer`` call of ``planner`` (lists the adapter made
-    afresh for the call, which the planner does not modify)."""
+def _record_calls(planner, calls: list, copy_ns: list[int]) -> None:
+    """Keep the arguments of every ``plan_layer`` call of ``planner``: copies of its arrays (the
+    runtime hands the compiled planner views of the model's tensors, which later layers and
+    steps may reuse), the lists as they are (the adapter makes them afresh for the call).
+    ``copy_ns`` gets the ns each decode-step call spent recording (inside the timed plan: the
+    caller subtracts it)."""
+    import time
+
     plan_layer = planner.plan_layer
 
     def recorded(*args):
-        calls.append(args)
+        t0 = time.perf_counter_ns()
+        calls.append(tuple(a.copy() if isinstance(a, np.ndarray) else a for a in args))
+        if args[2] == "decode":
+            copy_ns.append(time.perf_counter_ns() - t0)
         return plan_layer(*args)
 
     planner.plan_layer = recorded

@@ -155,6 +155,7 @@ class HybridRun:
         self.planner = Planner.build(cfg, num_experts=num_experts, top_k=top_k, expert_bytes=self.expert_bytes,
                                      shape=shape, **warm)
         self.cache, self.placement, self.cost = self.planner.cache, self.planner.placement, self.planner.cost
+        self._needs_scores = self.cache is not None and bool(self.cache.needs_scores)
         self.predictor = self._load_predictor()
         try:
             self._apply_routing()
@@ -311,28 +312,35 @@ class HybridRun:
         self._plan_with(ctx, layer, ids, w, state, scores)
 
     def _plan_layer_arrays(self, ctx: ForwardContext, layer, call: ExpertsCall) -> None:
-        """:meth:`_plan_layer` for the compiled planner: the routing as numpy arrays (copies: the
-        planner's inputs stay as they were when it planned), no Python lists; as few torch calls
-        as a decode step allows (each costs microseconds)."""
+        """:meth:`_plan_layer` for the compiled planner: the routing as numpy views of the call's
+        own CPU tensors (``Tensor.numpy()``: no copy, no Python lists; the planner reads them
+        during the call and keeps nothing of them), as few torch and numpy calls as a decode step
+        allows: each costs microseconds, several times more between a forward's layers (cold
+        caches) than in a loop. Padding rows are left out by a (copying) row selection."""
         plan = call._plan
         experts = call.experts
-        K = experts.shape[-1]
-        ids = _host_array(experts if experts.dim() == 2 else experts.reshape(-1, K))
+        if experts.dim() != 2:
+            experts = experts.reshape(-1, experts.shape[-1])
+        ids = _host_array(experts)
         T = ids.shape[0]
         mask = ctx.mask_cpu  # None when every token is real
         valid = mask.reshape(-1) if mask is not None and mask.size == T else None
         rows = None if valid is None or valid.all() else valid
-        ids = ids.copy() if rows is None else ids[rows]
+        if rows is not None:
+            ids = ids[rows]
         w = None
         if T > 1:  # the weights order only a union of several tokens' experts
-            w = _host_array((plan.weights if plan is not None else call.weights).reshape(-1, K).float())
-            w = w.copy() if rows is None else w[rows]
+            wt = plan.weights if plan is not None else call.weights
+            w = _host_array(wt.reshape(T, -1).float())
+            if rows is not None:
+                w = w[rows]
         state = None
         if plan is not None:
             st = plan.state
-            state = _host_array(st if st.dim() == 2 else st.reshape(-1, K))
-            state = state.copy() if rows is None else state[rows]
-        scores = self._scores(ctx, layer, valid) if self.cache.needs_scores else None
+            state = _host_array(st if st.dim() == 2 else st.reshape(T, -1))
+            if rows is not None:
+                state = state[rows]
+        scores = self._scores(ctx, layer, valid) if self._needs_scores else None
         self._plan_with(ctx, layer, ids, w, state, scores)
 
     def _plan_with(self, ctx: ForwardContext, layer, ids, w, state, scores) -> None:
@@ -350,7 +358,7 @@ class HybridRun:
             return None
         if logits.dim() != 2:
             logits = logits.reshape(-1, logits.shape[-1])
-        if valid is not None and logits.shape[0] == valid.size:
+        if valid is not None and logits.shape[0] == valid.size and not valid.all():
             logits = logits[torch.from_numpy(valid).to(logits.device)]
         if logits.dtype != torch.float32:
             logits = logits.float()
