@@ -203,7 +203,7 @@ class MinCost(Placement):
         return self._greedy.place(hits, misses, cost)
 
     @staticmethod
-    def _decision(hits, misses, best_set, best_stolen) -> dict[int, str]:
+    def _decision(misses, best_set, best_stolen) -> dict[int, str]:
         out = {e: (FETCH if (e, n) in best_set else HOST) for e, n in misses}
         out.update({e: HOST for e, _ in best_stolen})
         return out
@@ -225,7 +225,7 @@ class MinCost(Placement):
                         t = max(lanes_us(kept, chosen, host + list(stolen), cost, tokens))
                         if t < best - 1e-9:
                             best, best_set, best_stolen = t, chosen, stolen
-        return self._decision(hits, misses, best_set, best_stolen)
+        return self._decision(misses, best_set, best_stolen)
 
     def place(self, hits, misses, cost):
         """:meth:`place_reference`'s decisions, with the cost model's arithmetic inline.
@@ -289,7 +289,7 @@ class MinCost(Placement):
                     t = max(dev + sync, host_end + sync) if dev else max(dev, host_end)
                     if t < best - 1e-9:
                         best, best_set, best_stolen = t, chosen, stolen
-        return self._decision(hits, misses, best_set, best_stolen)
+        return self._decision(misses, best_set, best_stolen)
 
 
 def get_placement(name: str) -> Placement:
