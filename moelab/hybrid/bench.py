@@ -16,7 +16,8 @@ Three measurements, printed as tables:
    weights and DeepSeek-V2-Lite's MoE layers (hidden 2048, 64 routed experts of
    intermediate 1408, top-6, 2 shared experts; ``--layers`` MoE layers, bf16; attention
    dimensions stay tiny), decode step time under ``host-misses`` for deferral 0..4 and
-   device capacity 0/25/50 %, with lane busy % and host/device overlap from the events.
+   device capacity 0/25/50 % (an LRU cache warmed by frequency over a trace of the same decode
+   loop, :func:`warm_cache`), with lane busy % and host/device overlap from the events.
    The device lane is a CPU worker here, so both lanes share this machine's cores and
    memory bandwidth.
 4. The side-by-side table (plain transformers vs the real executor vs the simulator's prediction)
@@ -174,6 +175,23 @@ def realistic_model(layers: int = 3, dtype: torch.dtype = torch.bfloat16):
     )
 
 
+def warm_cache(capacity: float, model: Any, ids: torch.Tensor, steps: int, memo: dict) -> dict[str, Any]:
+    """The grid's cache at ``capacity``: LRU, warmed by frequency over a routing trace of the bench's
+    own decode loop (recorded once per ``memo``), so a capacity means that many experts resident from
+    the first step (1.0: every one), as KTransformers' static placement by frequency. An empty cache
+    under ``host-misses`` would stay empty: a miss computed on the host is not copied
+    (``cache.admission: placement``)."""
+    if not capacity:
+        return {"capacity": 0}
+    if "trace" not in memo:
+        from moelab.trace.recorder import record
+
+        with record(model) as rec:
+            _decode(model, ids, steps)
+        memo["trace"] = str(rec.path)
+    return {"capacity": capacity, "policy": "lru", "warm": "frequency", "warm_from": memo["trace"]}
+
+
 def real_executor_grid(layers: int = 3, steps: int = 8, deferred=(0, 1, 2, 3, 4), capacity=(0.0, 0.25, 0.5),
                        host_backend: str = "moelab_bf16", repeats: int = 3) -> list[dict[str, Any]]:
     """Decode step time of each (capacity, deferred) point: the median of ``repeats`` loops of
@@ -182,10 +200,10 @@ def real_executor_grid(layers: int = 3, steps: int = 8, deferred=(0, 1, 2, 3, 4)
 
     model = realistic_model(layers)
     ids = torch.randint(3, 250, (1, 8), generator=torch.Generator().manual_seed(0))
-    rows = []
+    rows, memo = [], {}
     for cap in capacity:
         for d in deferred:
-            cfg = {"cache": {"capacity": cap, "policy": "lru"}, "placement": "host-misses", "executor": "real",
+            cfg = {"cache": warm_cache(cap, model, ids, steps, memo), "placement": "host-misses", "executor": "real",
                    "device_backend": "reference", "host_backend": host_backend, "device": "cpu",
                    "routing": {"deferred": d, "min_immediate": 0}}
             run = HybridRun(model, cfg)

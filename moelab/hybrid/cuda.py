@@ -193,6 +193,7 @@ class CudaExecutor(LaneExecutor):
             resident = 0 if run.cache is None else int(sum(run.cache.slots_))
             self.pool = Pool(run.layers, resident, self.device)
             self.views = {layer.index: self.pool.view(layer.experts) for layer in run.layers}
+            self._preload()
             self.streams = {n: torch.cuda.Stream(self.device) for n in ("device", "copy", "back")}
             torch.cuda.synchronize(self.device)
             self._t0_host = self.log.now_us()
@@ -203,6 +204,23 @@ class CudaExecutor(LaneExecutor):
         except BaseException:
             self.close()
             raise
+
+    def _preload(self) -> None:
+        """Copy what a warm cache holds (``cache.warm``) into the pool before the first forward: those
+        experts are resident from the start, as a static placement loaded with the model, so no step pays
+        their copies (load time, not on the run's clock)."""
+        cache, pool = self.run.cache, self.pool
+        if cache is None:
+            return
+        for layer in self.run.layers:
+            L, masters = layer.index, layer.experts._parameters
+            keys = cache.partition_keys(L)
+            for e in range(layer.num_experts):
+                if cache.key(L, e) in keys:
+                    s = pool.alloc()
+                    pool.where[(L, e)] = s
+                    for n, dst in pool.stacks.items():
+                        dst[s].copy_(masters[n].data[e], non_blocking=True)
 
     def close(self) -> None:
         try:
