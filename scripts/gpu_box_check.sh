@@ -1,0 +1,78 @@
+#!/usr/bin/env bash
+# Everything moelab checks on a lent CPU+GPU box, in one call and within a time budget. From the
+# repository root:
+#
+#     OUT=box_out BUDGET=520 bash scripts/gpu_box_check.sh
+#
+# Order (each step gets what is left of BUDGET seconds, so the call ends inside the budget):
+#   1. environment (GPU, CPU model and ISA flags, package versions) and the native kernels' build;
+#   2. the CUDA tests (scripts/gpu_check.sh, SKIP_BENCH=1) and the kernels' parity / error-path
+#      tests on every ISA path this CPU runs (scripts/cpu_isa_check.sh, SKIP_BENCH=1), side by side;
+#   3. the real executor's CUDA bench (scripts/gpu_check.sh, SKIP_TESTS=1, HOST_BACKEND=moelab_bf16
+#      unless set), alone on the machine;
+#   4. `moelab bench kernels` (T=1 16 256) and `--prefill` on the best ISA path, alone.
+# Results: $OUT/summary.txt (the figures) and $OUT/all.tgz (every log), so they fit the device
+# tool's eight returned files. Exit status: non-zero when a test failed.
+set -uo pipefail
+OUT="${OUT:-${1:-gpu_box_out}}"
+BUDGET="${BUDGET:-520}"
+mkdir -p "$OUT"
+OUT="$(cd "$OUT" && pwd)"
+export PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+export TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$OUT/ext}"
+PY="${PYTHON:-python3}"
+S="$OUT/summary.txt"
+: > "$S"
+
+step() {  # step LIMIT_S CMD...: run CMD with min(LIMIT_S, the budget left); say when it was cut or skipped
+  local lim=$1 left=$((BUDGET - SECONDS)); shift
+  if [ "$left" -lt 15 ]; then echo "SKIPPED (budget spent): $*" | tee -a "$S" >&2; return 124; fi
+  [ "$lim" -gt "$left" ] && lim=$left
+  local t0=$SECONDS
+  timeout "$lim" "$@"; local rc=$?
+  echo "[${SECONDS}s] rc=$rc after $((SECONDS - t0)) s (limit $lim s): $*" >> "$S"
+  return $rc
+}
+
+{
+  echo "== box"; nvidia-smi -L 2>&1; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1
+  grep -m1 "model name" /proc/cpuinfo; echo "cpus $(nproc)"
+  grep -m1 -o -w -E "avx2|fma|f16c|avx512f|avx512bw|avx512vl|avx512_vnni|avx512_bf16|avx512_fp16|amx_tile|amx_bf16|amx_int8" \
+    /proc/cpuinfo | sort -u | tr '\n' ' '; echo
+  $PY -m pip list 2>/dev/null | grep -iE "^(torch|transformers|numba|numpy|pandas|pyarrow|pyyaml|tokenizers|safetensors|accelerate|pytest|pytest-xdist) "
+} 2>&1 | tee -a "$S"
+
+echo "== kernels build" | tee -a "$S"
+step 200 $PY -c "import time; t = time.time(); from moelab.kernels.build import load_extension, supported_isas; load_extension(); print('ISA paths:', ' '.join(supported_isas()), f'(built in {time.time() - t:.0f} s)')" 2>&1 | tee -a "$S"
+BEST=$($PY -c "from moelab.kernels import supported_isas; print(supported_isas()[0])" 2>/dev/null)
+echo "best ISA path: ${BEST:-none}" | tee -a "$S"
+
+echo "== tests (CUDA and ISA, side by side)" | tee -a "$S"
+mkdir -p "$OUT/isa" "$OUT/gpu"
+( OUT="$OUT/isa" JOBS=4 SKIP_BENCH=1 step 240 bash scripts/cpu_isa_check.sh > "$OUT/isa/log.txt" 2>&1 ) &
+isa_pid=$!
+OUT="$OUT/gpu" SKIP_BENCH=1 step 240 bash scripts/gpu_check.sh > "$OUT/gpu/log.txt" 2>&1; grc=$?
+wait $isa_pid; irc=$?
+{ echo "-- CUDA tests (rc $grc)"; grep -E "passed|failed|error|SKIPPED|FAILED|ERROR" "$OUT/gpu/pytest.txt" | tail -25
+  echo "-- ISA tests (rc $irc)"; for f in "$OUT"/isa/pytest-*.txt; do echo "$f"; grep -E "^(FAILED|ERROR)|passed|failed|crash" "$f" | tail -12; done; } 2>&1 | tee -a "$S"
+
+echo "== real executor on CUDA (host backend ${HOST_BACKEND:-moelab_bf16})" | tee -a "$S"
+mkdir -p "$OUT/bench"
+HOST_BACKEND="${HOST_BACKEND:-moelab_bf16}" OUT="$OUT/bench" SKIP_TESTS=1 step 200 bash scripts/gpu_check.sh \
+  > "$OUT/bench/log.txt" 2>&1
+grep -vE "^== environment|^python |^cuda |^plotly|^lm_eval|^ray|^imports" "$OUT/bench/bench.txt" 2>/dev/null | tee -a "$S"
+
+if [ -n "$BEST" ]; then
+  for mode in tokens prefill; do
+    echo "== moelab bench kernels ($mode) on $BEST" | tee -a "$S"
+    args=(--tokens 1 16 256); [ $mode = prefill ] && args=(--prefill)
+    MOELAB_KERNELS_ISA=$BEST step 150 $PY -m moelab.cli bench kernels --dtypes bf16 int8 fp8 "${args[@]}" \
+      --repeat "${REPEAT:-3}" --allow-busy > "$OUT/kernels-$mode.txt" 2> "$OUT/kernels-$mode.log"
+    cat "$OUT/kernels-$mode.txt" >> "$S"
+  done
+fi
+
+rm -rf "$OUT/ext" "$OUT/isa/ext"
+(cd "$OUT" && tar czf all.tgz --exclude=all.tgz --exclude=summary.txt . && rm -rf isa gpu bench kernels-*)
+echo "== done in ${SECONDS} s; CUDA tests rc $grc, ISA tests rc $irc" | tee -a "$S"
+exit $(( grc != 0 ? grc : irc ))
