@@ -25,15 +25,45 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <sstream>
+#include <stdexcept>
 #include <optional>
 #include <stdexcept>
 #include <string>
 #include <thread>
+#include <variant>
 #include <vector>
 
 #include "moe_kernels.h"
 
 namespace moelab {
+
+// Errors are values at the boundary: the functions that take tensors (moe_forward, moe_submit,
+// Ticket.wait) return the error's message as a string instead of throwing, and the Python
+// wrapper (moelab.kernels.op) raises it. On torch 2.11 (its CUDA wheel, an AVX-512 machine,
+// 2026-11-27) any exception leaving moe_forward killed the interpreter with SIGSEGV on every ISA
+// path — a failing TORCH_CHECK and a plain std::runtime_error alike, thrown with the GIL held —
+// while the same exception kinds thrown from a function without tensor arguments (_raise_probe)
+// reached Python intact, and torch 2.13 raised in both cases (also under AddressSanitizer,
+// clean). No exception crosses the tensor-taking bindings now.
+template <typename... Args>
+std::string message(const Args&... args) {
+  std::ostringstream os;
+  (os << ... << args);
+  return os.str();
+}
+template <typename... Args>
+[[noreturn]] void fail(const Args&... args) {
+  throw std::runtime_error(message(args...));
+}
+// In prepare(): on failure, the message goes to `err` and prepare returns no job.
+#define MOELAB_REQUIRE(cond, ...)                    \
+  do {                                               \
+    if (!(cond)) {                                   \
+      err = ::moelab::message(__VA_ARGS__);          \
+      return nullptr;                                \
+    }                                                \
+  } while (0)
 namespace {
 
 constexpr int kSlice2 = 64;  // output rows per stage-2 task
@@ -84,40 +114,41 @@ struct Job {
 };
 
 // meta: E, H, I, Kp1, Ip, Hp, wtype, group, act, isa, nthreads, slice1
-// Checks everything (with the GIL held: a TORCH_CHECK may consult Python) and counts the pairs.
+// Checks everything (with the GIL held) and counts the pairs; on a failed check, no job and the
+// message in `err` (MOELAB_REQUIRE, above).
 // ``expert_map`` (vLLM's convention, optional): (R,) integers over the router's ids, -1 = the
 // expert is not here (its slots contribute 0 and are not computed), else its local index.
 std::shared_ptr<Job> prepare(const at::Tensor& x, const at::Tensor& ids, const at::Tensor& wts,
                              const at::Tensor& w1, const at::Tensor& s1, const at::Tensor& b1,
                              const at::Tensor& w2, const at::Tensor& s2, const at::Tensor& b2,
                              std::vector<int64_t> meta, double alpha, double limit,
-                             const std::optional<at::Tensor>& expert_map) {
-  TORCH_CHECK(meta.size() == 12, "moelab: meta must have 12 entries");
+                             const std::optional<at::Tensor>& expert_map, std::string& err) {
+  MOELAB_REQUIRE(meta.size() == 12, "moelab: meta must have 12 entries");
   const int E = int(meta[0]), H = int(meta[1]), Kp1 = int(meta[3]), Ip = int(meta[4]),
             Hp = int(meta[5]), wtype = int(meta[6]), group = int(meta[7]), S1 = int(meta[11]);
-  TORCH_CHECK(x.dim() == 2 && x.size(1) == H, "moelab: hidden states must be (T, ", H, ")");
-  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
+  MOELAB_REQUIRE(x.dim() == 2 && x.size(1) == H, "moelab: hidden states must be (T, ", H, ")");
+  MOELAB_REQUIRE(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
               "moelab: hidden states must be float32 or bfloat16");
-  TORCH_CHECK(ids.dim() == 2 && ids.size(0) == x.size(0), "moelab: top_k_index must be (T, K)");
-  TORCH_CHECK(wts.sizes() == ids.sizes(), "moelab: top_k_weights must match top_k_index");
-  TORCH_CHECK(S1 % 16 == 0 && Ip % S1 == 0 && Hp % 16 == 0, "moelab: bad packed geometry");
-  TORCH_CHECK(wtype >= W_F32 && wtype <= W_FP8, "moelab: unknown weight type ", wtype);
+  MOELAB_REQUIRE(ids.dim() == 2 && ids.size(0) == x.size(0), "moelab: top_k_index must be (T, K)");
+  MOELAB_REQUIRE(wts.sizes() == ids.sizes(), "moelab: top_k_weights must match top_k_index");
+  MOELAB_REQUIRE(S1 % 16 == 0 && Ip % S1 == 0 && Hp % 16 == 0, "moelab: bad packed geometry");
+  MOELAB_REQUIRE(wtype >= W_F32 && wtype <= W_FP8, "moelab: unknown weight type ", wtype);
   const bool is_int = wtype == W_INT8 || wtype == W_INT4;
   const bool is_fp8 = wtype == W_FP8;
   const bool has_scales = is_int || is_fp8;
   const size_t tb1 = tile_bytes(wtype, Kp1), tb2 = tile_bytes(wtype, Ip);
   const size_t e_bytes1 = tb1 * size_t(2 * Ip / 16), e_bytes2 = tb2 * size_t(Hp / 16);
-  TORCH_CHECK(w1.numel() == int64_t(e_bytes1) * E && w2.numel() == int64_t(e_bytes2) * E,
+  MOELAB_REQUIRE(w1.numel() == int64_t(e_bytes1) * E && w2.numel() == int64_t(e_bytes2) * E,
               "moelab: packed weight size does not match the layer geometry; repack the layer");
-  TORCH_CHECK(reinterpret_cast<uintptr_t>(w1.data_ptr()) % 64 == 0 &&
+  MOELAB_REQUIRE(reinterpret_cast<uintptr_t>(w1.data_ptr()) % 64 == 0 &&
                   reinterpret_cast<uintptr_t>(w2.data_ptr()) % 64 == 0,
               "moelab: packed weights must be 64-byte aligned");
   if (has_scales) {
-    TORCH_CHECK(group > 0 && Kp1 % group == 0 && Ip % group == 0,
+    MOELAB_REQUIRE(group > 0 && Kp1 % group == 0 && Ip % group == 0,
                 "moelab: padded lengths must be multiples of the group/block length");
     const size_t lanes = is_int ? 16 : 1;
     const size_t st1 = size_t(Kp1 / group) * lanes, st2 = size_t(Ip / group) * lanes;
-    TORCH_CHECK(s1.scalar_type() == at::kFloat && s2.scalar_type() == at::kFloat &&
+    MOELAB_REQUIRE(s1.scalar_type() == at::kFloat && s2.scalar_type() == at::kFloat &&
                     s1.numel() == int64_t(st1) * (2 * Ip / 16) * E &&
                     s2.numel() == int64_t(st2) * (Hp / 16) * E,
                 "moelab: packed scales do not match the layer geometry; repack the layer");
@@ -133,18 +164,18 @@ std::shared_ptr<Job> prepare(const at::Tensor& x, const at::Tensor& ids, const a
   job->out = at::empty({x.size(0), H}, x.options());
   if (expert_map.has_value() && expert_map->defined()) {
     const at::Tensor m = expert_map->to(at::kLong).contiguous();
-    TORCH_CHECK(m.dim() == 1, "moelab: expert_map must be one-dimensional");
+    MOELAB_REQUIRE(m.dim() == 1, "moelab: expert_map must be one-dimensional");
     const int64_t* mp = m.data_ptr<int64_t>();
     job->emap.assign(mp, mp + m.numel());
     for (int64_t v : job->emap)
-      TORCH_CHECK(v >= -1 && v < E, "moelab: expert_map entry ", v, " out of range [-1, ", E, ")");
+      MOELAB_REQUIRE(v >= -1 && v < E, "moelab: expert_map entry ", v, " out of range [-1, ", E, ")");
   }
   const int64_t S = job->ids64.numel();
   const int64_t* idp = job->ids64.data_ptr<int64_t>();
   const int64_t R = job->emap.empty() ? E : int64_t(job->emap.size());
   job->cnt.assign(E, 0);
   for (int64_t s = 0; s < S; ++s) {
-    TORCH_CHECK(idp[s] >= 0 && idp[s] < R, "moelab: expert id ", idp[s], " out of range [0, ", R, ")");
+    MOELAB_REQUIRE(idp[s] >= 0 && idp[s] < R, "moelab: expert id ", idp[s], " out of range [0, ", R, ")");
     const int64_t e = job->emap.empty() ? idp[s] : job->emap[idp[s]];
     if (e >= 0) job->cnt[e]++;
   }
@@ -400,16 +431,17 @@ int64_t monotonic_ns() {  // CLOCK_MONOTONIC: the clock of Python's time.perf_co
 
 }  // namespace
 
-at::Tensor moe_forward(const at::Tensor& x, const at::Tensor& ids, const at::Tensor& wts,
-                       const at::Tensor& w1, const at::Tensor& s1, const at::Tensor& b1,
-                       const at::Tensor& w2, const at::Tensor& s2, const at::Tensor& b2,
-                       std::vector<int64_t> meta, double alpha, double limit,
-                       const std::optional<at::Tensor>& expert_map) {
-  // Every check runs with the GIL held (prepare): a TORCH_CHECK builds a c10::Error, whose
-  // construction may consult Python (torch's stack-trace and warning hooks), so throwing it
-  // without the GIL can abort the process instead of raising (seen with torch 2.11). The GIL is
-  // released for the compute only, and reacquired before returning.
-  auto job = prepare(x, ids, wts, w1, s1, b1, w2, s2, b2, std::move(meta), alpha, limit, expert_map);
+// The output, or the message of the check that failed (see MOELAB_REQUIRE).
+std::variant<at::Tensor, std::string> moe_forward(const at::Tensor& x, const at::Tensor& ids, const at::Tensor& wts,
+                                                  const at::Tensor& w1, const at::Tensor& s1, const at::Tensor& b1,
+                                                  const at::Tensor& w2, const at::Tensor& s2, const at::Tensor& b2,
+                                                  std::vector<int64_t> meta, double alpha, double limit,
+                                                  const std::optional<at::Tensor>& expert_map) {
+  // Every check runs with the GIL held (prepare); the GIL is released for the compute only, and
+  // reacquired before returning.
+  std::string err;
+  auto job = prepare(x, ids, wts, w1, s1, b1, w2, s2, b2, std::move(meta), alpha, limit, expert_map, err);
+  if (!job) return err;
   {
     pybind11::gil_scoped_release nogil;
     compute(*job);
@@ -494,14 +526,16 @@ LaneWorker& lane_worker(int lane) {
 
 }  // namespace
 
-std::shared_ptr<Ticket> moe_submit(const at::Tensor& x, const at::Tensor& ids, const at::Tensor& wts,
-                                   const at::Tensor& w1, const at::Tensor& s1, const at::Tensor& b1,
-                                   const at::Tensor& w2, const at::Tensor& s2, const at::Tensor& b2,
-                                   std::vector<int64_t> meta, double alpha, double limit,
-                                   const std::optional<at::Tensor>& expert_map, int64_t lane) {
-  TORCH_CHECK(lane >= 0 && lane < kMaxLanes, "moelab: lane ", lane, " out of range [0, ", kMaxLanes, ")");
+// The queued call's ticket, or the message of the check that failed (see MOELAB_REQUIRE).
+std::variant<std::shared_ptr<Ticket>, std::string> moe_submit(
+    const at::Tensor& x, const at::Tensor& ids, const at::Tensor& wts, const at::Tensor& w1, const at::Tensor& s1,
+    const at::Tensor& b1, const at::Tensor& w2, const at::Tensor& s2, const at::Tensor& b2, std::vector<int64_t> meta,
+    double alpha, double limit, const std::optional<at::Tensor>& expert_map, int64_t lane) {
+  if (lane < 0 || lane >= kMaxLanes) return message("moelab: lane ", lane, " out of range [0, ", kMaxLanes, ")");
+  std::string err;
   auto t = std::make_shared<Ticket>();
-  t->job = prepare(x, ids, wts, w1, s1, b1, w2, s2, b2, std::move(meta), alpha, limit, expert_map);
+  t->job = prepare(x, ids, wts, w1, s1, b1, w2, s2, b2, std::move(meta), alpha, limit, expert_map, err);
+  if (!t->job) return err;
   t->t_submit_ns = monotonic_ns();
   LaneWorker& w = lane_worker(int(lane));
   {
@@ -511,22 +545,23 @@ std::shared_ptr<Ticket> moe_submit(const at::Tensor& x, const at::Tensor& ids, c
   return t;
 }
 
-at::Tensor ticket_wait(Ticket& t) {
+// The call's output, or its error's message (an error on the lane, or a result already taken).
+std::variant<at::Tensor, std::string> ticket_wait(Ticket& t) {
   {
     pybind11::gil_scoped_release nogil;
     std::unique_lock<std::mutex> g(t.m);
     t.cv.wait(g, [&t] { return t.done; });
   }
-  if (!t.job) throw std::runtime_error("moelab: this ticket's result was already taken");
+  if (!t.job) return std::string("moelab: this ticket's result was already taken");
   at::Tensor out = t.job->out;
   t.job.reset();  // the inputs are released here, with the GIL held
-  if (!t.error.empty()) throw std::runtime_error("moelab: experts call failed on its lane: " + t.error);
+  if (!t.error.empty()) return "moelab: experts call failed on its lane: " + t.error;
   return out;
 }
 
 // Measured fp32 FMA peak of `isa` on nthreads threads, GFLOP/s (best of 3 runs of ~0.1 s).
 double fma_peak_gflops(int64_t isa, int64_t nthreads) {
-  TORCH_CHECK(isa >= ISA_PORTABLE && isa <= ISA_AVX512, "moelab: unknown isa code ", isa);
+  if (isa < ISA_PORTABLE || isa > ISA_AVX512) fail("moelab: unknown isa code ", isa);  // no tensors here: a throw is safe
   const IsaOps ops = ops_for(int(isa));
   const int nt = std::max<int>(1, int(nthreads));
   pybind11::gil_scoped_release nogil;
@@ -554,6 +589,15 @@ std::map<std::string, std::vector<double>> last_call_stats() {
   const CallStats& s = last_stats;
   return {{"wall", {s.wall1, s.wall2}}, {"busy1", s.busy1}, {"busy2", s.busy2},
           {"tasks", {double(s.tasks1), double(s.tasks2)}}};
+}
+
+// Throws one kind of C++ exception (0: a failing TORCH_CHECK, i.e. c10::Error; 1: std::runtime_error,
+// what fail() throws; 2: pybind11::value_error) from a function without tensor arguments, to see which
+// ones a torch release carries back to Python (tests/test_kernels_errors.py; see MOELAB_REQUIRE).
+void raise_probe(int64_t kind) {
+  if (kind == 0) TORCH_CHECK(false, "moelab: probe c10::Error");
+  if (kind == 1) fail("moelab: probe std::runtime_error");
+  if (kind == 2) throw pybind11::value_error("moelab: probe pybind11::value_error");
 }
 
 std::vector<std::string> cpu_features() {
@@ -596,5 +640,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("last_call_stats", &moelab::last_call_stats,
         "this thread's last moe_forward: stage wall seconds, per-thread busy seconds, task counts");
   m.def("cpu_features", &moelab::cpu_features, "x86 features detected at run time");
-  m.attr("ABI_VERSION") = 4;  // 4: expert_map, moe_submit/Ticket (C++ lane workers)
+  m.def("_raise_probe", &moelab::raise_probe, "throw one kind of C++ exception (0 c10::Error, 1 runtime_error, "
+        "2 pybind11 value_error): which survive this torch");
+  m.attr("ABI_VERSION") = 5;  // 4: expert_map, moe_submit/Ticket (C++ lane workers); 5: errors as returned strings
 }

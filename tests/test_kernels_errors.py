@@ -1,10 +1,12 @@
 """The native kernels' error paths raise; they never abort the interpreter.
 
-A ``TORCH_CHECK`` thrown while the GIL is released could abort the process on some torch
-releases (torch 2.11 crashed a pytest worker on an out-of-range expert id), so the operator
-checks its inputs with the GIL held and releases it for the compute only. Each error path runs
-here in a fresh interpreter: a crash (a signal, a lost process) is a failure with its output,
-not a lost pytest worker.
+On torch 2.11 (its CUDA wheel; an AVX-512 machine, 2026-11-27) a failing ``TORCH_CHECK`` in
+the extension killed the interpreter with SIGSEGV on every ISA path, although the check ran
+with the GIL held, while torch 2.13 raised. The extension therefore reports every error as a
+plain ``std::runtime_error`` (``MOELAB_CHECK`` in kernels/moe_op.cpp), and checks its inputs
+with the GIL held, releasing it for the compute only. Each error path runs here in a fresh
+interpreter: a crash (a signal, a lost process) is a failure with its output, not a lost
+pytest worker.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ pytestmark = pytest.mark.xdist_group("kernels")
 SCRIPT = textwrap.dedent("""
     import torch
     from moelab.kernels import KernelSpec, moe_experts, pack_experts, supported_isas
+    from moelab.kernels.op import moe_experts_submit
     from moelab.kernels.build import force_isa, load_extension
 
     torch.manual_seed(0)
@@ -43,6 +46,12 @@ SCRIPT = textwrap.dedent("""
                         print(f"{isa} {dtype} {name} ->", type(e).__name__, str(e).splitlines()[0][:80], flush=True)
                     else:
                         print(f"{isa} {dtype} {name} -> no error", flush=True)
+                try:  # the C++ lane worker's path checks on the calling thread too
+                    moe_experts_submit(x, torch.tensor([[0], [4]]), torch.ones(2, 1), packed).result()
+                except Exception as e:
+                    print(f"{isa} {dtype} submit ->", type(e).__name__, str(e).splitlines()[0][:80], flush=True)
+                else:
+                    print(f"{isa} {dtype} submit -> no error", flush=True)
                 # the operator still works after its errors
                 out = moe_experts(x, torch.tensor([[0], [3]]), torch.ones(2, 1), packed)
                 print(f"{isa} {dtype} after errors ->", tuple(out.shape), bool(torch.isfinite(out).all()), flush=True)
@@ -67,5 +76,19 @@ def test_error_paths_raise_in_a_fresh_interpreter_instead_of_aborting():
             for name in ("id too large", "negative id", "id far out"):
                 got = lines.get(f"{isa} {dtype} {name}", "")
                 assert got.startswith("RuntimeError") and "out of range" in got, out
+            got = lines.get(f"{isa} {dtype} submit", "")
+            assert got.startswith("RuntimeError") and "out of range" in got, out
             assert lines[f"{isa} {dtype} after errors"] == "(2, 32) True", out
     assert lines["peak bad isa"].startswith("RuntimeError") and "unknown isa" in lines["peak bad isa"], out
+
+
+@pytest.mark.parametrize("kind,exc", [(1, "RuntimeError"), (2, "ValueError")])
+def test_the_exception_kinds_the_extension_throws_reach_python(kind, exc):
+    """``_raise_probe(1)`` throws what MOELAB_CHECK throws (std::runtime_error); 2 a pybind11 error. (Kind 0,
+    a c10::Error, is what crashed torch 2.11; scripts/gpu_box_check.sh probes it there.)"""
+    script = ("from moelab.kernels.build import load_extension\n"
+              f"try:\n    load_extension()._raise_probe({kind})\n"
+              "except Exception as e:\n    print('raised', type(e).__name__, e, flush=True)\n")
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, f"the interpreter died (exit {r.returncode}):\n{(r.stdout + r.stderr)[-3000:]}"
+    assert r.stdout.startswith(f"raised {exc} moelab: probe"), r.stdout + r.stderr

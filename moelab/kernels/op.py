@@ -60,8 +60,17 @@ def moe_experts(
     """
     ext = load_extension()
     args = _args(hidden_states, top_k_index, top_k_weights, packed, isa, num_threads)
-    out = ext.moe_forward(*args, expert_map=expert_map)
+    out = _raised(ext.moe_forward(*args, expert_map=expert_map))
     return out if out.dtype == hidden_states.dtype else out.to(hidden_states.dtype)
+
+
+def _raised(result):
+    """The extension's result, or its error raised here: the bindings that take tensors return an
+    error's message (a ``str``) instead of throwing a C++ exception through them, which killed the
+    interpreter on torch 2.11 (kernels/moe_op.cpp, ``MOELAB_REQUIRE``)."""
+    if isinstance(result, str):
+        raise RuntimeError(result)
+    return result
 
 
 class NativeCall:
@@ -86,10 +95,9 @@ class NativeCall:
 
     def result(self) -> torch.Tensor:
         if self._out is None:
-            try:
-                out = self._ticket.wait()
-            except RuntimeError as exc:
-                raise MoelabError(str(exc)) from exc
+            out = self._ticket.wait()
+            if isinstance(out, str):
+                raise MoelabError(out)
             self._out = out if out.dtype == self._dtype else out.to(self._dtype)
             if self.on_done is not None:
                 self.on_done(self)
@@ -114,4 +122,4 @@ def moe_experts_submit(
     args = _args(hidden_states, top_k_index, top_k_weights, packed, isa, num_threads)
     if not 0 <= int(lane) < 8:
         raise MoelabError(f"lane={lane!r}: the extension has lanes 0..7.")
-    return NativeCall(ext.moe_submit(*args, expert_map=expert_map, lane=int(lane)), hidden_states.dtype)
+    return NativeCall(_raised(ext.moe_submit(*args, expert_map=expert_map, lane=int(lane))), hidden_states.dtype)
