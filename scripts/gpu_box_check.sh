@@ -8,8 +8,8 @@
 #   1. environment (GPU, CPU model and ISA flags, package versions) and the native kernels' build;
 #   2. the CUDA tests (scripts/gpu_check.sh, SKIP_BENCH=1) and the kernels' parity / error-path
 #      tests on every ISA path this CPU runs (scripts/cpu_isa_check.sh, SKIP_BENCH=1), side by side;
-#   3. the real executor's CUDA bench (scripts/gpu_check.sh, SKIP_TESTS=1, HOST_BACKEND=moelab_bf16
-#      unless set), alone on the machine;
+#   3. the real executor's CUDA bench (scripts/gpu_check.sh, SKIP_TESTS=1; HOST_BACKEND=moelab_bf16 and
+#      DEVICE_BACKEND=batched_mm, transformers' fastest built-in on an H100, unless set), alone;
 #   4. `moelab bench kernels` (T=1 16 256) and `--prefill` on the best ISA path, alone.
 # Results: $OUT/summary.txt (the figures) and $OUT/all.tgz (every log), so they fit the device
 # tool's eight returned files. Exit status: non-zero when a test failed.
@@ -58,7 +58,7 @@ wait $isa_pid; irc=$?
 
 echo "== real executor on CUDA (host backend ${HOST_BACKEND:-moelab_bf16})" | tee -a "$S"
 mkdir -p "$OUT/bench"
-HOST_BACKEND="${HOST_BACKEND:-moelab_bf16}" OUT="$OUT/bench" SKIP_TESTS=1 step 200 bash scripts/gpu_check.sh \
+HOST_BACKEND="${HOST_BACKEND:-moelab_bf16}" DEVICE_BACKEND="${DEVICE_BACKEND:-batched_mm}" OUT="$OUT/bench" SKIP_TESTS=1 step 200 bash scripts/gpu_check.sh \
   > "$OUT/bench/log.txt" 2>&1
 grep -vE "^== environment|^python |^cuda |^plotly|^lm_eval|^ray|^imports" "$OUT/bench/bench.txt" 2>/dev/null | tee -a "$S"
 

@@ -71,6 +71,27 @@ model = realistic_model(3)
 print(f"model built in {time.perf_counter() - t:.1f} s; host backend {hb}, device backend {db}, {torch.get_num_threads()} threads, "
       f"{steps} decode steps per point")
 ids = torch.randint(3, 250, (1, 8), generator=torch.Generator().manual_seed(0))
+# this box's own figures for the simulator (the preset PROFILE describes another machine): host read
+# bandwidth, pinned host->device copies, cores, one NUMA node
+box = None
+try:
+    from moelab.kernels.bench import memory_bandwidth
+    from moelab.timing import get_profile
+    read = memory_bandwidth(1024, 5)["read_gbps"]
+    src = torch.empty(256 * 2**20, dtype=torch.uint8).pin_memory()
+    dst = torch.empty_like(src, device="cuda")
+    copies = []
+    for _ in range(6):
+        torch.cuda.synchronize(); t0 = time.perf_counter(); dst.copy_(src, non_blocking=True); torch.cuda.synchronize()
+        copies.append(src.numel() / (time.perf_counter() - t0) / 1e9)
+    link = sorted(copies)[3]
+    del src, dst
+    box = get_profile(os.environ.get("PROFILE", "h100-pcie5-ddr5")).with_changes(
+        why="measured on this box by scripts/gpu_check.sh", name="this-box", cpu_memory_bandwidth_gbs=read,
+        numa_nodes=1, numa_node_bandwidth_gbs=read, cpu_cores=os.cpu_count(), link_bandwidth_gbs=link, link_efficiency=1.0)
+    print(f"this box: host read {read:.0f} GB/s, pinned host->device {link:.1f} GB/s, {os.cpu_count()} cores")
+except Exception as e:  # noqa: BLE001 - a check script: report and go on
+    print("measuring this box failed:", type(e).__name__, e)
 rows, memo = [], {}
 print("capacity  deferred  step ms  busy device/host/copy/control %  overlap %")
 points = os.environ.get("POINTS", "0:0 0:2 0.25:0 0.25:2 0.5:0 0.5:2 1:0")  # capacity:deferred
@@ -94,7 +115,12 @@ for cap, d in [(float(p.split(":")[0]), int(p.split(":")[1])) for p in points.sp
         sim = simulate_plans(list(run.plans), ModelShape.from_model(model, name="v2-lite-shaped"),
                              os.environ.get("PROFILE", "h100-pcie5-ddr5"), context=8).summary()
         r["simulated_step_ms"] = sim["decode_step_us"] / 1e3
-        print(f"          simulated on {os.environ.get('PROFILE', 'h100-pcie5-ddr5')}: {r['simulated_step_ms']:.1f} ms")
+        line = f"          simulated on {os.environ.get('PROFILE', 'h100-pcie5-ddr5')}: {r['simulated_step_ms']:.1f} ms"
+        if box is not None:
+            r["simulated_box_ms"] = simulate_plans(list(run.plans), ModelShape.from_model(model, name="v2-lite-shaped"),
+                                                   box, context=8).summary()["decode_step_us"] / 1e3
+            line += f", on this box's measured figures: {r['simulated_box_ms']:.1f} ms (hardware, not moelab's executor)"
+        print(line)
     except Exception as e:  # noqa: BLE001 - a check script: report and go on
         print("          simulation failed:", type(e).__name__, e)
 
