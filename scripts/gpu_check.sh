@@ -9,7 +9,8 @@
 # DeepSeek-V2-Lite MoE shapes). Exit status: non-zero when a test failed. About 3-4 minutes.
 # STEPS=N decode steps per bench point (8); HOST_BACKEND=moelab_bf16 times the native host kernels
 # (built on first use); DEVICE_BACKEND=batched_mm the GPU side with transformers' batched_mm;
-# SKIP_TESTS=1 runs only the bench, SKIP_BENCH=1 only the tests; POINTS="0:0 1:0" the bench's capacity:deferred points. The bench also prints the simulator's prediction of each point's plans on
+# SKIP_TESTS=1 runs only the bench, SKIP_BENCH=1 only the tests; POINTS="0:0 1:0" the bench's capacity:deferred
+# points; THREADS="16 14" runs each point once per MOELAB_KERNELS_THREADS value (the host kernels' threads). The bench also prints the simulator's prediction of each point's plans on
 # PROFILE (default h100-pcie5-ddr5) and plain transformers on the GPU (eager, batched_mm, grouped_mm experts).
 set -uo pipefail
 OUT="${OUT:-${1:-gpu_check_out}}"
@@ -60,6 +61,7 @@ echo "== bench (real executor, CUDA lanes; DeepSeek-V2-Lite MoE shapes x 3 layer
     | tee "$OUT/bench.txt"
 timeout 240 $PY - <<'PYEOF' 2>&1 | tee -a "$OUT/bench.txt"
 import json, os, time
+import numpy as np
 import torch
 from moelab.forward.bench import decode_loop
 from moelab.hybrid.bench import realistic_model, warm_cache
@@ -93,9 +95,14 @@ try:
 except Exception as e:  # noqa: BLE001 - a check script: report and go on
     print("measuring this box failed:", type(e).__name__, e)
 rows, memo = [], {}
-print("capacity  deferred  step ms  busy device/host/copy/control %  overlap %")
+print("capacity  deferred  threads  step ms  busy device/host/copy/control %  overlap %  host calls: median ms, GB/s")
 points = os.environ.get("POINTS", "0:0 0:2 0.25:0 0.25:2 0.5:0 0.5:2 1:0")  # capacity:deferred
-for cap, d in [(float(p.split(":")[0]), int(p.split(":")[1])) for p in points.split()]:
+variants = os.environ.get("THREADS", "").split() or [""]  # MOELAB_KERNELS_THREADS per pass ("": torch's count)
+for cap, d, th in [(float(p.split(":")[0]), int(p.split(":")[1]), t) for p in points.split() for t in variants]:
+    if th:
+        os.environ["MOELAB_KERNELS_THREADS"] = th
+    else:
+        os.environ.pop("MOELAB_KERNELS_THREADS", None)
     cfg = {"cache": warm_cache(cap, model, ids, steps + 2, memo), "placement": "host-misses", "executor": "real",
            "device_backend": db, "host_backend": hb, "device": "cuda",
            "routing": {"deferred": d, "min_immediate": 0}}
@@ -104,11 +111,17 @@ for cap, d in [(float(p.split(":")[0]), int(p.split(":")[1])) for p in points.sp
         decode_loop(model, ids.cuda(), 2)  # warm-up: first copies into the pool
         step = decode_loop(model, ids.cuda(), steps)
     s = run.summary()
-    r = {"capacity": cap, "deferred": d, "step_ms": step * 1e3, "overlap_pct": s["overlap_pct"],
-         **{f"busy_{k}": v for k, v in s["busy_pct"].items()}}
+    r = {"capacity": cap, "deferred": d, "threads": th or str(torch.get_num_threads()), "step_ms": step * 1e3,
+         "overlap_pct": s["overlap_pct"], **{f"busy_{k}": v for k, v in s["busy_pct"].items()}}
+    ev = run.events_table()  # the host lane's calls: their time and the weight bytes they read
+    h = ev[(ev["lane"] == "host") & ev["kind"].str.startswith("expert-")]
+    dur = (h["t_end_us"] - h["t_start_us"]).to_numpy()
+    r["host_call_ms"] = float(np.median(dur)) / 1e3 if len(dur) else 0.0
+    r["host_gbps"] = float(h["bytes"].sum() / dur.sum() / 1e3) if len(dur) and dur.sum() > 0 else 0.0
     rows.append(r)
-    print(f"{cap:>8.2f}  {d:>8d}  {r['step_ms']:7.1f}  {r.get('busy_device', 0):5.0f}/{r.get('busy_host', 0):4.0f}/"
-          f"{r.get('busy_copy', 0):4.0f}/{r.get('busy_control', 0):4.0f}  {r['overlap_pct']:9.0f}")
+    print(f"{cap:>8.2f}  {d:>8d}  {r['threads']:>7}  {r['step_ms']:7.1f}  {r.get('busy_device', 0):5.0f}/"
+          f"{r.get('busy_host', 0):4.0f}/{r.get('busy_copy', 0):4.0f}/{r.get('busy_control', 0):4.0f}  "
+          f"{r['overlap_pct']:9.0f}  {r['host_call_ms']:.2f}, {r['host_gbps']:.0f}")
     try:  # the simulator's prediction of the same plans on the spec-sheet profile of such a box
         from moelab.simulate.executor import simulate_plans
         from moelab.timing.shapes import ModelShape

@@ -92,3 +92,19 @@ def test_the_exception_kinds_the_extension_throws_reach_python(kind, exc):
     r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, f"the interpreter died (exit {r.returncode}):\n{(r.stdout + r.stderr)[-3000:]}"
     assert r.stdout.startswith(f"raised {exc} moelab: probe"), r.stdout + r.stderr
+
+
+def test_kernel_threads_follow_the_environment_and_refuse_nonsense(monkeypatch):
+    import torch
+
+    from moelab.errors import MoelabError
+    from moelab.kernels.op import THREADS_ENV, default_threads
+
+    monkeypatch.delenv(THREADS_ENV, raising=False)
+    assert default_threads() == torch.get_num_threads()
+    monkeypatch.setenv(THREADS_ENV, "3")
+    assert default_threads() == 3
+    for bad in ("0", "-2", "many"):
+        monkeypatch.setenv(THREADS_ENV, bad)
+        with pytest.raises(MoelabError, match=f"{THREADS_ENV}={bad!r}: expected a positive integer"):
+            default_threads()

@@ -372,12 +372,14 @@ class CudaExecutor(LaneExecutor):
             ids_c, w_c = ids.cpu(), weights.cpu()
             dmap, hmap = split_maps(E, sorted(slot_of), "cpu")
             active = w_c != 0
-            dev_pairs = int((active & (dmap[ids_c] >= 0)).sum())
+            on_dev = dmap[ids_c] >= 0
+            dev_pairs = int((active & on_dev).sum())
             host_pairs = int(active.sum()) - dev_pairs
             host = None
-            if host_pairs:
+            if host_pairs:  # bytes: the distinct host experts the call reads, as the CPU lanes count them
+                n_host = int(ids_c[active & ~on_dev].unique().numel())
                 host = self._host(ctx, layer, module, hidden, ids_c, w_c, hmap, kind="expert-host", cause="miss",
-                                  tokens=host_pairs, nbytes=ebytes * (E - len(slot_of)))
+                                  tokens=host_pairs, nbytes=ebytes * n_host)
             parts = []
             if dev_pairs:
                 smap = torch.full((E,), -1, dtype=torch.long)
@@ -440,6 +442,7 @@ class CudaExecutor(LaneExecutor):
         def backend(module, hidden, ids, weights, expert_map=None):
             w_c = weights.cpu()
             return self._host(ctx, layer, module, hidden, ids.cpu(), w_c, None, kind="expert-deferred",
-                              cause="deferred", tokens=int((w_c != 0).sum()), nbytes=ebytes * len(lp.deferred))
+                              cause="deferred", tokens=int((w_c != 0).sum()),
+                              nbytes=ebytes * len({e for e, _ in lp.deferred}))
 
         return backend

@@ -2,11 +2,34 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from moelab.errors import MoelabError
 from moelab.kernels.build import ISA_CODES, Isa, _validate, active_isa, load_extension
 from moelab.kernels.packing import ACT_CODES, DTYPE_CODES, PackedExperts
+
+#: Environment variable: the kernels' OpenMP threads per call when a call names none (default: torch's
+#: ``torch.get_num_threads()``). A hybrid run on a GPU box may want fewer than every core, leaving one
+#: to the control thread and the CUDA lanes' threads (``scripts/gpu_check.sh`` ``THREADS=...``).
+THREADS_ENV = "MOELAB_KERNELS_THREADS"
+
+
+def default_threads() -> int:
+    """Threads of a call that names none: ``$MOELAB_KERNELS_THREADS`` if set (a positive integer),
+    else ``torch.get_num_threads()``."""
+    v = os.environ.get(THREADS_ENV)
+    if not v:
+        return torch.get_num_threads()
+    try:
+        n = int(v)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise MoelabError(f"{THREADS_ENV}={v!r}: expected a positive integer (threads per kernel call); "
+                          "unset it to use torch.get_num_threads().")
+    return n
 
 
 def _args(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, packed: PackedExperts,
@@ -33,7 +56,7 @@ def _args(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights:
         packed.num_experts, packed.hidden, packed.intermediate, packed.kp1, packed.ip, packed.hp,
         DTYPE_CODES[packed.spec.dtype], packed.spec.kernel_group or packed.spec.group_size,
         ACT_CODES[packed.act],
-        ISA_CODES[isa], num_threads or torch.get_num_threads(), packed.slice1,
+        ISA_CODES[isa], num_threads or default_threads(), packed.slice1,
     ]
     return (x.contiguous(), top_k_index, top_k_weights, packed.w1, packed.s1, packed.b1,
             packed.w2, packed.s2, packed.b2, meta, packed.alpha, packed.limit)
