@@ -58,7 +58,7 @@ wait $isa_pid; irc=$?
 
 echo "== real executor on CUDA (host backend ${HOST_BACKEND:-moelab_bf16})" | tee -a "$S"
 mkdir -p "$OUT/bench"
-THREADS="${THREADS:-$(nproc) $(( $(nproc) - 2 ))}" HOST_BACKEND="${HOST_BACKEND:-moelab_bf16}" DEVICE_BACKEND="${DEVICE_BACKEND:-batched_mm}" OUT="$OUT/bench" SKIP_TESTS=1 step 200 bash scripts/gpu_check.sh \
+POINTS="${POINTS:-0:0 0:2 0.25:0 0.25:2 1:0}" THREADS="${THREADS:-$(nproc) $(( $(nproc) - 2 ))}" HOST_BACKEND="${HOST_BACKEND:-moelab_bf16}" DEVICE_BACKEND="${DEVICE_BACKEND:-batched_mm}" OUT="$OUT/bench" SKIP_TESTS=1 step 200 bash scripts/gpu_check.sh \
   > "$OUT/bench/log.txt" 2>&1
 grep -vE "^== environment|^python |^cuda |^plotly|^lm_eval|^ray|^imports" "$OUT/bench/bench.txt" 2>/dev/null | tee -a "$S"
 
