@@ -378,13 +378,36 @@ def test_ray_address_connects_to_an_existing_cluster(baseline, tmp_path):
         except MoelabError as exc:
             if "Failed to connect to Ray cluster" not in str(exc):
                 raise
-            # Ray's own driver cannot join a head it just started here (seen on 2026-11-27 with a plain
-            # `ray start --head` and `ray.init(address=...)`, no moelab involved): the machine, not moelab
+            # was (2026-11-27) Ray 2.60's token authentication: `ray start --head` turned it on, the
+            # driver did not send the token; moelab now joins in token mode (_token_auth_if_available).
+            # Skip only where the driver still cannot connect: the machine, not moelab
             pytest.skip(f"Ray cannot connect a driver to a head node on this machine: {exc}")
         assert (summary.done, summary.failed) == (N_CELLS, {})
         assert _results(tmp_path / "store") == expected
     finally:
         _stop(head)
+
+
+def test_a_driver_joins_in_token_mode_when_a_token_exists_as_ray_start_does(tmp_path, monkeypatch):
+    from moelab.sweeps import backends
+    from moelab.sweeps.backends import _token_auth_if_available
+
+    monkeypatch.setattr(backends, "_refresh_ray_config", lambda: None)  # this process's Ray stays as it is
+    monkeypatch.setenv("HOME", str(tmp_path))
+    for var in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"):
+        monkeypatch.delenv(var, raising=False)
+    assert not _token_auth_if_available() and "RAY_AUTH_MODE" not in os.environ  # no token: untouched
+    monkeypatch.setenv("RAY_AUTH_TOKEN_PATH", str(tmp_path / "missing"))
+    assert not _token_auth_if_available()
+    (tmp_path / ".ray").mkdir()
+    (tmp_path / ".ray" / "auth_token").write_text("t")
+    assert _token_auth_if_available() and os.environ["RAY_AUTH_MODE"] == "token"
+    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")  # an explicit mode is respected
+    assert not _token_auth_if_available() and os.environ["RAY_AUTH_MODE"] == "disabled"
+    monkeypatch.delenv("RAY_AUTH_MODE")
+    monkeypatch.setenv("HOME", str(tmp_path / "elsewhere"))
+    monkeypatch.setenv("RAY_AUTH_TOKEN", "t")
+    assert _token_auth_if_available()
 
 
 def test_ray_address_where_nothing_listens_is_refused_before_the_store(tmp_path):

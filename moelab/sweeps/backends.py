@@ -111,6 +111,7 @@ class RayBackend:
                 os.environ["PYTHONPATH"] = os.pathsep.join(p for p in [root, *paths] if p)
         if self.address:
             kwargs["address"] = self.address
+            _token_auth_if_available()
         else:
             # "local": always a new cluster of our own; without it ray.init joins whatever cluster
             # /tmp/ray/ray_current_cluster names (a stale one from a killed run included)
@@ -213,6 +214,41 @@ class RayBackend:
         on_failed(cell, attempt, error, final)
         if not final:
             queue.insert(0, (cell, attempt + 1))
+
+
+def _refresh_ray_config() -> None:
+    """Ray reads its configuration once per process: re-read it, as ``ray start``'s own switch to
+    token mode does."""
+    try:
+        from ray._raylet import Config
+
+        Config.initialize("")
+    except Exception as exc:  # noqa: BLE001 - a Ray without it reads the variable when it starts
+        log.debug("Ray's Config.initialize is not available (%s)", exc)
+
+
+def _token_auth_if_available() -> bool:
+    """Ray's own rule for ``ray start``, applied to this driver before it joins a cluster: with
+    ``RAY_AUTH_MODE`` unset and a token available (``RAY_AUTH_TOKEN``, ``RAY_AUTH_TOKEN_PATH`` or
+    ``~/.ray/auth_token``), use token authentication. Ray 2.60's ``ray start --head`` turns it on
+    whenever such a token exists, but ``ray.init(address=...)`` sends the token only in token mode,
+    so every call was refused (``InvalidAuthToken``) until ray.init gave up; a cluster without
+    authentication accepts a token-mode driver too (both checked 2026-11-27). True when it turned
+    token mode on (for this process and the workers it starts)."""
+    import os
+    from pathlib import Path
+
+    if os.environ.get("RAY_AUTH_MODE") is not None:
+        return False
+    path = os.environ.get("RAY_AUTH_TOKEN_PATH")
+    if not (os.environ.get("RAY_AUTH_TOKEN") or (path and Path(path).is_file())
+            or (Path.home() / ".ray" / "auth_token").is_file()):
+        return False
+    os.environ["RAY_AUTH_MODE"] = "token"
+    _refresh_ray_config()
+    log.info("Ray: a token is available and RAY_AUTH_MODE is unset; joining the cluster with token authentication "
+             "(set RAY_AUTH_MODE=disabled to opt out)")
+    return True
 
 
 def _check_reachable(address: str, timeout_s: float = 10.0) -> None:
