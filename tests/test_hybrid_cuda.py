@@ -165,7 +165,8 @@ def test_cuda_warm_cache_is_resident_before_the_first_forward():
 
     model = build_tiny("qwen3_moe", seed=0)
     ids, mask = _inputs(1)
-    cache = warm_cache(1.0, model, ids, 3, {})
+    memo = {}  # holds the trace's temporary directory for the test's duration
+    cache = warm_cache(1.0, model, ids, 3, memo)
     with moelab.hybrid(model, {"cache": cache, "placement": "host-misses", "executor": "real", "device": "cuda"}) as run:
         got = _gen(model, ids.cuda(), mask.cuda())
     with moelab.hybrid(model, {"cache": cache, "placement": "host-misses", "executor": "functional", "device": "cpu"}):

@@ -177,16 +177,19 @@ def realistic_model(layers: int = 3, dtype: torch.dtype = torch.bfloat16):
 
 def warm_cache(capacity: float, model: Any, ids: torch.Tensor, steps: int, memo: dict) -> dict[str, Any]:
     """The grid's cache at ``capacity``: LRU, warmed by frequency over a routing trace of the bench's
-    own decode loop (recorded once per ``memo``), so a capacity means that many experts resident from
-    the first step (1.0: every one), as KTransformers' static placement by frequency. An empty cache
-    under ``host-misses`` would stay empty: a miss computed on the host is not copied
-    (``cache.admission: placement``)."""
+    own decode loop (recorded once per ``memo``, into a temporary directory that lives as long as
+    ``memo`` does), so a capacity means that many experts resident from the first step (1.0: every
+    one), as KTransformers' static placement by frequency. An empty cache under ``host-misses`` would
+    stay empty: a miss computed on the host is not copied (``cache.admission: placement``)."""
     if not capacity:
         return {"capacity": 0}
     if "trace" not in memo:
+        import tempfile
+
         from moelab.trace.recorder import record
 
-        with record(model) as rec:
+        memo["dir"] = tempfile.TemporaryDirectory(prefix="moelab-bench-trace-")
+        with record(model, Path(memo["dir"].name) / "trace") as rec:
             _decode(model, ids, steps)
         memo["trace"] = str(rec.path)
     return {"capacity": capacity, "policy": "lru", "warm": "frequency", "warm_from": memo["trace"]}
