@@ -25,9 +25,8 @@
 #include <map>
 #include <memory>
 #include <mutex>
-#include <sstream>
-#include <stdexcept>
 #include <optional>
+#include <sstream>
 #include <stdexcept>
 #include <string>
 #include <thread>
