@@ -95,6 +95,8 @@ try:
 except Exception as e:  # noqa: BLE001 - a check script: report and go on
     print("measuring this box failed:", type(e).__name__, e)
 rows, memo = [], {}
+from moelab.timing.shapes import ModelShape
+shape = ModelShape.from_model(model, name="v2-lite-shaped")
 print("capacity  deferred  threads  step ms  busy device/host/copy/control %  overlap %  host calls: median ms, GB/s")
 points = os.environ.get("POINTS", "0:0 0:2 0.25:0 0.25:2 0.5:0 0.5:2 1:0")  # capacity:deferred
 variants = os.environ.get("THREADS", "").split() or [""]  # MOELAB_KERNELS_THREADS per pass ("": torch's count)
@@ -124,14 +126,11 @@ for cap, d, th in [(float(p.split(":")[0]), int(p.split(":")[1]), t) for p in po
           f"{r['overlap_pct']:9.0f}  {r['host_call_ms']:.2f}, {r['host_gbps']:.0f}")
     try:  # the simulator's prediction of the same plans on the spec-sheet profile of such a box
         from moelab.simulate.executor import simulate_plans
-        from moelab.timing.shapes import ModelShape
-        sim = simulate_plans(list(run.plans), ModelShape.from_model(model, name="v2-lite-shaped"),
-                             os.environ.get("PROFILE", "h100-pcie5-ddr5"), context=8).summary()
+        sim = simulate_plans(list(run.plans), shape, os.environ.get("PROFILE", "h100-pcie5-ddr5"), context=8).summary()
         r["simulated_step_ms"] = sim["decode_step_us"] / 1e3
         line = f"          simulated on {os.environ.get('PROFILE', 'h100-pcie5-ddr5')}: {r['simulated_step_ms']:.1f} ms"
         if box is not None:
-            r["simulated_box_ms"] = simulate_plans(list(run.plans), ModelShape.from_model(model, name="v2-lite-shaped"),
-                                                   box, context=8).summary()["decode_step_us"] / 1e3
+            r["simulated_box_ms"] = simulate_plans(list(run.plans), shape, box, context=8).summary()["decode_step_us"] / 1e3
             line += f", on this box's measured figures: {r['simulated_box_ms']:.1f} ms (hardware, not moelab's executor)"
         print(line)
     except Exception as e:  # noqa: BLE001 - a check script: report and go on

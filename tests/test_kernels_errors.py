@@ -1,12 +1,13 @@
 """The native kernels' error paths raise; they never abort the interpreter.
 
-On torch 2.11 (its CUDA wheel; an AVX-512 machine, 2026-11-27) a failing ``TORCH_CHECK`` in
-the extension killed the interpreter with SIGSEGV on every ISA path, although the check ran
-with the GIL held, while torch 2.13 raised. The extension therefore reports every error as a
-plain ``std::runtime_error`` (``MOELAB_CHECK`` in kernels/moe_op.cpp), and checks its inputs
-with the GIL held, releasing it for the compute only. Each error path runs here in a fresh
-interpreter: a crash (a signal, a lost process) is a failure with its output, not a lost
-pytest worker.
+On torch 2.11 (its CUDA wheel; an AVX-512 machine, 2026-11-27) any exception leaving
+``moe_forward`` (a failing ``TORCH_CHECK``, then a plain ``std::runtime_error``) killed the
+interpreter with SIGSEGV on every ISA path, while the same exceptions from a binding without
+tensor arguments reached Python, and torch 2.13 raised in every case. The bindings that take
+tensors therefore return an error's message (``MOELAB_REQUIRE`` in kernels/moe_op.cpp) and
+``moelab.kernels.op`` raises it; inputs are checked with the GIL held, which is released for the
+compute only. Each error path runs here in a fresh interpreter: a crash (a signal, a lost
+process) is a failure with its output, not a lost pytest worker.
 """
 
 from __future__ import annotations
@@ -82,10 +83,11 @@ def test_error_paths_raise_in_a_fresh_interpreter_instead_of_aborting():
     assert lines["peak bad isa"].startswith("RuntimeError") and "unknown isa" in lines["peak bad isa"], out
 
 
-@pytest.mark.parametrize("kind,exc", [(1, "RuntimeError"), (2, "ValueError")])
+@pytest.mark.parametrize("kind,exc", [(0, "RuntimeError"), (1, "RuntimeError"), (2, "ValueError")])
 def test_the_exception_kinds_the_extension_throws_reach_python(kind, exc):
-    """``_raise_probe(1)`` throws what MOELAB_CHECK throws (std::runtime_error); 2 a pybind11 error. (Kind 0,
-    a c10::Error, is what crashed torch 2.11; scripts/gpu_box_check.sh probes it there.)"""
+    """``_raise_probe`` throws, from a binding without tensor arguments, a c10::Error (0, a failing
+    TORCH_CHECK), a std::runtime_error (1, what ``fail()`` throws) or a pybind11 error (2); each must arrive
+    as a Python exception (all three did on torch 2.11 and 2.13)."""
     script = ("from moelab.kernels.build import load_extension\n"
               f"try:\n    load_extension()._raise_probe({kind})\n"
               "except Exception as e:\n    print('raised', type(e).__name__, e, flush=True)\n")

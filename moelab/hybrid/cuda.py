@@ -372,14 +372,12 @@ class CudaExecutor(LaneExecutor):
             ids_c, w_c = ids.cpu(), weights.cpu()
             dmap, hmap = split_maps(E, sorted(slot_of), "cpu")
             active = w_c != 0
-            on_dev = dmap[ids_c] >= 0
-            dev_pairs = int((active & on_dev).sum())
+            dev_pairs = int((active & (dmap[ids_c] >= 0)).sum())
             host_pairs = int(active.sum()) - dev_pairs
             host = None
-            if host_pairs:  # bytes: the distinct host experts the call reads, as the CPU lanes count them
-                n_host = int(ids_c[active & ~on_dev].unique().numel())
+            if host_pairs:  # bytes: the distinct host experts the plan reads, as the CPU lanes count them
                 host = self._host(ctx, layer, module, hidden, ids_c, w_c, hmap, kind="expert-host", cause="miss",
-                                  tokens=host_pairs, nbytes=ebytes * n_host)
+                                  tokens=host_pairs, nbytes=ebytes * len({e for e, _ in lp.host}))
             parts = []
             if dev_pairs:
                 smap = torch.full((E,), -1, dtype=torch.long)
