@@ -288,3 +288,35 @@ def test_a_hybrid_run_plans_the_same_on_both_paths(monkeypatch, tmp_path, model_
                            num_experts=[ly.num_experts for ly in layers], top_k=[ly.top_k for ly in layers],
                            shape=ModelShape.from_model(model))
     assert [asdict(p) for p in offline] == [asdict(p) for p in run.plans]
+
+
+_NO_COMPILE = """
+import os, sys
+os.environ["MOELAB_PLANNER"] = "compiled"
+import numpy as np
+from moelab.hybrid import _compiled
+from moelab.hybrid.config import HybridConfig
+from moelab.hybrid.planner import Planner
+
+config = HybridConfig.from_dict({"cache": {"policy": "lru", "capacity": 0.5}})
+p = Planner.build(config, num_experts=[8] * 4, top_k=[2] * 4, expert_bytes=1000)
+p.plan_layer(0, 0, "decode", 0, np.array([[1, 2]]), np.array([[0.5, 0.5]], dtype=np.float32))
+if sys.argv[1] == "check":
+    missed = {f.__name__: len(f.stats.cache_misses) for f in (_compiled.make_box, _compiled.run)}
+    assert not any(missed.values()) and all(f.stats.cache_hits for f in (_compiled.make_box, _compiled.run)), missed
+print("ok")
+"""
+
+
+def test_a_new_process_loads_the_compiled_planner_from_the_disk_cache(tmp_path):
+    """The planner's state box and entry point are cached on disk (a jitclass made every process
+    compile for seconds): after one process has planned, the next one loads both and compiles
+    nothing for them (numba's dispatcher statistics, in a fresh interpreter)."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "plan_once.py"
+    script.write_text(_NO_COMPILE)
+    for mode in ("warm", "check"):
+        r = subprocess.run([sys.executable, str(script), mode], capture_output=True, text=True, timeout=600)
+        assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-3000:]

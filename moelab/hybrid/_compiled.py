@@ -26,9 +26,10 @@ reference): a cache (capacity > 0) of a built-in policy with a compiled kernel (
 supported); :attr:`Planner.path` says which one runs.
 
 **Speed.** numba unboxes a named tuple of arrays field by field on every call (≈ 6 µs for a
-cache); the planner's state is therefore held by a small jitclass (:func:`_box_class`), which
-crosses the boundary as one pointer, and a trampoline compiled per process calls the cached
-kernel. The kernel itself is cached on disk (``cache=True``).
+cache); the planner's state is therefore held by a numba structref (:class:`Box`), which
+crosses the boundary as one pointer. Everything is cached on disk (``cache=True``), the box's
+constructor and the entry point (:func:`run`) included, so a process that finds the cache
+compiles nothing (a jitclass could not be cached: every process paid seconds of compilation).
 
 **Float parity.** ``greedy-hss`` is the reference's arithmetic in the reference's order (sums
 left to right, the same subtractions and re-additions on its lane totals), on the cost model's
@@ -629,20 +630,6 @@ def _ints2(x: Any) -> np.ndarray:
     return a
 
 
-def _box_class(cache_type, static_type, out_type):
-    """The jitclass holding a planner's compiled state (one pointer across the boundary)."""
-    from numba.experimental import jitclass
-
-    @jitclass([("cache", cache_type), ("s", static_type), ("out", out_type)])
-    class Box:
-        def __init__(self, cache, s, out):
-            self.cache = cache
-            self.s = s
-            self.out = out
-
-    return Box
-
-
 @njit(cache=True, nogil=True)
 def pack(out):
     """One plan's outputs as one fresh int64 record (what a :class:`LazyPlan` keeps): the 8
@@ -675,25 +662,37 @@ def pack(out):
     return rec
 
 
-_BOX: dict = {}
+if HAVE_NUMBA:
+    from numba.core import types as _types
+    from numba.experimental import structref as _structref
 
+    @_structref.register
+    class BoxType(_types.StructRef):
+        """The numba type of a planner's boxed state (fields ``cache``, ``s``, ``out``)."""
 
-def _trampoline():
-    if "run" not in _BOX:
+    class Box(_structref.StructRefProxy):
+        """A planner's compiled state — the cache, the static tables, the outputs — as one
+        reference-counted struct. It crosses the Python → numba boundary as one pointer (a named
+        tuple of arrays is unboxed field by field, ≈ 6 µs a call), and unlike a jitclass the
+        functions taking it are cached on disk: a new process loads them and compiles nothing."""
 
-        @njit(nogil=True)
-        def run(box, layer, ids, w, st, has_state, scores, place, admit_all, pf, pf_target, budget, impact):
-            """:func:`plan` on a planner's boxed state, then :func:`pack`; with the error code, the
-            skipped slots and the prefetched experts (what the caller reads at once, as ints).
+    _structref.define_proxy(Box, BoxType, ["cache", "s", "out"])
 
-            Size: :func:`plan`'s per-call arguments."""
-            plan(box.cache, box.s, box.out, layer, ids, w, st, has_state, scores, place, admit_all, pf, pf_target,
-                 budget, impact)
-            cnt = box.out.cnt
-            return pack(box.out), cnt[ERROR], cnt[SKIPPED], cnt[MOVED]
+    @njit(cache=True)
+    def make_box(cache, s, out):
+        """A :class:`Box` over ``cache``, ``s`` and ``out`` (the arrays are shared, not copied)."""
+        return Box(cache, s, out)
 
-        _BOX["run"] = run
-    return _BOX["run"]
+    @njit(cache=True, nogil=True)
+    def run(box, layer, ids, w, st, has_state, scores, place, admit_all, pf, pf_target, budget, impact):
+        """:func:`plan` on a planner's boxed state, then :func:`pack`; with the error code, the
+        skipped slots and the prefetched experts (what the caller reads at once, as ints).
+
+        Size: :func:`plan`'s per-call arguments."""
+        plan(box.cache, box.s, box.out, layer, ids, w, st, has_state, scores, place, admit_all, pf, pf_target,
+             budget, impact)
+        cnt = box.out.cnt
+        return pack(box.out), cnt[ERROR], cnt[SKIPPED], cnt[MOVED]
 
 
 # ---------------------------------------------------------------------- the Python side
@@ -906,13 +905,7 @@ class CompiledPlanner:
                            np.zeros(NK, np.int64), np.zeros(NK, np.int64), np.zeros(NK, np.int64),
                            np.zeros(8, np.int64), np.zeros(E + 1, np.float64), np.zeros(E + 1, np.int64),
                            np.zeros(E, np.int64), np.zeros(E, np.uint8), np.zeros(E, np.uint8))
-        from numba import typeof
-
-        key = (typeof(self.state), typeof(self.static), typeof(self.out))
-        if key not in _BOX:
-            _BOX[key] = _box_class(*key)
-        self._box = _BOX[key](self.state, self.static, self.out)
-        self._run = _trampoline()
+        self._box = make_box(self.state, self.static, self.out)
 
     def plan_layer(self, forward: int, step: int, phase: str, layer: int, ids: Any, weights: Any,
                    state: Any = None, scores: Any = None, prefetch: Any = None):
@@ -961,7 +954,7 @@ class CompiledPlanner:
             budget = -1 if b is None else int(b)
         if not 0 <= layer < p.num_layers:
             self.view.reference._check_layer(layer)
-        rec, err, skipped, moved = self._run(self._box, layer, ids, w, st, has_state, sc, self.place, self.admit_all,
+        rec, err, skipped, moved = run(self._box, layer, ids, w, st, has_state, sc, self.place, self.admit_all,
                                              pf, pf_target, budget, self.impact)
         if err:
             self._raise(err, layer, ids, pf, pf_target)
@@ -1037,7 +1030,7 @@ def choose(planner: Any) -> CompiledPlanner | None:
         executor = getattr(config, "executor", "functional")
         if why is None and executor not in AUTO_EXECUTORS:
             why = (f"planner: auto plans the {executor} executor and offline planning with the reference (a "
-                   "process's first compiled plan compiles for seconds); set planner: compiled to use it")
+                   "process's first compiled plan loads numba: 1–2 s, a minute with a cold cache); set planner: compiled to use it")
         if why is not None:
             planner.path_reason = why
             return None

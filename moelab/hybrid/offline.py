@@ -355,7 +355,7 @@ def plan_routing(
     """
     cfg = _as_config(config)
     if cfg.planner == "auto":  # offline planning runs the reference under auto (HybridConfig.planner): a
-        # process's first compiled plan compiles for seconds; planner: compiled asks for it
+        # process's first compiled plan loads numba (1–2 s, a minute with a cold cache); planner: compiled asks for it
         cfg = dataclasses.replace(cfg, planner="reference")
     L = len(num_experts)
     states = _RoutingStates(cfg.routing, top_k, routing_policies, routing_memo)
