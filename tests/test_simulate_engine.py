@@ -359,13 +359,88 @@ def test_ktransformers_style_saturation_deferral_cuts_layer_time_to_the_cpu_busy
     assert dfr.summary()["busy_pct"]["host"] > 97
 
 
+# ---------------------------------------------------------------------- ProMoE's chunked copies
+@pytest.mark.parametrize("engine", ENGINES)
+def test_a_demand_copy_waits_for_one_chunk_of_a_prefetch_not_the_whole_expert(engine):
+    """ProMoE §5 (docs/techniques.md §4): prefetches are chunked per projection, so a miss waits at
+    most one chunk. Layer 0 prefetches a 3 MB expert of layer 1 (300 µs on the 10 GB/s link, from 50);
+    layer 1's dense work ends at 100 and its miss on expert 2 needs a 1 MB demand copy (100 µs)."""
+    from moelab.simulate.executor import simulate_plans
+
+    plans = [plan(0, transfers=[(1, 4, 3_000_000, "prefetch")]),
+             plan(1, device=[(2, 1)], transfers=[(1, 2, 1_000_000, "demand")])]
+    whole = simulate_plans(plans, HandShape(), hand_profile(), engine=engine)
+    chunked = simulate_plans(plans, HandShape(), hand_profile(), engine=engine, copy_chunks=3)
+    # whole: the demand copy queues behind the whole prefetch (50-350), runs 350-450, the expert 450-460
+    d = rows(whole, kind="transfer-demand")
+    assert (d["t_start_us"].item(), d["t_end_us"].item()) == pytest.approx((350, 450), abs=1e-3)
+    assert rows(whole, kind="expert-device")["t_start_us"].item() == pytest.approx(450, abs=1e-3)
+    # chunked: the first chunk (50-150) finishes, the demand copy overtakes the other two (150-250)
+    d = rows(chunked, kind="transfer-demand")
+    assert (d["t_start_us"].item(), d["t_end_us"].item()) == pytest.approx((150, 250), abs=1e-3)
+    assert d["t_start_us"].item() - 100 <= 100 + 1e-3  # waited at most one chunk
+    assert rows(chunked, kind="expert-device")["t_start_us"].item() == pytest.approx(250, abs=1e-3)
+    pf = rows(chunked, kind="transfer-prefetch").sort_values("t_start_us")
+    assert pf["bytes"].tolist() == [1_000_000] * 3 and (pf["expert"] == 4).all() and (pf["layer"] == 1).all()
+    assert list(zip(pf["t_start_us"], pf["t_end_us"])) == [pytest.approx(v, abs=1e-3)
+                                                           for v in ((50, 150), (250, 350), (350, 450))]
+    for res in (whole, chunked):  # the same bytes cross the link either way
+        assert rows(res, kind="transfer-prefetch")["bytes"].sum() == 3_000_000
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_a_prefetched_expert_waits_for_the_last_chunk_and_each_chunk_pays_the_link_latency(engine):
+    from moelab.simulate.executor import simulate_plans
+
+    # a 10 µs link latency: whole, the copy is 50-360 (10 + 300); in 3 chunks 50-380 (3 × (10 + 100));
+    # layer 1's hit on the prefetched expert starts when the last chunk ends
+    plans = [plan(0, transfers=[(1, 4, 3_000_000, "prefetch")]), plan(1, device=[(4, 1)], hits=[4])]
+    plans[1].prefetch_hits = [4]
+    hw = hand_profile(link_latency_us=10.0)
+    for chunks, end in ((1, 360), (3, 380)):
+        res = simulate_plans(plans, HandShape(), hw, engine=engine, copy_chunks=chunks)
+        assert rows(res, kind="transfer-prefetch")["t_end_us"].max() == pytest.approx(end, abs=1e-3)
+        e = rows(res, kind="expert-device")
+        assert (e["t_start_us"].item(), e["cause"].item()) == (pytest.approx(end, abs=1e-3), "prefetch-hit")
+
+
+def test_chunks_split_low_priority_copies_only_and_keep_their_bytes():
+    from moelab.simulate.executor import XKIND, chunk_copies, encode
+
+    plans = [plan(0, transfers=[(1, 4, 1_000_001, "prefetch"), (0, 1, 7, "demand")]),
+             plan(1, transfers=[(1, 5, 10, "insert")])]
+    enc = encode(plans, 8, 2, has_shared=False)
+    got = chunk_copies(enc, 3)
+    assert got.nx.tolist() == [4, 3] and enc.nx.tolist() == [2, 1]
+    assert got.x[:, 2].tolist() == [333_333, 333_333, 333_335, 7, 3, 3, 4]
+    assert got.x[:, 3].tolist() == [XKIND["prefetch"]] * 3 + [XKIND["demand"]] + [XKIND["insert"]] * 3
+    assert chunk_copies(enc, 1) is enc
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(MoelabError, match="copy_chunks=.*integer ≥ 1"):
+            chunk_copies(enc, bad)
+
+
+def test_prefetch_chunks_is_a_configuration_setting_and_a_grid_axis():
+    from moelab.caches.prefetch import PrefetchConfig
+    from moelab.hybrid.config import HybridConfig
+    from moelab.simulate.whatif import parse_grid
+
+    assert HybridConfig.from_dict({"prefetch": {"chunks": 3}}).prefetch.chunks == 3
+    assert PrefetchConfig().chunks == 1
+    with pytest.raises(MoelabError, match="chunks=0: expected an integer ≥ 1"):
+        PrefetchConfig(chunks=0)
+    assert parse_grid(["chunks=1,3"])["chunks"] == [1, 3] and parse_grid([])["chunks"] == [1]
+    with pytest.raises(MoelabError, match="chunks=0: expected ≥ 1"):
+        parse_grid(["chunks=0"])
+
+
 # ---------------------------------------------------------------------- executor: parity and bad input
 @pytest.mark.skipif(not _native.available(), reason="no C compiler here: nothing to compare the reference with")
 def test_fast_path_events_equal_the_reference_over_random_plans():
     import transformers
 
     from moelab.simulate.bench import bench_config, events_equal, random_plans
-    from moelab.simulate.executor import build_graph, encode, simulate_plans
+    from moelab.simulate.executor import build_graph, chunk_copies, encode, simulate_plans
     from moelab.timing.costs import CostModel
     from moelab.timing.shapes import ModelShape
 
@@ -386,10 +461,11 @@ def test_fast_path_events_equal_the_reference_over_random_plans():
                               policy=str(rng.choice(["lru", "lfu", "fifo"])), prefetch=int(rng.integers(0, 3)),
                               predictor=str(rng.choice(["repeat", "oracle"])))
         plans = random_plans(shape, config, steps=int(rng.integers(1, 6)), seed=seed, tokens=int(rng.integers(1, 3)))
-        ref = simulate_plans(plans, shape, hw, engine="reference", reference_graph=True)
-        fast = simulate_plans(plans, shape, hw, engine="fast")
+        chunks = 1 + seed % 3  # ProMoE's chunked low-priority copies too
+        ref = simulate_plans(plans, shape, hw, engine="reference", reference_graph=True, copy_chunks=chunks)
+        fast = simulate_plans(plans, shape, hw, engine="fast", copy_chunks=chunks)
         assert events_equal(ref.events, fast.events), seed
-        enc = encode(plans, 16, 4, has_shared=True)
+        enc = chunk_copies(encode(plans, 16, 4, has_shared=True), chunks)
         g1, _, _ = build_graph(enc, CostModel.of(shape, hw))
         g2, _, _ = build_graph(enc, CostModel.of(shape, hw), reference=True)
         assert np.array_equal(g1.dep_ptr, g2.dep_ptr)

@@ -23,7 +23,7 @@ def test_grid_expands_to_the_product_with_defaults():
     cs = cells(g)
     assert len(cs) == 3 * 4 * 2
     assert cs[0] == {"capacity": 0.1, "deferral": 0, "placement": "host-misses", "policy": "lru", "skipping": 0,
-                     "min_immediate": 2, "prefetch": "none"}
+                     "min_immediate": 2, "prefetch": "none", "select": "impact", "chunks": 1}
     assert {c["capacity"] for c in cs} == {0.1, 0.25, 0.5}
     assert parse_grid(["capacity=2e"])["capacity"] == [2]  # a count of experts
     assert len(cells(parse_grid([]))) == 1  # every axis at its default
@@ -72,6 +72,28 @@ def test_oracle_bounds_every_cell():
     fm = df[df["placement"] == "fetch-misses"]["stall_copy_s"].sum()
     hm = df[df["placement"] == "host-misses"]["stall_copy_s"].sum()
     assert fm > hm
+
+
+def test_grid_select_and_chunks_reach_the_planner_and_the_simulator(monkeypatch):
+    """The ``select`` axis picks the planner's prefetch rule (``order``: ProMoE's, the proposal within
+    the budget; ``impact``: HybriMoE's, within the lead time) and ``chunks`` the simulator's copy
+    chunks (ProMoE's yielding copies), cell by cell."""
+    import moelab.simulate.executor as ex
+
+    seen = []
+    real = ex.simulate_plans
+
+    def spy(plans, *args, copy_chunks=1, **kw):
+        seen.append((copy_chunks, sum(t.priority == "prefetch" for p in plans for t in p.transfers)))
+        return real(plans, *args, copy_chunks=copy_chunks, **kw)
+
+    monkeypatch.setattr(ex, "simulate_plans", spy)
+    df = whatif("mixtral-8x7b", "pcie4-x16", synthetic=True, stats=_stats(8, 2, 32), steps=2, warmup=1,
+                oracle=False, check_memory=False, grid={"capacity": [0.5], "placement": ["fetch-misses"], "prefetch": ["oracle"],
+                                    "select": ["order", "impact"], "chunks": [1, 3]})
+    assert df[["select", "chunks"]].values.tolist() == [["order", 1], ["order", 3], ["impact", 1], ["impact", 3]]
+    assert [c for c, _ in seen] == [1, 3, 1, 3]
+    assert seen[0][1] == seen[1][1] > 0  # order prefetches the oracle's experts; chunking does not change the plans
 
 
 def test_module_is_callable_as_the_api():

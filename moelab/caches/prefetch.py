@@ -97,8 +97,19 @@ class PrefetchConfig:
     """Experts a fitted predictor proposes per token (default: the target layer's top-k), where
     the planner or a running model asks it; the cache simulator's fitted predictors take it
     once, in ``as_prefetcher(predictor, trace, m=...)``."""
+    chunks: int = 1
+    """Each low-priority copy (a prefetch; an ``insert`` of ``cache.admission: all``) crosses the
+    link in this many equal chunks, issued one after another (ProMoE §5: copies chunked per
+    projection, 3 for an expert's gate, up and down), so a demand copy that arrives while one is on
+    the link waits for at most one chunk instead of the whole expert; every chunk pays the link's
+    latency. ``1``: whole experts. The simulator (:func:`moelab.simulate.simulate_plans`,
+    ``copy_chunks``; the what-if grid's ``chunks`` axis; the ``simulated`` executor) models it; the
+    real executors copy whole experts."""
 
     def __post_init__(self) -> None:
+        if isinstance(self.chunks, bool) or not isinstance(self.chunks, (int, np.integer)) or self.chunks < 1:
+            raise MoelabError(f"prefetch chunks={self.chunks!r}: expected an integer ≥ 1 (chunks per low-priority "
+                              "copy; 3 is ProMoE's per-projection chunking, 1 copies whole experts).")
         if self.select not in PREFETCH_SELECTIONS:
             raise MoelabError(f"prefetch select={self.select!r}: expected one of {', '.join(PREFETCH_SELECTIONS)}."
                               f"{did_you_mean(str(self.select), PREFETCH_SELECTIONS)}")

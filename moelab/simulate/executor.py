@@ -12,7 +12,9 @@
    event; on a GPU box it is GPU time launched by the control thread);
 2. the plan's transfers go to the copy engines (``copy``/``copy0``..): demand copies at
    priority 0, prefetches at 1, inserts (``cache.admission: all``) at 2, so a demand copy
-   overtakes queued prefetches and inserts wait behind both;
+   overtakes queued prefetches and inserts wait behind both; with ``copy_chunks`` > 1 the
+   prefetches and inserts go in chunks (ProMoE's, :func:`chunk_copies`), so a demand copy also
+   overtakes the rest of one already on the link;
 3. ``device`` runs the shared experts (a ``dense`` event, cause ``shared-experts``) and each
    device expert (``expert-device``; cause ``hit``, ``prefetch-hit`` or ``miss-fetch``); an
    expert starts only after the latest copy of it issued so far has ended — a demand
@@ -222,6 +224,31 @@ def encode(plans: Sequence[Any], num_experts: int, num_moe_layers: int, *, has_s
         forward=fwd, step=c["step"], layer=enc_layer, tokens=c["tokens"], prefill=c["prefill"], nx=c["nx"],
         nv=c["nv"], nh=nh, nf=nf, ns=1 if has_shared else 0, last=last, x=x, v=v, h=hh, f=ff,
     )
+
+
+def chunk_copies(enc: Encoded, chunks: int) -> Encoded:
+    """``enc`` with each low-priority copy (prefetch, insert) split into ``chunks`` copies of equal
+    bytes (the last one takes the remainder), in place of the whole one and in order — ProMoE's
+    chunked transfers (§5: per projection), so a demand copy waits for at most the chunk on the
+    link (a started copy is never pre-empted: :mod:`moelab.simulate.engine`). The chunks keep the
+    copy's priority and plan; on one copy engine they run one after another, and a device expert
+    waits for the last chunk of its latest copy (:func:`_copy_before`). Demand copies stay whole."""
+    if isinstance(chunks, bool) or not isinstance(chunks, (int, np.integer)) or chunks < 1:
+        raise MoelabError(f"copy_chunks={chunks!r}: expected an integer ≥ 1 (1: whole copies; 3: ProMoE's "
+                          "per-projection chunks).")
+    if chunks == 1 or not len(enc.x):
+        return enc
+    low = enc.x[:, 3] != XKIND["demand"]
+    reps = np.where(low, int(chunks), 1)
+    x = np.repeat(enc.x, reps, axis=0)
+    first = np.concatenate([[0], np.cumsum(reps)[:-1]])
+    k = np.arange(len(x)) - np.repeat(first, reps)  # chunk number within its copy
+    whole = np.repeat(enc.x[:, 2], reps)
+    part = whole // np.repeat(reps, reps)
+    x[:, 2] = np.where(k == np.repeat(reps, reps) - 1, whole - part * (np.repeat(reps, reps) - 1), part)
+    owner = np.repeat(np.arange(enc.n_plans, dtype=np.int64), enc.nx)
+    nx = np.bincount(owner, weights=reps, minlength=enc.n_plans).astype(np.int64)
+    return dataclasses.replace(enc, x=x, nx=nx)
 
 
 # ---------------------------------------------------------------------- layout of the task list
@@ -785,10 +812,12 @@ def summarize_sim(df, forwards=None) -> dict:
 
 # ---------------------------------------------------------------------- entry point
 def simulate_plans(plans: Sequence[Any], shape: Any, profile: HardwareProfile | str | CostModel, *, context: int = 0,
-                   engine: str | None = None, run: str = "simulated", reference_graph: bool = False) -> SimResult:
+                   engine: str | None = None, run: str = "simulated", reference_graph: bool = False,
+                   copy_chunks: int = 1) -> SimResult:
     """Simulate ``plans`` (LayerPlans, one forward after another) of a model of ``shape`` on
     ``profile``; see the module docstring. ``engine``: ``fast``, ``reference`` or None (fast if it
-    builds here)."""
+    builds here). ``copy_chunks``: low-priority copies in that many chunks (:func:`chunk_copies`;
+    ``HybridConfig.prefetch.chunks``); each chunk is one transfer event with its share of the bytes."""
     import gc
 
     costs = cost_model(shape, profile)
@@ -798,6 +827,7 @@ def simulate_plans(plans: Sequence[Any], shape: Any, profile: HardwareProfile | 
     gc.disable()  # walking ~10^5 plan objects allocates no cycles; the collector's passes cost ~30 %
     try:
         enc = encode(plans, costs.num_experts, costs.num_moe_layers, has_shared=costs.shared_bytes > 0)
+        enc = chunk_copies(enc, copy_chunks)
         g, lay, cat = build_graph(enc, costs, context=context, reference=reference_graph)
         s = simulate(g, engine)
         events = _events(enc, lay, cat, g, s, costs.profile, run)
@@ -807,5 +837,5 @@ def simulate_plans(plans: Sequence[Any], shape: Any, profile: HardwareProfile | 
     return SimResult(events, s, g, costs.profile, _forwards(enc, lay, s))
 
 
-__all__ = ["SimResult", "build_graph", "build_graph_reference", "encode", "lane_names", "simulate_plans",
+__all__ = ["SimResult", "build_graph", "build_graph_reference", "chunk_copies", "encode", "lane_names", "simulate_plans",
            "summarize_sim"]

@@ -61,7 +61,8 @@ class SimulatedExecutor(Executor):
         self._done = len(self.run.plans)
         if not plans:
             return
-        res = simulate_plans(plans, self.shape, self.profile, context=self.context, run=self.run.events.run)
+        res = simulate_plans(plans, self.shape, self.profile, context=self.context, run=self.run.events.run,
+                             copy_chunks=self.run.config.prefetch.chunks)
         p0 = plans[0]
         self.context += p0.tokens if p0.phase == "prefill" else 1
         ev = res.events

@@ -27,7 +27,12 @@ Python an int is a count and a float a fraction), ``deferral`` (deferred experts
 ``placement`` (``host-misses``, ``fetch-misses``, ``greedy-hss``, ``min-cost``), ``policy`` (the
 cache policy of the policy column; default ``lru``; ``static`` pins each layer's most used experts
 of the warm-up steps, :func:`static_counts`), ``prefetch`` (``none``, ``oracle``, ``repeat``: the
-policy column's prefetch source), ``skipping``, ``min_immediate`` (experts per token deferral keeps; 2).
+policy column's prefetch source), ``skipping``, ``min_immediate`` (experts per token deferral keeps; 2),
+``select`` (how the planner picks among a prefetch proposal, ``prefetch.select``: ``impact``,
+HybriMoE's impact-driven choice within the lead time, the default; ``order``, ProMoE's, the
+proposal in order within the budget), ``chunks`` (low-priority copies in that many chunks,
+ProMoE's yielding copies: ``prefetch.chunks``; 1, whole copies, by default). The oracle bound
+selects and copies as its cell does.
 
 Memory: every cell is held to the profile's ``gpu_memory_gb`` and ``host_memory_gb``
 (:func:`moelab.timing.memory.memory_needs`: dense weights, the KV cache at ``context + warmup +
@@ -115,6 +120,23 @@ def _int(text: str, key: str) -> int:
     return v
 
 
+def _chunks(text: str, key: str) -> int:
+    v = _int(text, key)
+    if v < 1:
+        raise MoelabError(f"grid {key}={v}: expected ≥ 1 chunks per low-priority copy (1: whole experts; 3: ProMoE's "
+                          "per-projection chunks).")
+    return v
+
+
+def _select(text: str, key: str) -> str:
+    from moelab.caches.prefetch import PREFETCH_SELECTIONS
+
+    if text not in PREFETCH_SELECTIONS:
+        raise MoelabError(f"grid {key}={text!r} is not a prefetch selection;{did_you_mean(text, PREFETCH_SELECTIONS)} "
+                          f"expected one of {', '.join(PREFETCH_SELECTIONS)}.")
+    return text
+
+
 def _placement(text: str, key: str) -> str:
     from moelab.hybrid.placement import PLACEMENTS
 
@@ -142,9 +164,11 @@ def _prefetch(text: str, key: str) -> str:
 
 #: Grid axes and how one value of each is parsed.
 AXES = {"capacity": _capacity, "deferral": _int, "placement": _placement, "policy": _policy, "skipping": _int,
-        "min_immediate": _int, "prefetch": _prefetch}
+        "min_immediate": _int, "prefetch": _prefetch, "select": _select,
+        "chunks": _chunks}
 DEFAULTS = {"capacity": [0.25], "deferral": [0], "placement": ["host-misses"], "policy": ["lru"], "skipping": [0],
-            "min_immediate": [2], "prefetch": ["none"]}
+            "min_immediate": [2], "prefetch": ["none"], "select": ["impact"],
+            "chunks": [1]}
 
 
 def parse_grid(items: list[str] | dict[str, Any] | None) -> dict[str, list]:
@@ -339,7 +363,7 @@ def _config(cell: dict, hardware: Any, *, oracle: bool, prefetch: bool, cache: s
         "hardware": hardware,
         "routing": {"deferred": cell["deferral"], "skipped": cell["skipping"],
                     "min_immediate": cell.get("min_immediate", 2)},
-        "prefetch": {"predictor": predictor},
+        "prefetch": {"predictor": predictor, "select": cell.get("select", "impact"), "chunks": int(cell.get("chunks", 1))},
     }
 
 
@@ -367,7 +391,7 @@ def simulate_cell(routing: list, shape: Any, hardware: Any, profile: Any, cell: 
                          num_experts=[shape.num_experts] * L, top_k=[shape.top_k] * L,
                          expert_bytes=shape.expert_bytes(), shape=shape,
                          routing_memo=routing_memo, warm_routing=_warmup_forwards(routing, warmup))
-    res = simulate_plans(plans, shape, profile, context=context)
+    res = simulate_plans(plans, shape, profile, context=context, copy_chunks=int(cell.get("chunks", 1)))
     fw, ev = res.forwards, res.events
     dec = fw[fw["phase"] == "decode"]
     if warmup and len(dec) > warmup:

@@ -211,16 +211,17 @@ def sequences(plans: list) -> list[list]:
     return out
 
 
-def simulate_sequences(plans: list, shape: Any, profile: str) -> dict[str, Any]:
-    """:func:`~moelab.simulate.simulate_plans` of each sequence from context 0, end to end; the
-    summary of all their events (``summarize_sim``) and counts."""
+def simulate_sequences(plans: list, shape: Any, profile: str, *, copy_chunks: int = 1) -> dict[str, Any]:
+    """:func:`~moelab.simulate.simulate_plans` of each sequence from context 0, end to end (low-priority
+    copies in ``copy_chunks``: the configuration's ``prefetch.chunks``); the summary of all their
+    events (``summarize_sim``) and counts."""
     import pandas as pd
 
     from moelab.simulate.executor import simulate_plans, summarize_sim
 
     events, forwards, clock = [], [], 0.0
     for seq in sequences(plans):
-        res = simulate_plans(seq, shape, profile)
+        res = simulate_plans(seq, shape, profile, copy_chunks=copy_chunks)
         ev, fw = res.events.copy(), res.forwards.copy()
         if not len(ev):
             continue
@@ -305,7 +306,7 @@ def cell_latency(cell: Any, trace_dir: str | Path, shape: Any) -> dict[str, dict
         if schedule.get("name") == "moegen":
             fig = throughput_figures(plans, shape, name, schedule)
         else:
-            fig = figures(simulate_sequences(plans, shape, name))
+            fig = figures(simulate_sequences(plans, shape, name, copy_chunks=cfg.prefetch.chunks))
         fig["settings"] = {
             "moelab": moelab.__version__, "method": METHOD,
             "profile": profile.to_dict(), "profile_provenance": dict(profile.provenance),

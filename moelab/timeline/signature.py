@@ -126,7 +126,8 @@ def simulated_timeline(shape: Any, profile: Any, hybrid: dict, *, routing: Any =
     L = shape.num_moe_layers
     plans = plan_routing(forwards, hybrid, num_experts=[shape.num_experts] * L, top_k=[shape.top_k] * L,
                          expert_bytes=shape.expert_bytes(), shape=shape)
-    res = simulate_plans(plans, shape, profile, context=context)
+    res = simulate_plans(plans, shape, profile, context=context,
+                         copy_chunks=int((hybrid.get("prefetch") or {}).get("chunks", 1)))
     pname = getattr(profile, "name", profile)
     return Timeline(res.events, name=name or f"simulated {shape.name} on {pname}",
                     tokens=sum(int(f.tokens) for f in forwards if f.phase == "decode"))
