@@ -58,10 +58,9 @@ def register(subparsers) -> None:
     p.add_argument("--grid", nargs="+", default=[], metavar="AXIS=V1,V2",
                    help="axes: capacity (experts per layer with a unit: 8e is a count, 25%% or 0.25 a fraction, 0 "
                    "none), deferral, placement, policy (cache policy, default lru; static pins the most used experts "
-                   "of the warm-up steps), prefetch (none, oracle, repeat; default none), skipping, min_immediate "
-                   "(experts per token deferral keeps, default 2), select (how prefetches are chosen: impact, HybriMoE's, "
-                   "default; order, ProMoE's), chunks (low-priority copies in that many "
-                   "chunks, ProMoE's: a demand copy waits for one chunk; default 1)")
+                   "of the warm-up steps), prefetch (none, oracle, repeat; default none), skipping, min_immediate (experts "
+                   "per token deferral keeps, default 2), select (prefetch choice: impact, HybriMoE's, default; order, "
+                   "ProMoE's), chunks (low-priority copies in chunks, ProMoE's: demand waits one chunk; default 1)")
     p.add_argument("--phase", choices=("decode", "prefill"), default="decode",
                    help="decode (default): the what-if grid; prefill: one prompt of --prompt-tokens on the "
                    "stream-loading (OSDI '26) or hybrid path (moelab.simulate.prefill; no routing source needed)")

@@ -59,7 +59,7 @@ import numpy as np
 import moelab
 from moelab._output import write_file_atomic
 from moelab.caches import available_policies, get_policy
-from moelab.caches.prefetch import routing_kinds
+from moelab.caches.prefetch import PREFETCH_SELECTIONS, routing_kinds
 from moelab.errors import MoelabError, did_you_mean
 from moelab.prompts import DEMO_PROMPTS
 from moelab.timing import get_profile
@@ -129,8 +129,6 @@ def _chunks(text: str, key: str) -> int:
 
 
 def _select(text: str, key: str) -> str:
-    from moelab.caches.prefetch import PREFETCH_SELECTIONS
-
     if text not in PREFETCH_SELECTIONS:
         raise MoelabError(f"grid {key}={text!r} is not a prefetch selection;{did_you_mean(text, PREFETCH_SELECTIONS)} "
                           f"expected one of {', '.join(PREFETCH_SELECTIONS)}.")
