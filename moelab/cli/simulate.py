@@ -10,6 +10,13 @@ from moelab.errors import MoelabError
 from moelab.timing.profile import apply_settings, get_profile, pool_numa, save_profile
 from moelab.timing.shapes import get_shape
 
+GRID_HELP = (
+    "axes: capacity (experts per layer with a unit: 8e is a count, 25%% or 0.25 a fraction, 0 none), deferral, "
+    "placement, policy (cache policy, default lru; static pins the most used experts of the warm-up steps), "
+    "prefetch (none, oracle, repeat; default none), skipping, min_immediate (experts per token deferral keeps, "
+    "default 2), select (prefetch choice: impact, HybriMoE's, default; order, ProMoE's), chunks (low-priority "
+    "copies in chunks, ProMoE's: a demand copy waits for one chunk; default 1)")
+
 
 def register(subparsers) -> None:
     p = subparsers.add_parser(
@@ -55,12 +62,7 @@ def register(subparsers) -> None:
     p.add_argument("--batch", type=positive_int, default=1, help="sequences decoded together (synthetic; default 1)")
     p.add_argument("--context", type=non_negative_int, default=1024, help="tokens in the KV cache before the first "
                    "simulated step (default 1024)")
-    p.add_argument("--grid", nargs="+", default=[], metavar="AXIS=V1,V2",
-                   help="axes: capacity (experts per layer with a unit: 8e is a count, 25%% or 0.25 a fraction, 0 "
-                   "none), deferral, placement, policy (cache policy, default lru; static pins the most used experts "
-                   "of the warm-up steps), prefetch (none, oracle, repeat; default none), skipping, min_immediate (experts "
-                   "per token deferral keeps, default 2), select (prefetch choice: impact, HybriMoE's, default; order, "
-                   "ProMoE's), chunks (low-priority copies in chunks, ProMoE's: demand waits one chunk; default 1)")
+    p.add_argument("--grid", nargs="+", default=[], metavar="AXIS=V1,V2", help=GRID_HELP)
     p.add_argument("--phase", choices=("decode", "prefill"), default="decode",
                    help="decode (default): the what-if grid; prefill: one prompt of --prompt-tokens on the "
                    "stream-loading (OSDI '26) or hybrid path (moelab.simulate.prefill; no routing source needed)")
