@@ -217,7 +217,7 @@ def test_offline_planning_refuses_what_it_cannot_do(mixtral):
         plan_routing(_routing([[[0]]]), {}, **SHAPE2)
     with pytest.raises(MoelabError, match="needs the model's shape for its cost model; pass shape="):
         plan_routing(_routing([[[0], [3]]]), {"placement": "greedy-hss", "hardware": "pcie4-x16"}, **SHAPE2)
-    with pytest.raises(MoelabError, match="neither 'oracle', 'repeat' nor a saved predictor"):
+    with pytest.raises(MoelabError, match="neither 'oracle', 'repeat', 'activation' nor a saved predictor"):
         plan_routing(_routing([[[0], [3]]]), {"prefetch": {"predictor": "orcale"}}, **SHAPE2)
     with pytest.raises(MoelabError, match="works only offline"):
         moelab.hybrid(mixtral, {"cache": {"capacity": 0.25, "policy": "belady"}}).apply()

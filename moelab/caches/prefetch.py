@@ -31,6 +31,8 @@ from typing import Any
 
 import numpy as np
 
+from moelab.caches.activation import NAME as ACTIVATION
+from moelab.caches.activation import ActivationAware, is_activation
 from moelab.caches.stream import AccessStream
 from moelab.errors import MoelabError, did_you_mean, unknown_name
 from moelab.predictors.protocol import PredictContext, Prefetcher, union_predictions
@@ -218,8 +220,10 @@ def get_prefetcher(source: str | Any) -> Any:
     if rule is not None:
         name = source if isinstance(source, str) else (getattr(source, "kind", "") or type(source).__name__)
         return _RoutingProposals(name, rule)
+    if is_activation(source):
+        return ActivationAware()
     if isinstance(source, str):
-        err = unknown_name("prefetch predictor", source, routing_kinds())
+        err = unknown_name("prefetch predictor", source, [*routing_kinds(), ACTIVATION])
         raise MoelabError(f"{err} A predictor that must be fitted drives a prefetch through "
                           "moelab.predictors.as_prefetcher(fitted predictor, trace).")
     if callable(getattr(source, "predict_trace", None)) and callable(getattr(source, "source_layers", None)):

@@ -13,7 +13,7 @@ from moelab.timing.shapes import get_shape
 GRID_HELP = (
     "axes: capacity (experts per layer with a unit: 8e is a count, 25%% or 0.25 a fraction, 0 none), deferral, "
     "placement, policy (cache policy, default lru; static pins the most used experts of the warm-up steps), "
-    "prefetch (none, oracle, repeat; default none), skipping, min_immediate (experts per token deferral keeps, "
+    "prefetch (none, oracle, repeat, activation: MoE-Infinity's; default none), skipping, min_immediate (experts per token deferral keeps, "
     "default 2), select (prefetch choice: impact, HybriMoE's, default; order, ProMoE's), chunks (low-priority "
     "copies in chunks, ProMoE's: a demand copy waits for one chunk; default 1)")
 

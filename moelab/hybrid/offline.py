@@ -45,6 +45,8 @@ from typing import Any
 import numpy as np
 
 from moelab.caches import get_policy
+from moelab.caches.activation import NAME as ACTIVATION
+from moelab.caches.activation import ActivationAware, is_activation
 from moelab.caches.base import resolve_capacity
 from moelab.caches.policies import popular_keys
 from moelab.caches.prefetch import routing_kinds, routing_rule
@@ -252,10 +254,13 @@ def _proposer(predictor: Any, config: HybridConfig, num_experts: Sequence[int]) 
     rule = routing_rule(predictor)
     if rule is not None:
         return rule
+    if is_activation(predictor):  # MoE-Infinity's EAM matching, one state per planning pass
+        return ActivationAware(list(num_experts), m=config.prefetch.m)
     if isinstance(predictor, (str, Path)):
         if not Path(predictor).is_dir():
             raise MoelabError(
-                f"prefetch predictor {str(predictor)!r} is neither {', '.join(map(repr, sorted(routing_kinds())))} "
+                f"prefetch predictor {str(predictor)!r} is neither {', '.join(map(repr, sorted(routing_kinds())))}, "
+                f"{ACTIVATION!r} "
                 "nor a saved predictor directory; pass one of those, a directory written by `moelab predict fit "
                 "--out DIR`, or a fitted predictor."
             )

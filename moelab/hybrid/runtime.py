@@ -48,6 +48,7 @@ import torch
 
 from moelab import __version__
 from moelab._output import reserve_output
+from moelab.caches.activation import is_activation
 from moelab.caches.prefetch import routing_rule
 from moelab.errors import MoelabError
 from moelab.events import decode_rate
@@ -225,6 +226,8 @@ class HybridRun:
         from moelab.predictors import load_predictor
 
         rule = routing_rule(p.predictor)
+        if is_activation(p.predictor):
+            rule = "activation"
         if rule is not None:
             why = ("reads the routing of the layer it prefetches for, which a live run knows only after it"
                    if rule == "same" else "is implemented by the offline planner only")

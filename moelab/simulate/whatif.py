@@ -26,8 +26,8 @@ a count, ``25%`` or ``0.25`` a fraction, ``0`` none; a bare ``1`` is refused as 
 Python an int is a count and a float a fraction), ``deferral`` (deferred experts per token),
 ``placement`` (``host-misses``, ``fetch-misses``, ``greedy-hss``, ``min-cost``), ``policy`` (the
 cache policy of the policy column; default ``lru``; ``static`` pins each layer's most used experts
-of the warm-up steps, :func:`static_counts`), ``prefetch`` (``none``, ``oracle``, ``repeat``: the
-policy column's prefetch source), ``skipping``, ``min_immediate`` (experts per token deferral keeps; 2),
+of the warm-up steps, :func:`static_counts`), ``prefetch`` (``none``, ``oracle``, ``repeat``,
+``activation``: the policy column's prefetch source), ``skipping``, ``min_immediate`` (experts per token deferral keeps; 2),
 ``select`` (how the planner picks among a prefetch proposal, ``prefetch.select``: ``impact``,
 HybriMoE's impact-driven choice within the lead time, the default; ``order``, ProMoE's, the
 proposal in order within the budget), ``chunks`` (low-priority copies in that many chunks,
@@ -59,6 +59,7 @@ import numpy as np
 import moelab
 from moelab._output import write_file_atomic
 from moelab.caches import available_policies, get_policy
+from moelab.caches.activation import NAME as ACTIVATION
 from moelab.caches.prefetch import PREFETCH_SELECTIONS, routing_kinds
 from moelab.errors import MoelabError, did_you_mean
 from moelab.prompts import DEMO_PROMPTS
@@ -153,7 +154,7 @@ def _policy(text: str, key: str) -> str:
 
 
 def _prefetch(text: str, key: str) -> str:
-    names = ["none", *sorted(routing_kinds())]
+    names = ["none", *sorted(routing_kinds()), ACTIVATION]
     if text not in names:
         raise MoelabError(f"grid {key}={text!r} is not a prefetch source;{did_you_mean(text, names)} "
                           f"expected one of {', '.join(names)} (none: no prefetch).")
