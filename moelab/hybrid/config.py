@@ -135,8 +135,8 @@ class HybridConfig:
     ``compiled`` (numba, where the configuration allows it, else an error), ``reference`` (the
     Python planner), or ``auto``: compiled for the ``real`` and ``cuda`` executors, whose per-layer
     speed is what it is for, where the configuration allows it; the reference for the functional
-    and simulated executors and offline planning, where a process's first compiled plan (its
-    compilation, seconds) would outweigh what it saves. ``$MOELAB_PLANNER`` overrides it."""
+    and simulated executors and offline planning, where a process's first compiled plan (loading
+    numba and the planner's cached machine code, 1–2 s here) would outweigh what it saves. ``$MOELAB_PLANNER`` overrides it."""
 
     def __post_init__(self) -> None:
         names = available_executors()

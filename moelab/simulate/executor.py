@@ -238,14 +238,12 @@ def chunk_copies(enc: Encoded, chunks: int) -> Encoded:
                           "per-projection chunks).")
     if chunks == 1 or not len(enc.x):
         return enc
-    low = enc.x[:, 3] != XKIND["demand"]
-    reps = np.where(low, int(chunks), 1)
+    reps = np.where(enc.x[:, 3] != XKIND["demand"], int(chunks), 1)  # pieces per copy
     x = np.repeat(enc.x, reps, axis=0)
-    first = np.concatenate([[0], np.cumsum(reps)[:-1]])
-    k = np.arange(len(x)) - np.repeat(first, reps)  # chunk number within its copy
-    whole = np.repeat(enc.x[:, 2], reps)
-    part = whole // np.repeat(reps, reps)
-    x[:, 2] = np.where(k == np.repeat(reps, reps) - 1, whole - part * (np.repeat(reps, reps) - 1), part)
+    n = np.repeat(reps, reps)  # each piece's copy's number of pieces
+    k = np.arange(len(x)) - np.repeat(np.cumsum(reps) - reps, reps)  # the piece's number within its copy
+    part = x[:, 2] // n
+    x[:, 2] = np.where(k == n - 1, x[:, 2] - part * (n - 1), part)  # the last piece takes the remainder
     owner = np.repeat(np.arange(enc.n_plans, dtype=np.int64), enc.nx)
     nx = np.bincount(owner, weights=reps, minlength=enc.n_plans).astype(np.int64)
     return dataclasses.replace(enc, x=x, nx=nx)
