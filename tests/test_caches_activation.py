@@ -37,15 +37,21 @@ def _sequence(f0: int, pattern: list[list[int]], steps: int = 2) -> list[Forward
     return [_forward(f0 + s, s, pattern) for s in range(steps)]
 
 
+def _served(*patterns: list[list[int]]) -> tuple[ActivationAware, int]:
+    """A prefetcher (m = 1) asked after layers 0 and 1 (d = 1) of every forward of sequences of
+    these patterns (two forwards each, one after the other); the next forward's index."""
+    pf = ActivationAware([4, 4, 4], m=1)
+    forwards = [r for n, p in enumerate(patterns) for r in _sequence(2 * n, p)]
+    for i, r in enumerate(forwards):
+        for ly in range(2):
+            _ask(pf, i, r, ly)
+    return pf, len(forwards)
+
+
 def test_the_best_matching_earlier_sequence_predicts_the_next_layer():
     # sequence A: layer 0 → expert 0, layer 1 → 1, layer 2 → 2; sequence B: 3, 2, 0 (E = 4)
     a, b = [[0], [1], [2]], [[3], [2], [0]]
-    pf = ActivationAware([4, 4, 4], m=1)
-    i = 0
-    for r in _sequence(0, a) + _sequence(2, b):
-        for ly in range(2):  # d = 1: asked after layers 0 and 1
-            _ask(pf, i, r, ly)
-        i += 1
+    pf, i = _served(a, b)
     # a new sequence (a prefill) whose layer 0 chose expert 3, as B did: B's layer 1 is proposed
     c = _forward(4, 0, [[3], [0], [0]])
     assert _ask(pf, i, c, 0) == [2]
@@ -53,25 +59,14 @@ def test_the_best_matching_earlier_sequence_predicts_the_next_layer():
     # the collection holds A and B whole: layer 2, never asked about at d = 1, was counted too
     assert [m[2].tolist() for m in pf.eams] == [[0, 0, 2, 0], [2, 0, 0, 0]]
     # layer 0 = expert 0 matches A instead: A's layer 1 (expert 1)
-    pf2 = ActivationAware([4, 4, 4], m=1)
-    i = 0
-    for r in _sequence(0, a) + _sequence(2, b):
-        for ly in range(2):
-            _ask(pf2, i, r, ly)
-        i += 1
+    pf2, i = _served(a, b)
     assert _ask(pf2, i, _forward(4, 0, [[0], [3], [3]]), 0) == [1]
 
 
 def test_the_match_uses_every_layer_seen_so_far():
     # A and B agree on layer 0 and differ on layer 1; after layer 1 of a sequence that followed B's
     # layer 1, B's layer 2 is proposed
-    a, b = [[0], [1], [2]], [[0], [2], [3]]
-    pf = ActivationAware([4, 4, 4], m=1)
-    i = 0
-    for r in _sequence(0, a) + _sequence(2, b):
-        for ly in range(2):
-            _ask(pf, i, r, ly)
-        i += 1
+    pf, i = _served([[0], [1], [2]], [[0], [2], [3]])
     c = _forward(4, 0, [[0], [2], [1]])
     _ask(pf, i, c, 0)
     assert _ask(pf, i, c, 1) == [3]
