@@ -263,6 +263,32 @@ def test_eval_under_a_hybrid_config_scores_what_the_policy_scores_and_records_th
     assert [p["policy"] for p in got.policies] == ["ExpertDeferral"]
 
 
+
+def test_real_executor_copies_low_priority_experts_in_chunks_that_assemble_the_expert(mixtral):
+    """``prefetch.chunks: 3`` (ProMoE's chunked copies): every insert (a low-priority copy) goes to the
+    copy lane as three copies of a third of its bytes each, a demand copy whole, and the pool slots
+    hold exactly the experts' weights afterwards; outputs equal the functional executor's."""
+    ids, mask = _inputs(3)
+    cfg = {"cache": {"capacity": 0.25, "policy": "lru", "admission": "all"}, "prefetch": {"chunks": 3}}
+    with moelab.hybrid(mixtral, cfg) as f:
+        want = _gen(mixtral, ids, mask, n=3)
+    with moelab.hybrid(mixtral, {**cfg, "executor": "real", "device": "cpu"}) as run:
+        got = _gen(mixtral, ids, mask, n=3)
+        pool = run._executor.pool
+        layers = run.layers
+        for (layer, expert), slot in pool.where.items():  # the pieces assembled each resident expert
+            assert torch.equal(pool.gu[slot], layers[layer].experts.gate_up_proj[expert])
+            assert torch.equal(pool.dn[slot], layers[layer].experts.down_proj[expert])
+        assert pool.where
+    assert torch.equal(want[0], got[0])
+    assert [p.transfers for p in run.plans] == [p.transfers for p in f.plans]  # chunks change copies, not plans
+    ev = run.events_table()
+    inserts = [t for p in run.plans for t in p.transfers if t.priority == "insert"]
+    assert inserts and not any(t.priority == "demand" for p in run.plans for t in p.transfers)
+    chunks = ev[ev["kind"] == "transfer-insert"]
+    assert len(chunks) == 3 * len(inserts)
+    assert chunks["bytes"].sum() == sum(t.bytes for t in inserts)
+
 @pytest.mark.parametrize("batch", [1, 3])
 def test_cache_and_prefetch_decisions_equal_an_offline_replay_with_the_same_predictor(tmp_path, batch):
     from pathlib import Path

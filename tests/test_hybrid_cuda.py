@@ -175,3 +175,28 @@ def test_cuda_warm_cache_is_resident_before_the_first_forward():
     kinds = set(run.events_table()["kind"])
     assert "expert-device" in kinds and "expert-host" not in kinds, kinds
     assert not {k for k in kinds if k.startswith("transfer-")}, kinds
+
+
+def test_cuda_copies_low_priority_experts_in_chunks_that_assemble_the_expert():
+    """``prefetch.chunks: 3`` on the CUDA lanes: each insert goes to the copy stream as three pieces
+    (one event each, a third of the bytes), and the GPU pool's slots hold exactly the experts'
+    weights afterwards; outputs equal the functional executor's."""
+    model = build_tiny("mixtral", seed=0)
+    ids, mask = _inputs(3)
+    cfg = {"cache": {"capacity": 0.25, "policy": "lru", "admission": "all"}, "prefetch": {"chunks": 3}}
+    with moelab.hybrid(model, {**cfg, "executor": "functional", "device": "cpu"}):
+        want = _gen(model, ids, mask)
+    with moelab.hybrid(model, {**cfg, "executor": "real", "device": "cuda"}) as run:
+        got = _gen(model, ids.cuda(), mask.cuda())
+        torch.cuda.synchronize()
+        pool = run._executor.pool
+        for (layer, expert), slot in pool.where.items():
+            masters = run.layers[layer].experts._parameters
+            for n, dst in pool.stacks.items():
+                assert torch.equal(dst[slot].cpu(), masters[n].data[expert].cpu()), (layer, expert, n)
+    assert torch.equal(want[0], got[0])
+    ev = _check_events(run)
+    inserts = [t for p in run.plans for t in p.transfers if t.priority == "insert"]
+    chunks = ev[ev["kind"] == "transfer-insert"]
+    assert inserts and chunks["bytes"].sum() == sum(t.bytes for t in inserts)
+    assert len(chunks) == 3 * len(inserts)

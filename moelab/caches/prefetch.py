@@ -104,9 +104,10 @@ class PrefetchConfig:
     link in this many equal chunks, issued one after another (ProMoE §5: copies chunked per
     projection, 3 for an expert's gate, up and down), so a demand copy that arrives while one is on
     the link waits for at most one chunk instead of the whole expert; every chunk pays the link's
-    latency. ``1``: whole experts. The simulator (:func:`moelab.simulate.simulate_plans`,
-    ``copy_chunks``; the what-if grid's ``chunks`` axis; the ``simulated`` executor) models it; the
-    real executors copy whole experts."""
+    latency. ``1``: whole experts. The simulator models it (:func:`moelab.simulate.simulate_plans`,
+    ``copy_chunks``; the what-if grid's ``chunks`` axis; the ``simulated`` executor), and the real
+    executors' copy lanes do it (CPU and CUDA: each piece a copy task of its own, a demand copy
+    queued meanwhile going first; one transfer event per piece)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.chunks, bool) or not isinstance(self.chunks, (int, np.integer)) or self.chunks < 1:

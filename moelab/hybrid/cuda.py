@@ -42,7 +42,7 @@ from moelab.backends import get_backend
 from moelab.errors import MoelabError
 from moelab.hybrid.events import control_span
 from moelab.hybrid.executors import LaneExecutor
-from moelab.hybrid.lanes import Lane, split_maps
+from moelab.hybrid.lanes import Lane, piece_bytes, split_maps, tensor_piece
 
 
 class DeviceSplit:
@@ -259,14 +259,18 @@ class CudaExecutor(LaneExecutor):
 
     # ------------------------------------------------------------------ slots and copies
     def _copy(self, step: int, layer: int, expert: int, slot: int, priority: str) -> Future:
+        """Queue the copy of ``expert`` into ``slot`` on the copy lane: whole for a demand copy, in
+        ``prefetch.chunks`` pieces otherwise (ProMoE's chunked copies: a demand copy queued meanwhile
+        goes before the next piece); the slot is ready when its last piece has landed."""
         pool, stream = self.pool, self.streams["copy"]
         token = object()
         pool.owner[slot] = token
         after = pool.last_read.get(slot)
         masters = self.run.layers[layer].experts._parameters
-        nbytes = self.run.expert_bytes[layer]
+        total = self.run.expert_bytes[layer]
+        pieces = 1 if priority == "demand" else self.run.config.prefetch.chunks
 
-        def fn():
+        def fn(piece: int):
             if pool.owner.get(slot) is not token:  # the slot went to another expert: a cancelled prefetch
                 return None
             with torch.cuda.stream(stream):
@@ -274,15 +278,18 @@ class CudaExecutor(LaneExecutor):
                     stream.wait_event(after)  # the last compute that read this slot
                 a = _timed(stream)
                 for n, dst in pool.stacks.items():
-                    dst[slot].copy_(masters[n].data[expert], non_blocking=True)
+                    tensor_piece(dst[slot], piece, pieces).copy_(tensor_piece(masters[n].data[expert], piece, pieces),
+                                                                 non_blocking=True)
                 b = _timed(stream)
-            self._gpu_event(step, layer, "copy", f"transfer-{priority}", a, b, expert=expert, nbytes=nbytes,
-                            cause=priority)
+            self._gpu_event(step, layer, "copy", f"transfer-{priority}", a, b, expert=expert,
+                            nbytes=piece_bytes(total, piece, pieces), cause=priority)
             return b
 
-        fut = self.lanes["copy"].submit(fn, priority={"demand": 0, "prefetch": 1}.get(priority, 2), step=step, layer=layer,
-                                        kind=f"transfer-{priority}", expert=expert, nbytes=nbytes, cause=priority,
-                                        post=lambda ev: ev is not None and ev.synchronize())  # one copy in flight
+        for piece in range(pieces):
+            fut = self.lanes["copy"].submit(
+                lambda piece=piece: fn(piece), priority={"demand": 0, "prefetch": 1}.get(priority, 2), step=step,
+                layer=layer, kind=f"transfer-{priority}", expert=expert, nbytes=piece_bytes(total, piece, pieces),
+                cause=priority, post=lambda ev: ev is not None and ev.synchronize())  # one copy in flight
         pool.ready[slot] = fut
         return fut
 

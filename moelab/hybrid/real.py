@@ -51,7 +51,14 @@ from moelab.backends import get_backend
 from moelab.hybrid.cuda import CudaExecutor
 from moelab.hybrid.events import control_span
 from moelab.hybrid.executors import LaneExecutor
-from moelab.hybrid.lanes import Lane, NativeLane, native_lane_ok, split_maps
+from moelab.hybrid.lanes import (
+    Lane,
+    NativeLane,
+    native_lane_ok,
+    piece_bytes,
+    split_maps,
+    tensor_piece,
+)
 
 log = logging.getLogger(__name__)
 
@@ -73,11 +80,15 @@ class ExpertPool:
         return tuple(e.gate_up_proj.shape[1:]) == tuple(self.gu.shape[1:]) and \
             tuple(e.down_proj.shape[1:]) == tuple(self.dn.shape[1:])
 
-    def copy_in(self, layer_index: int, expert: int) -> None:
+    def copy_in(self, layer_index: int, expert: int, piece: int = 0, pieces: int = 1) -> None:
+        """Copy expert ``expert`` of layer ``layer_index`` into its slot (taken by its first piece),
+        or piece ``piece`` of ``pieces`` of it: that share of each weight stack's elements (ProMoE's
+        chunked copies, ``prefetch.chunks``)."""
         layer = self.layers[layer_index]
+        gu, dn = layer.experts.gate_up_proj[expert].detach(), layer.experts.down_proj[expert].detach()
         if not self.fits(layer):  # layers of another shape: copy into a scratch tensor of its own
-            layer.experts.gate_up_proj[expert].detach().clone()
-            layer.experts.down_proj[expert].detach().clone()
+            tensor_piece(gu, piece, pieces).clone()
+            tensor_piece(dn, piece, pieces).clone()
             return
         with self._lock:
             slot = self.where.get((layer_index, expert))
@@ -86,8 +97,8 @@ class ExpertPool:
                 # demand copy), the oldest resident expert gives up its slot
                 slot = self.free.pop() if self.free else self.where.pop(next(iter(self.where)))
                 self.where[(layer_index, expert)] = slot
-        self.gu[slot].copy_(layer.experts.gate_up_proj[expert].detach())
-        self.dn[slot].copy_(layer.experts.down_proj[expert].detach())
+        tensor_piece(self.gu[slot], piece, pieces).copy_(tensor_piece(gu, piece, pieces))
+        tensor_piece(self.dn[slot], piece, pieces).copy_(tensor_piece(dn, piece, pieces))
 
     def evict(self, layer_index: int, expert: int) -> None:
         with self._lock:
@@ -144,11 +155,15 @@ class RealExecutor(LaneExecutor):
         copy = self.lanes["copy"]
         for layer_index, expert in lp.evictions:
             self.pool.evict(layer_index, expert)
+        chunks = self.run.config.prefetch.chunks
         for t in lp.transfers:
             prio = {"demand": 0, "prefetch": 1}.get(t.priority, 2)  # inserts last
-            fut = copy.submit(lambda t=t: self.pool.copy_in(t.layer, t.expert), priority=prio, step=ctx.index,
-                              layer=t.layer, kind=f"transfer-{t.priority}", expert=t.expert, nbytes=t.bytes,
-                              cause=t.priority)
+            # low-priority copies in chunks (ProMoE's), so a demand copy waits for one chunk at most
+            n = 1 if t.priority == "demand" else chunks
+            for i in range(n):
+                fut = copy.submit(lambda t=t, i=i, n=n: self.pool.copy_in(t.layer, t.expert, i, n), priority=prio,
+                                  step=ctx.index, layer=t.layer, kind=f"transfer-{t.priority}", expert=t.expert,
+                                  nbytes=piece_bytes(t.bytes, i, n), cause=t.priority)
             if t.priority == "demand" and t.layer == lp.layer:
                 demand[t.expert] = fut
         return demand
