@@ -70,6 +70,8 @@ class ActivationAware:
         self._forward: tuple[int, int] | None = None  # (seq, step) of the forward being counted
         self._pending: tuple[Any, int] | None = None  # its routing (or stream) and the last layer (group) counted
         self._step = -1
+        self._stack: np.ndarray | None = None  # the collection as one (n, L, E) array, built when it changed
+        self._norms: np.ndarray | None = None  # (n, L): each EAM's norm over layers 0..l
 
     # ------------------------------------------------------------------ counting
     def _shape(self, context: Any) -> tuple[int, int]:
@@ -93,9 +95,12 @@ class ActivationAware:
 
         if self.current is None:
             self.current = np.zeros((L, E), dtype=np.float64)
+        if self.current.shape[0] >= L and self.current.shape[1] >= E:
+            return
         self.current = grow(self.current)
         for i in range(len(self.eams)):
             self.eams[i] = grow(self.eams[i])
+        self._stack = None
 
     def _count(self, layer: int, ids: np.ndarray) -> None:
         ids = np.asarray(ids, dtype=np.int64).reshape(-1)
@@ -131,7 +136,8 @@ class ActivationAware:
             new_seq = step == 0 or step < self._step or (self._forward is not None and seq != self._forward[0])
             if new_seq and self.current is not None and self.current.any():
                 self.eams.append(self.current)
-                self.current = None
+                self.current = np.zeros_like(self.current)
+                self._stack = None
             self._forward, self._step = fwd, step
         self._fit(L, E)
         routing = context.routing
@@ -150,10 +156,13 @@ class ActivationAware:
         sequence's, or None while the collection is empty (the earliest of equals)."""
         if not self.eams or self.current is None:
             return None
-        seen = self.current[: layer + 1].ravel()
-        stack = np.stack([m[: layer + 1].ravel() for m in self.eams])
-        norms = np.linalg.norm(stack, axis=1) * (np.linalg.norm(seen) or 1.0)
-        sims = np.divide(stack @ seen, norms, out=np.zeros(len(stack)), where=norms > 0)
+        if self._stack is None:  # the collection changed: stack it once, with its prefix norms
+            self._stack = np.stack(list(self.eams))
+            self._norms = np.sqrt(np.cumsum((self._stack ** 2).sum(axis=2), axis=1))
+        seen = self.current[: layer + 1]
+        dots = np.einsum("nle,le->n", self._stack[:, : layer + 1], seen)
+        norms = self._norms[:, layer] * (np.linalg.norm(seen) or 1.0)
+        sims = np.divide(dots, norms, out=np.zeros(len(dots)), where=norms > 0)
         return self.eams[int(np.argmax(sims))]
 
     def propose(self, context: Any) -> list[int]:
