@@ -52,6 +52,21 @@ def test_union_skips_padding_rows_and_minus_one_and_repeats():
     assert union_predictions(np.zeros((0, 2), dtype=np.int64)).tolist() == []
 
 
+def test_one_tokens_union_takes_the_short_path_to_the_same_answer():
+    """A decode step's single row skips the vectorised rule (a live run asks once per MoE layer);
+    with a ``valid`` mask the same row goes the long way: both agree on random rows with repeats
+    and ``-1`` entries, and with a limit."""
+    rng = np.random.default_rng(0)
+    for _ in range(300):
+        row = rng.integers(-1, 6, size=int(rng.integers(0, 7)))
+        limit = None if rng.random() < 0.5 else int(rng.integers(0, 4))
+        short = union_predictions(row[None, :], limit=limit)
+        long = union_predictions(row[None, :], valid=np.ones(1, dtype=bool), limit=limit)
+        assert short.dtype == np.int64 and short.tolist() == long.tolist(), (row, limit)
+    with pytest.raises(MoelabError, match="limit must be an integer"):
+        union_predictions([[1, 2]], limit=-1)
+
+
 def test_union_with_scores_weights_votes_and_limit():
     pred = [[0, 1], [2, 1]]
     # counts would put 1 first (2 votes); weights: 0 -> 0.9, 1 -> 0.05 + 0.05, 2 -> 0.5

@@ -113,6 +113,12 @@ def union_predictions(predicted: Any, valid: Any = None, scores: Any = None, *, 
         raise MoelabError(f"predicted must hold integer expert ids, got dtype {pred.dtype}.")
     pred = pred.astype(np.int64, copy=False)
     T, m = pred.shape
+    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, (int, np.integer)) or limit < 0):
+        raise MoelabError(f"limit must be an integer ≥ 0, got {limit!r}.")
+    if T == 1 and valid is None and scores is None:  # one token (a decode step): its own ranking, each id
+        # once at its best rank — the rule below in a few Python steps (the per-layer path of a live run)
+        out = np.fromiter(dict.fromkeys(e for e in pred[0].tolist() if e >= 0), dtype=np.int64)
+        return out if limit is None else out[:limit]
     rows = np.repeat(np.arange(T), m)
     ranks = np.tile(np.arange(m), T)
     ids = pred.reshape(-1)
@@ -150,8 +156,6 @@ def union_predictions(predicted: Any, valid: Any = None, scores: Any = None, *, 
     np.minimum.at(best, inv, ranks)
     out = uniq[np.lexsort((uniq, best, -support))]
     if limit is not None:
-        if isinstance(limit, bool) or not isinstance(limit, (int, np.integer)) or limit < 0:
-            raise MoelabError(f"limit must be an integer ≥ 0, got {limit!r}.")
         out = out[:limit]
     return out.astype(np.int64, copy=False)
 
