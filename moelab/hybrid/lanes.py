@@ -24,7 +24,6 @@ from moelab.hybrid.events import EventLog
 log = logging.getLogger(__name__)
 
 
-
 def tensor_piece(t: torch.Tensor, piece: int, pieces: int) -> torch.Tensor:
     """Piece ``piece`` of ``pieces`` equal runs of ``t``'s elements, the last one taking the rest (a
     view where ``t`` is contiguous): what one chunk of a chunked expert copy moves (ProMoE's
@@ -41,6 +40,7 @@ def piece_bytes(total: int, piece: int, pieces: int) -> int:
     as :func:`moelab.simulate.executor.chunk_copies` splits a copy's bytes."""
     part = total // pieces
     return total - part * (pieces - 1) if piece == pieces - 1 else part
+
 
 class Lane:
     """One worker thread with a priority queue; every task becomes an event (with ``timed``; a CUDA
