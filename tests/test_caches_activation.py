@@ -122,3 +122,46 @@ def test_the_what_if_grid_offers_it():
     assert parse_grid(["prefetch=none,activation"])["prefetch"] == ["none", "activation"]
     with pytest.raises(MoelabError, match="not a prefetch source"):
         parse_grid(["prefetch=activaton"])
+
+
+def test_each_forward_is_counted_once_even_when_steps_repeat():
+    """In the planner every forward is its own (its seq id is -1): three one-prefill sequences are
+    three EAMs, each with the layer never asked about (the last, at d = 1) counted."""
+    pf = ActivationAware([4, 4, 4], m=1)
+    forwards = [_forward(f, 0, [[f], [f], [f]]) for f in range(3)]  # step 0 every time
+    for i, r in enumerate(forwards):
+        for ly in range(2):
+            _ask(pf, i, r, ly)
+    _ask(pf, 3, _forward(3, 0, [[0], [0], [0]]), 0)
+    assert len(pf.eams) == 3
+    assert [m[2].tolist() for m in pf.eams] == [[1, 0, 0, 0], [0, 1, 0, 0], [0, 0, 1, 0]]
+
+
+def test_a_trace_warm_start_does_not_show_the_planned_routing_to_the_prefetcher():
+    """``cache.warm: trace`` replays the routing once to warm the cache; the activation-aware source
+    must not carry that pass's sequences into the planned one (each would then match itself): the
+    planned pass proposes exactly what it proposes cold."""
+    import moelab.hybrid.offline as offline
+
+    routing = []
+    for seq in range(3):
+        routing += _sequence(2 * seq, [[seq % 4], [(seq + 1) % 4]], steps=3)
+    made = []
+    real = offline._proposer
+
+    def spy(*args, **kwargs):
+        made.append(real(*args, **kwargs))
+        return made[-1]
+
+    proposals = {}
+    for warm in ("empty", "trace"):
+        cfg = {"cache": {"capacity": 0.25, "policy": "lru", "warm": warm}, "placement": "fetch-misses",
+               "prefetch": {"predictor": "activation", "select": "order"}}
+        offline._proposer = spy
+        try:
+            plans = plan_routing(routing, cfg, num_experts=[4, 4], top_k=[1, 1], expert_bytes=100)
+        finally:
+            offline._proposer = real
+        proposals[warm] = [t.expert for p in plans for t in p.transfers if t.priority == "prefetch"]
+        assert len(made[-1].eams) == 2  # the planned pass saw the first two sequences end, nothing more
+    assert sum(len(v) for v in proposals.values()) > 0

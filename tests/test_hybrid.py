@@ -332,3 +332,21 @@ def test_eval_cli_says_which_hybrid_configuration_it_scored(tmp_path, capsys):
     assert main(["eval", "--model", "tiny-random-mixtral", "--tasks", "arith", "--limit", "1",
                  "--max-gen-toks", "4"]) == 0
     assert "scored unmodified" in capsys.readouterr().out
+
+
+def test_a_chunked_copy_evicted_between_its_pieces_leaves_the_slot_to_the_next_expert(mixtral):
+    """The plan may evict an expert whose chunked copy is under way and hand its slot to a demand
+    copy; the copy's remaining pieces then copy nothing (before: they took a slot, the demand copy's,
+    and left it holding two thirds of the evicted expert)."""
+    from moelab.hybrid.real import ExpertPool
+
+    layers = moelab.moe_layers(mixtral)
+    pool = ExpertPool(layers, 1, torch.device("cpu"))
+    pool.copy_in(0, 1, 0, 3)  # the first piece of expert 1 takes the only slot
+    pool.evict(0, 1)
+    pool.copy_in(0, 2)  # a demand copy of expert 2, whole
+    pool.copy_in(0, 1, 1, 3)
+    pool.copy_in(0, 1, 2, 3)
+    assert pool.where == {(0, 2): 0}
+    assert torch.equal(pool.gu[0], layers[0].experts.gate_up_proj[2])
+    assert torch.equal(pool.dn[0], layers[0].experts.down_proj[2])

@@ -26,7 +26,9 @@ Where it differs from the paper (stated, not hidden): one target layer per propo
 prefetch protocol asks about ``l + d``; MoE-Infinity orders all later layers by activation ratio
 and proximity), no clustering of the collection (the paper reduces it with k-means), and a
 running model cannot drive it (the live runtime asks fitted predictors; it plans offline, in
-what-if grids, sweeps and the cache simulator).
+what-if grids, sweeps and the cache simulator). A ``cache.warm: trace`` pass of the planner warms
+on a copy of it, so the planned pass does not start with the sequences it is about to plan; the
+what-if grid's synthetic routing is one stream of decode steps, matched only against its own past.
 """
 
 from __future__ import annotations
@@ -120,27 +122,28 @@ class ActivationAware:
                 self._count(ly, source.ids[ly])
         else:
             for g in range(done + 1, group):
-                if (int(source.group_seq[g]), int(source.group_step[g])) == self._forward:
+                if (int(source.group_seq[g]), int(source.group_step[g])) == self._forward:  # stream mode
                     self._count(int(source.group_layer[g]), source.group_experts(g))
         self._pending = None
 
     def observe(self, context: Any) -> None:
         """Count layer ``context.layer`` of the current forward (once), starting a new sequence at a
-        prefill or a step that does not follow the last one."""
+        prefill (step 0), at a step not after the last one, or at another sequence id."""
         L, E = self._shape(context)
         stream = context.stream
         seq, step = int(context.seq), int(context.step)
-        fwd = (seq, step)
+        routing = context.routing
+        # a forward: the planner's own index where it has one (its seq is -1), else (seq, step)
+        fwd = (seq, int(routing.forward) if routing is not None else step)
         if fwd != self._forward:
             self._flush(int(context.group))
-            new_seq = step == 0 or step < self._step or (self._forward is not None and seq != self._forward[0])
+            new_seq = step == 0 or step <= self._step or (self._forward is not None and seq != self._forward[0])
             if new_seq and self.current is not None and self.current.any():
                 self.eams.append(self.current)
                 self.current = np.zeros_like(self.current)
                 self._stack = None
             self._forward, self._step = fwd, step
         self._fit(L, E)
-        routing = context.routing
         if routing is not None:
             self._count(context.layer, routing.ids[context.layer])
             self._pending = (routing, context.layer)

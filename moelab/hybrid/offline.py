@@ -35,6 +35,7 @@ plans of its own trace field by field (tests/test_hybrid_offline.py).
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from collections.abc import Iterable, Iterator, Sequence
 from itertools import islice
@@ -451,7 +452,9 @@ def warm_start(cfg: HybridConfig, source: list, *, num_experts: Sequence[int], t
     elif cfg.cache.warm == "trace":
         first = Planner.build(cfg, num_experts=num_experts, top_k=top_k, expert_bytes=expert_bytes, shape=shape,
                               **{**(extra or {}), **out})
-        _plan_all(first, source, proposer, cfg)
+        # a stateful source (activation-aware matching) warms on its own copy: the planned pass must
+        # not start with what it will see (the warm source is often the routing being planned)
+        _plan_all(first, source, copy.deepcopy(proposer) if isinstance(proposer, ActivationAware) else proposer, cfg)
         out["warm"] = first.cache.eviction_order()
     return out
 

@@ -92,6 +92,8 @@ class ExpertPool:
             return
         with self._lock:
             slot = self.where.get((layer_index, expert))
+            if slot is None and piece > 0:  # evicted after its first piece: the rest of the copy is moot
+                return
             if slot is None:
                 # the plan evicts before it inserts, so a slot is free; if not (a prefetch racing a
                 # demand copy), the oldest resident expert gives up its slot
