@@ -111,6 +111,9 @@ def test_it_drives_the_offline_planner_the_cache_simulator_and_not_a_live_run():
                                 top_k=[1, 1])
     res = simulate(stream, "lru", 0.25, prefetch=PrefetchConfig(predictor="activation"))
     assert res is not None
+    from moelab.caches.prefetch import get_prefetcher
+
+    assert get_prefetcher("activation", m=2).m == 2 and get_prefetcher("activation").m is None  # prefetch.m
     with pytest.raises(MoelabError, match="'activation' works only offline"):
         moelab.hybrid(moelab.models.tiny.build_tiny("mixtral", seed=0),
                       {"cache": {"capacity": 0.25}, "prefetch": {"predictor": "activation"}}).apply()

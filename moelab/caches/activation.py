@@ -87,18 +87,18 @@ class ActivationAware:
         return L, E
 
     def _fit(self, L: int, E: int) -> None:
-        """Grow the matrices to ``L`` layers × ``E`` experts (zeros)."""
-        def grow(m: np.ndarray) -> np.ndarray:
-            if m.shape[0] >= L and m.shape[1] >= E:
-                return m
-            out = np.zeros((max(L, m.shape[0]), max(E, m.shape[1])), dtype=np.float64)
-            out[: m.shape[0], : m.shape[1]] = m
-            return out
-
+        """Grow the matrices to at least ``L`` layers × ``E`` experts (zeros; all share one shape)."""
         if self.current is None:
             self.current = np.zeros((L, E), dtype=np.float64)
         if self.current.shape[0] >= L and self.current.shape[1] >= E:
             return
+        shape = (max(L, self.current.shape[0]), max(E, self.current.shape[1]))
+
+        def grow(m: np.ndarray) -> np.ndarray:
+            out = np.zeros(shape, dtype=np.float64)
+            out[: m.shape[0], : m.shape[1]] = m
+            return out
+
         self.current = grow(self.current)
         for i in range(len(self.eams)):
             self.eams[i] = grow(self.eams[i])

@@ -215,14 +215,15 @@ class _RoutingProposals:
         return _gather(stream, _target_groups(stream, distance, same_pass=self.rule == "same"))
 
 
-def get_prefetcher(source: str | Any) -> Any:
-    """The prefetch source ``source`` (see the module docstring) as an object with ``propose``."""
+def get_prefetcher(source: str | Any, *, m: int | None = None) -> Any:
+    """The prefetch source ``source`` (see the module docstring) as an object with ``propose``;
+    ``m``: experts per proposal of a named source that takes it (``activation``)."""
     rule = routing_rule(source)
     if rule is not None:
         name = source if isinstance(source, str) else (getattr(source, "kind", "") or type(source).__name__)
         return _RoutingProposals(name, rule)
     if is_activation(source):
-        return ActivationAware()
+        return ActivationAware(m=m)
     if isinstance(source, str):
         err = unknown_name("prefetch predictor", source, [*routing_kinds(), ACTIVATION])
         raise MoelabError(f"{err} A predictor that must be fitted drives a prefetch through "

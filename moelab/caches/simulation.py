@@ -16,7 +16,6 @@ from typing import Any, Literal
 import numpy as np
 
 from moelab.caches import _fast
-from moelab.caches.activation import ActivationAware, is_activation
 from moelab.caches.base import (
     ExpertCache,
     Insertion,
@@ -260,10 +259,7 @@ def _simulate_stream(
                 "a prefetch budget in bytes needs the size of an expert, and the trace does not record it: "
                 "pass expert_bytes (CLI: --expert-bytes), or give the budget in experts."
             )
-        source = prefetch.predictor
-        if is_activation(source):  # the activation-aware source proposes prefetch.m experts when given
-            source = ActivationAware(m=prefetch.m)
-        pf_ptr, pf_keys = proposals(get_prefetcher(source), stream, prefetch.distance)
+        pf_ptr, pf_keys = proposals(get_prefetcher(prefetch.predictor, m=prefetch.m), stream, prefetch.distance)
         budget = prefetch.experts_budget(expert_bytes)
         per_group = prefetch.per_layer
 
