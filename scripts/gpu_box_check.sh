@@ -10,7 +10,8 @@
 #      tests on every ISA path this CPU runs (scripts/cpu_isa_check.sh, SKIP_BENCH=1), side by side;
 #   3. the real executor's CUDA bench (scripts/gpu_check.sh, SKIP_TESTS=1; HOST_BACKEND=moelab_bf16 and
 #      DEVICE_BACKEND=batched_mm, transformers' fastest built-in on an H100, unless set), alone;
-#   4. `moelab bench kernels` (T=1 16 256) and `--prefill` on the best ISA path, alone.
+#   4. `moelab bench throughput --device cuda` (MoE-Gen's offloaded decode beside its simulation), alone;
+#   5. `moelab bench kernels` (T=1 16 256) and `--prefill` on the best ISA path, alone.
 # Results: $OUT/summary.txt (the figures) and $OUT/all.tgz (every log), so they fit the device
 # tool's eight returned files. Exit status: non-zero when a test failed.
 set -uo pipefail
@@ -62,6 +63,12 @@ POINTS="${POINTS:-0:0 0:2 0.25:0 0.25:2 1:0}" THREADS="${THREADS:-$(nproc) $(( $
   > "$OUT/bench/log.txt" 2>&1
 grep -vE "^== environment|^python |^cuda |^plotly|^lm_eval|^ray|^imports" "$OUT/bench/bench.txt" 2>/dev/null | tee -a "$S"
 
+echo "== MoE-Gen offloaded decode on CUDA (moelab bench throughput --device cuda)" | tee -a "$S"
+step 120 $PY -m moelab.cli bench throughput --device cuda --models moelab-tiny-mixtral v2-lite:2 --batches 32 \
+  --micro-batches 8 --expert-batches 64 --steps 4 --repeats 3 --expert-slots 2 --allow-busy \
+  > "$OUT/throughput.txt" 2> "$OUT/throughput.log"
+cat "$OUT/throughput.txt" >> "$S"; tail -3 "$OUT/throughput.log" >> "$S"
+
 if [ -n "$BEST" ]; then
   for mode in tokens prefill; do
     echo "== moelab bench kernels ($mode) on $BEST" | tee -a "$S"
@@ -73,6 +80,6 @@ if [ -n "$BEST" ]; then
 fi
 
 rm -rf "$OUT/ext" "$OUT/isa/ext"
-(cd "$OUT" && tar czf all.tgz --exclude=all.tgz --exclude=summary.txt . && rm -rf isa gpu bench kernels-*)
+(cd "$OUT" && tar czf all.tgz --exclude=all.tgz --exclude=summary.txt . && rm -rf isa gpu bench kernels-* throughput.*)
 echo "== done in ${SECONDS} s; CUDA tests rc $grc, ISA tests rc $irc" | tee -a "$S"
 exit $(( grc != 0 ? grc : irc ))

@@ -33,7 +33,7 @@ for m in ("plotly", "lm_eval", "ray"):
     print(m, "installed" if importlib.util.find_spec(m) else "absent")
 bad = []
 for m in ("moelab", "moelab.hybrid", "moelab.hybrid.cuda", "moelab.hybrid.bench", "moelab.models.tiny",
-          "tests.test_hybrid_cuda", "tests.test_hybrid", "tests.test_backends", "tests.test_predictors_protocol"):
+          "tests.test_hybrid_cuda", "tests.test_hybrid", "moelab.hybrid.throughput_offload", "tests.test_backends", "tests.test_predictors_protocol"):
     try:
         importlib.import_module(m)
     except Exception as e:  # noqa: BLE001
@@ -47,7 +47,7 @@ if [ -z "${SKIP_TESTS:-}" ]; then   # SKIP_TESTS=1: only the bench
 echo "== tests" | tee "$OUT/pytest.txt"
 timeout 300 $PY -m pytest -q -rs -p no:cacheprovider -n 4 tests/test_hybrid_cuda.py tests/test_hybrid.py \
     "tests/test_backends.py::test_torch_backends_run_on_cuda_and_the_kernels_refuse_it" \
-    tests/test_predictors_protocol.py tests/test_simulate_prefill.py \
+    tests/test_predictors_protocol.py tests/test_simulate_prefill.py tests/test_hybrid_throughput_offload.py \
     -k "cuda or hybrid" \
     --deselect tests/test_hybrid.py::test_eval_under_a_hybrid_config_scores_what_the_policy_scores_and_records_the_config \
     --deselect tests/test_hybrid.py::test_eval_cli_says_which_hybrid_configuration_it_scored \

@@ -135,6 +135,14 @@ def register(subparsers) -> None:
     tp.add_argument("--profile", metavar="PROFILE", default=None,
                     help="calibrated profile of this machine (moelab calibrate --out); default: calibrate now with "
                     "--quick settings")
+    tp.add_argument("--device", default="cpu", metavar="DEVICE",
+                    help="cpu (default: the in-place decoder, the CPU worker as the device) or cuda[:N]: the offloaded "
+                    "decoder (moelab.hybrid.throughput_offload: weights and KV in host memory, copied over the link), "
+                    "simulated on --profile (default h100-pcie5-ddr5), the plain model on the GPU")
+    tp.add_argument("--expert-slots", type=positive_int, default=2, metavar="N",
+                    help="S_Expert slots the offloaded decoder streams experts through (--device cuda; default 2)")
+    tp.add_argument("--pinned-experts", type=int, default=0, metavar="N",
+                    help="routed experts resident on the GPU over all MoE layers (--device cuda; default 0)")
     tp.add_argument("--events", metavar="PATH", default=None,
                     help="write every point's last run's events (the one schema) to this Parquet file")
     tp.add_argument("--json", action="store_true", help="print the results as JSON")
@@ -150,7 +158,8 @@ def run_throughput(args) -> int:
     result = run_bench(args.models, batches=args.batches, micro_batches=args.micro_batches,
                        expert_batches=args.expert_batches, prompt=args.prompt, steps=args.steps, repeats=args.repeats,
                        profile=args.profile, allow_busy=args.allow_busy, keep_events=bool(args.events),
-                       threads=args.threads, progress=None if args.json else
+                       threads=args.threads, device=args.device, expert_slots=args.expert_slots,
+                       pinned_experts=args.pinned_experts, progress=None if args.json else
                        (lambda s: print(s, file=sys.stderr, flush=True)))
     if args.events:
         import pyarrow as pa

@@ -62,6 +62,26 @@ from moelab.hybrid.events import EventLog
 EXPERTS_IMPLEMENTATION = "moelab_moegen"
 
 
+#: the event lane of each of a module-batched step's streams
+LANES = {"compute": "device", "htod": "copy-htod", "dtoh": "copy-dtoh"}
+
+
+class WallClock:
+    """Spans timed by the host's wall clock on one thread (the CPU worker as the device): a mark is
+    the time now. :class:`moelab.hybrid.throughput_offload` has the CUDA clock (timing events on
+    streams) with the same two methods."""
+
+    def __init__(self, log: EventLog) -> None:
+        self.log = log
+
+    def mark(self, stream: str = "compute") -> float:
+        return self.log.now_us()
+
+    def span(self, start: Any, end: Any, step: int, layer: int, stream: str, kind: str, **fields: Any) -> None:
+        """One event on ``stream``'s lane from mark ``start`` to mark ``end``."""
+        self.log.add(step, layer, LANES[stream], kind, start, end, **fields)
+
+
 @dataclass
 class _Active:
     """What the experts implementation needs to know while a module-batched step runs."""
@@ -70,6 +90,15 @@ class _Active:
     log: EventLog | None
     step: int = 0
     layer: int = -1
+    clock: Any = None
+    """:class:`WallClock` (default, over ``log``) or the offloaded decoder's CUDA clock."""
+    streamer: Any = None
+    """``streamer(module, hidden, top_k_index, top_k_weights, state)``: runs the routed experts instead
+    (the offloaded decoder's, which streams them into GPU slots); None: the experts run in place."""
+
+    def __post_init__(self) -> None:
+        if self.clock is None and self.log is not None:
+            self.clock = WallClock(self.log)
 
 
 _ACTIVE: contextvars.ContextVar[_Active | None] = contextvars.ContextVar("moelab_moegen_active", default=None)
@@ -84,34 +113,56 @@ def moegen_experts_forward(module: torch.nn.Module, hidden_states: torch.Tensor,
     if getattr(module, "_is_expert_parallel", False):
         raise MoelabError("the moelab_moegen experts implementation runs every expert locally; this experts module "
                           "is expert-parallel. Fix: run it without expert parallelism.")
+    if st is not None and st.streamer is not None:
+        return st.streamer(module, hidden_states, top_k_index, top_k_weights, st)
     T, k = top_k_index.shape
-    E = int(module.gate_up_proj.shape[0] if hasattr(module, "gate_up_proj") else module.down_proj.shape[0])
+    E = num_experts(module)
     out = torch.zeros_like(hidden_states)
-    flat = top_k_index.T.reshape(-1)  # slot-major: every token's slot 0, then slot 1, ...
-    order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=E + 1).tolist()
-    tok_all = order % T
-    w_all = top_k_weights.T.reshape(-1)[order]
+    tok_all, w_all, counts = slot_major(top_k_index, top_k_weights, E)
     be = st.expert_batch if st is not None else max(T * k, 1)
-    log = st.log if st is not None else None
     start = 0
     for e, n in enumerate(counts):
-        if n == 0:
-            continue
-        if e >= E:  # a masked slot (index E): no expert
-            start += n
-            continue
-        for i, c0 in enumerate(range(0, n, be)):
-            c1 = min(c0 + be, n)
-            t0 = log.now_us() if log is not None else 0.0
-            tok = tok_all[start + c0:start + c1]
-            y = expert_forward(module, e, hidden_states[tok]) * w_all[start + c0:start + c1, None]
-            out.index_add_(0, tok, y.to(out.dtype))
-            if log is not None:
-                log.add(st.step, st.layer, "device", "expert-device", t0, log.now_us(), expert=e, tokens=c1 - c0,
-                        cause=f"Expert[{e}][{i}]")
+        if n and e < E:  # index E is a masked slot: no expert
+            run_expert_chunks(module, e, hidden_states, tok_all[start:start + n], w_all[start:start + n], out, be, st)
         start += n
     return out
+
+
+def num_experts(module: torch.nn.Module) -> int:
+    """Routed experts in a transformers experts module (its weight stacks' first dimension)."""
+    return int(module.gate_up_proj.shape[0] if hasattr(module, "gate_up_proj") else module.down_proj.shape[0])
+
+
+def slot_major(top_k_index: torch.Tensor, top_k_weights: torch.Tensor, E: int) -> tuple[torch.Tensor, torch.Tensor,
+                                                                                         list[int]]:
+    """(token of each routed slot, its weight, slots per expert ``0..E``): slots grouped by expert in
+    ascending id, slot-major within an expert (every token's slot 0, then slot 1, ..., as transformers'
+    eager forward orders them). Reading the counts waits for the router."""
+    T = top_k_index.shape[0]
+    flat = top_k_index.T.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=E + 1).tolist()
+    return order % T, top_k_weights.T.reshape(-1)[order], counts
+
+
+def run_expert_chunks(weights: Any, e: int, hidden: torch.Tensor, tok: torch.Tensor, w: torch.Tensor,
+                      out: torch.Tensor, be: int, st: _Active | None, slot: int | None = None) -> None:
+    """Expert ``e`` over its routed tokens ``tok`` (weights ``w``) in ``be``-row chunks, each one
+    ``expert-device`` event ``Expert[e][i]``; the expert's weights are ``weights``' index ``slot``
+    (default ``e``), so a GPU slot ring or resident stack runs through the same code.
+
+    Size: the per-layer hot path of both decoders; its nine inputs are the chunk loop's state, passed
+    as they are rather than boxed per call."""
+    clock = st.clock if st is not None else None
+    n = int(tok.shape[0])
+    for i, c0 in enumerate(range(0, n, be)):
+        c1 = min(c0 + be, n)
+        t0 = clock.mark() if clock is not None else 0.0
+        y = expert_forward(weights, e if slot is None else slot, hidden[tok[c0:c1]]) * w[c0:c1, None]
+        out.index_add_(0, tok[c0:c1], y.to(out.dtype))
+        if clock is not None:
+            clock.span(t0, clock.mark(), st.step, st.layer, "compute", "expert-device", expert=e, tokens=c1 - c0,
+                       cause=f"Expert[{e}][{i}]")
 
 
 def register() -> str:
@@ -141,14 +192,14 @@ def _chunked(fn, x: torch.Tensor, st: _Active, kind: str, name: str) -> torch.Te
     shape = x.shape
     rows = x.reshape(-1, shape[-1])
     outs = []
-    log = st.log
+    clock = st.clock
     for i, r0 in enumerate(range(0, rows.shape[0], st.expert_batch)):
-        t0 = log.now_us() if log is not None else 0.0
+        t0 = clock.mark() if clock is not None else 0.0
         part = rows[r0:r0 + st.expert_batch]
         outs.append(fn(part))
-        if log is not None:
-            log.add(st.step, st.layer, "device", kind, t0, log.now_us(), tokens=int(part.shape[0]),
-                    cause=f"{name}[{i}]")
+        if clock is not None:
+            clock.span(t0, clock.mark(), st.step, st.layer, "compute", kind, tokens=int(part.shape[0]),
+                       cause=f"{name}[{i}]")
     y = torch.cat(outs, 0)
     return y.reshape(*shape[:-1], y.shape[-1])
 
@@ -275,14 +326,15 @@ class ModuleBatchedDecoder:
                 cfg._experts_implementation = before
 
     def _router_start(self, module, args) -> None:
-        self._t_router = self.log.now_us()
+        st = _ACTIVE.get()
+        self._t_router = st.clock.mark() if st is not None and st.clock is not None else None
 
     def _router_end(self, module, args, output) -> None:
         st = _ACTIVE.get()
-        if st is not None:
+        if st is not None and st.clock is not None and self._t_router is not None:
             rows = int(args[0].reshape(-1, args[0].shape[-1]).shape[0]) if args else 0
-            self.log.add(st.step, st.layer, "device", "dense", self._t_router, self.log.now_us(), tokens=rows,
-                         cause="Router")
+            st.clock.span(self._t_router, st.clock.mark(), st.step, st.layer, "compute", "dense", tokens=rows,
+                          cause="Router")
 
     # ------------------------------------------------------------------ the decode
     @torch.no_grad()
@@ -354,11 +406,18 @@ def _greedy_steps(logits: torch.Tensor, steps: int, keep_logits: bool, step) -> 
         ts = time.perf_counter()
         logits = step(s, tok)
         tok = logits.argmax(-1)
+        _sync(tok)
         step_s.append(time.perf_counter() - ts)
         toks.append(tok)
         if keep_logits:
             kept.append(logits)
     return toks, kept, step_s
+
+
+def _sync(t: torch.Tensor) -> None:
+    """Wait for the GPU when ``t`` lives there, so a wall-clock time covers the work it timed."""
+    if t.is_cuda:
+        torch.cuda.synchronize(t.device)
 
 
 @torch.no_grad()
@@ -367,6 +426,7 @@ def plain_generate(model: Any, input_ids: torch.Tensor, steps: int, *, keep_logi
     ids = _check_ids(input_ids, steps)
     t0 = time.perf_counter()
     out = model(input_ids=ids, use_cache=True)
+    _sync(out.logits)
     t1 = time.perf_counter()
     box = {"cache": output_cache(out)}
 
@@ -380,5 +440,6 @@ def plain_generate(model: Any, input_ids: torch.Tensor, steps: int, *, keep_logi
     return Generation(torch.stack(toks, 1), kept, t1 - t0, t2 - t1, steps, int(ids.shape[0]), step_s)
 
 
-__all__ = ["EXPERTS_IMPLEMENTATION", "SHARED_NAMES", "Generation", "ModuleBatchedDecoder", "check_structure",
-           "moegen_experts_forward", "plain_generate", "register"]
+__all__ = ["EXPERTS_IMPLEMENTATION", "LANES", "SHARED_NAMES", "Generation", "ModuleBatchedDecoder", "WallClock",
+           "check_structure", "moegen_experts_forward", "num_experts", "plain_generate", "register",
+           "run_expert_chunks", "slot_major"]

@@ -52,4 +52,22 @@ def simulated_step(model_shape: Any, profile: Any, batch: int, micro_batch: int,
     return step_time(lc, cfg), schedule_memory(lc, cfg)
 
 
-__all__ = ["InPlaceCosts", "real_config", "simulated_step"]
+def offloaded_config(model_shape: Any, batch: int, micro_batch: int, expert_batch: int, prompt: int, steps: int,
+                     expert_slots: int, pinned_experts: int) -> ThroughputConfig:
+    """The :class:`~moelab.simulate.moegen.ThroughputConfig` of a real run of
+    :class:`moelab.hybrid.throughput_offload.OffloadedDecoder` on a GPU: ``ω = 0``, ``expert_slots``
+    slots in ``S_Expert``, ``pinned_experts`` resident, the dense modules streamed (not pinned)."""
+    return ThroughputConfig(phase="decode", batch=batch, micro_batch=micro_batch, expert_batch=expert_batch,
+                            cpu_attention=0.0, expert_slots=expert_slots, pinned_experts=pinned_experts,
+                            pin_dense=False, prompt=prompt, generate=steps)
+
+
+def simulated_offloaded_step(model_shape: Any, profile: Any, cfg: ThroughputConfig):
+    """(:class:`~moelab.simulate.moegen.StepTime`, memory needs) of ``cfg`` (an :func:`offloaded_config`)
+    on ``profile`` with every copy at the profile's link rates (MoE-Gen's DAG as the simulator builds it:
+    it also charges the hidden-state copies the real decoder does not make)."""
+    lc = LayerCosts(CostModel.of(model_shape, get_profile(profile)))
+    return step_time(lc, cfg), schedule_memory(lc, cfg)
+
+
+__all__ = ["InPlaceCosts", "offloaded_config", "real_config", "simulated_offloaded_step", "simulated_step"]

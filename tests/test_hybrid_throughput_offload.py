@@ -1,0 +1,210 @@
+"""MoE-Gen's decode with weights and KV cache in host memory (moelab.hybrid.throughput_offload).
+
+Where no GPU is, the CPU stand-in runs the same code (every copy a memcpy between separate host
+buffers). Parity: the greedy decode equals the plain model's; a run after the model's own weights
+were overwritten with NaN still does, so every weight the decode reads went through the decoder's
+copies. Events, from MoE-Gen's schedule (techniques.md §7.1): per layer and micro-batch one KV copy
+in and one write-back of the new position; one S_Dense load per layer and step; no copy of a pinned
+expert; every active streamed expert copied before it computes, ring slot by slot; the host KV
+store ends holding the plain model's K/V of every position. The CUDA tests need a GPU
+(``scripts/gpu_check.sh``).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import moelab
+from moelab.errors import MoelabError
+from moelab.hybrid.throughput import plain_generate
+from moelab.hybrid.throughput_offload import OffloadedDecoder
+from moelab.models.tiny import build_tiny
+
+NAMES = ["moelab-tiny-mixtral", "moelab-tiny-qwen2moe", "tiny-deepseek_v2"]
+
+
+@pytest.fixture(scope="module")
+def models():
+    out = {name: moelab.load(name)[0] for name in NAMES[:2]}
+    out["tiny-deepseek_v2"] = build_tiny("deepseek_v2", seed=0)
+    return out
+
+
+def _ids(model, B: int, P: int = 5) -> torch.Tensor:
+    return torch.randint(3, int(model.config.vocab_size), (B, P), generator=torch.Generator().manual_seed(B))
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("B,ba,be,slots,pinned", [(4, 2, 3, 2, 0), (5, 5, 1, 1, 3), (6, 4, 64, 3, 5)])
+def test_offloaded_greedy_equals_plain_greedy(models, name, B, ba, be, slots, pinned):
+    m = models[name]
+    ids = _ids(m, B)
+    ref = plain_generate(m, ids, 3)
+    out = OffloadedDecoder(m, ba, be, device="cpu", expert_slots=slots, pinned_experts=pinned).generate(ids, 3)
+    assert torch.equal(out.tokens, ref.tokens)
+    for a, b in zip(out.logits, ref.logits, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+
+
+def test_the_decode_reads_only_the_decoders_copies():
+    m = moelab.load("moelab-tiny-qwen2moe")[0]  # shared experts, a shared-expert gate: every kind of module
+    ids = _ids(m, 4)
+    ref = plain_generate(m, ids, 3)
+    dec = OffloadedDecoder(m, 2, 4, device="cpu", expert_slots=2, pinned_experts=2)
+    caches, logits = dec.prefill(ids)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.fill_(float("nan"))
+    dec.prefill = lambda _ids: (caches, logits)
+    out = dec.generate(ids, 3)
+    assert torch.equal(out.tokens, ref.tokens)
+    assert all(torch.isfinite(x).all() for x in out.logits)
+
+
+def test_events_follow_the_offloaded_schedule(models):
+    m = models["tiny-deepseek_v2"]  # layer 0 dense, layers 1-3 MoE (8 experts, top-4, shared experts)
+    B, ba, be, steps, R, pinned = 5, 2, 3, 2, 2, 4  # pinned: 2, 1, 1 over the three MoE layers
+    dec = OffloadedDecoder(m, ba, be, device="cpu", expert_slots=R, pinned_experts=pinned)
+    dec.generate(_ids(m, B), steps)
+    ev = dec.log.events
+    assert dec.pinned == {1: 2, 2: 1, 3: 1}
+    ebytes = {i: sum(t[0].numel() * t.element_size() for t in dec._experts_host[i].values()) for i in (1, 2, 3)}
+    for s in range(steps):
+        for layer in range(m.config.num_hidden_layers):
+            mine = [e for e in ev if e.step == s and e.layer == layer]
+            kv_in = [e for e in mine if e.kind == "transfer-kv"]
+            kv_out = [e for e in mine if e.kind == "writeback-kv"]
+            assert [e.cause for e in kv_in] == ["KV HtoD[0]", "KV HtoD[1]", "KV HtoD[2]"]
+            assert [e.tokens for e in kv_out] == [2, 2, 1]
+            assert {e.lane for e in kv_in} == {"copy-htod"} and {e.lane for e in kv_out} == {"copy-dtoh"}
+            # the KV read grows by one position per step; the write-back is one position
+            assert kv_in[0].bytes == (5 + s) * kv_out[0].bytes
+            if layer == 0:
+                assert not [e for e in mine if e.kind in ("expert-device", "transfer-prefetch")]
+                continue
+            computed = [e.expert for e in sorted((e for e in mine if e.kind == "expert-device"),
+                                                 key=lambda e: e.t_start_us)]
+            copied = [e.expert for e in mine if e.kind == "transfer-prefetch"]
+            p = dec.pinned[layer]
+            assert not [x for x in copied if x < p]  # a pinned expert is never copied
+            pinned_run = [x for x in computed if x < p]
+            assert computed[:len(pinned_run)] == pinned_run  # pinned experts first, no wait for the link
+            streamed = sorted({x for x in computed if x >= p})
+            # the first R streamed ids are copied before the router ran, then every other active one
+            assert copied == list(range(p, p + R)) + [x for x in streamed if x >= p + R]
+            assert all(e.bytes == ebytes[layer] for e in mine if e.kind == "transfer-prefetch")
+            for x in streamed:  # each expert's copy ends before its first chunk starts
+                c = next(e for e in mine if e.kind == "transfer-prefetch" and e.expert == x)
+                first = min(e.t_start_us for e in mine if e.kind == "expert-device" and e.expert == x)
+                assert c.t_end_us <= first
+        loads = [e for e in ev if e.step == s and e.kind == "transfer-dense"]
+        # one S_Dense load per layer (layer 0 of the first step on demand, the rest prefetched), and the
+        # last layer's prefetch of layer 0 for the next step
+        assert len(loads) == m.config.num_hidden_layers + (1 if s == 0 else 0)
+    t = moelab.Timeline(dec.log.table())
+    assert len(t.events) == len(ev)
+
+
+def test_the_host_kv_store_holds_every_position(models):
+    m = models["moelab-tiny-mixtral"]
+    ids = _ids(m, 3, P=4)
+    dec = OffloadedDecoder(m, 2, 8, device="cpu")
+    out = dec.generate(ids, 3)
+    full = torch.cat([ids, out.tokens[:, :-1]], 1)  # every position whose K/V the decode wrote
+    with torch.no_grad():
+        ref = m(input_ids=full, use_cache=True)
+    from moelab.compat import output_cache
+
+    cache = output_cache(ref)
+    for j, j0 in enumerate((0, 2)):
+        for i, layer in enumerate(cache.layers):
+            K, V = dec._kv.host[j][i]  # (positions, b, heads, d)
+            b = K.shape[1]
+            torch.testing.assert_close(K.permute(1, 2, 0, 3), layer.keys[j0:j0 + b], atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(V.permute(1, 2, 0, 3), layer.values[j0:j0 + b], atol=1e-5, rtol=1e-5)
+
+
+def test_bad_settings_are_refused(models):
+    m = models["moelab-tiny-mixtral"]
+    with pytest.raises(MoelabError, match="expert_slots=0"):
+        OffloadedDecoder(m, 2, 2, device="cpu", expert_slots=0)
+    with pytest.raises(MoelabError, match="pinned_experts=999"):
+        OffloadedDecoder(m, 2, 2, device="cpu", pinned_experts=999)
+    with pytest.raises(MoelabError, match="device 'meta'"):
+        OffloadedDecoder(m, 2, 2, device="meta")
+    if not torch.cuda.is_available():
+        with pytest.raises(MoelabError, match="no CUDA GPU"):
+            OffloadedDecoder(m, 2, 2, device="cuda")
+
+
+def test_device_bytes_count_the_buffers_moegen_names(models):
+    m = models["tiny-deepseek_v2"]
+    dec = OffloadedDecoder(m, 2, 4, device="cpu", expert_slots=3, pinned_experts=0)
+    dec.generate(_ids(m, 4), 2)
+    b = dec.device_bytes
+    one_expert = sum(t[0].numel() * t.element_size() for t in dec._experts_host[1].values())
+    assert b["S_Expert"] == 3 * one_expert
+    assert b["S_KV-GPU"] > 0 and b["S_Dense"] > 0 and b["S_Params"] > 0
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the offloaded decoder's streams); none here")
+@pytest.mark.parametrize("name", NAMES)
+def test_cuda_offloaded_greedy_equals_plain_and_copies_overlap(models, name):
+    m = models[name]
+    ids = _ids(m, 6)
+    ref = plain_generate(m, ids, 3)
+    dec = OffloadedDecoder(m, 2, 4, device="cuda", expert_slots=2, pinned_experts=2)
+    out = dec.generate(ids, 3)
+    assert torch.equal(out.tokens, ref.tokens)
+    for a, b in zip(out.logits, ref.logits, strict=True):
+        torch.testing.assert_close(a.float(), b.float(), atol=1e-3, rtol=1e-3)
+    ev = dec.log.events
+    assert {e.lane for e in ev} == {"device", "copy-htod", "copy-dtoh"}
+    assert all(e.t_end_us >= e.t_start_us for e in ev)
+    for e in ev:  # a streamed expert computes after its copy on the CUDA clock too
+        if e.kind == "expert-device" and e.expert >= dec.pinned.get(e.layer, 0):
+            c = [x for x in ev if x.kind == "transfer-prefetch" and x.step == e.step and x.layer == e.layer
+                 and x.expert == e.expert]
+            assert c and c[-1].t_end_us <= e.t_start_us + 1.0
+
+
+def test_the_offloaded_simulation_charges_the_copies_the_in_place_one_does_not(models):
+    from moelab.simulate.moegen.real import (
+        offloaded_config,
+        simulated_offloaded_step,
+        simulated_step,
+    )
+    from moelab.timing.shapes import ModelShape
+
+    shape = ModelShape.from_model(models["tiny-deepseek_v2"], name="tiny-deepseek_v2")
+    in_place, _ = simulated_step(shape, "pcie4-x16", 8, 4, 8, 16, 8)
+    slow, mem = simulated_offloaded_step(shape, "pcie4-x16", offloaded_config(shape, 8, 4, 8, 16, 8, 2, 0))
+    fast, _ = simulated_offloaded_step(shape, "pcie5-x16", offloaded_config(shape, 8, 4, 8, 16, 8, 2, 0))
+    assert slow.step_us > in_place.step_us and fast.step_us < slow.step_us  # a faster link, a shorter step
+    cfg = offloaded_config(shape, 8, 4, 8, 16, 8, 3, 5)
+    assert (cfg.expert_slots, cfg.pinned_experts, cfg.pin_dense, cfg.cpu_attention) == (3, 5, False, 0.0)
+    assert mem.fits
+
+
+def test_the_gpu_bench_needs_a_gpu():
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU; the CUDA bench test runs instead")
+    from moelab.simulate.moegen.bench import run_bench
+
+    with pytest.raises(MoelabError, match="no CUDA GPU"):
+        run_bench(["moelab-tiny-mixtral"], batches=[4], micro_batches=[2], expert_batches=[3], repeats=1, steps=2,
+                  device="cuda")
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (moelab bench throughput --device cuda)")
+def test_cuda_bench_runs_the_offloaded_decoder_beside_its_simulation():
+    from moelab.simulate.moegen.bench import format_result, run_bench
+
+    r = run_bench(["moelab-tiny-mixtral"], batches=[8], micro_batches=[4], expert_batches=[8], repeats=2, steps=2,
+                  allow_busy=True, device="cuda", expert_slots=2, pinned_experts=4)
+    row = r["rows"][0]
+    assert row["device_bytes"]["S_Expert"] > 0 and row["sim_tokens_per_s"] > 0 and row["tokens_per_s"] > 0
+    assert "S_Expert" in format_result(r)
