@@ -16,6 +16,7 @@ from moelab.simulate.prefill import (
     expected_load,
     hybrid_time_us,
     prefill,
+    reexpand_flops,
     slp_schedule,
     stream_schedule,
 )
@@ -377,6 +378,25 @@ def test_mla_prefill_flops_are_the_up_projected_form():
     assert step == 2 * s.num_heads * (s.qk_nope_head_dim + s.qk_rope_head_dim + s.v_head_dim)
     dec = s.attention_flops(2, 1, layer=0) - s.attention_flops(1, 1, layer=0)  # decode: the absorbed form
     assert dec == 2 * s.num_heads * (2 * s.kv_lora_rank + s.qk_rope_head_dim)
+
+
+def test_chunked_mla_prefill_re_expands_the_cached_latent_per_chunk(monkeypatch):
+    import moelab.simulate.prefill as pf
+
+    s = LITE  # each cached token: its latent (kv_lora_rank) up-projected to every head's nope key and value
+    assert reexpand_flops(s, 100) == 100 * 2 * s.kv_lora_rank * s.num_heads * (s.qk_nope_head_dim + s.v_head_dim)
+    assert reexpand_flops(s, 0) == 0 and reexpand_flops(get_shape("mixtral-8x7b"), 100) == 0  # GQA caches K, V
+    costs = CostModel.of(LITE, get_profile(HW))
+    one_chunk = PrefillConfig(prompt_tokens=2048, chunk_tokens=2048, crossover=False)
+    chunked = PrefillConfig(prompt_tokens=2048, chunk_tokens=256, crossover=False)
+    mix = CostModel.of(get_shape("mixtral-8x7b"), get_profile(HW))
+    with_re = {c.chunk_tokens: hybrid_time_us(costs, c)[0] for c in (one_chunk, chunked)}
+    mix_with = hybrid_time_us(mix, chunked)[0]
+    monkeypatch.setattr(pf, "reexpand_flops", lambda shape, cached: 0.0)
+    without = {c.chunk_tokens: hybrid_time_us(costs, c)[0] for c in (one_chunk, chunked)}
+    assert with_re[2048] == without[2048]  # one chunk: nothing cached before it
+    assert with_re[256] > without[256]  # seven later chunks each re-expand the prompt before them
+    assert mix_with == hybrid_time_us(mix, chunked)[0]  # GQA: the cache holds K and V, nothing to expand
 
 
 @pytest.mark.cuda

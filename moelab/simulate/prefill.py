@@ -234,14 +234,26 @@ def copy_us(costs: CostModel, nbytes: float) -> float:
     return costs.profile.link.latency_us + nbytes / costs.link_cap
 
 
-def _layer_dense(costs: CostModel, layer: int, T: int, context: int) -> tuple[float, float]:
+def reexpand_flops(shape: Any, cached: int) -> float:
+    """FLOPs of up-projecting ``cached`` tokens' latent KV to full heads in one MLA layer
+    (``2·r·h·(d_nope + d_v)`` per token; 0 for other attention): what each chunk of a chunked
+    prefill pays for the prompt before it, since prefill kernels attend in the up-projected form and
+    the cache holds the latent."""
+    if getattr(shape, "attention", "gqa") != "mla" or cached <= 0:
+        return 0.0
+    return 2.0 * cached * shape.kv_lora_rank * shape.num_heads * (shape.qk_nope_head_dim + shape.v_head_dim)
+
+
+def _layer_dense(costs: CostModel, layer: int, T: int, context: int, cached: int = 0) -> tuple[float, float]:
     """(weight bytes streamed, compute µs) of decoder layer ``layer``'s dense module: attention,
     then the router and shared experts (MoE layer) or the dense MLP, for ``T`` new tokens of which
-    the last is at ``context``."""
+    the last is at ``context``; ``cached`` tokens of the prompt are already in the KV cache (a later
+    chunk of a chunked prefill), whose latent MLA re-expands (:func:`reexpand_flops`)."""
     s, hw = costs.shape, costs.profile
     is_moe = layer in costs.moe_layers
     a_b = float(s.attention_bytes(context, 1, layer=layer))
     a_f = float(s.attention_flops(max(context - T // 2, 1), T, layer=layer, prefill=True))  # causal average of the new tokens
+    a_f += reexpand_flops(s, cached)
     if is_moe:
         w = float(s.attention_weight_bytes(layer)) + costs.router_bytes + costs.shared_bytes
         t = dense_us(costs, a_b + costs.router_bytes, a_f + costs.router_flops_per_token * T,
@@ -380,7 +392,7 @@ def hybrid_time_us(costs: CostModel, cfg: PrefillConfig) -> tuple[float, dict[st
             host_memo[c] = costs.lanes_us([], [], [(e, n) for e in range(a)], tokens=c)[1]
         act = 2 * copy_us(costs, c * s.hidden_size * 2)  # activations to the host and back
         for layer in range(costs.num_layers):
-            gpu = _layer_dense(costs, layer, c, done)[1]
+            gpu = _layer_dense(costs, layer, c, done, cached=done - c)[1]
             busy["gpu"] += gpu
             if layer in costs.moe_layers:
                 busy["cpu"] += host_memo[c]
@@ -489,6 +501,8 @@ ASSUMPTIONS = (
     "GPU expert FLOPs at the profile's gpu_peak_tflops whatever the weights' dtype",
     "hybrid path: dense weights resident on the GPU; per chunk and layer GPU work, activation copies and CPU experts "
     "run one after the other (OSDI §3.3.1: no overlap)",
+    "hybrid path, MLA: each chunk up-projects the cached latent KV of the prompt before it (2·r·h·(d_nope+d_v) FLOPs "
+    "per cached token and layer), as chunked-prefill kernels that attend in the up-projected form do",
     "prefill activations: T × (4·hidden fp32 + 2·k·hidden bf16) bytes; the embedding rows gathered on the host",
 )
 
@@ -548,4 +562,5 @@ def format_prefill(r: PrefillResult) -> str:
 
 __all__ = ["CHUNK_TOKENS", "DENSE_BUDGET_GB", "PATHS", "PrefillConfig", "PrefillResult", "StreamSchedule",
            "choose_ring", "crossover_tokens", "dense_us", "expected_load", "format_prefill", "hybrid_time_us", "prefill",
-           "prefill_activation_bytes", "slp_memory", "slp_modules", "slp_schedule", "stream_schedule"]
+           "prefill_activation_bytes", "reexpand_flops", "slp_memory", "slp_modules", "slp_schedule",
+           "stream_schedule"]
