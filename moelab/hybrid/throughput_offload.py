@@ -15,7 +15,9 @@ memory there, and copies what MoE-Gen copies, on separate streams:
   and shared experts (a dense layer's MLP) are copied into one of two buffers
   (``transfer-dense``); layer ``i + 1``'s copy is issued after layer ``i``'s expert copies, into
   the buffer layer ``i − 1`` released (the last layer prefetches layer 0 for the next step). The
-  modules run from those buffers through :func:`torch.func.functional_call`.
+  modules run from those buffers through :func:`torch.func.functional_call`. Each buffer keeps one
+  set of tensors per layer kind (a dense layer's and a MoE layer's differ), which
+  :attr:`~OffloadedDecoder.device_bytes` counts; the simulator charges two of the larger.
 * **Routed experts streamed through ``S_Expert``**: a ring of ``expert_slots`` slots. The layer's
   first ``expert_slots`` streamed experts (ascending id) are copied as soon as the attention's
   copies are issued, before the router has run (MoE-Gen fills ``S_Expert`` whenever the link is
@@ -36,7 +38,10 @@ and its KV filled into the host store — the decode is what the bench measures.
 ``device="cuda"``: three CUDA streams (compute, host → device, device → host) ordered by CUDA
 events, pinned host memory, spans timed by CUDA timing events. ``device="cpu"``: the stand-in,
 the same code with every copy a synchronous ``Tensor.copy_`` between separate host buffers and
-spans timed by the wall clock — what the test suite runs where no GPU is. Events are the simulated
+spans timed by the wall clock — what the test suite runs where no GPU is. The stand-in checks the
+schedule's order, data paths and parity; the cross-stream waits only order anything on CUDA, where
+their test (``@pytest.mark.cuda``) checks each wait's effect on the events' times. A step that
+raises leaves no per-step state behind (the next decode reloads every buffer it needs). Events are the simulated
 schedule's (:mod:`moelab.simulate.moegen.events`): lanes ``device``, ``copy-htod``, ``copy-dtoh``.
 
 >>> dec = OffloadedDecoder(model, micro_batch=8, expert_batch=64, device="cuda", expert_slots=2)
@@ -90,6 +95,8 @@ class CudaClock:
         self._t_base = 0.0
 
     def begin(self) -> None:
+        self.streams["compute"] = torch.cuda.current_stream(self.device)  # the caller's stream of this step
+        self._pending.clear()
         self._base = self.mark()
         self._base.synchronize()
         self._t_base = self.log.now_us()
@@ -223,12 +230,16 @@ class _HostKV:
         flat = self._stage.get(key)
         if flat is None:
             flat = self._stage[key] = torch.empty(need, dtype=like.dtype, device=self.dec.device)
+            self.dec.allocated()
         return flat[:like.numel()].view(like.shape)
 
     def stage_in(self, j: int, i: int, step: int) -> _StagedCache:
         """Issue micro-batch ``j``'s layer-``i`` KV host → device into its staging buffer; the compute
         stream waits for it."""
         dec, S, L = self.dec, self.dec.streams, self.length
+        if self.length >= self.capacity:
+            raise MoelabError(f"KV cache of micro-batch {j} is full ({self.capacity} positions): more decode steps "
+                              "than generate() was asked for.")
         K, V = self.host[j][i]
         ks, vs = self._staging(j % 2, 0, K), self._staging(j % 2, 1, V)
         S.wait("htod", self.free[j % 2])
@@ -243,9 +254,6 @@ class _HostKV:
         dec, S = self.dec, self.dec.streams
         K, V = self.host[j][i]
         L, q = cache.length, cache.new
-        if L + q > self.capacity:
-            raise MoelabError(f"KV cache of micro-batch {j} is full ({self.capacity} positions): more decode steps "
-                              "than generate() was asked for.")
         S.wait("dtoh", S.signal("compute"))
         dec.copy("dtoh", "writeback-kv", f"KV DtoH[{j}]", [(K[L:L + q], cache.keys[L:L + q]),
                                                               (V[L:L + q], cache.values[L:L + q])], step, i,
@@ -282,7 +290,8 @@ class OffloadedDecoder(ModuleBatchedDecoder):
         self._host_weights(moe_layers, pinned_experts)
         self._dense_bufs: list[dict[tuple, dict[str, torch.Tensor]]] = [{}, {}]
         self._dense_free: list[Any] = [None, None]
-        self._dense_at: dict[int, tuple[int, Any]] = {}  # layer -> (buffer, ready signal)
+        self._dense_at: dict[int, tuple[int, Any, dict]] = {}  # layer -> (buffer, ready signal, its tensors)
+        self._last_step = -1  # the generate's last step: its last layer prefetches nothing
         self._next_buf = 0
         self._ring: dict[tuple, dict[str, torch.Tensor]] = {}
         self._slot_free: dict[tuple, list[Any]] = {}  # ring -> each slot's "its last expert computed"
@@ -328,6 +337,26 @@ class OffloadedDecoder(ModuleBatchedDecoder):
                 "S_Expert": size(t for d in self._ring.values() for t in d.values()),
                 "S_KV-GPU": size(kv._stage.values()) if kv is not None else 0}
 
+    def allocated(self) -> None:
+        """After a device buffer was allocated (on the compute stream): the copy stream waits for the compute
+        work queued so far, since the caching allocator may have handed out memory that queued kernels still
+        use, and a copy into it must not overtake them."""
+        self.streams.wait("htod", self.streams.signal("compute"))
+
+    def _reset(self) -> None:
+        """Forget the per-step state (an S_Dense buffer's layer, the queued ring, pending spans) after a
+        step that raised, so the next decode does not run a layer from a buffer holding another."""
+        self._dense_at.clear()
+        self._dense_free = [None, None]
+        self._next_buf = 0
+        self._queued = []
+        for sig in self._slot_free:
+            self._slot_free[sig] = [None] * self.expert_slots
+            self._slot_ready[sig] = [None] * self.expert_slots
+        if self.streams.cuda:
+            torch.cuda.synchronize(self.device)
+            self.streams.clock._pending.clear()
+
     def copy(self, stream: str, kind: str, cause: str, pairs: list[tuple[torch.Tensor, torch.Tensor]], step: int,
              layer: int, **fields: Any) -> None:
         """Copy each ``(destination, source)`` on ``stream`` as one event (``bytes``: their sum)."""
@@ -348,6 +377,7 @@ class OffloadedDecoder(ModuleBatchedDecoder):
         dst = self._dense_bufs[buf].get(sig)
         if dst is None:
             dst = self._dense_bufs[buf][sig] = {n: torch.empty_like(t, device=self.device) for n, t in host.items()}
+            self.allocated()
         self.streams.wait("htod", self._dense_free[buf])
         self.copy("htod", "transfer-dense", cause, [(dst[n], t) for n, t in host.items()], step, i)
         self._dense_at[i] = (buf, self.streams.signal("htod"), dst)
@@ -372,7 +402,7 @@ class OffloadedDecoder(ModuleBatchedDecoder):
         buf = self._dense_at.pop(i)[0]
         self._dense_free[buf] = self.streams.signal("compute")
         nxt = (i + 1) % len(self.moe)
-        if nxt not in self._dense_at:
+        if nxt not in self._dense_at and not (nxt == 0 and step >= self._last_step):
             self._load_dense(nxt, step, "Dense prefetch[next layer]")
 
     # ------------------------------------------------------------------ S_Expert
@@ -383,6 +413,7 @@ class OffloadedDecoder(ModuleBatchedDecoder):
             R = self.expert_slots
             self._ring[sig] = {n: torch.empty((R, *t.shape[1:]), dtype=t.dtype, device=self.device)
                                for n, t in host.items()}
+            self.allocated()
             self._slot_free[sig], self._slot_ready[sig] = [None] * R, [None] * R
         return sig, self._ring[sig]
 
@@ -459,9 +490,20 @@ class OffloadedDecoder(ModuleBatchedDecoder):
     def step(self, tokens: torch.Tensor, caches: Any, position: int, step: int = 0) -> torch.Tensor:
         """One decode step of ``tokens`` ``(B,)`` at ``position`` over the host KV store ``caches``
         (a :meth:`generate`'s); returns logits ``(B, V)`` on the device."""
-        m, S, kv = self.model.model, self.streams, caches
-        st = _Active(self.expert_batch, self.log, step, clock=S.clock, streamer=self._run_experts)
+        S = self.streams
         S.begin()
+        try:
+            logits = self._step(tokens, caches, position, step)
+        except BaseException:
+            self._reset()
+            raise
+        caches.length += 1
+        S.flush()
+        return logits
+
+    def _step(self, tokens: torch.Tensor, kv: _HostKV, position: int, step: int) -> torch.Tensor:
+        m = self.model.model
+        st = _Active(self.expert_batch, self.log, step, clock=self.streams.clock, streamer=self._run_experts)
         with self._installed(st):
             h = functional_call(m.embed_tokens, self._res["embed"], (tokens.to(self.device)[:, None],))
             for i, layer in enumerate(m.layers):
@@ -483,8 +525,6 @@ class OffloadedDecoder(ModuleBatchedDecoder):
             h = functional_call(m.norm, self._res["norm"], (h,))
             logits = _chunked(lambda x: functional_call(self.model.lm_head, self._res["lm_head"], (x,)), h, st,
                               "dense", "LMHead")
-        kv.length += 1
-        S.flush()
         return logits[:, -1, :]
 
     @torch.no_grad()
@@ -495,7 +535,9 @@ class OffloadedDecoder(ModuleBatchedDecoder):
         t0 = time.perf_counter()
         caches, logits = self.prefill(ids)
         sizes = [int(ids[j0:j0 + self.micro_batch].shape[0]) for j0 in range(0, ids.shape[0], self.micro_batch)]
+        self._reset()
         self._kv = kv = _HostKV(self, caches, sizes, int(ids.shape[1]), steps)
+        self._last_step = steps - 1
         t1 = time.perf_counter()
         P = ids.shape[1]
         toks, kept, step_s = _greedy_steps(logits.to(self.device), steps, keep_logits,
