@@ -385,6 +385,10 @@ def test_ray_address_connects_to_an_existing_cluster(baseline, tmp_path):
         assert (summary.done, summary.failed) == (N_CELLS, {})
         assert _results(tmp_path / "store") == expected
     finally:
+        import ray
+
+        if ray.is_initialized():  # a driver still connected when the head stops is terminated by Ray 60 s later
+            ray.shutdown()
         _stop(head)
 
 
@@ -431,3 +435,50 @@ def _stop(proc: subprocess.Popen) -> None:
     with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGKILL)
     proc.wait(timeout=30)
+
+
+def test_a_ray_start_that_fails_after_connecting_leaves_no_driver_connected(monkeypatch):
+    """Ray terminates a driver process 60 s after its cluster stops: a backend whose actors failed to come
+    up must not stay connected (it took a pytest worker down with it on 2026-11-27)."""
+    from moelab.sweeps import backends
+
+    class Ref:
+        pass
+
+    class FakeRay:
+        initialized = False
+        killed: list = []
+
+        def is_initialized(self):
+            return self.initialized
+
+        def init(self, **kwargs):
+            self.initialized = True
+
+        def shutdown(self):
+            self.initialized = False
+
+        def remote(self, **kwargs):
+            def wrap(cls):
+                class Actor:
+                    @staticmethod
+                    def remote(*a):
+                        actor = Ref()
+                        actor.warm = Ref()
+                        actor.warm.remote = lambda: Ref()
+                        return actor
+                return Actor
+            return wrap
+
+        def get(self, refs):
+            raise RuntimeError("actor failed to start")
+
+        def kill(self, actor):
+            self.killed.append(actor)
+
+    fake = FakeRay()
+    monkeypatch.setattr(backends, "import_ray", lambda: fake)
+    b = backends.RayBackend(workers=2)
+    with pytest.raises(RuntimeError, match="actor failed to start"):
+        b.start()
+    assert not fake.is_initialized() and len(fake.killed) == 2 and b._actors is None

@@ -143,14 +143,20 @@ class RayBackend:
 
         ray = self.ray
         self._started_cluster = self._init() or getattr(self, "_started_cluster", False)
-        threads = self.threads or 1
-        self._actor_cls = ray.remote(num_cpus=threads, max_restarts=0)(CellRunner)
-        n = n or self.workers
-        t0 = time.perf_counter()
-        self._actors = [self._actor_cls.remote(threads, f"ray-{i}") for i in range(n)]
-        for info in ray.get([a.warm.remote() for a in self._actors]):  # up, lm-eval imported, before any cell
-            log.info("worker %s: pid %s on %s, %s torch thread(s)", info["worker"], info["pid"], info["host"],
-                     info["threads"])
+        try:
+            threads = self.threads or 1
+            self._actor_cls = ray.remote(num_cpus=threads, max_restarts=0)(CellRunner)
+            n = n or self.workers
+            t0 = time.perf_counter()
+            self._actors = [self._actor_cls.remote(threads, f"ray-{i}") for i in range(n)]
+            for info in ray.get([a.warm.remote() for a in self._actors]):  # up, lm-eval imported, before any cell
+                log.info("worker %s: pid %s on %s, %s torch thread(s)", info["worker"], info["pid"], info["host"],
+                         info["threads"])
+        except BaseException:
+            # no actors and no connection left behind: a driver still connected when its cluster stops is
+            # terminated by Ray 60 s later (the whole process, a notebook kernel or a test worker included)
+            self.close()
+            raise
         self.actors_start_s = time.perf_counter() - t0
         self._loaded: list[tuple | None] = [None] * n
 
@@ -171,7 +177,7 @@ class RayBackend:
             return
         ray = self.ray
         if getattr(self, "_actors", None) is None:
-            self.start(min(self.workers, len(cells)))
+            self.start(min(self.workers, len(cells)))  # closes what it opened when it fails
         actors, loaded, threads = self._actors, self._loaded, self.threads or 1
         n = len(actors)
         queue: list[tuple[Cell, int]] = [(c, 1) for c in cells]
