@@ -1,7 +1,8 @@
 """MoE-Gen's decode with weights and KV cache in host memory (moelab.hybrid.throughput_offload).
 
 Where no GPU is, the CPU stand-in runs the same code (every copy a memcpy between separate host
-buffers). Parity: the greedy decode equals the plain model's; a run after the model's own weights
+buffers); with ``defer_copies`` each copy runs as late as CUDA may run it, so a missing wait between
+streams changes the output (and the test that drops the waits shows that it does). Parity: the greedy decode equals the plain model's; a run after the model's own weights
 were overwritten with NaN still does, so every weight the decode reads went through the decoder's
 copies. Events, from MoE-Gen's schedule (techniques.md §7.1): per layer and micro-batch one KV copy
 in and one write-back of the new position; one S_Dense load per layer and step; no copy of a pinned
@@ -45,6 +46,42 @@ def test_offloaded_greedy_equals_plain_greedy(models, name, B, ba, be, slots, pi
     assert torch.equal(out.tokens, ref.tokens)
     for a, b in zip(out.logits, ref.logits, strict=True):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_with_copies_as_late_as_cuda_may_run_them_the_decode_is_unchanged(models, name):
+    m = models[name]
+    ids = _ids(m, 5)
+    ref = plain_generate(m, ids, 3)
+    out = OffloadedDecoder(m, 2, 3, device="cpu", expert_slots=2, pinned_experts=2, defer_copies=True).generate(ids, 3)
+    assert torch.equal(out.tokens, ref.tokens)
+    for a, b in zip(out.logits, ref.logits, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("dropped", ["compute", "copy-after-copy"])
+def test_the_late_copies_catch_a_missing_wait(models, monkeypatch, dropped):
+    """The check works: drop the compute stream's waits for its copies (a read before the copy), or a
+    copy stream's waits for the other (a staging buffer refilled before its write-back), and the
+    decode goes wrong."""
+    from moelab.hybrid import throughput_offload as t
+
+    m = models["moelab-tiny-mixtral"]
+    ids = _ids(m, 5)
+    ref = plain_generate(m, ids, 4)
+    real = t._DeferredStreams.wait
+
+    def wait(self, stream, ev):
+        if (stream == "compute") == (dropped == "compute"):
+            return None
+        return real(self, stream, ev)
+
+    monkeypatch.setattr(t._DeferredStreams, "wait", wait)
+    dec = OffloadedDecoder(m, 2, 3, device="cpu", expert_slots=2, defer_copies=True)
+    out = dec.generate(ids, 4)
+    wrong = not torch.equal(out.tokens, ref.tokens) or any(
+        not torch.allclose(a, b, atol=1e-3, rtol=1e-3) for a, b in zip(out.logits, ref.logits, strict=True))
+    assert wrong
 
 
 def test_the_decode_reads_only_the_decoders_copies():

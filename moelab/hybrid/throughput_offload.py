@@ -36,13 +36,14 @@ is prefilled by the plain model where the weights are (host memory), one micro-b
 and its KV filled into the host store — the decode is what the bench measures.
 
 ``device="cuda"``: three CUDA streams (compute, host → device, device → host) ordered by CUDA
-events, pinned host memory, spans timed by CUDA timing events. ``device="cpu"``: the stand-in,
-the same code with every copy a synchronous ``Tensor.copy_`` between separate host buffers and
-spans timed by the wall clock — what the test suite runs where no GPU is. The stand-in checks the
-schedule's order, data paths and parity; the cross-stream waits only order anything on CUDA, where
-their test (``@pytest.mark.cuda``) checks each wait's effect on the events' times. A step that
-raises leaves no per-step state behind (the next decode reloads every buffer it needs). Events are the simulated
-schedule's (:mod:`moelab.simulate.moegen.events`): lanes ``device``, ``copy-htod``, ``copy-dtoh``.
+events, pinned host memory, spans timed by CUDA timing events. ``device="cpu"``: the stand-in, the
+same code with every copy a ``Tensor.copy_`` between separate host buffers and spans timed by the
+wall clock — what the test suite runs where no GPU is. With ``defer_copies=True`` the stand-in runs
+each copy only when an event after it is waited for (as late as CUDA may run it), so a missing wait
+between streams changes the output: the waits are checked without a GPU; their effect on times is
+checked on CUDA (``@pytest.mark.cuda``). A step that raises leaves no per-step state behind (the next
+decode reloads every buffer it needs). Events are the simulated schedule's
+(:mod:`moelab.simulate.moegen.events`): lanes ``device``, ``copy-htod``, ``copy-dtoh``.
 
 >>> dec = OffloadedDecoder(model, micro_batch=8, expert_batch=64, device="cuda", expert_slots=2)
 >>> out = dec.generate(input_ids, steps=8)          # model on the host, input_ids (B, P)
@@ -138,11 +139,69 @@ class _HostStreams:
     def host(self, t: torch.Tensor) -> torch.Tensor:
         return t.detach().clone()
 
+    def run(self, stream: str, fn) -> None:
+        """Issue ``fn`` (a copy) on ``stream``."""
+        fn()
+
     def begin(self) -> None:
         return None
 
     def flush(self) -> None:
         return None
+
+    def abandon(self) -> None:
+        """Drop what a step that raised left queued."""
+        return None
+
+
+class _DeferredStreams(_HostStreams):
+    """The stand-in with its copy streams late: a copy runs only when an event recorded after it is
+    waited for (by the compute stream, or by the other copy stream's next copy), or when the step
+    ends — as late as CUDA may run it. The compute stream runs at once. A read of a buffer that did
+    not wait for its copy then sees the buffer's old contents, and a write-back that did not precede
+    the buffer's reuse copies the wrong position: the parity tests fail. (``defer_copies=True``;
+    the cross-stream waits are otherwise untestable without a GPU.)"""
+
+    def __init__(self, log: EventLog) -> None:
+        super().__init__(log)
+        self._queue: dict[str, list] = {"htod": [], "dtoh": []}
+        self._done = {"htod": 0, "dtoh": 0}
+        self._after: dict[str, list] = {"htod": [], "dtoh": []}  # the other copy stream's events waited for
+
+    def run(self, stream: str, fn) -> None:
+        if stream == "compute":
+            fn()
+        else:
+            self._queue[stream].append((list(self._after[stream]), fn))
+
+    def signal(self, stream: str) -> Any:
+        return None if stream == "compute" else (stream, self._done[stream] + len(self._queue[stream]))
+
+    def wait(self, stream: str, ev: Any) -> None:
+        if ev is None:  # the compute stream's events: its work is already done
+            return
+        if stream == "compute":
+            self._drain(*ev)
+        elif ev[0] != stream:
+            self._after[stream].append(ev)
+
+    def _drain(self, stream: str, upto: int) -> None:
+        while self._done[stream] < upto:
+            after, fn = self._queue[stream].pop(0)
+            for ev in after:
+                self._drain(*ev)
+            fn()
+            self._done[stream] += 1
+
+    def flush(self) -> None:
+        for stream in self._queue:
+            self._drain(stream, self._done[stream] + len(self._queue[stream]))
+        self._after = {"htod": [], "dtoh": []}
+
+    def abandon(self) -> None:
+        self._queue = {"htod": [], "dtoh": []}
+        self._done = {"htod": 0, "dtoh": 0}
+        self._after = {"htod": [], "dtoh": []}
 
 
 class _CudaStreams(_HostStreams):
@@ -173,6 +232,10 @@ class _CudaStreams(_HostStreams):
 
     def flush(self) -> None:
         self.clock.flush()
+
+    def abandon(self) -> None:
+        torch.cuda.synchronize(self.clock.device)
+        self.clock._pending.clear()
 
 
 class _View:
@@ -265,11 +328,12 @@ class OffloadedDecoder(ModuleBatchedDecoder):
     """MoE-Gen's decode with weights and KV in host memory (module docstring) on ``device``
     (``"cuda"``, ``"cuda:N"`` or ``"cpu"`` for the stand-in): attention micro-batches of
     ``micro_batch`` sequences, expert chunks of ``expert_batch`` rows, an ``S_Expert`` ring of
-    ``expert_slots`` slots and ``pinned_experts`` routed experts resident (over all MoE layers)."""
+    ``expert_slots`` slots and ``pinned_experts`` routed experts resident (over all MoE layers).
+    ``defer_copies`` (stand-in only): run each copy as late as CUDA may, to check the waits."""
 
     def __init__(self, model: Any, micro_batch: int, expert_batch: int, *, device: str | torch.device = "cuda",
                  expert_slots: int = 2, pinned_experts: int = 0, log: EventLog | None = None,
-                 run: str = "moegen-offloaded") -> None:
+                 run: str = "moegen-offloaded", defer_copies: bool = False) -> None:
         super().__init__(model, micro_batch, expert_batch, log=log, run=run)
         self.device = torch.device(device)
         if self.device.type == "cuda" and not torch.cuda.is_available():
@@ -286,7 +350,10 @@ class OffloadedDecoder(ModuleBatchedDecoder):
             if isinstance(v, bool) or not isinstance(v, int) or v < low:
                 raise MoelabError(f"{name}={v!r}: expected an integer ≥ {low}.")
         self.expert_slots = expert_slots
-        self.streams = _CudaStreams(self.log, self.device) if self.device.type == "cuda" else _HostStreams(self.log)
+        if self.device.type == "cuda":
+            self.streams: _HostStreams = _CudaStreams(self.log, self.device)
+        else:
+            self.streams = _DeferredStreams(self.log) if defer_copies else _HostStreams(self.log)
         self._host_weights(moe_layers, pinned_experts)
         self._dense_bufs: list[dict[tuple, dict[str, torch.Tensor]]] = [{}, {}]
         self._dense_free: list[Any] = [None, None]
@@ -353,9 +420,7 @@ class OffloadedDecoder(ModuleBatchedDecoder):
         for sig in self._slot_free:
             self._slot_free[sig] = [None] * self.expert_slots
             self._slot_ready[sig] = [None] * self.expert_slots
-        if self.streams.cuda:
-            torch.cuda.synchronize(self.device)
-            self.streams.clock._pending.clear()
+        self.streams.abandon()
 
     def copy(self, stream: str, kind: str, cause: str, pairs: list[tuple[torch.Tensor, torch.Tensor]], step: int,
              layer: int, **fields: Any) -> None:
@@ -364,7 +429,7 @@ class OffloadedDecoder(ModuleBatchedDecoder):
         with S.on(stream):
             a = S.clock.mark(stream)
             for dst, src in pairs:
-                dst.copy_(src, non_blocking=S.cuda)
+                S.run(stream, lambda dst=dst, src=src: dst.copy_(src, non_blocking=S.cuda))
             S.clock.span(a, S.clock.mark(stream), step, layer, stream, kind, cause=cause,
                          nbytes=sum(s.numel() * s.element_size() for _, s in pairs), **fields)
 
