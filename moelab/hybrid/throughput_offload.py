@@ -334,6 +334,10 @@ class OffloadedDecoder(ModuleBatchedDecoder):
     def __init__(self, model: Any, micro_batch: int, expert_batch: int, *, device: str | torch.device = "cuda",
                  expert_slots: int = 2, pinned_experts: int = 0, log: EventLog | None = None,
                  run: str = "moegen-offloaded", defer_copies: bool = False) -> None:
+        """Check the settings, copy the weights to host buffers, place the resident ones on ``device``.
+
+        Size: MoE-Gen's buffer settings one to one (b_a, b_e, S_Expert slots, S_Params experts) beside
+        the device, the log and the check mode."""
         super().__init__(model, micro_batch, expert_batch, log=log, run=run)
         self.device = torch.device(device)
         if self.device.type == "cuda" and not torch.cuda.is_available():
