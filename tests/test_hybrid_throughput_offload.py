@@ -304,3 +304,33 @@ def test_cuda_bench_runs_the_offloaded_decoder_beside_its_simulation():
     row = r["rows"][0]
     assert row["device_bytes"]["S_Expert"] > 0 and row["sim_tokens_per_s"] > 0 and row["tokens_per_s"] > 0
     assert "S_Expert" in format_result(r)
+
+
+def test_pinned_dense_modules_are_never_copied_and_decode_the_same(models):
+    m = models["tiny-deepseek_v2"]
+    ids = _ids(m, 4)
+    ref = plain_generate(m, ids, 3)
+    dec = OffloadedDecoder(m, 2, 4, device="cpu", pin_dense=True, defer_copies=True)
+    out = dec.generate(ids, 3)
+    assert torch.equal(out.tokens, ref.tokens)
+    assert not [e for e in dec.log.events if e.kind == "transfer-dense"]
+    streamed = OffloadedDecoder(m, 2, 4, device="cpu")
+    assert dec.device_bytes["S_Params"] - streamed.device_bytes["S_Params"] == sum(
+        t.numel() * t.element_size() for d in dec._dense for t in d.values())
+    assert dec.device_bytes["S_Dense"] == 0
+
+
+def test_a_searched_configuration_builds_its_decoder(models):
+    from moelab.simulate.moegen.schedule import ThroughputConfig
+
+    m = models["moelab-tiny-mixtral"]
+    cfg = ThroughputConfig(batch=6, micro_batch=3, expert_batch=5, expert_slots=3, pinned_experts=2, pin_dense=True)
+    dec = OffloadedDecoder.from_config(m, cfg, device="cpu")
+    assert (dec.micro_batch, dec.expert_batch, dec.expert_slots, sum(dec.pinned.values()), dec.pin_dense) == \
+        (3, 5, 3, 2, True)
+    ids = _ids(m, cfg.batch)
+    assert torch.equal(dec.generate(ids, 2).tokens, plain_generate(m, ids, 2).tokens)
+    with pytest.raises(MoelabError, match="cpu_attention"):
+        OffloadedDecoder.from_config(m, ThroughputConfig(batch=4, cpu_attention=0.5), device="cpu")
+    with pytest.raises(MoelabError, match="phase 'prefill'"):
+        OffloadedDecoder.from_config(m, ThroughputConfig(phase="prefill"), device="cpu")

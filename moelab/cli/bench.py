@@ -143,6 +143,8 @@ def register(subparsers) -> None:
                     help="S_Expert slots the offloaded decoder streams experts through (--device cuda; default 2)")
     tp.add_argument("--pinned-experts", type=int, default=0, metavar="N",
                     help="routed experts resident on the GPU over all MoE layers (--device cuda; default 0)")
+    tp.add_argument("--pin-dense", action="store_true",
+                    help="every layer's dense modules resident on the GPU, never copied (--device cuda)")
     tp.add_argument("--events", metavar="PATH", default=None,
                     help="write every point's last run's events (the one schema) to this Parquet file")
     tp.add_argument("--json", action="store_true", help="print the results as JSON")
@@ -159,7 +161,7 @@ def run_throughput(args) -> int:
                        expert_batches=args.expert_batches, prompt=args.prompt, steps=args.steps, repeats=args.repeats,
                        profile=args.profile, allow_busy=args.allow_busy, keep_events=bool(args.events),
                        threads=args.threads, device=args.device, expert_slots=args.expert_slots,
-                       pinned_experts=args.pinned_experts, progress=None if args.json else
+                       pinned_experts=args.pinned_experts, pin_dense=args.pin_dense, progress=None if args.json else
                        (lambda s: print(s, file=sys.stderr, flush=True)))
     if args.events:
         import pyarrow as pa

@@ -27,7 +27,9 @@ memory there, and copies what MoE-Gen copies, on separate streams:
   all of its routed tokens in ``b_e``-row chunks, as on the CPU worker.
 * **``S_Params``**: ``pinned_experts`` routed experts resident on the device (spread over the MoE
   layers as the simulator spreads them, the lowest ids of each layer; they run first, with no
-  copy), and the embedding, final norm, LM head and rotary embedding (resident; stated).
+  copy), every layer's dense modules with ``pin_dense`` (no ``S_Dense`` copies), and the
+  embedding, final norm, LM head and rotary embedding (resident; stated).
+  :meth:`OffloadedDecoder.from_config` builds the decoder of a searched configuration.
 
 Left out, and stated: the CPU attention share (``ω``; this decoder runs ``ω = 0``); the ``B × H``
 hidden states stay on the device between modules (Fig. 2 collects them in host memory to free
@@ -333,11 +335,11 @@ class OffloadedDecoder(ModuleBatchedDecoder):
 
     def __init__(self, model: Any, micro_batch: int, expert_batch: int, *, device: str | torch.device = "cuda",
                  expert_slots: int = 2, pinned_experts: int = 0, log: EventLog | None = None,
-                 run: str = "moegen-offloaded", defer_copies: bool = False) -> None:
+                 pin_dense: bool = False, run: str = "moegen-offloaded", defer_copies: bool = False) -> None:
         """Check the settings, copy the weights to host buffers, place the resident ones on ``device``.
 
-        Size: MoE-Gen's buffer settings one to one (b_a, b_e, S_Expert slots, S_Params experts) beside
-        the device, the log and the check mode."""
+        Size: MoE-Gen's buffer settings one to one (b_a, b_e, S_Expert slots, S_Params experts and
+        dense modules) beside the device, the log and the check mode."""
         super().__init__(model, micro_batch, expert_batch, log=log, run=run)
         self.device = torch.device(device)
         if self.device.type == "cuda" and not torch.cuda.is_available():
@@ -359,6 +361,10 @@ class OffloadedDecoder(ModuleBatchedDecoder):
         else:
             self.streams = _DeferredStreams(self.log) if defer_copies else _HostStreams(self.log)
         self._host_weights(moe_layers, pinned_experts)
+        self.pin_dense = bool(pin_dense)
+        # S_Params (dense): every layer's dense modules resident, never copied
+        self._pinned_dense = [{n: t.to(self.device, copy=True) for n, t in d.items()} for d in self._dense] \
+            if self.pin_dense else None
         self._dense_bufs: list[dict[tuple, dict[str, torch.Tensor]]] = [{}, {}]
         self._dense_free: list[Any] = [None, None]
         self._dense_at: dict[int, tuple[int, Any, dict]] = {}  # layer -> (buffer, ready signal, its tensors)
@@ -368,6 +374,22 @@ class OffloadedDecoder(ModuleBatchedDecoder):
         self._slot_free: dict[tuple, list[Any]] = {}  # ring -> each slot's "its last expert computed"
         self._slot_ready: dict[tuple, list[Any]] = {}  # ring -> each slot's "its expert is copied"
         self._queued: list[int] = []
+
+    @classmethod
+    def from_config(cls, model: Any, config: Any, *, device: str | torch.device = "cuda",
+                    **kwargs: Any) -> OffloadedDecoder:
+        """The decoder of a :class:`~moelab.simulate.moegen.ThroughputConfig` (e.g. the best configuration
+        :func:`~moelab.simulate.moegen.plan_throughput` found): its ``b_a``, ``b_e``, ``S_Expert`` slots,
+        pinned experts and dense modules; :meth:`generate` then takes ``config.batch`` prompts. Refuses
+        what this decoder does not run: prefill schedules and a CPU attention share."""
+        if getattr(config, "phase", "decode") != "decode":
+            raise MoelabError(f"config phase {config.phase!r}: the offloaded decoder runs MoE-Gen's decode schedule; "
+                              "the prompt is prefilled by the plain model. Fix: search with phase='decode'.")
+        if getattr(config, "cpu_attention", 0.0):
+            raise MoelabError(f"config cpu_attention (ω) = {config.cpu_attention}: the offloaded decoder runs every "
+                              "sequence's attention on the GPU (ω = 0). Fix: search with cpu_attention=0.")
+        return cls(model, config.micro_batch, config.expert_batch, device=device, expert_slots=config.expert_slots,
+                   pinned_experts=config.pinned_experts, pin_dense=config.pin_dense, **kwargs)
 
     # ------------------------------------------------------------------ memory
     def _host_weights(self, moe_layers: list[int], pinned: int) -> None:
@@ -403,7 +425,8 @@ class OffloadedDecoder(ModuleBatchedDecoder):
 
         kv = getattr(self, "_kv", None)
         return {"S_Params": size(t for d in self._res.values() for t in d.values())
-                + size(t for d in self._resident.values() for t in d.values()),
+                + size(t for d in self._resident.values() for t in d.values())
+                + size(t for d in self._pinned_dense or [] for t in d.values()),
                 "S_Dense": size(t for b in self._dense_bufs for d in b.values() for t in d.values()),
                 "S_Expert": size(t for d in self._ring.values() for t in d.values()),
                 "S_KV-GPU": size(kv._stage.values()) if kv is not None else 0}
@@ -453,11 +476,14 @@ class OffloadedDecoder(ModuleBatchedDecoder):
 
     def _dense_views(self, i: int, step: int) -> dict[str, dict[str, torch.Tensor]]:
         """Layer ``i``'s modules' parameters in their ``S_Dense`` buffer (loaded now if not prefetched),
-        by submodule; the compute stream waits for the copy."""
-        if i not in self._dense_at:
-            self._load_dense(i, step, "Dense load")
-        buf, ready, dst = self._dense_at[i]
-        self.streams.wait("compute", ready)
+        or resident under ``pin_dense``, by submodule; the compute stream waits for the copy."""
+        if self._pinned_dense is not None:
+            dst = self._pinned_dense[i]
+        else:
+            if i not in self._dense_at:
+                self._load_dense(i, step, "Dense load")
+            buf, ready, dst = self._dense_at[i]
+            self.streams.wait("compute", ready)
         views: dict[str, dict[str, torch.Tensor]] = {s: {} for s in SUBMODULES}
         for n, t in dst.items():
             sub, _, rest = n.partition(".")
@@ -468,6 +494,8 @@ class OffloadedDecoder(ModuleBatchedDecoder):
     def _dense_done(self, i: int, step: int) -> None:
         """Layer ``i`` ran: its buffer is free once the compute stream gets here; prefetch the next layer
         (layer 0 of the next step after the last) into the other buffer."""
+        if self._pinned_dense is not None:
+            return
         buf = self._dense_at.pop(i)[0]
         self._dense_free[buf] = self.streams.signal("compute")
         nxt = (i + 1) % len(self.moe)

@@ -171,14 +171,14 @@ def run_bench(models: Sequence[str] = DEFAULT_MODELS, *, batches: Sequence[int] 
               expert_batches: Sequence[int] = DEFAULT_EXPERT_BATCHES, prompt: int = 16, steps: int = 8,
               repeats: int = 5, profile: Any = None, allow_busy: bool = False, keep_events: bool = False,
               threads: int | None = None, progress: Callable[[str], None] | None = None, device: str = "cpu",
-              expert_slots: int = 2, pinned_experts: int = 0) -> dict[str, Any]:
+              expert_slots: int = 2, pinned_experts: int = 0, pin_dense: bool = False) -> dict[str, Any]:
     """Measured vs simulated tokens/s for every (model, ``B``, ``b_a``, ``b_e``) (see the module
     docstring). Returns ``{"rows": [...], "plain": [...], "profile": path, ...}``; with ``keep_events``
     each row carries its last repeat's :class:`EventLog` under ``"events"``. ``threads``: torch's
     intra-op threads for the calibration and every run (default: as set); on a shared machine
     whose other work takes the cores, more threads than free cores stall every parallel region.
     ``device``: ``"cpu"`` (the in-place decoder, a calibrated profile of this machine) or a CUDA
-    device (the offloaded decoder with ``expert_slots`` and ``pinned_experts``, simulated on
+    device (the offloaded decoder with ``expert_slots``, ``pinned_experts`` and ``pin_dense``, simulated on
     ``profile`` or :data:`DEFAULT_GPU_PROFILE`, the plain model on the GPU).
 
     Size: the bench's grid (models, three batch axes), its run settings and its outputs are the CLI's
@@ -193,7 +193,7 @@ def run_bench(models: Sequence[str] = DEFAULT_MODELS, *, batches: Sequence[int] 
             return run_bench(models, batches=batches, micro_batches=micro_batches, expert_batches=expert_batches,
                              prompt=prompt, steps=steps, repeats=repeats, profile=profile, allow_busy=allow_busy,
                              keep_events=keep_events, progress=progress, device=device,
-                             expert_slots=expert_slots, pinned_experts=pinned_experts)
+                             expert_slots=expert_slots, pinned_experts=pinned_experts, pin_dense=pin_dense)
         finally:
             torch.set_num_threads(before)
     for name, v in (("prompt", prompt), ("steps", steps), ("repeats", repeats)):
@@ -203,7 +203,8 @@ def run_bench(models: Sequence[str] = DEFAULT_MODELS, *, batches: Sequence[int] 
         if not vals or any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in vals):
             raise MoelabError(f"{name}={list(vals)!r}: expected one or more integers ≥ 1.")
     gpu = str(device) != "cpu"
-    offload = {"device": device, "expert_slots": expert_slots, "pinned_experts": pinned_experts} if gpu else None
+    offload = {"device": device, "expert_slots": expert_slots, "pinned_experts": pinned_experts,
+               "pin_dense": pin_dense} if gpu else None
     if gpu:
         if not torch.cuda.is_available():
             raise MoelabError(f"device={device!r}: this machine has no CUDA GPU; the bench on the CPU is device='cpu'.")
@@ -227,7 +228,7 @@ def run_bench(models: Sequence[str] = DEFAULT_MODELS, *, batches: Sequence[int] 
                         progress(f"{label}: B {B}, b_a {ba}, b_e {be} ...")
                     m, events, nbytes = measure_point(model, ids, ba, be, steps, repeats, label, offload=offload)
                     if gpu:
-                        cfg = offloaded_config(shape, B, ba, be, prompt, steps, expert_slots, pinned_experts)
+                        cfg = offloaded_config(shape, B, ba, be, prompt, steps, expert_slots, pinned_experts, pin_dense)
                         st, mem = simulated_offloaded_step(shape, prof, cfg)
                     else:
                         st, mem = simulated_step(shape, prof, B, ba, be, prompt, steps)
@@ -247,7 +248,7 @@ def run_bench(models: Sequence[str] = DEFAULT_MODELS, *, batches: Sequence[int] 
         del model, plain_model
     return {"rows": rows, "plain": plain, "profile": path, "target_ratio": TARGET_RATIO,
             "threads": torch.get_num_threads(), "device": str(device), "expert_slots": expert_slots,
-            "pinned_experts": pinned_experts}
+            "pinned_experts": pinned_experts, "pin_dense": pin_dense}
 
 
 def _stat(m: Measurement) -> str:
@@ -261,7 +262,7 @@ def format_result(result: dict[str, Any]) -> str:
     point's per-module ms per step, real vs simulated."""
     where = ("CPU worker as the device: no KV or weight copies" if result.get("device", "cpu") == "cpu" else
              f"on {result['device']}: weights and KV in host memory, {result['expert_slots']} S_Expert slots, "
-             f"{result['pinned_experts']} experts pinned")
+             f"{result['pinned_experts']} experts pinned" + (", dense modules pinned" if result.get("pin_dense") else ""))
     lines = [f"MoE-Gen module-batched decode on this machine ({result['threads']} torch threads; {where}) vs its "
              f"simulation on {result['profile']}",
              "(tokens/s = B × steps / decode wall time, median of the repeats; ratio = measured / simulated; target "

@@ -53,13 +53,16 @@ def simulated_step(model_shape: Any, profile: Any, batch: int, micro_batch: int,
 
 
 def offloaded_config(model_shape: Any, batch: int, micro_batch: int, expert_batch: int, prompt: int, steps: int,
-                     expert_slots: int, pinned_experts: int) -> ThroughputConfig:
+                     expert_slots: int, pinned_experts: int, pin_dense: bool = False) -> ThroughputConfig:
     """The :class:`~moelab.simulate.moegen.ThroughputConfig` of a real run of
     :class:`moelab.hybrid.throughput_offload.OffloadedDecoder` on a GPU: ``ω = 0``, ``expert_slots``
-    slots in ``S_Expert``, ``pinned_experts`` resident, the dense modules streamed (not pinned)."""
+    slots in ``S_Expert``, ``pinned_experts`` resident, the dense modules streamed (or resident,
+    ``pin_dense``).
+
+    Size: the configuration's fields one to one."""
     return ThroughputConfig(phase="decode", batch=batch, micro_batch=micro_batch, expert_batch=expert_batch,
                             cpu_attention=0.0, expert_slots=expert_slots, pinned_experts=pinned_experts,
-                            pin_dense=False, prompt=prompt, generate=steps)
+                            pin_dense=pin_dense, prompt=prompt, generate=steps)
 
 
 def simulated_offloaded_step(model_shape: Any, profile: Any, cfg: ThroughputConfig):
