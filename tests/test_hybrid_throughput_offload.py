@@ -330,6 +330,15 @@ def test_a_searched_configuration_builds_its_decoder(models):
         (3, 5, 3, 2, True)
     ids = _ids(m, cfg.batch)
     assert torch.equal(dec.generate(ids, 2).tokens, plain_generate(m, ids, 2).tokens)
+    from moelab.simulate.moegen import plan_throughput
+    from moelab.timing.shapes import ModelShape
+
+    plan = plan_throughput(ModelShape.from_model(m, name="tiny"), "pcie4-x16", prompt=5, generate=2, batch=4,
+                           cpu_attention=0)  # the search's best, run for real
+    best = plan.best.config
+    dec = OffloadedDecoder.from_config(m, best, device="cpu", defer_copies=True)
+    ids = _ids(m, best.batch)
+    assert torch.equal(dec.generate(ids, best.generate).tokens, plain_generate(m, ids, best.generate).tokens)
     with pytest.raises(MoelabError, match="cpu_attention"):
         OffloadedDecoder.from_config(m, ThroughputConfig(batch=4, cpu_attention=0.5), device="cpu")
     with pytest.raises(MoelabError, match="phase 'prefill'"):
