@@ -165,16 +165,19 @@ def test_only_active_experts_stream_after_the_router_and_the_first_slots_fill_be
     assert idle_seen
 
 
-def test_a_step_that_raised_leaves_nothing_behind(models, monkeypatch):
+@pytest.mark.parametrize("defer", [False, True])
+def test_a_step_that_raised_leaves_nothing_behind(models, monkeypatch, defer):
+    """A step raises in layer 2's experts (S_Dense already holds layer 3); the same step retried on the
+    same host KV store, then the rest of the decode, give the plain model's tokens."""
     m = models["tiny-deepseek_v2"]
     ids = _ids(m, 3)
     ref = plain_generate(m, ids, 3)
-    dec = OffloadedDecoder(m, 2, 4, device="cpu", expert_slots=2)
+    dec = OffloadedDecoder(m, 2, 4, device="cpu", expert_slots=2, defer_copies=defer)
     real, calls = dec._run_experts, {"n": 0}
 
     def flaky(module, hidden, idx, w, st):
         calls["n"] += 1
-        if calls["n"] == 2:  # layer 2 of the first step: S_Dense holds layer 3 already
+        if calls["n"] == 2:
             raise KeyboardInterrupt
         return real(module, hidden, idx, w, st)
 
@@ -182,10 +185,15 @@ def test_a_step_that_raised_leaves_nothing_behind(models, monkeypatch):
     with pytest.raises(KeyboardInterrupt):
         dec.generate(ids, 3)
     monkeypatch.setattr(dec, "_run_experts", real)
-    out = dec.generate(ids, 3)
+    kv, P = dec._kv, ids.shape[1]
+    tok = ref.tokens[:, 0]
+    for s in range(3):  # step 0 again, then the rest, straight through step()
+        logits = dec.step(tok, kv, P + s, step=s)
+        torch.testing.assert_close(logits, ref.logits[s + 1], atol=1e-4, rtol=1e-4)
+        tok = logits.argmax(-1)
+        assert torch.equal(tok, ref.tokens[:, s + 1])
+    out = dec.generate(ids, 3)  # and a new decode
     assert torch.equal(out.tokens, ref.tokens)
-    for a, b in zip(out.logits, ref.logits, strict=True):
-        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
 
 
 def test_the_host_kv_store_holds_every_position(models):

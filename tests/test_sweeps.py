@@ -387,9 +387,11 @@ def test_ray_address_connects_to_an_existing_cluster(baseline, tmp_path):
     finally:
         import ray
 
-        if ray.is_initialized():  # a driver still connected when the head stops is terminated by Ray 60 s later
-            ray.shutdown()
-        _stop(head)
+        try:
+            if ray.is_initialized():  # a driver still connected when the head stops is terminated by Ray 60 s later
+                ray.shutdown()
+        finally:
+            _stop(head)
 
 
 def test_a_driver_joins_in_token_mode_when_a_token_exists_as_ray_start_does(tmp_path, monkeypatch):
@@ -478,6 +480,7 @@ def test_a_ray_start_that_fails_after_connecting_leaves_no_driver_connected(monk
 
     fake = FakeRay()
     monkeypatch.setattr(backends, "import_ray", lambda: fake)
+    monkeypatch.setenv("PYTHONPATH", os.environ.get("PYTHONPATH", ""))  # _init adds the checkout: undone after
     b = backends.RayBackend(workers=2)
     with pytest.raises(RuntimeError, match="actor failed to start"):
         b.start()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 
 from moelab.cli._util import emit_json, positive_int
+from moelab.errors import MoelabError
 
 # Copies of moelab.kernels.bench's defaults (importing it loads transformers, and building the
 # parser must stay fast); tests/test_cli_startup.py checks that they agree.
@@ -156,6 +157,9 @@ def register(subparsers) -> None:
 
 def run_throughput(args) -> int:
     from moelab.simulate.moegen.bench import format_result, run_bench, to_json
+    if args.device == "cpu" and (args.expert_slots != 2 or args.pinned_experts or args.pin_dense):
+        raise MoelabError("--expert-slots, --pinned-experts and --pin-dense set the offloaded decoder on a GPU "
+                          "(--device cuda); on the CPU every weight stays in place. Fix: drop them, or pass --device cuda.")
 
     result = run_bench(args.models, batches=args.batches, micro_batches=args.micro_batches,
                        expert_batches=args.expert_batches, prompt=args.prompt, steps=args.steps, repeats=args.repeats,

@@ -41,9 +41,10 @@ and its KV filled into the host store — the decode is what the bench measures.
 events, pinned host memory, spans timed by CUDA timing events. ``device="cpu"``: the stand-in, the
 same code with every copy a ``Tensor.copy_`` between separate host buffers and spans timed by the
 wall clock — what the test suite runs where no GPU is. With ``defer_copies=True`` the stand-in runs
-each copy only when an event after it is waited for (as late as CUDA may run it), so a missing wait
-between streams changes the output: the waits are checked without a GPU; their effect on times is
-checked on CUDA (``@pytest.mark.cuda``). A step that raises leaves no per-step state behind (the next
+each copy only when an event after it is waited for (as late as CUDA may run it), so a read that does
+not wait for its copy, or a copy that does not wait for the other copy stream, changes the output;
+a copy's wait for the compute stream (a buffer refilled only after the kernels that read it) is
+checked on CUDA only (``@pytest.mark.cuda``: the events' times). A step that raises leaves no per-step state behind (the next
 decode reloads every buffer it needs). Events are the simulated schedule's
 (:mod:`moelab.simulate.moegen.events`): lanes ``device``, ``copy-htod``, ``copy-dtoh``.
 
@@ -160,9 +161,12 @@ class _DeferredStreams(_HostStreams):
     """The stand-in with its copy streams late: a copy runs only when an event recorded after it is
     waited for (by the compute stream, or by the other copy stream's next copy), or when the step
     ends — as late as CUDA may run it. The compute stream runs at once. A read of a buffer that did
-    not wait for its copy then sees the buffer's old contents, and a write-back that did not precede
-    the buffer's reuse copies the wrong position: the parity tests fail. (``defer_copies=True``;
-    the cross-stream waits are otherwise untestable without a GPU.)"""
+    not wait for its copy then sees the buffer's old contents, and a copy that did not wait for the
+    other copy stream (a staging buffer refilled before its write-back) copies the wrong data: the
+    parity tests fail. What it cannot show: a copy that should wait for the compute stream (a buffer
+    refilled while a kernel still reads it) — here compute issued before a copy has always run. Those
+    waits are checked on CUDA only. (``defer_copies=True``; copy events are stamped when issued, so
+    this mode's times mean nothing.)"""
 
     def __init__(self, log: EventLog) -> None:
         super().__init__(log)
@@ -201,9 +205,7 @@ class _DeferredStreams(_HostStreams):
         self._after = {"htod": [], "dtoh": []}
 
     def abandon(self) -> None:
-        self._queue = {"htod": [], "dtoh": []}
-        self._done = {"htod": 0, "dtoh": 0}
-        self._after = {"htod": [], "dtoh": []}
+        self.flush()  # what was queued runs, as a CUDA stream's queued copies do; positions stay valid
 
 
 class _CudaStreams(_HostStreams):

@@ -15,6 +15,7 @@ Both call ``on_done(cell, output)`` for each finished cell (in the driver's proc
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 import traceback
@@ -155,19 +156,26 @@ class RayBackend:
         except BaseException:
             # no actors and no connection left behind: a driver still connected when its cluster stops is
             # terminated by Ray 60 s later (the whole process, a notebook kernel or a test worker included)
-            self.close()
+            with contextlib.suppress(Exception):  # the original error is the one to report
+                self.close()
             raise
         self.actors_start_s = time.perf_counter() - t0
         self._loaded: list[tuple | None] = [None] * n
 
     def close(self) -> None:
-        """Stop the actors, and the local cluster if this backend started it."""
-        for a in getattr(self, "_actors", None) or []:
-            self.ray.kill(a)
-        self._actors = None
-        if getattr(self, "_started_cluster", False):
-            self.ray.shutdown()
-            self._started_cluster = False
+        """Stop the actors, and disconnect from (or stop) the cluster if this backend joined or started it;
+        the disconnect happens even when killing an actor fails."""
+        try:
+            for a in getattr(self, "_actors", None) or []:
+                try:
+                    self.ray.kill(a)
+                except Exception as exc:  # noqa: BLE001 - a dead cluster: the disconnect below matters more
+                    log.warning("could not kill a Ray actor (%s)", exc)
+        finally:
+            self._actors = None
+            if getattr(self, "_started_cluster", False):
+                self._started_cluster = False
+                self.ray.shutdown()
 
     def run(self, cells: list[Cell], retries: int, on_start: OnStart, on_done: OnDone,
             on_failed: OnFailed) -> None:
