@@ -59,11 +59,12 @@ def test_with_copies_as_late_as_cuda_may_run_them_the_decode_is_unchanged(models
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("dropped", ["compute", "copy-after-copy"])
+@pytest.mark.parametrize("dropped", ["reader-waits-for-copy", "copy-waits-for-copy", "copy-waits-for-compute"])
 def test_the_late_copies_catch_a_missing_wait(models, monkeypatch, dropped):
-    """The check works: drop the compute stream's waits for its copies (a read before the copy), or a
-    copy stream's waits for the other (a staging buffer refilled before its write-back), and the
-    decode goes wrong."""
+    """The check works: drop one kind of wait — the compute stream's for its copies (a read before the
+    copy), a copy stream's for the other (a staging buffer refilled before its write-back), or a copy
+    stream's for the compute stream (a slot refilled while a kernel may read it, a write-back before
+    the kernel that wrote its data) — and the decode goes wrong or the check refuses the copy."""
     from moelab.hybrid import throughput_offload as t
 
     m = models["moelab-tiny-mixtral"]
@@ -72,13 +73,18 @@ def test_the_late_copies_catch_a_missing_wait(models, monkeypatch, dropped):
     real = t._DeferredStreams.wait
 
     def wait(self, stream, ev):
-        if (stream == "compute") == (dropped == "compute"):
-            return None
-        return real(self, stream, ev)
+        src = ev[0] if ev is not None else None
+        kind = ("reader-waits-for-copy" if stream == "compute" else
+                "copy-waits-for-compute" if src == "compute" else "copy-waits-for-copy")
+        return None if kind == dropped else real(self, stream, ev)
 
     monkeypatch.setattr(t._DeferredStreams, "wait", wait)
     dec = OffloadedDecoder(m, 2, 3, device="cpu", expert_slots=2, defer_copies=True)
-    out = dec.generate(ids, 4)
+    try:
+        out = dec.generate(ids, 4)
+    except MoelabError as exc:
+        assert "missing wait" in str(exc) and dropped != "reader-waits-for-copy"
+        return
     wrong = not torch.equal(out.tokens, ref.tokens) or any(
         not torch.allclose(a, b, atol=1e-3, rtol=1e-3) for a, b in zip(out.logits, ref.logits, strict=True))
     assert wrong

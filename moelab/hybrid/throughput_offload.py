@@ -40,11 +40,13 @@ and its KV filled into the host store — the decode is what the bench measures.
 ``device="cuda"``: three CUDA streams (compute, host → device, device → host) ordered by CUDA
 events, pinned host memory, spans timed by CUDA timing events. ``device="cpu"``: the stand-in, the
 same code with every copy a ``Tensor.copy_`` between separate host buffers and spans timed by the
-wall clock — what the test suite runs where no GPU is. With ``defer_copies=True`` the stand-in runs
-each copy only when an event after it is waited for (as late as CUDA may run it), so a read that does
-not wait for its copy, or a copy that does not wait for the other copy stream, changes the output;
-a copy's wait for the compute stream (a buffer refilled only after the kernels that read it) is
-checked on CUDA only (``@pytest.mark.cuda``: the events' times). A step that raises leaves no per-step state behind (the next
+wall clock — what the test suite runs where no GPU is. With ``defer_copies=True`` the stand-in checks
+every wait between streams without a GPU: it runs each copy only when an event after it is waited for
+(as late as CUDA may run it), so a read that did not wait for its copy sees stale data; and it records
+the memory each compute op touches, so a copy that touches it without having waited for that op (a
+slot refilled while a kernel may read it, a write-back before the kernel that wrote its data, a new
+buffer written before the kernels queued on its recycled memory) is refused. On CUDA the test
+(``@pytest.mark.cuda``) checks the waits' effect on the events' times. A step that raises leaves no per-step state behind (the next
 decode reloads every buffer it needs). Events are the simulated schedule's
 (:mod:`moelab.simulate.moegen.events`): lanes ``device``, ``copy-htod``, ``copy-dtoh``.
 
@@ -55,6 +57,7 @@ decode reloads every buffer it needs). Events are the simulated schedule's
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import math
 import time
@@ -62,6 +65,8 @@ from typing import Any
 
 import torch
 from torch.func import functional_call
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 from moelab.compat import cache_kwargs
 from moelab.errors import MoelabError
@@ -142,8 +147,8 @@ class _HostStreams:
     def host(self, t: torch.Tensor) -> torch.Tensor:
         return t.detach().clone()
 
-    def run(self, stream: str, fn) -> None:
-        """Issue ``fn`` (a copy) on ``stream``."""
+    def run(self, stream: str, fn, tensors: tuple = ()) -> None:
+        """Issue ``fn`` (a copy of ``tensors``) on ``stream``."""
         fn()
 
     def begin(self) -> None:
@@ -157,52 +162,128 @@ class _HostStreams:
         return None
 
 
+def _extent(t: torch.Tensor) -> tuple[int, int] | None:
+    """The bytes ``[start, end)`` a tensor's elements span in memory (None when it has none)."""
+    if not isinstance(t, torch.Tensor) or t.numel() == 0 or t.device.type != "cpu" or t.is_sparse:
+        return None
+    span = 1 + sum((n - 1) * abs(st) for n, st in zip(t.shape, t.stride(), strict=True))
+    start = t.data_ptr()
+    return start, start + span * t.element_size()
+
+
+_NO_DATA = {torch.ops.aten.empty, torch.ops.aten.empty_like, torch.ops.aten.empty_strided}
+
+
+class _ComputeAccesses(TorchDispatchMode):
+    """Records the memory every compute op touches (its tensors' extents) with the op's position."""
+
+    def __init__(self, owner: _DeferredStreams) -> None:
+        super().__init__()
+        self.owner = owner
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        o = self.owner
+        # views and allocations read and write no element: only the ops that do count
+        if not o._in_copy and not func.is_view and func.overloadpacket not in _NO_DATA:
+            for t in tree_flatten((args, kwargs, out))[0]:
+                if (ext := _extent(t)) is not None:
+                    o._acc.append((o._pos, *ext))
+            o._pos += 1
+        return out
+
+
 class _DeferredStreams(_HostStreams):
-    """The stand-in with its copy streams late: a copy runs only when an event recorded after it is
-    waited for (by the compute stream, or by the other copy stream's next copy), or when the step
-    ends — as late as CUDA may run it. The compute stream runs at once. A read of a buffer that did
-    not wait for its copy then sees the buffer's old contents, and a copy that did not wait for the
-    other copy stream (a staging buffer refilled before its write-back) copies the wrong data: the
-    parity tests fail. What it cannot show: a copy that should wait for the compute stream (a buffer
-    refilled while a kernel still reads it) — here compute issued before a copy has always run. Those
-    waits are checked on CUDA only. (``defer_copies=True``; copy events are stamped when issued, so
-    this mode's times mean nothing.)"""
+    """The stand-in with its copy streams late, and every copy checked against the compute stream.
+
+    * A copy runs only when an event recorded after it is waited for (by the compute stream, or by
+      the other copy stream's next copy), or when the step ends — as late as CUDA may run it; the
+      compute stream runs at once. A read of a buffer that did not wait for its copy sees the
+      buffer's old contents, and a copy that did not wait for the other copy stream (a staging buffer
+      refilled before its write-back) copies the wrong data: the parity tests fail.
+    * Every compute op's memory is recorded (a dispatch mode over the step) with its position in the
+      compute stream; a copy that touches memory a compute op touched must have waited — directly or
+      through the other copy stream — for an event recorded after that op, or it raises: a buffer
+      refilled while a kernel may still read it, a write-back before the kernel that wrote its data,
+      a new buffer's memory (which the allocator may hand back from a tensor queued kernels still
+      use, :meth:`OffloadedDecoder.allocated`) written without waiting.
+
+    (``defer_copies=True``; copy events are stamped when issued, so this mode's times mean nothing.)"""
 
     def __init__(self, log: EventLog) -> None:
         super().__init__(log)
         self._queue: dict[str, list] = {"htod": [], "dtoh": []}
         self._done = {"htod": 0, "dtoh": 0}
         self._after: dict[str, list] = {"htod": [], "dtoh": []}  # the other copy stream's events waited for
+        self._pos = 0  # compute ops so far
+        self._acc: list[tuple[int, int, int]] = []  # (compute position, start, end), positions ascending
+        self._horizon = {"htod": 0, "dtoh": 0}  # compute ops every later copy of the stream comes after
+        self._op_horizon: dict[str, list[int]] = {"htod": [], "dtoh": []}  # each issued copy's
+        self._in_copy = False
+        self._mode: Any = None
 
-    def run(self, stream: str, fn) -> None:
+    def begin(self) -> None:
+        self._mode = _ComputeAccesses(self)
+        self._mode.__enter__()
+
+    def run(self, stream: str, fn, tensors: tuple = ()) -> None:
         if stream == "compute":
             fn()
-        else:
-            self._queue[stream].append((list(self._after[stream]), fn))
+            return
+        h = self._horizon[stream]
+        i = bisect.bisect_left(self._acc, (h, -1, -1))
+        for t in tensors:
+            if (ext := _extent(t)) is None:
+                continue
+            for pos, start, end in self._acc[i:]:
+                if start < ext[1] and ext[0] < end:
+                    raise MoelabError(f"a copy on the {stream} stream touches memory that compute op #{pos} touched, "
+                                      f"but its stream waited only for compute ops before #{h}: on a GPU it may run "
+                                      "before that op (a missing wait).")
+        self._queue[stream].append((list(self._after[stream]), fn))
+        self._op_horizon[stream].append(h)
 
     def signal(self, stream: str) -> Any:
-        return None if stream == "compute" else (stream, self._done[stream] + len(self._queue[stream]))
+        if stream == "compute":
+            return ("compute", self._pos)
+        return (stream, self._done[stream] + len(self._queue[stream]))
 
     def wait(self, stream: str, ev: Any) -> None:
-        if ev is None:  # the compute stream's events: its work is already done
+        if ev is None:
             return
+        src, n = ev
         if stream == "compute":
-            self._drain(*ev)
-        elif ev[0] != stream:
+            if src != "compute":
+                self._drain(src, n)
+        elif src == "compute":
+            self._horizon[stream] = max(self._horizon[stream], n)
+        elif src != stream:
             self._after[stream].append(ev)
+            if n:
+                self._horizon[stream] = max(self._horizon[stream], self._op_horizon[src][n - 1])
+        low = min(self._horizon.values())
+        if self._acc and self._acc[0][0] < low:  # accesses every stream has waited past: no copy can race them
+            self._acc = self._acc[bisect.bisect_left(self._acc, (low, -1, -1)):]
 
     def _drain(self, stream: str, upto: int) -> None:
         while self._done[stream] < upto:
             after, fn = self._queue[stream].pop(0)
             for ev in after:
                 self._drain(*ev)
-            fn()
+            self._in_copy = True
+            try:
+                fn()
+            finally:
+                self._in_copy = False
             self._done[stream] += 1
 
     def flush(self) -> None:
         for stream in self._queue:
             self._drain(stream, self._done[stream] + len(self._queue[stream]))
         self._after = {"htod": [], "dtoh": []}
+        if self._mode is not None:
+            self._mode.__exit__(None, None, None)
+            self._mode = None
 
     def abandon(self) -> None:
         self.flush()  # what was queued runs, as a CUDA stream's queued copies do; positions stay valid
@@ -458,7 +539,7 @@ class OffloadedDecoder(ModuleBatchedDecoder):
         with S.on(stream):
             a = S.clock.mark(stream)
             for dst, src in pairs:
-                S.run(stream, lambda dst=dst, src=src: dst.copy_(src, non_blocking=S.cuda))
+                S.run(stream, lambda dst=dst, src=src: dst.copy_(src, non_blocking=S.cuda), (dst, src))
             S.clock.span(a, S.clock.mark(stream), step, layer, stream, kind, cause=cause,
                          nbytes=sum(s.numel() * s.element_size() for _, s in pairs), **fields)
 
