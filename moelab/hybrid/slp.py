@@ -42,34 +42,39 @@ from moelab.backends.reference import expert_forward
 from moelab.errors import MoelabError
 from moelab.hybrid.events import EventLog
 
+#: the weight stacks of a transformers experts module that hold one slice per expert (those it has)
+STACKS = ("gate_up_proj", "up_proj", "down_proj", "gate_up_proj_bias", "up_proj_bias", "down_proj_bias")
 
-class _Ring:
+
+class StackView:
+    """An experts module whose weight stacks are replaced by ``stacks`` (a ring of slots, resident
+    experts on a GPU), so :func:`~moelab.backends.reference.expert_forward` runs from them; every other
+    attribute is the module's."""
+
+    def __init__(self, module: torch.nn.Module, stacks: dict[str, torch.Tensor]) -> None:
+        self.__dict__["_module"], self.__dict__["_stacks"] = module, stacks
+
+    def __getattr__(self, name: str) -> Any:
+        stacks = self.__dict__.get("_stacks", {})
+        return stacks[name] if name in stacks else getattr(self.__dict__["_module"], name)
+
+
+class _Ring(StackView):
     """``R`` preallocated slots, each holding one expert's stacks; a view of the experts module
     whose expert ``s`` is slot ``s``, so :func:`expert_forward` runs from the slot."""
 
-    STACKS = ("gate_up_proj", "up_proj", "down_proj", "gate_up_proj_bias", "up_proj_bias", "down_proj_bias")
-
     def __init__(self, module: torch.nn.Module, slots: int) -> None:
-        self._module = module
-        self._bufs: dict[str, torch.Tensor] = {}
-        for name in self.STACKS:
-            t = getattr(module, name, None)
-            if isinstance(t, torch.Tensor):
-                self._bufs[name] = torch.zeros((slots, *t.shape[1:]), dtype=t.dtype, device=t.device)
-        if "down_proj" not in self._bufs:
+        bufs = {name: torch.zeros((slots, *t.shape[1:]), dtype=t.dtype, device=t.device) for name in STACKS
+                if isinstance(t := getattr(module, name, None), torch.Tensor)}
+        if "down_proj" not in bufs:
             raise MoelabError(f"{type(module).__name__} has no stacked down_proj: stream-loading needs the fused "
                               "experts layout of transformers (gate_up_proj/up_proj and down_proj stacks).")
-        self.bytes_per_expert = sum(b[0].numel() * b.element_size() for b in self._bufs.values())
+        super().__init__(module, bufs)
+        self.bytes_per_expert = sum(b[0].numel() * b.element_size() for b in bufs.values())
 
     def load(self, slot: int, expert: int) -> None:
-        for name, buf in self._bufs.items():
+        for name, buf in self._stacks.items():
             buf[slot].copy_(getattr(self._module, name)[expert].detach())
-
-    def __getattr__(self, name: str) -> Any:  # the module's attributes, with the stacks replaced by the slots
-        bufs = self.__dict__.get("_bufs", {})
-        if name in bufs:
-            return bufs[name]
-        return getattr(self.__dict__["_module"], name)
 
 
 def slp_layer(layer: Any, hidden: torch.Tensor, *, ring_slots: int = 2, log: EventLog | None = None,
@@ -165,7 +170,7 @@ def _pinned_stacks(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     global _PINNED
     if _PINNED is None:
         _PINNED = weakref.WeakKeyDictionary()
-    key = tuple((n, t.data_ptr(), t._version) for n in _Ring.STACKS
+    key = tuple((n, t.data_ptr(), t._version) for n in STACKS
                 if isinstance(t := getattr(module, n, None), torch.Tensor))
     hit = _PINNED.get(module)
     if hit is None or hit[0] != key:
@@ -191,8 +196,8 @@ def slp_layer_cuda(layer: Any, hidden: torch.Tensor, *, ring_slots: int = 2, log
     log = log or EventLog("slp")
     host = _pinned_stacks(layer.experts)
     ring = _Ring(layer.experts, R)
-    ring._bufs = {n: torch.empty((R, *t.shape[1:]), dtype=t.dtype, device=device) for n, t in host.items()}
-    ring.bytes_per_expert = sum(b[0].numel() * b.element_size() for b in ring._bufs.values())
+    ring._stacks = {n: torch.empty((R, *t.shape[1:]), dtype=t.dtype, device=device) for n, t in host.items()}
+    ring.bytes_per_expert = sum(b[0].numel() * b.element_size() for b in ring._stacks.values())
     compute = torch.cuda.current_stream(device)
     copy = torch.cuda.Stream(device)
     on = [torch.cuda.Event() for _ in range(E)]
@@ -224,7 +229,7 @@ def slp_layer_cuda(layer: Any, hidden: torch.Tensor, *, ring_slots: int = 2, log
                 if j >= R:
                     copy.wait_event(off[j - R])  # the slot is free once expert j - R computed
                 a = stamp(copy)
-                for n, buf in ring._bufs.items():
+                for n, buf in ring._stacks.items():
                     buf[s].copy_(host[n][j], non_blocking=True)
                 b = stamp(copy)
                 on[j].record(copy)
@@ -250,4 +255,4 @@ def slp_layer_cuda(layer: Any, hidden: torch.Tensor, *, ring_slots: int = 2, log
     return out.reshape(hidden.shape), log
 
 
-__all__ = ["slp_layer", "slp_layer_cuda"]
+__all__ = ["STACKS", "StackView", "slp_layer", "slp_layer_cuda"]

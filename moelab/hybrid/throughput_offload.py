@@ -71,6 +71,7 @@ from torch.utils._pytree import tree_flatten
 from moelab.compat import cache_kwargs
 from moelab.errors import MoelabError
 from moelab.hybrid.events import EventLog
+from moelab.hybrid.slp import STACKS, StackView
 from moelab.hybrid.throughput import (
     LANES,
     Generation,
@@ -85,8 +86,6 @@ from moelab.hybrid.throughput import (
     slot_major,
 )
 
-#: the experts module's weight stacks a streamed expert copies (those the module has)
-STACKS = ("gate_up_proj", "up_proj", "down_proj", "gate_up_proj_bias", "up_proj_bias", "down_proj_bias")
 #: the decoder layer's submodules that run from the ``S_Dense`` buffer
 SUBMODULES = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")
 
@@ -321,18 +320,6 @@ class _CudaStreams(_HostStreams):
     def abandon(self) -> None:
         torch.cuda.synchronize(self.clock.device)
         self.clock._pending.clear()
-
-
-class _View:
-    """An experts module whose weight stacks are replaced (a slot ring or resident stacks), so
-    :func:`~moelab.backends.reference.expert_forward` runs from them."""
-
-    def __init__(self, module: torch.nn.Module, stacks: dict[str, torch.Tensor]) -> None:
-        self.__dict__["_module"], self.__dict__["_stacks"] = module, stacks
-
-    def __getattr__(self, name: str) -> Any:
-        stacks = self.__dict__["_stacks"]
-        return stacks[name] if name in stacks else getattr(self.__dict__["_module"], name)
 
 
 class _StagedCache:
@@ -629,11 +616,11 @@ class OffloadedDecoder(ModuleBatchedDecoder):
             if b > a:
                 run_expert_chunks(weights, e, hidden, tok_all[a:b], w_all[a:b], out, self.expert_batch, st, slot)
 
-        resident = _View(module, self._resident[i])
+        resident = StackView(module, self._resident[i])
         for e in range(self.pinned[i]):
             run(resident, e, e)
         sig, ring = self._ring_for(i)
-        view = _View(module, ring)
+        view = StackView(module, ring)
         queued = self._queued
         order = queued + [e for e in range(self.pinned[i], E) if counts[e] and e not in queued]
         for q, e in enumerate(order):
@@ -727,4 +714,4 @@ class OffloadedDecoder(ModuleBatchedDecoder):
                           int(ids.shape[0]), step_s)
 
 
-__all__ = ["STACKS", "SUBMODULES", "CudaClock", "OffloadedDecoder"]
+__all__ = ["SUBMODULES", "CudaClock", "OffloadedDecoder"]
