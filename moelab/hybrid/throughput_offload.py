@@ -430,11 +430,8 @@ class OffloadedDecoder(ModuleBatchedDecoder):
             self.streams: _HostStreams = _CudaStreams(self.log, self.device)
         else:
             self.streams = _DeferredStreams(self.log) if defer_copies else _HostStreams(self.log)
-        self._host_weights(moe_layers, pinned_experts)
         self.pin_dense = bool(pin_dense)
-        # S_Params (dense): every layer's dense modules resident, never copied
-        self._pinned_dense = [{n: t.to(self.device, copy=True) for n, t in d.items()} for d in self._dense] \
-            if self.pin_dense else None
+        self._host_weights(moe_layers, pinned_experts)
         self._dense_bufs: list[dict[tuple, dict[str, torch.Tensor]]] = [{}, {}]
         self._dense_free: list[Any] = [None, None]
         self._dense_at: dict[int, tuple[int, Any, dict]] = {}  # layer -> (buffer, ready signal, its tensors)
@@ -464,15 +461,18 @@ class OffloadedDecoder(ModuleBatchedDecoder):
     # ------------------------------------------------------------------ memory
     def _host_weights(self, moe_layers: list[int], pinned: int) -> None:
         """Host copies of every layer's dense modules and expert stacks (pinned on CUDA), the resident
-        modules and pinned experts on the device."""
+        modules and pinned experts on the device; under ``pin_dense`` the dense modules go to the device
+        only (``S_Params``: resident, never copied, so no host copy)."""
         S, layers = self.streams, self.model.model.layers
         total = len(moe_layers) * (num_experts(layers[moe_layers[0]].mlp.experts) if moe_layers else 0)
         if pinned > total:
             raise MoelabError(f"pinned_experts={pinned}: the model has {total} routed experts ({len(moe_layers)} MoE "
                               "layers); expected at most that many.")
+        place = (lambda t: t.detach().to(self.device, copy=True)) if self.pin_dense else S.host
         with self._installed(_Active(self.expert_batch, None)):  # names as the schedule's wrappers make them
-            self._dense = [{n: S.host(t) for n, t in (*layer.named_parameters(), *layer.named_buffers())
-                            if not n.startswith("mlp.experts.")} for layer in layers]
+            dense = [{n: place(t) for n, t in (*layer.named_parameters(), *layer.named_buffers())
+                      if not n.startswith("mlp.experts.")} for layer in layers]
+        self._dense, self._pinned_dense = (None, dense) if self.pin_dense else (dense, None)
         self._experts_host = {i: {n: S.host(t) for n in STACKS if isinstance(t := getattr(layers[i].mlp.experts, n,
                                                                                              None), torch.Tensor)}
                               for i in moe_layers}
