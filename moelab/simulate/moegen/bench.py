@@ -133,30 +133,27 @@ def measure_point(model, ids: torch.Tensor, micro_batch: int, expert_batch: int,
                   repeats: int, label: str = "model", *, offload: dict[str, Any] | None = None
                   ) -> tuple[Measurement, EventLog, dict[str, int]]:
     """Decode seconds of ``repeats`` module-batched runs after one warm-up (median, spread, load), the
-    last repeat's events (run ``moegen-real LABEL B.. b_a.. b_e..``) and its device bytes by buffer
+    last repeat's events (run ``moegen-real|offloaded LABEL B.. b_a.. b_e..``) and its device bytes by buffer
     (``{}`` in place). ``offload``: the :class:`OffloadedDecoder` keywords (``device``,
     ``expert_slots``, ``pinned_experts``), None for the in-place decoder."""
-    def make(run: str = "moegen-real"):
+    def make(run: str):
         if offload is None:
             return ModuleBatchedDecoder(model, micro_batch, expert_batch, run=run)
         return OffloadedDecoder(model, micro_batch, expert_batch, run=run, **offload)
 
     load_before = machine_load()
     run = f"moegen-{'real' if offload is None else 'offloaded'} {label} B{ids.shape[0]} b_a{micro_batch} b_e{expert_batch}"
-    # the offloaded decoder is built (its host copies pinned) once per point; each repeat decodes anew
-    dec = make(run) if offload is not None else None
-    (dec or make()).generate(ids, min(steps, 2), keep_logits=False)
-    samples, last = [], None
+    dec = make(run)  # the offloaded decoder is built (its host copies pinned) once per point
+    dec.generate(ids, min(steps, 2), keep_logits=False)  # warm-up
+    samples = []
     for _ in range(repeats):
         if offload is None:
             dec = make(run)
         else:
             dec.log.events.clear()  # the last repeat's events only
-        g = dec.generate(ids, steps, keep_logits=False)
-        samples.append(g.decode_s)
-        last = dec
-    nbytes = last.device_bytes if offload is not None else {}
-    return from_samples(samples, load_before=load_before), last.log, nbytes  # type: ignore[union-attr]
+        samples.append(dec.generate(ids, steps, keep_logits=False).decode_s)
+    nbytes = dec.device_bytes if offload is not None else {}
+    return from_samples(samples, load_before=load_before), dec.log, nbytes
 
 
 def measure_plain(model, ids: torch.Tensor, steps: int, repeats: int) -> Measurement:
