@@ -1,17 +1,17 @@
-// AVX-512 path (F/BW/VL + VNNI + BF16: Cooper Lake, Sapphire Rapids, Zen 4 and later).
-// bf16 uses vdpbf16ps, int8/int4 use vpdpbusd on unsigned (offset) weights and int8
-// activations; fp32 uses FMA with broadcast activations. fp8 (e4m3) bytes are decoded
-// exactly: two shifts and a mask give the fp16 of value / 256, vcvtph2ps widens it, and
-// the high halves of two such fp32 vectors are bf16 (k, k+1) pairs for vdpbf16ps against
-// the bf16 activations; the block scale (x 256) is applied once per block. Register blocking: MT row
+// AVX-512 path (F/BW/VL + VNNI + BF16 + VBMI: Sapphire Rapids, Zen 4 and later; Cooper Lake,
+// without VBMI, runs the AVX2 path). bf16 uses vdpbf16ps, int8/int4 use vpdpbusd on unsigned
+// (offset) weights and int8 activations; fp32 uses FMA with broadcast activations. fp8 (e4m3)
+// bytes are decoded exactly into bf16 (k, k+1) pairs by byte tables (moe_avx512_shared.h) for
+// vdpbf16ps against the bf16 activations; the block scale (x 256) is applied once per block. Register blocking: MT row
 // tiles (16 rows each) x NT tokens of accumulators; weights stream once per token tile.
 #include <immintrin.h>
 
 #include "moe_kernels.h"
 
 #pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx512bf16,avx2,fma,f16c")
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx512bf16,avx512vbmi,avx2,fma,f16c")
 #include "moe_generic.h"
+#include "moe_avx512_shared.h"
 
 namespace moelab {
 namespace {
@@ -128,7 +128,7 @@ void mk_int(const MatView& m, int tile, const TilePtrs& p, float* out, size_t ld
     for (int i = 0; i < MT; ++i) _mm512_storeu_ps(out + size_t(t) * ldo + i * 16, facc[i][t]);
 }
 
-// fp8: [Kd/4][2][16][2] bytes; a 64-byte line is 16 rows x 4 k. Its 16-bit words 0..15
+// fp8: [Kd/4][2][16][2] bytes, decoded line by line (moe_avx512_shared.h).
 // hold rows at (k | k+2 << 8), words 16..31 rows at (k+1 | k+3 << 8).
 template <int MT, int NT>
 void mk_fp8(const MatView& m, int tile, const TilePtrs& p, float* out, size_t ldo) {
@@ -143,8 +143,7 @@ void mk_fp8(const MatView& m, int tile, const TilePtrs& p, float* out, size_t ld
   for (int t = 0; t < NT; ++t) x[t] = static_cast<const uint16_t*>(p.x[t]);
   for (int i = 0; i < MT; ++i)
     for (int t = 0; t < NT; ++t) facc[i][t] = _mm512_setzero_ps();
-  const __m512i fmask = _mm512_set1_epi16(int16_t(0xBF80));
-  const __m512i himask = _mm512_set1_epi32(int32_t(0xFFFF0000u));
+  const Fp8Tables tb = fp8_tables();
   const int groups = m.kd / m.group;
   for (int g = 0; g < groups; ++g) {
     __m512 acc[MT][NT];
@@ -155,16 +154,10 @@ void mk_fp8(const MatView& m, int tile, const TilePtrs& p, float* out, size_t ld
       const size_t off = size_t(k / 4) * 64;
       __m512bh p01[MT], p23[MT];
       for (int i = 0; i < MT; ++i) {
-        const __m512i v = _mm512_load_si512(w[i] + off);
-        const __m512i lo = _mm512_and_si512(_mm512_srai_epi16(_mm512_slli_epi16(v, 8), 1), fmask);
-        const __m512i hi = _mm512_and_si512(_mm512_srai_epi16(v, 1), fmask);
-        const __m512i f0 = _mm512_castps_si512(_mm512_cvtph_ps(_mm512_castsi512_si256(lo)));
-        const __m512i f1 = _mm512_castps_si512(_mm512_cvtph_ps(_mm512_extracti64x4_epi64(lo, 1)));
-        const __m512i f2 = _mm512_castps_si512(_mm512_cvtph_ps(_mm512_castsi512_si256(hi)));
-        const __m512i f3 = _mm512_castps_si512(_mm512_cvtph_ps(_mm512_extracti64x4_epi64(hi, 1)));
-        // exact bf16 = high half of the fp32: (f0 >> 16) | (f1 & 0xffff0000) -> (k, k+1)
-        p01[i] = (__m512bh)_mm512_ternarylogic_epi32(_mm512_srli_epi32(f0, 16), f1, himask, 0xF8);
-        p23[i] = (__m512bh)_mm512_ternarylogic_epi32(_mm512_srli_epi32(f2, 16), f3, himask, 0xF8);
+        __m512i a, b;
+        fp8_line_to_bf16(tb, w[i] + off, a, b);
+        p01[i] = (__m512bh)a;
+        p23[i] = (__m512bh)b;
       }
       for (int t = 0; t < NT; ++t) {
         const __m512bh x01 = (__m512bh)_mm512_set1_epi32(load_i32(x[t] + k));
@@ -261,7 +254,7 @@ double peak_avx512(int64_t iters) {
 
 }  // namespace
 
-IsaOps avx512_ops() { return IsaOps{gemm_avx512, quant_generic, act_generic, peak_avx512}; }
+IsaOps avx512_ops() { return IsaOps{gemm_avx512, quant_generic, act_avx512, peak_avx512}; }
 
 }  // namespace moelab
 #pragma GCC pop_options

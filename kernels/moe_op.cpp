@@ -86,6 +86,7 @@ inline uint16_t f32_to_bf16(float f) {
 
 IsaOps ops_for(int isa) {
   switch (isa) {
+    case ISA_AMX: return amx_ops();
     case ISA_AVX512: return avx512_ops();
     case ISA_AVX2: return avx2_ops();
     default: return portable_ops();
@@ -300,6 +301,30 @@ void compute(Job& j) {
     a1.ldg = size_t(G1);
   }
 
+  // ---- AMX: an expert whose calls run on tiles gets its rows as A panels (amx_panel_at):
+  // stage-1 rows gathered once per call (not per (expert, slice) task), stage-2 rows (h)
+  // written there by the stage-1 epilogue (a slice of S1 = 32 is one k-step) ----
+  const bool amx = isa == ISA_AMX && bf16_act && amx_usable();
+  std::vector<size_t> poff1(E + 1, 0), poff2(E + 1, 0);  // padded panel rows before expert e
+  for (int e = 0; e < E; ++e) {
+    poff1[e + 1] = poff1[e] + (amx && amx_tiles(wtype, Kp1, group, cnt[e]) ? amx_panel_rows(cnt[e]) : 0);
+    poff2[e + 1] = poff2[e] + (amx && S1 == 32 && amx_tiles(wtype, Ip, group, cnt[e]) ? amx_panel_rows(cnt[e]) : 0);
+  }
+  std::vector<uint16_t> panel1(poff1[E] * amx_panel_k(Kp1)), panel2(poff2[E] * amx_panel_k(Ip));
+  if (!panel1.empty()) {
+    const uint16_t* src = static_cast<const uint16_t*>(a1.base);
+#pragma omp parallel for num_threads(nthreads) schedule(dynamic, 1)
+    for (int e = 0; e < E; ++e) {
+      if (poff1[e + 1] == poff1[e]) continue;
+      uint16_t* pe = panel1.data() + poff1[e] * amx_panel_k(Kp1);
+      for (int j = 0; j < cnt[e]; ++j) {
+        const uint16_t* row = src + size_t(pair_tok[off[e] + j]) * a1.ld;
+        for (int k = 0; k < Kp1; k += 32)
+          std::memcpy(pe + amx_panel_at(size_t(j), k, Kp1), row + k, sizeof(uint16_t) * std::min(32, Kp1 - k));
+      }
+    }
+  }
+
   // ---- stage-1 output (h) buffers, one row per pair ----
   std::vector<float> hf;
   std::vector<uint16_t> hb;
@@ -334,6 +359,7 @@ void compute(Job& j) {
                 wtype};
       ActView a = a1;
       a.rows = pair_tok.data() + off[e];
+      if (poff1[e + 1] > poff1[e]) a.panel = panel1.data() + poff1[e] * amx_panel_k(Kp1);
       ops.gemm(m, s * tiles1, tiles1, a, n, gu.data(), size_t(2 * S1));
       const float* bb = bias1 ? bias1 + size_t(e) * 2 * Ip + size_t(s) * 2 * S1 : nullptr;
       ops.act(gu.data(), size_t(2 * S1), bb, n, S1, act, float(alpha), float(limit), hloc.data(), S1);
@@ -349,6 +375,9 @@ void compute(Job& j) {
             std::memcpy(&dst[i], &u, 4);
             if (is_fp8) dst[i] *= kFp8XScale;
           }
+        } else if (poff2[e + 1] > poff2[e]) {  // AMX panel: slice s is k-step s
+          uint16_t* dst = panel2.data() + poff2[e] * Ip + amx_panel_at(size_t(j), s * S1, Ip);
+          for (int i = 0; i < S1; ++i) dst[i] = f32_to_bf16(src[i]);
         } else if (bf16_act) {
           uint16_t* dst = &hb[p * Ip + size_t(s) * S1];
           for (int i = 0; i < S1; ++i) dst[i] = f32_to_bf16(src[i]);
@@ -395,6 +424,7 @@ void compute(Job& j) {
                   wtype};
         ActView a = a2;
         a.rows = iota.data() + off[e];
+        if (poff2[e + 1] > poff2[e]) a.panel = panel2.data() + poff2[e] * Ip;
         ops.gemm(m, tile0, nt, a, n, y.data(), size_t(rows));
         const float* bb = bias2 ? bias2 + size_t(e) * Hp + r0 : nullptr;
         for (int j = 0; j < n; ++j) {
@@ -560,7 +590,7 @@ std::variant<at::Tensor, std::string> ticket_wait(Ticket& t) {
 
 // Measured fp32 FMA peak of `isa` on nthreads threads, GFLOP/s (best of 3 runs of ~0.1 s).
 double fma_peak_gflops(int64_t isa, int64_t nthreads) {
-  if (isa < ISA_PORTABLE || isa > ISA_AVX512) fail("moelab: unknown isa code ", isa);  // no tensors here: a throw is safe
+  if (isa < ISA_PORTABLE || isa > ISA_AMX) fail("moelab: unknown isa code ", isa);  // no tensors here: a throw is safe
   const IsaOps ops = ops_for(int(isa));
   const int nt = std::max<int>(1, int(nthreads));
   pybind11::gil_scoped_release nogil;
@@ -611,6 +641,11 @@ std::vector<std::string> cpu_features() {
   if (__builtin_cpu_supports("avx512dq")) f.push_back("avx512dq");
   if (__builtin_cpu_supports("avx512vnni")) f.push_back("avx512vnni");
   if (__builtin_cpu_supports("avx512bf16")) f.push_back("avx512bf16");
+  if (__builtin_cpu_supports("avx512vbmi")) f.push_back("avx512vbmi");  // the fp8 decode's byte tables
+  if (amx_usable()) {  // CPUID's AMX-TILE and AMX-BF16, and the kernel's permission for this process
+    f.push_back("amx_tile");
+    f.push_back("amx_bf16");
+  }
   return f;
 }
 

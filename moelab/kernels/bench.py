@@ -4,7 +4,8 @@ Measures, on the machine it runs on: the read (and copy) bandwidth of main memor
 (STREAM-like, all threads), then for each expert shape, dtype and token count T the
 time of one MoE layer's experts, the achieved weight bandwidth (bytes of the distinct
 experts touched / time) as a share of the read bandwidth, for T ≥ 64 the achieved
-GFLOP/s as a share of the machine's measured FMA peak (on the ISA path that ran), the
+GFLOP/s as a share of the machine's measured FMA peak (on the ISA path that ran; on ``amx``
+the bf16 tile peak), the
 thread imbalance of the kernels' two stages, and the speedup over the fastest of
 transformers' ``eager``, ``batched_mm`` and ``grouped_mm`` experts (bf16, same weights;
 ``batched_mm`` gathers one weight matrix per (token, slot) and is skipped, with the
@@ -369,7 +370,8 @@ def format_table(result: dict) -> str:
     lines = [
         f"read bandwidth {m['read_gbps']:.1f} GB/s, copy {m['copy_gbps']:.1f} GB/s; "
         f"{m['threads']} threads; ISA {m['isa']}"
-        + (f" (FMA peak {m['fma_peak_gflops']:.0f} GFLOP/s)" if m.get("fma_peak_gflops") else "")
+        + (f" ({'AMX bf16 tile' if m['isa'] == 'amx' else 'FMA'} peak {m['fma_peak_gflops']:.0f} GFLOP/s)"
+           if m.get("fma_peak_gflops") else "")
         + f"; torch {m['torch']}; int group {m['group_size']}"
         + (f"; fp8 block {m['fp8_block'][0]}x{m['fp8_block'][1]}" if "fp8_block" in m else ""),
         (f"machine load {m['load']['load1']:.1f} on {m['load']['cpus']} CPUs when measured"

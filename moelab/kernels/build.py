@@ -6,8 +6,10 @@ needed (~1 minute on 2 cores), never at install time. The cache lives in
 ``~/.cache/moelab/kernels/<python>-torch<version>``. torch's build lock makes
 concurrent first builds (e.g. pytest-xdist workers) safe: one builds, the others wait.
 
-Instruction set: ``avx512`` (AVX-512 F/BW/VL/DQ + VNNI + BF16), ``avx2`` (AVX2 + FMA + F16C)
-or ``portable`` (plain C++), chosen from CPU detection. Force one with the environment
+Instruction set: ``amx`` (the AVX-512 path, with bf16 and fp8 weights on AMX-BF16 tiles for experts
+with many tokens), ``avx512`` (AVX-512 F/BW/VL/DQ + VNNI + BF16 + VBMI), ``avx2`` (AVX2 + FMA + F16C) or
+``portable`` (plain C++), chosen from CPU detection (``amx`` also needs the operating system to grant
+the process tile state, Linux 5.16 or later). Force one with the environment
 variable ``MOELAB_KERNELS_ISA`` or with :func:`force_isa` (tests use this to exercise
 the fallback).
 """
@@ -30,12 +32,14 @@ from moelab.errors import MoelabError, unknown_name
 
 logger = logging.getLogger(__name__)
 
-Isa = Literal["avx512", "avx2", "portable"]
-ISAS: tuple[Isa, ...] = ("avx512", "avx2", "portable")
-ISA_CODES: dict[str, int] = {"portable": 0, "avx2": 1, "avx512": 2}
+Isa = Literal["amx", "avx512", "avx2", "portable"]
+ISAS: tuple[Isa, ...] = ("amx", "avx512", "avx2", "portable")
+ISA_CODES: dict[str, int] = {"portable": 0, "avx2": 1, "avx512": 2, "amx": 3}
 ISA_ENV = "MOELAB_KERNELS_ISA"
+_AVX512 = ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512vnni", "avx512bf16", "avx512vbmi", "f16c")
 _REQUIRED: dict[str, tuple[str, ...]] = {
-    "avx512": ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512vnni", "avx512bf16", "f16c"),
+    "amx": (*_AVX512, "amx_tile", "amx_bf16"),
+    "avx512": _AVX512,
     "avx2": ("avx2", "fma", "f16c"),
     "portable": (),
 }

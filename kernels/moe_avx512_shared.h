@@ -1,0 +1,118 @@
+// AVX-512 pieces shared by the AVX-512 and AMX translation units (each includes this after its
+// own target pragma and after moe_generic.h; internal linkage, so each gets its own copy): the
+// decode of one packed fp8 line and the stage-1 activation epilogue.
+//
+// A 64-byte line of the fp8 layout ([Kd/4][2][16][2] bytes, see moe_kernels.h) is 16 rows x 4 k;
+// it decodes to the bf16 pairs (k, k+1) and (k+2, k+3) of every row: two lines of the bf16 layout
+// ([Kd/2][16][2]), which is also AMX's VNNI layout for a B tile. Each value is exact (value / 256,
+// the scale folds the 256 back), subnormals included, by 128-entry byte tables (AVX512-VBMI):
+// eight shuffle-class instructions per 64 weights, no conversion instruction.
+#pragma once
+#include <immintrin.h>
+
+namespace moelab {
+namespace {
+
+// bf16 bits of (e4m3 magnitude j) / 256, exact (the generic path's Fp8Lut, as bf16): normals
+// (8 + m) * 2^(e - 18), subnormals m * 2^-17, all normal bf16 numbers.
+constexpr uint16_t fp8_bf16_bits(int j) {
+  const int e = j >> 3, m = j & 7;
+  if (e) return uint16_t(((e + 112) << 7) | (m << 4));
+  if (!m) return 0;
+  const int l = m >= 4 ? 2 : (m >= 2 ? 1 : 0);  // floor(log2 m)
+  return uint16_t(((110 + l) << 7) | (((m << (3 - l)) & 7) << 4));
+}
+
+struct Fp8Tables {
+  __m512i lo0, lo1, hi0, hi1;  // low / high bytes of fp8_bf16_bits over magnitudes 0-63, 64-127
+  __m512i idx01, idx23;        // line byte -> output byte, for the (k, k+1) and (k+2, k+3) pairs
+};
+
+inline const Fp8Tables& fp8_tables() {
+  static const Fp8Tables t = [] {
+    alignas(64) uint8_t lo[128], hi[128], i01[64], i23[64];
+    for (int j = 0; j < 128; ++j) {
+      lo[j] = uint8_t(fp8_bf16_bits(j) & 0xFF);
+      hi[j] = uint8_t(fp8_bf16_bits(j) >> 8);
+    }
+    for (int r = 0; r < 16; ++r)  // (row r, k) sits at byte 32 (k & 1) + 2 r + (k >> 1)
+      for (int b = 0; b < 4; ++b) {
+        i01[4 * r + b] = uint8_t(32 * (b >> 1) + 2 * r);
+        i23[4 * r + b] = uint8_t(32 * (b >> 1) + 2 * r + 1);
+      }
+    Fp8Tables v;
+    v.lo0 = _mm512_load_si512(lo);
+    v.lo1 = _mm512_load_si512(lo + 64);
+    v.hi0 = _mm512_load_si512(hi);
+    v.hi1 = _mm512_load_si512(hi + 64);
+    v.idx01 = _mm512_load_si512(i01);
+    v.idx23 = _mm512_load_si512(i23);
+    return v;
+  }();
+  return t;
+}
+
+// One output vector: each row's byte pair moved into its 32-bit lane (vpermb), then the low
+// bf16 byte looked up at even bytes and the high byte at odd ones (vpermi2b on the magnitude),
+// the sign bit or-ed into the high byte.
+inline __m512i fp8_pairs(const Fp8Tables& t, __m512i v, __m512i idx) {
+  constexpr __mmask64 kEven = 0x5555555555555555ull;
+  const __m512i d = _mm512_permutexvar_epi8(idx, v);
+  const __m512i lo = _mm512_mask2_permutex2var_epi8(t.lo0, d, kEven, t.lo1);
+  const __m512i w = _mm512_mask2_permutex2var_epi8(t.hi0, lo, ~kEven, t.hi1);
+  return _mm512_ternarylogic_epi32(w, d, _mm512_set1_epi16(int16_t(0x8000)), 0xF8);
+}
+
+// t: fp8_tables(), copied into a local by the caller's loop so the tables stay in registers.
+inline void fp8_line_to_bf16(const Fp8Tables& t, const uint8_t* line, __m512i& p01, __m512i& p23) {
+  const __m512i v = _mm512_load_si512(line);
+  p01 = fp8_pairs(t, v, t.idx01);
+  p23 = fp8_pairs(t, v, t.idx23);
+}
+
+// exp_approx (moe_generic.h) on 16 lanes: the same clamp, range reduction and polynomial.
+inline __m512 exp16(__m512 x) {
+  x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.0f)), _mm512_set1_ps(-87.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
+                                        _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.0f));
+  const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
+}
+
+// act_generic's epilogue, 16 lanes (one tile) at a time.
+void act_avx512(const float* gu, size_t ldgu, const float* bias, int n, int rows, int act, float alpha, float limit,
+                float* h, size_t ldh) {
+  const int tiles = rows / 16;
+  const __m512 one = _mm512_set1_ps(1.0f), lim = _mm512_set1_ps(limit), nlim = _mm512_set1_ps(-limit);
+  for (int t = 0; t < n; ++t)
+    for (int i = 0; i < tiles; ++i) {
+      const float* g = gu + size_t(t) * ldgu + size_t(2 * i) * 16;
+      __m512 gv = _mm512_loadu_ps(g), uv = _mm512_loadu_ps(g + 16);
+      if (bias) {
+        gv = _mm512_add_ps(gv, _mm512_loadu_ps(bias + size_t(2 * i) * 16));
+        uv = _mm512_add_ps(uv, _mm512_loadu_ps(bias + size_t(2 * i) * 16 + 16));
+      }
+      __m512 o;
+      if (act == ACT_SILU) {
+        o = _mm512_mul_ps(_mm512_div_ps(gv, _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), gv)))), uv);
+      } else {  // gpt_oss: clamped SwiGLU, (up + 1) * gate * sigmoid(alpha * gate)
+        gv = _mm512_min_ps(gv, lim);
+        uv = _mm512_max_ps(_mm512_min_ps(uv, lim), nlim);
+        const __m512 sg = exp16(_mm512_mul_ps(_mm512_set1_ps(-alpha), gv));
+        o = _mm512_mul_ps(_mm512_add_ps(uv, one), _mm512_div_ps(gv, _mm512_add_ps(one, sg)));
+      }
+      _mm512_storeu_ps(h + size_t(t) * ldh + size_t(i) * 16, o);
+    }
+}
+
+}  // namespace
+}  // namespace moelab
