@@ -41,8 +41,8 @@ bool amx_usable() {
     if (!__builtin_cpu_supports("avx512bf16")) return false;
     unsigned a, b, c, d;
     __asm__ volatile("cpuid" : "=a"(a), "=b"(b), "=c"(c), "=d"(d) : "a"(7), "c"(0));
-    const bool tile = (d >> 24) & 1, bf16 = (d >> 22) & 1;
-    return tile && bf16 && syscall(SYS_arch_prctl, kReqXcompPerm, kXtiledata) == 0;
+    const bool tile = (d >> 24) & 1, bf16 = (d >> 22) & 1, int8 = (d >> 25) & 1;
+    return tile && bf16 && int8 && syscall(SYS_arch_prctl, kReqXcompPerm, kXtiledata) == 0;
   }();
   return ok;
 }
@@ -57,7 +57,7 @@ struct alignas(64) TileConfig {
   uint8_t rows[16] = {};
 };
 
-// Eight 16 x 64-byte tiles: C 0-3 (fp32), A 4-5 and B 6-7 (bf16 pairs).
+// Eight 16 x 64-byte tiles: C 0-3 (fp32 / int32), A 4-5 and B 6-7 (bf16 pairs / int8 quads).
 struct Tiles {
   Tiles() {
     TileConfig c;
@@ -83,9 +83,10 @@ struct ATile {
   size_t stride, step;
 };
 
-// C tiles for MI token blocks x NJ weight tiles over k-steps [s0, s1) (32 k each); stored to
-// c[(i * NJ + j) * 256 + token * 16 + row].
-template <int MI, int NJ>
+// C tiles for MI token blocks x NJ weight tiles over k-steps [s0, s1) (64 bytes of each row per
+// step: 32 bf16 k with tdpbf16ps, or 64 int8 k with tdpbsud: signed activations x unsigned,
+// offset weights), stored to c[(i * NJ + j) * 256 + token * 16 + row] (fp32, or int32 bits).
+template <int MI, int NJ, bool INT>
 void run_tiles(const ATile a[2], const uint8_t* const b[2], int s0, int s1, float* c) {
   _tile_zero(0);
   if constexpr (NJ > 1) _tile_zero(1);
@@ -104,15 +105,15 @@ void run_tiles(const ATile a[2], const uint8_t* const b[2], int s0, int s1, floa
     }
     _tile_loadd(6, b[0] + size_t(s) * 1024, 64);
     _tile_loadd(4, a[0].p + size_t(s) * a[0].step, a[0].stride);
-    _tile_dpbf16ps(0, 4, 6);
+    if constexpr (INT) _tile_dpbsud(0, 4, 6); else _tile_dpbf16ps(0, 4, 6);
     if constexpr (NJ > 1) {
       _tile_loadd(7, b[1] + size_t(s) * 1024, 64);
-      _tile_dpbf16ps(1, 4, 7);
+      if constexpr (INT) _tile_dpbsud(1, 4, 7); else _tile_dpbf16ps(1, 4, 7);
     }
     if constexpr (MI > 1) {
       _tile_loadd(5, a[1].p + size_t(s) * a[1].step, a[1].stride);
-      _tile_dpbf16ps(2, 5, 6);
-      if constexpr (NJ > 1) _tile_dpbf16ps(3, 5, 7);
+      if constexpr (INT) _tile_dpbsud(2, 5, 6); else _tile_dpbf16ps(2, 5, 6);
+      if constexpr (NJ > 1) { if constexpr (INT) _tile_dpbsud(3, 5, 7); else _tile_dpbf16ps(3, 5, 7); }
     }
   }
   _tile_stored(0, c, 64);
@@ -122,30 +123,41 @@ void run_tiles(const ATile a[2], const uint8_t* const b[2], int s0, int s1, floa
 }
 
 using RunFn = void (*)(const ATile[2], const uint8_t* const[2], int, int, float*);
+template <bool INT>
 RunFn run_for(int mi, int nj) {
-  if (mi == 2) return nj == 2 ? run_tiles<2, 2> : run_tiles<2, 1>;
-  return nj == 2 ? run_tiles<1, 2> : run_tiles<1, 1>;
+  if (mi == 2) return nj == 2 ? run_tiles<2, 2, INT> : run_tiles<2, 1, INT>;
+  return nj == 2 ? run_tiles<1, 2, INT> : run_tiles<1, 1, INT>;
 }
 
 // Per-thread scratch, reused across calls.
 struct Scratch {
-  std::vector<uint16_t> rows, pad[2], wdec;
+  std::vector<uint8_t> rows, pad[2], wdec;
   std::vector<float> c, acc;
 };
 thread_local Scratch scratch;
 
-// Weight tile j of this call as bf16 B tiles: in place (bf16) or decoded from fp8.
-const uint8_t* b_tiles(const MatView& m, int tile, uint16_t* dec) {
+// Weight tile `tile` as B tiles (1 KiB per step): in place (bf16, int8: the packed layouts are
+// AMX's VNNI layouts), or decoded into dec: fp8 -> exact bf16 pairs, int4 -> one int8 line of
+// its low nibbles (k..k+3) and one of its high nibbles (k+4..k+7), unsigned like int8's q + 128.
+const uint8_t* b_tiles(const MatView& m, int tile, uint8_t* dec) {
   const uint8_t* w = m.w + size_t(tile) * m.tile_bytes;
-  if (m.wtype == W_BF16) return w;
+  if (m.wtype == W_BF16 || m.wtype == W_INT8) return w;
+  const int lines = m.wtype == W_FP8 ? m.kd / 4 : m.kd / 8;
   const Fp8Tables tb = fp8_tables();
-  for (int q = 0; q < m.kd / 4; ++q) {
-    __m512i p01, p23;
-    fp8_line_to_bf16(tb, w + size_t(q) * 64, p01, p23);
-    _mm512_store_si512(dec + size_t(q) * 64, p01);
-    _mm512_store_si512(dec + size_t(q) * 64 + 32, p23);
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  for (int q = 0; q < lines; ++q) {
+    __m512i x, y;
+    if (m.wtype == W_FP8) {
+      fp8_line_to_bf16(tb, w + size_t(q) * 64, x, y);
+    } else {
+      const __m512i v = _mm512_load_si512(w + size_t(q) * 64);
+      x = _mm512_and_si512(v, low4);
+      y = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+    }
+    _mm512_store_si512(dec + size_t(q) * 128, x);
+    _mm512_store_si512(dec + size_t(q) * 128 + 64, y);
   }
-  return reinterpret_cast<const uint8_t*>(dec);
+  return dec;
 }
 
 // The reduction's tail (kd % 32 k, bf16 only) for one token row: acc[16] += W[tail] . x[tail],
@@ -160,89 +172,115 @@ void tail_dot(const uint8_t* w, int k2, const uint16_t* x, float* acc) {
   _mm512_storeu_ps(acc, v);
 }
 
-// The A tile rows of the block of 16 tokens from r0: from the call's panel (consecutive tiles),
-// else in place when all 16 rows exist, else copied (zero rows below the tokens) into pad.
-// tail[r]: row r's k from 32 * (kd / 32) on (the reduction's tail, kd % 32 of them).
-ATile a_block(const ActView& a, const uint16_t* x0, size_t ld, int r0, int n, int kd,
-              std::vector<uint16_t>& pad, const uint16_t* tail[16]) {
-  const int valid = n - r0 < 16 ? n - r0 : 16, k32 = kd / 32 * 32;
+// The A tile rows of the block of 16 tokens from r0 (x0: row-major rows ld bytes apart): from
+// the call's panel (consecutive tiles), else in place when all 16 rows exist, else copied (zero
+// rows below the tokens) into pad. tail[r]: row r's bytes from the last whole step on.
+ATile a_block(const ActView& a, const uint8_t* x0, size_t ld, int r0, int n, size_t rb, std::vector<uint8_t>& pad,
+              const uint8_t* tail[16]) {
+  const int valid = n - r0 < 16 ? n - r0 : 16;
+  const size_t whole = rb / 64 * 64;
   if (a.panel) {
-    const uint16_t* blk = a.panel + amx_panel_at(size_t(r0), 0, kd);
-    for (int r = 0; r < valid; ++r) tail[r] = blk + size_t(k32 / 32) * 512 + size_t(r) * 32;
-    return ATile{reinterpret_cast<const uint8_t*>(blk), 64, 1024};
+    const uint8_t* blk = a.panel + amx_panel_at(size_t(r0), 0, rb);
+    for (int r = 0; r < valid; ++r) tail[r] = blk + (whole / 64) * 1024 + size_t(r) * 64;
+    return ATile{blk, 64, 1024};
   }
-  for (int r = 0; r < valid; ++r) tail[r] = x0 + size_t(r0 + r) * ld + k32;
-  if (valid == 16) return ATile{reinterpret_cast<const uint8_t*>(x0 + size_t(r0) * ld), 2 * ld, 64};
-  uint16_t* p = aligned_buffer(pad, size_t(16) * kd);
-  __builtin_memset(p, 0, size_t(16) * kd * 2);
-  for (int r = 0; r < valid; ++r) __builtin_memcpy(p + size_t(r) * kd, x0 + size_t(r0 + r) * ld, 2 * size_t(kd));
-  return ATile{reinterpret_cast<const uint8_t*>(p), 2 * size_t(kd), 64};
+  for (int r = 0; r < valid; ++r) tail[r] = x0 + size_t(r0 + r) * ld + whole;
+  if (valid == 16) return ATile{x0 + size_t(r0) * ld, ld, 64};
+  uint8_t* p = aligned_buffer(pad, 16 * rb);
+  __builtin_memset(p, 0, 16 * rb);
+  for (int r = 0; r < valid; ++r) __builtin_memcpy(p + size_t(r) * rb, x0 + size_t(r0 + r) * ld, rb);
+  return ATile{p, rb, 64};
 }
 
-// acc[(i, j)] = sum over the scale blocks of scale(tile j, block) * C(block) (fp8), or C (bf16).
-void accumulate(RunFn run, const ATile ap[2], const uint8_t* const b[2],
-                const float* const scl[2], int mi, int nj, int steps, int block_steps, float* c, float* acc) {
-  if (!scl[0]) {
-    run(ap, b, 0, steps, acc);
-    return;
-  }
-  for (int q = 0; q < mi * nj * 256; ++q) acc[q] = 0.0f;
-  for (int g = 0; g * block_steps < steps; ++g) {
-    run(ap, b, g * block_steps, (g + 1) * block_steps, c);
-    for (int i = 0; i < mi; ++i)
-      for (int j = 0; j < nj; ++j) {
-        const __m512 s = _mm512_set1_ps(scl[j][g]);  // once per (tile, block)
-        const float* ct = c + (i * nj + j) * 256;
-        float* at = acc + (i * nj + j) * 256;
+// What turns each block of steps' C tiles into the fp32 sums: nothing (bf16: one block), the
+// block scale (fp8), or the group's offset correction and scales (int8/int4).
+struct Epilogue {
+  const MatView* m;
+  const ActView* a;
+  int tile0, j0, i0, n;
+};
+
+// acc[(i, j)] (+)= C of block g, scaled as the weight type asks.
+void fold_block(const Epilogue& ep, int mi, int nj, int g, const float* c, float* acc) {
+  const MatView& m = *ep.m;
+  for (int i = 0; i < mi; ++i)
+    for (int j = 0; j < nj; ++j) {
+      const float* ct = c + (i * nj + j) * 256;
+      float* at = acc + (i * nj + j) * 256;
+      const size_t tile = size_t(ep.tile0 + ep.j0 + j);
+      if (m.wtype == W_FP8) {
+        const __m512 s = _mm512_set1_ps(m.scales[tile * m.scale_tile + g]);  // once per (tile, block)
         for (int r = 0; r < 16; ++r)
           _mm512_store_ps(at + 16 * r, _mm512_fmadd_ps(_mm512_load_ps(ct + 16 * r), s, _mm512_load_ps(at + 16 * r)));
+        continue;
       }
-  }
+      const __m512 sw = _mm512_load_ps(m.scales + tile * m.scale_tile + size_t(g) * 16);
+      const int r0 = ep.i0 + 16 * i, valid = ep.n - r0 < 16 ? ep.n - r0 : 16;
+      for (int r = 0; r < valid; ++r) {  // (C - offset * sum(q)) * weight scale * activation scale
+        const size_t row = size_t(ep.a->rows[r0 + r]) * ep.a->ldg + g;
+        const __m512i ci = _mm512_sub_epi32(_mm512_load_si512(ct + 16 * r), _mm512_set1_epi32(ep.a->corr[row]));
+        const __m512 f = _mm512_mul_ps(sw, _mm512_set1_ps(ep.a->sx[row]));
+        _mm512_store_ps(at + 16 * r, _mm512_fmadd_ps(_mm512_cvtepi32_ps(ci), f, _mm512_load_ps(at + 16 * r)));
+      }
+    }
 }
 
-// Token blocks outer, weight tile pairs inner: a block's rows are read from memory once and
-// stay in L2 for every weight tile of the call; the call's weight tiles (in place, or decoded)
-// stay in L2 for every token block.
+// Token blocks outer, weight tile pairs inner: a block's rows are read once and stay in L2 for
+// every weight tile of the call; the call's weight tiles (in place, or decoded) stay in L2 for
+// every token block. Size: one loop nest over (token block pairs, weight tile pairs, scale
+// blocks); splitting it further would pass its dozen locals around.
 void gemm_tiles(const MatView& m, int tile0, int ntiles, const ActView& a, int n, float* out, size_t ldo) {
   Scratch& sc = scratch;
-  const int kd = m.kd, steps = kd / 32, k2_32 = steps * 16;
-  const bool fp8 = m.wtype == W_FP8;
-  const int block_steps = fp8 ? m.group / 32 : steps;  // fp8: a scale per (tile, block)
+  const bool is_int = m.wtype == W_INT8 || m.wtype == W_INT4, fp8 = m.wtype == W_FP8;
+  const size_t esz = is_int ? 1 : 2, rb = size_t(m.kd) * esz;  // bytes of a row
+  const int steps = int(rb / 64), block = is_int || fp8 ? int(size_t(m.group) * esz / 64) : steps;
+  const int tail_k2 = m.wtype == W_BF16 ? int(rb % 64) / 4 : 0;  // bf16 pairs after the last step
   // A: consecutive rows are read in place; otherwise gathered once.
-  const uint16_t* base = static_cast<const uint16_t*>(a.base);
+  const uint8_t* base = static_cast<const uint8_t*>(a.base);
+  const size_t ld = a.ld * esz;
   bool consecutive = true;
   for (int t = 1; t < n && consecutive && !a.panel; ++t) consecutive = a.rows[t] == a.rows[0] + t;
-  const uint16_t* x0 = a.panel ? nullptr : base + size_t(a.rows[0]) * a.ld;
-  size_t ld = a.ld;
+  const uint8_t* x0 = a.panel ? nullptr : base + size_t(a.rows[0]) * ld;
+  size_t xld = ld;
   if (!consecutive) {
-    uint16_t* g = aligned_buffer(sc.rows, size_t(n) * kd);
-    for (int t = 0; t < n; ++t) __builtin_memcpy(g + size_t(t) * kd, base + size_t(a.rows[t]) * a.ld, 2 * size_t(kd));
+    uint8_t* g = aligned_buffer(sc.rows, size_t(n) * rb);
+    for (int t = 0; t < n; ++t) __builtin_memcpy(g + size_t(t) * rb, base + size_t(a.rows[t]) * ld, rb);
     x0 = g;
-    ld = size_t(kd);
+    xld = rb;
   }
-  uint16_t* dec = fp8 ? aligned_buffer(sc.wdec, size_t(ntiles) * kd * 16) : nullptr;
+  const size_t dec_tile = size_t(steps) * 1024;
+  uint8_t* dec = fp8 || m.wtype == W_INT4 ? aligned_buffer(sc.wdec, size_t(ntiles) * dec_tile) : nullptr;
   std::vector<const uint8_t*> bt(ntiles);
-  for (int j = 0; j < ntiles; ++j) bt[j] = b_tiles(m, tile0 + j, dec ? dec + size_t(j) * kd * 16 : nullptr);
+  for (int j = 0; j < ntiles; ++j) bt[j] = b_tiles(m, tile0 + j, dec ? dec + size_t(j) * dec_tile : nullptr);
   float* c = aligned_buffer(sc.c, 4 * 256);
   float* acc = aligned_buffer(sc.acc, 4 * 256);
   Tiles tiles;
   for (int i0 = 0; i0 < n; i0 += 32) {
     const int mi = n - i0 > 16 ? 2 : 1;
     ATile ap[2];
-    const uint16_t* tail[2][16];
-    for (int i = 0; i < mi; ++i) ap[i] = a_block(a, x0, ld, i0 + 16 * i, n, kd, sc.pad[i], tail[i]);
+    const uint8_t* tail[2][16];
+    for (int i = 0; i < mi; ++i) ap[i] = a_block(a, x0, xld, i0 + 16 * i, n, rb, sc.pad[i], tail[i]);
     for (int j0 = 0; j0 < ntiles; j0 += 2) {
       const int nj = ntiles - j0 >= 2 ? 2 : 1;
       const uint8_t* b[2] = {bt[j0], nj > 1 ? bt[j0 + 1] : nullptr};
-      const float* scl[2] = {nullptr, nullptr};
-      for (int j = 0; j < nj && fp8; ++j) scl[j] = m.scales + size_t(tile0 + j0 + j) * m.scale_tile;
-      accumulate(run_for(mi, nj), ap, b, scl, mi, nj, steps, block_steps, c, acc);
+      const RunFn run = is_int ? run_for<true>(mi, nj) : run_for<false>(mi, nj);
+      if (block == steps && !fp8 && !is_int) {
+        run(ap, b, 0, steps, acc);
+      } else {
+        const Epilogue ep{&m, &a, tile0, j0, i0, n};
+        __builtin_memset(acc, 0, sizeof(float) * 4 * 256);
+        for (int g = 0; g * block < steps; ++g) {
+          run(ap, b, g * block, (g + 1) * block, c);
+          fold_block(ep, mi, nj, g, c, acc);
+        }
+      }
       for (int i = 0; i < mi; ++i)
         for (int j = 0; j < nj; ++j) {
           const int r0 = i0 + 16 * i, valid = n - r0 < 16 ? n - r0 : 16;
           float* at = acc + (i * nj + j) * 256;
           for (int r = 0; r < valid; ++r) {
-            if (k2_32 < kd / 2) tail_dot(b[j] + size_t(k2_32) * 64, kd / 2 - k2_32, tail[i][r], at + 16 * r);
+            if (tail_k2)
+              tail_dot(b[j] + size_t(steps) * 1024, tail_k2, reinterpret_cast<const uint16_t*>(tail[i][r]), at + 16 * r);
             __builtin_memcpy(out + size_t(r0 + r) * ldo + size_t(j0 + j) * 16, at + 16 * r, 64);
           }
         }

@@ -38,8 +38,8 @@ enum WeightType : int { W_F32 = 0, W_BF16 = 1, W_INT8 = 2, W_INT4 = 3, W_FP8 = 4
 enum ActKind : int { ACT_SILU = 0, ACT_GPT_OSS = 1 };
 enum Isa : int { ISA_PORTABLE = 0, ISA_AVX2 = 1, ISA_AVX512 = 2, ISA_AMX = 3 };
 
-// AMX path: an expert call with at least this many tokens runs bf16/fp8 weights on tiles
-// (a tile holds 16 tokens; below that the AVX-512 kernel does less wasted work).
+// AMX path: an expert call with at least this many tokens runs on tiles (a tile holds 16
+// tokens; below that the AVX-512 kernel does less wasted work).
 constexpr int kAmxMinRows = 16;
 
 // Activations for one GEMM call: row r of the input is base + rows[r] * ld.
@@ -52,22 +52,27 @@ struct ActView {
   size_t ldg;
   const float* xf;        // bf16/fp8 weights on AVX2: the same rows as fp32 (exact copies of
                           // the bf16 values, stride ld), so kernels broadcast from memory
-  const uint16_t* panel;  // AMX, optional: the same n rows (bf16) as AMX A tiles, see kAmxPanel
+  const uint8_t* panel;   // AMX, optional: the same n rows as AMX A tiles (amx_panel_at)
 };
 
-// AMX A panels: an expert's bf16 rows in blocks of 16 (the last one zero-padded), each block
-// [ceil(kd / 32)][16 rows][32 k] (k zero-padded), so every A tile is 1 KiB of consecutive
-// memory (row-major rows 4 KiB apart alias in L1 and cross a page per row).
-inline size_t amx_panel_k(int kd) { return (size_t(kd) + 31) / 32 * 32; }
+// AMX A panels: an expert's rows (bf16, or int8 for int weights) in blocks of 16 (the last one
+// zero-padded), each block [ceil(row bytes / 64)][16 rows][64 bytes] (bytes zero-padded), so
+// every A tile is 1 KiB of consecutive memory (row-major rows 4 KiB apart alias in L1 and
+// cross a page per row). Offsets in bytes; row_bytes = reduction length x element size.
+inline size_t amx_panel_row_bytes(size_t row_bytes) { return (row_bytes + 63) / 64 * 64; }
 inline size_t amx_panel_rows(int n) { return (size_t(n) + 15) / 16 * 16; }
-// Whether an AMX call with n rows runs on tiles (else on the AVX-512 kernel); the driver lays
-// out panels exactly for these calls.
-inline bool amx_tiles(int wtype, int kd, int group, int n) {
-  return n >= kAmxMinRows && kd >= 32 && (wtype == W_BF16 || (wtype == W_FP8 && group % 32 == 0));
+inline size_t amx_panel_at(size_t r, size_t byte, size_t row_bytes) {
+  return (r / 16) * amx_panel_row_bytes(row_bytes) * 16 + (byte / 64) * 1024 + (r % 16) * 64 + byte % 64;
 }
-// Element offset of (row r, k) in a panel of reduction length kd.
-inline size_t amx_panel_at(size_t r, int k, int kd) {
-  return (r / 16) * amx_panel_k(kd) * 16 + size_t(k / 32) * 512 + (r % 16) * 32 + size_t(k % 32);
+
+// Whether an AMX call with n rows runs on tiles (else on the AVX-512 kernel); the driver lays
+// out panels exactly for these calls. bf16/fp8 weights: tdpbf16ps (32 k per step; fp8 blocks
+// of whole steps); int8/int4: tdpbsud on the int8 activations (64 k per step, whole groups).
+inline bool amx_tiles(int wtype, int kd, int group, int n) {
+  if (n < kAmxMinRows) return false;
+  if (wtype == W_BF16) return kd >= 32;
+  if (wtype == W_FP8) return group % 32 == 0;
+  return (wtype == W_INT8 || wtype == W_INT4) && group % 64 == 0;
 }
 
 // One expert's packed matrix.
@@ -109,7 +114,7 @@ IsaOps portable_ops();
 IsaOps avx2_ops();
 IsaOps avx512_ops();
 IsaOps amx_ops();
-// The CPU has AMX-TILE and AMX-BF16 and the OS granted this process tile state (asked once).
+// The CPU has AMX-TILE, AMX-BF16 and AMX-INT8 and the OS granted this process tile state (asked once).
 bool amx_usable();
 
 }  // namespace moelab

@@ -302,25 +302,26 @@ void compute(Job& j) {
   }
 
   // ---- AMX: an expert whose calls run on tiles gets its rows as A panels (amx_panel_at):
-  // stage-1 rows gathered once per call (not per (expert, slice) task), stage-2 rows (h)
-  // written there by the stage-1 epilogue (a slice of S1 = 32 is one k-step) ----
-  const bool amx = isa == ISA_AMX && bf16_act && amx_usable();
+  // stage-1 rows gathered once per call (not per (expert, slice) task); bf16 stage-2 rows (h)
+  // are written there by the stage-1 epilogue (a slice of S1 = 32 is one k-step) ----
+  const bool amx = isa == ISA_AMX && wtype != W_F32 && amx_usable();
+  const size_t esz = bf16_act ? 2 : 1, rb1 = size_t(Kp1) * esz, rb2 = size_t(Ip) * 2;
   std::vector<size_t> poff1(E + 1, 0), poff2(E + 1, 0);  // padded panel rows before expert e
   for (int e = 0; e < E; ++e) {
     poff1[e + 1] = poff1[e] + (amx && amx_tiles(wtype, Kp1, group, cnt[e]) ? amx_panel_rows(cnt[e]) : 0);
-    poff2[e + 1] = poff2[e] + (amx && S1 == 32 && amx_tiles(wtype, Ip, group, cnt[e]) ? amx_panel_rows(cnt[e]) : 0);
+    poff2[e + 1] = poff2[e] + (amx && bf16_act && S1 == 32 && amx_tiles(wtype, Ip, group, cnt[e])
+                                   ? amx_panel_rows(cnt[e]) : 0);
   }
-  std::vector<uint16_t> panel1(poff1[E] * amx_panel_k(Kp1)), panel2(poff2[E] * amx_panel_k(Ip));
+  std::vector<uint8_t> panel1(poff1[E] * amx_panel_row_bytes(rb1)), panel2(poff2[E] * amx_panel_row_bytes(rb2));
   if (!panel1.empty()) {
-    const uint16_t* src = static_cast<const uint16_t*>(a1.base);
+    const uint8_t* src = static_cast<const uint8_t*>(a1.base);
 #pragma omp parallel for num_threads(nthreads) schedule(dynamic, 1)
     for (int e = 0; e < E; ++e) {
       if (poff1[e + 1] == poff1[e]) continue;
-      uint16_t* pe = panel1.data() + poff1[e] * amx_panel_k(Kp1);
+      uint8_t* pe = panel1.data() + poff1[e] * amx_panel_row_bytes(rb1);
       for (int j = 0; j < cnt[e]; ++j) {
-        const uint16_t* row = src + size_t(pair_tok[off[e] + j]) * a1.ld;
-        for (int k = 0; k < Kp1; k += 32)
-          std::memcpy(pe + amx_panel_at(size_t(j), k, Kp1), row + k, sizeof(uint16_t) * std::min(32, Kp1 - k));
+        const uint8_t* row = src + size_t(pair_tok[off[e] + j]) * a1.ld * esz;
+        for (size_t k = 0; k < rb1; k += 64) std::memcpy(pe + amx_panel_at(size_t(j), k, rb1), row + k, std::min<size_t>(64, rb1 - k));
       }
     }
   }
@@ -359,7 +360,7 @@ void compute(Job& j) {
                 wtype};
       ActView a = a1;
       a.rows = pair_tok.data() + off[e];
-      if (poff1[e + 1] > poff1[e]) a.panel = panel1.data() + poff1[e] * amx_panel_k(Kp1);
+      if (poff1[e + 1] > poff1[e]) a.panel = panel1.data() + poff1[e] * amx_panel_row_bytes(rb1);
       ops.gemm(m, s * tiles1, tiles1, a, n, gu.data(), size_t(2 * S1));
       const float* bb = bias1 ? bias1 + size_t(e) * 2 * Ip + size_t(s) * 2 * S1 : nullptr;
       ops.act(gu.data(), size_t(2 * S1), bb, n, S1, act, float(alpha), float(limit), hloc.data(), S1);
@@ -376,8 +377,11 @@ void compute(Job& j) {
             if (is_fp8) dst[i] *= kFp8XScale;
           }
         } else if (poff2[e + 1] > poff2[e]) {  // AMX panel: slice s is k-step s
-          uint16_t* dst = panel2.data() + poff2[e] * Ip + amx_panel_at(size_t(j), s * S1, Ip);
-          for (int i = 0; i < S1; ++i) dst[i] = f32_to_bf16(src[i]);
+          uint8_t* dst = panel2.data() + poff2[e] * rb2 + amx_panel_at(size_t(j), size_t(s) * S1 * 2, rb2);
+          for (int i = 0; i < S1; ++i) {
+            const uint16_t v = f32_to_bf16(src[i]);
+            std::memcpy(dst + 2 * i, &v, 2);
+          }
         } else if (bf16_act) {
           uint16_t* dst = &hb[p * Ip + size_t(s) * S1];
           for (int i = 0; i < S1; ++i) dst[i] = f32_to_bf16(src[i]);
@@ -424,7 +428,7 @@ void compute(Job& j) {
                   wtype};
         ActView a = a2;
         a.rows = iota.data() + off[e];
-        if (poff2[e + 1] > poff2[e]) a.panel = panel2.data() + poff2[e] * Ip;
+        if (poff2[e + 1] > poff2[e]) a.panel = panel2.data() + poff2[e] * rb2;
         ops.gemm(m, tile0, nt, a, n, y.data(), size_t(rows));
         const float* bb = bias2 ? bias2 + size_t(e) * Hp + r0 : nullptr;
         for (int j = 0; j < n; ++j) {
@@ -642,9 +646,10 @@ std::vector<std::string> cpu_features() {
   if (__builtin_cpu_supports("avx512vnni")) f.push_back("avx512vnni");
   if (__builtin_cpu_supports("avx512bf16")) f.push_back("avx512bf16");
   if (__builtin_cpu_supports("avx512vbmi")) f.push_back("avx512vbmi");  // the fp8 decode's byte tables
-  if (amx_usable()) {  // CPUID's AMX-TILE and AMX-BF16, and the kernel's permission for this process
+  if (amx_usable()) {  // CPUID's AMX-TILE, -BF16 and -INT8, and the kernel's permission for this process
     f.push_back("amx_tile");
     f.push_back("amx_bf16");
+    f.push_back("amx_int8");
   }
   return f;
 }

@@ -6,8 +6,8 @@ needed (~1 minute on 2 cores), never at install time. The cache lives in
 ``~/.cache/moelab/kernels/<python>-torch<version>``. torch's build lock makes
 concurrent first builds (e.g. pytest-xdist workers) safe: one builds, the others wait.
 
-Instruction set: ``amx`` (the AVX-512 path, with bf16 and fp8 weights on AMX-BF16 tiles for experts
-with many tokens), ``avx512`` (AVX-512 F/BW/VL/DQ + VNNI + BF16 + VBMI), ``avx2`` (AVX2 + FMA + F16C) or
+Instruction set: ``amx`` (the AVX-512 path, with experts that have many tokens on AMX tiles: bf16/fp8 weights
+on AMX-BF16, int8/int4 on AMX-INT8), ``avx512`` (AVX-512 F/BW/VL/DQ + VNNI + BF16 + VBMI), ``avx2`` (AVX2 + FMA + F16C) or
 ``portable`` (plain C++), chosen from CPU detection (``amx`` also needs the operating system to grant
 the process tile state, Linux 5.16 or later). Force one with the environment
 variable ``MOELAB_KERNELS_ISA`` or with :func:`force_isa` (tests use this to exercise
@@ -38,7 +38,7 @@ ISA_CODES: dict[str, int] = {"portable": 0, "avx2": 1, "avx512": 2, "amx": 3}
 ISA_ENV = "MOELAB_KERNELS_ISA"
 _AVX512 = ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512vnni", "avx512bf16", "avx512vbmi", "f16c")
 _REQUIRED: dict[str, tuple[str, ...]] = {
-    "amx": (*_AVX512, "amx_tile", "amx_bf16"),
+    "amx": (*_AVX512, "amx_tile", "amx_bf16", "amx_int8"),
     "avx512": _AVX512,
     "avx2": ("avx2", "fma", "f16c"),
     "portable": (),
