@@ -26,13 +26,9 @@
 
 #include "moe_kernels.h"
 
-#pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx512bf16,avx512vbmi,avx2,fma,f16c,amx-tile,amx-bf16,amx-int8")
-#include "moe_generic.h"
-#include "moe_avx512_shared.h"
-
 namespace moelab {
 
+// Baseline code (no target pragma): cpu_features() calls it on every CPU.
 bool amx_usable() {
   static const bool ok = [] {
     constexpr long kReqXcompPerm = 0x1023;  // ARCH_REQ_XCOMP_PERM
@@ -46,6 +42,15 @@ bool amx_usable() {
   }();
   return ok;
 }
+
+}  // namespace moelab
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx512bf16,avx512vbmi,avx2,fma,f16c,amx-tile,amx-bf16,amx-int8")
+#include "moe_generic.h"
+#include "moe_avx512_shared.h"
+
+namespace moelab {
 
 namespace {
 

@@ -129,7 +129,6 @@ void mk_int(const MatView& m, int tile, const TilePtrs& p, float* out, size_t ld
 }
 
 // fp8: [Kd/4][2][16][2] bytes, decoded line by line (moe_avx512_shared.h).
-// hold rows at (k | k+2 << 8), words 16..31 rows at (k+1 | k+3 << 8).
 template <int MT, int NT>
 void mk_fp8(const MatView& m, int tile, const TilePtrs& p, float* out, size_t ldo) {
   __m512 facc[MT][NT];

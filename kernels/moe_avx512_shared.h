@@ -105,8 +105,8 @@ void act_avx512(const float* gu, size_t ldgu, const float* bias, int n, int rows
       if (act == ACT_SILU) {
         o = _mm512_mul_ps(_mm512_div_ps(gv, _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), gv)))), uv);
       } else {  // gpt_oss: clamped SwiGLU, (up + 1) * gate * sigmoid(alpha * gate)
-        gv = _mm512_min_ps(gv, lim);
-        uv = _mm512_max_ps(_mm512_min_ps(uv, lim), nlim);
+        gv = _mm512_min_ps(lim, gv);  // (a, b) order: a NaN in b comes through, as in act_generic
+        uv = _mm512_max_ps(nlim, _mm512_min_ps(lim, uv));
         const __m512 sg = exp16(_mm512_mul_ps(_mm512_set1_ps(-alpha), gv));
         o = _mm512_mul_ps(_mm512_add_ps(uv, one), _mm512_div_ps(gv, _mm512_add_ps(one, sg)));
       }

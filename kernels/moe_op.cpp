@@ -332,8 +332,10 @@ void compute(Job& j) {
   std::vector<int8_t> hq;
   std::vector<float> hsx;
   std::vector<int32_t> hcorr;
+  bool row_major2 = false;  // some expert's h goes to hb (not to an AMX panel)
+  for (int e = 0; e < E; ++e) row_major2 = row_major2 || (cnt[e] > 0 && poff2[e + 1] == poff2[e]);
   if (wtype == W_F32 || want_xf) hf.resize(size_t(S) * Ip);
-  else if (bf16_act) hb.resize(size_t(S) * Ip);
+  else if (bf16_act) hb.resize(row_major2 ? size_t(S) * Ip : 0);
   else { hq.resize(size_t(S) * Ip); hsx.resize(size_t(S) * G2); hcorr.resize(size_t(S) * G2); }
 
   // ---- stage 1: (expert, slice) tasks, heaviest experts first ----
@@ -475,10 +477,16 @@ std::variant<at::Tensor, std::string> moe_forward(const at::Tensor& x, const at:
   std::string err;
   auto job = prepare(x, ids, wts, w1, s1, b1, w2, s2, b2, std::move(meta), alpha, limit, expert_map, err);
   if (!job) return err;
+  std::string failed;
   {
     pybind11::gil_scoped_release nogil;
-    compute(*job);
+    try {  // allocation outside the parallel regions (panels, buffers) can fail for a huge call
+      compute(*job);
+    } catch (const std::exception& e) {
+      failed = message("moelab: experts call failed: ", e.what());
+    }
   }
+  if (!failed.empty()) return failed;
   return job->out;
 }
 

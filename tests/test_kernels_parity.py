@@ -99,6 +99,22 @@ def test_kernel_matches_reference_gpt_oss_clamped_swiglu_with_biases(isa, spec):
     _check(moe_experts(x, ids, wts, packed, isa=isa), ref, spec.dtype)
 
 
+@pytest.mark.parametrize("act", ["silu", "gpt_oss"])
+def test_a_nan_token_stays_nan_and_alone(isa, act):
+    # a NaN in one token's hidden state reaches that token's output (the clamps of gpt_oss's
+    # SwiGLU must not turn it into the limit) and no other token's
+    e, h, i, t = 4, 64, 64, 6
+    w = _layer(e, h, i, bias=act == "gpt_oss")
+    kw = dict(act="gpt_oss", alpha=1.702, limit=7.0) if act == "gpt_oss" else {}
+    packed = pack_experts(spec=KernelSpec("fp32"), **w, **kw)
+    x = torch.randn(t, h, generator=torch.Generator().manual_seed(3))
+    x[2, 5] = float("nan")
+    ids = torch.zeros(t, 1, dtype=torch.long)
+    out = moe_experts(x, ids, torch.ones(t, 1), packed, isa=isa)
+    assert out[2].isnan().all()
+    assert torch.isfinite(out[[0, 1, 3, 4, 5]]).all()
+
+
 def test_all_tokens_on_one_expert_and_empty_experts(isa):
     e, h, i, t = 16, 48, 80, 40
     w = _layer(e, h, i, bias=False)
