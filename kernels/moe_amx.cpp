@@ -1,18 +1,22 @@
-// AMX path (AMX-TILE + AMX-BF16 on top of the AVX-512 path: Sapphire Rapids and later).
+// AMX path (AMX-TILE, -BF16 and -INT8 on top of the AVX-512 path: Sapphire Rapids and later).
 //
-// Compute-bound calls (an expert with >= kAmxMinRows tokens) of bf16 and fp8 weights run on
-// tiles: C[16 tokens x 16 rows] += A[16 tokens x 32 k] . B[32 k x 16 rows] with tdpbf16ps.
-// The packed bf16 layout ([Kd/2][16][2]) already is AMX's VNNI layout for B, so a B tile is
-// 16 consecutive 64-byte lines of a weight tile, loaded in place. fp8 weights are decoded
-// exactly to bf16 (moe_avx512_shared.h) once per call and weight tile into a per-thread buffer in
-// that layout; every token block then reuses it, and each block of `group` k is accumulated in
-// fresh C tiles that are scaled into fp32 sums once per block (the AVX-512 path's order).
-// Activation rows come straight from the caller's buffer when they are consecutive (stage 2,
-// and stage 1 once the driver gathered them per expert); a last block of fewer than 16 tokens
-// and any non-consecutive rows are copied into a zero-padded per-thread buffer. A reduction
-// length that is not a multiple of 32 ends with AVX-512 dot products on the stored sums.
+// Compute-bound calls (an expert with >= kAmxMinRows tokens) run on tiles:
+// C[16 tokens x 16 rows] += A[16 tokens x 64 bytes of k] . B[64 bytes of k x 16 rows].
+//  * bf16 / fp8 weights: tdpbf16ps, 32 k a step. The packed bf16 layout ([Kd/2][16][2]) already
+//    is AMX's VNNI layout for B, so a B tile is 16 consecutive 64-byte lines of a weight tile,
+//    loaded in place. fp8 weights are decoded exactly to bf16 (moe_avx512_shared.h) once per
+//    call and weight tile into a per-thread buffer in that layout, and each block of `group` k
+//    is summed in fresh C tiles that are scaled into fp32 sums once per block (the AVX-512
+//    path's order). A bf16 reduction that is not a multiple of 32 ends with AVX-512 dot products.
+//  * int8 / int4 weights (groups of 64 or 128): tdpbsud, 64 k a step, the int8 activations
+//    (signed) against the unsigned offset weights; the int8 layout is the VNNI layout for B,
+//    int4 nibbles are unpacked to bytes once per call and tile. Each group's int32 sums get the
+//    offset correction and both scales in fp32, as on the AVX-512 path.
+// Activation rows come as the driver's A panels (amx_panel_at: 1 KiB per tile, consecutive),
+// else straight from the caller's buffer when consecutive; a last block of fewer than 16 tokens
+// and any non-consecutive rows are copied into a zero-padded per-thread buffer.
 // Register blocking: 2 token blocks x 2 weight tiles of C (tmm0-3), A in tmm4-5, B in tmm6-7.
-// Everything else (fp32/int weights, decode-sized calls) is the AVX-512 path.
+// Everything else (fp32 weights, groups of 32, decode-sized calls) is the AVX-512 path.
 //
 // Linux hands a thread AMX state only after the process asked for it (arch_prctl
 // ARCH_REQ_XCOMP_PERM, kernel >= 5.16): amx_usable() asks once; without it this path is the
