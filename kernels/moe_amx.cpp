@@ -140,7 +140,7 @@ RunFn run_for(int mi, int nj) {
 
 // Per-thread scratch, reused across calls.
 struct Scratch {
-  std::vector<uint8_t> rows, pad[2], wdec;
+  std::vector<uint8_t> pad, wdec;
   std::vector<float> c, acc;
 };
 thread_local Scratch scratch;
@@ -183,7 +183,7 @@ void tail_dot(const uint8_t* w, int k2, const uint16_t* x, float* acc) {
 
 // The A tile rows of the block of 16 tokens from r0 (x0: row-major rows ld bytes apart): from
 // the call's panel (consecutive tiles), else in place when all 16 rows exist, else copied (zero
-// rows below the tokens) into pad. tail[r]: row r's bytes from the last whole step on.
+// rows below the tokens) into pad (only a call's last block is partial, so one pad serves). tail[r]: row r's bytes from the last whole step on.
 ATile a_block(const ActView& a, const uint8_t* x0, size_t ld, int r0, int n, size_t rb, std::vector<uint8_t>& pad,
               const uint8_t* tail[16]) {
   const int valid = n - r0 < 16 ? n - r0 : 16;
@@ -244,19 +244,9 @@ void gemm_tiles(const MatView& m, int tile0, int ntiles, const ActView& a, int n
   const size_t esz = is_int ? 1 : 2, rb = size_t(m.kd) * esz;  // bytes of a row
   const int steps = int(rb / 64), block = is_int || fp8 ? int(size_t(m.group) * esz / 64) : steps;
   const int tail_k2 = m.wtype == W_BF16 ? int(rb % 64) / 4 : 0;  // bf16 pairs after the last step
-  // A: consecutive rows are read in place; otherwise gathered once.
-  const uint8_t* base = static_cast<const uint8_t*>(a.base);
+  // A: the panel, or consecutive row-major rows read in place (gemm_amx sends nothing else)
   const size_t ld = a.ld * esz;
-  bool consecutive = true;
-  for (int t = 1; t < n && consecutive && !a.panel; ++t) consecutive = a.rows[t] == a.rows[0] + t;
-  const uint8_t* x0 = a.panel ? nullptr : base + size_t(a.rows[0]) * ld;
-  size_t xld = ld;
-  if (!consecutive) {
-    uint8_t* g = aligned_buffer(sc.rows, size_t(n) * rb);
-    for (int t = 0; t < n; ++t) __builtin_memcpy(g + size_t(t) * rb, base + size_t(a.rows[t]) * ld, rb);
-    x0 = g;
-    xld = rb;
-  }
+  const uint8_t* x0 = a.panel ? nullptr : static_cast<const uint8_t*>(a.base) + size_t(a.rows[0]) * ld;
   const size_t dec_tile = size_t(steps) * 1024;
   uint8_t* dec = fp8 || m.wtype == W_INT4 ? aligned_buffer(sc.wdec, size_t(ntiles) * dec_tile) : nullptr;
   std::vector<const uint8_t*> bt(ntiles);
@@ -268,12 +258,12 @@ void gemm_tiles(const MatView& m, int tile0, int ntiles, const ActView& a, int n
     const int mi = n - i0 > 16 ? 2 : 1;
     ATile ap[2];
     const uint8_t* tail[2][16];
-    for (int i = 0; i < mi; ++i) ap[i] = a_block(a, x0, xld, i0 + 16 * i, n, rb, sc.pad[i], tail[i]);
+    for (int i = 0; i < mi; ++i) ap[i] = a_block(a, x0, ld, i0 + 16 * i, n, rb, sc.pad, tail[i]);
     for (int j0 = 0; j0 < ntiles; j0 += 2) {
       const int nj = ntiles - j0 >= 2 ? 2 : 1;
       const uint8_t* b[2] = {bt[j0], nj > 1 ? bt[j0 + 1] : nullptr};
       const RunFn run = is_int ? run_for<true>(mi, nj) : run_for<false>(mi, nj);
-      if (block == steps && !fp8 && !is_int) {
+      if (m.wtype == W_BF16) {  // one block, no scales
         run(ap, b, 0, steps, acc);
       } else {
         const Epilogue ep{&m, &a, tile0, j0, i0, n};
@@ -297,17 +287,22 @@ void gemm_tiles(const MatView& m, int tile0, int ntiles, const ActView& a, int n
   }
 }
 
+// Tiles for the calls the driver laid panels out for (amx_tiles) and for consecutive rows (stage 2
+// of int weights); anything else is the AVX-512 kernel's.
 void gemm_amx(const MatView& m, int tile0, int ntiles, const ActView& a, int n, float* out, size_t ldo) {
-  if (amx_tiles(m.wtype, m.kd, m.group, n) && amx_usable()) gemm_tiles(m, tile0, ntiles, a, n, out, ldo);
+  bool rows_ok = true;
+  for (int t = 1; t < n && rows_ok && !a.panel; ++t) rows_ok = a.rows[t] == a.rows[0] + t;
+  if (rows_ok && amx_tiles(m.wtype, m.kd, m.group, n) && amx_usable()) gemm_tiles(m, tile0, ntiles, a, n, out, ldo);
   else avx512_ops().gemm(m, tile0, ntiles, a, n, out, ldo);
 }
 
-// Eight independent tdpbf16ps chains... on four C tiles from two A and two B tiles: the bf16
-// tile peak (2 * 16 * 16 * 32 flops per instruction).
+// Four independent tdpbf16ps chains (four C tiles from two A and two B tiles): the bf16 tile
+// peak (2 * 16 * 16 * 32 flops per instruction).
 double peak_amx(int64_t iters) {
   if (!amx_usable()) return 0.0;
-  std::vector<uint16_t> buf(16 * 32 * 4 + 32, 0x3f80);  // ones
-  uint16_t* p = reinterpret_cast<uint16_t*>((reinterpret_cast<uintptr_t>(buf.data()) + 63) & ~uintptr_t(63));
+  std::vector<uint16_t> buf;
+  uint16_t* p = aligned_buffer(buf, 4 * 16 * 32);
+  for (int i = 0; i < 4 * 16 * 32; ++i) p[i] = 0x3f80;  // bf16 ones
   Tiles tiles;
   _tile_loadd(4, p, 64);
   _tile_loadd(5, p + 512, 64);

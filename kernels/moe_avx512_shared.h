@@ -13,27 +13,18 @@
 namespace moelab {
 namespace {
 
-// bf16 bits of (e4m3 magnitude j) / 256, exact (the generic path's Fp8Lut, as bf16): normals
-// (8 + m) * 2^(e - 18), subnormals m * 2^-17, all normal bf16 numbers.
-constexpr uint16_t fp8_bf16_bits(int j) {
-  const int e = j >> 3, m = j & 7;
-  if (e) return uint16_t(((e + 112) << 7) | (m << 4));
-  if (!m) return 0;
-  const int l = m >= 4 ? 2 : (m >= 2 ? 1 : 0);  // floor(log2 m)
-  return uint16_t(((110 + l) << 7) | (((m << (3 - l)) & 7) << 4));
-}
-
 struct Fp8Tables {
-  __m512i lo0, lo1, hi0, hi1;  // low / high bytes of fp8_bf16_bits over magnitudes 0-63, 64-127
+  __m512i lo0, lo1, hi0, hi1;  // low / high bytes of the bf16 of magnitudes 0-63, 64-127 (/ 256)
   __m512i idx01, idx23;        // line byte -> output byte, for the (k, k+1) and (k+2, k+3) pairs
 };
 
 inline const Fp8Tables& fp8_tables() {
   static const Fp8Tables t = [] {
     alignas(64) uint8_t lo[128], hi[128], i01[64], i23[64];
-    for (int j = 0; j < 128; ++j) {
-      lo[j] = uint8_t(fp8_bf16_bits(j) & 0xFF);
-      hi[j] = uint8_t(fp8_bf16_bits(j) >> 8);
+    for (int j = 0; j < 128; ++j) {  // fp8_lut's value / 256 has at most 4 significant bits: its bf16 is exact
+      const uint32_t bits = f32_to_bits(fp8_lut()[j]);
+      lo[j] = uint8_t(bits >> 16);
+      hi[j] = uint8_t(bits >> 24);
     }
     for (int r = 0; r < 16; ++r)  // (row r, k) sits at byte 32 (k & 1) + 2 r + (k >> 1)
       for (int b = 0; b < 4; ++b) {
