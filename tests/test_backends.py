@@ -241,3 +241,96 @@ def test_torch_backends_run_on_cuda_and_the_kernels_refuse_it():
         assert _rel(out.cpu(), ref) <= 1e-4, name
     with pytest.raises(MoelabError, match="is on cuda"):
         get_backend("moelab")(gpu, x.cuda(), idx.cuda(), w.cuda())
+
+
+# ------------------------------------------------------------------ the per-call checks' fast paths
+def _route_both_ways(monkeypatch, module, x, idx, w, expert_map=None):
+    """route() with its list path (every call here is small) and with its torch path (forced)."""
+    import moelab.backends.base as base
+
+    small = base.route(module, x, idx, w, expert_map)
+    monkeypatch.setattr(base, "_SMALL", -1)
+    large = base.route(module, x, idx, w, expert_map)
+    monkeypatch.undo()
+    return small, large
+
+
+@pytest.mark.parametrize("special", ["none", "zero", "negative zero", "nan"])
+def test_route_reads_small_and_large_calls_alike(monkeypatch, special):
+    module = _experts("mixtral", "fp32")
+    x, idx, w = _routing(module, 3, 2, torch.float32, seed=0, zero_slot=False)
+    value = {"none": None, "zero": 0.0, "negative zero": -0.0, "nan": float("nan")}[special]
+    if value is not None:
+        w[1, 0] = value
+    small, large = _route_both_ways(monkeypatch, module, x, idx, w)
+    # from the definition: a slot runs where its weight is not 0 (NaN is not 0, -0.0 is)
+    want = torch.tensor([[not (i == 1 and j == 0 and special in ("zero", "negative zero")) for j in range(2)]
+                         for i in range(3)])
+    for r in (small, large):
+        assert torch.equal(r.active, want)
+        assert r.all_active == bool(want.all())
+        assert torch.equal(r.index, idx)
+    half = _maps(8)["half"]
+    small, large = _route_both_ways(monkeypatch, module, x, idx, w, half)
+    assert torch.equal(small.active, large.active) and small.all_active == large.all_active
+
+
+@pytest.mark.parametrize("force_torch", [False, True])
+def test_route_names_out_of_range_ids_on_either_path(monkeypatch, force_torch):
+    import moelab.backends.base as base
+
+    if force_torch:
+        monkeypatch.setattr(base, "_SMALL", -1)
+    module = _experts("mixtral", "fp32")
+    x, idx, w = _routing(module, 3, 2, torch.float32, seed=0, zero_slot=False)
+    bad = idx.clone()
+    bad[2, 1] = 8
+    with pytest.raises(MoelabError, match=r"expert ids in \[\d, 8\]; expected \[0, 8\)"):
+        base.route(module, x, bad, w, None)
+    bad[2, 1] = -3
+    with pytest.raises(MoelabError, match=r"expert ids in \[-3, \d\]"):
+        base.route(module, x, bad, w, None)
+
+
+def test_the_device_check_reads_stacks_that_are_not_parameters():
+    """The fast device check covers parameters; a stack held as a buffer or a plain attribute
+    is still checked (by the full check) and refused off the CPU."""
+    be = get_backend("moelab")
+    x, idx, w = _routing(_experts("mixtral", "fp32"), 3, 2, torch.float32, seed=0, zero_slot=False)
+    for how in ("buffer", "attribute"):
+        module = copy.deepcopy(_experts("mixtral", "fp32"))
+        down = module.down_proj.detach().to("meta")
+        del module.down_proj
+        if how == "buffer":
+            module.register_buffer("down_proj", down)
+        else:
+            object.__setattr__(module, "down_proj", down)
+        with pytest.raises(MoelabError, match=r"MixtralExperts.down_proj is on meta"):
+            be.check_devices(module, {"hidden_states": x, "top_k_index": idx, "top_k_weights": w})
+    be.check_devices(_experts("mixtral", "fp32"), {"hidden_states": x, "top_k_index": idx, "top_k_weights": w,
+                                                    "expert_map": None})  # all on the CPU: passes
+
+
+def test_the_pack_key_lists_what_named_parameters_lists():
+    from moelab.kernels.integration import cache_key
+
+    module = copy.deepcopy(_experts("mixtral", "fp32"))
+    module.register_parameter("nothing", None)
+    module.register_parameter("again", module.gate_up_proj)  # one parameter under two names
+    want = tuple((n, p.data_ptr(), p._version, p.dtype, tuple(p.shape))
+                 for n, p in module.named_parameters(recurse=False))
+    assert cache_key(module) == want and len(want) == 2
+    with torch.no_grad():
+        module.down_proj.add_(1)  # in place: the version moves, so the key does
+    assert cache_key(module) != want
+
+
+def test_supported_paths_follow_the_detected_features(monkeypatch):
+    from moelab.kernels import build
+
+    best = build.supported_isas()
+    assert build.supported_isas() is best  # worked out once
+    monkeypatch.setattr(build, "_features", frozenset())
+    assert build.supported_isas() == ("portable",)
+    monkeypatch.undo()
+    assert build.supported_isas() == best

@@ -25,6 +25,7 @@ subclasses implement :meth:`ExpertsBackend.compute`.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -40,10 +41,16 @@ class Routing:
     """``(T, K)`` local expert index per slot (-1 where the expert is not here)."""
     weights: torch.Tensor
     """``(T, K)`` routing weights (as given)."""
-    active: torch.Tensor
-    """``(T, K)`` bool: the slot runs here (expert present, weight != 0)."""
+    mask: torch.Tensor | None
+    """:attr:`active` where :func:`route` made it; None where it did not need to (no expert
+    map: :attr:`active` is then ``weights != 0``, made on first use)."""
     all_active: bool
     """Every slot runs: the backend can take its unmasked path."""
+
+    @functools.cached_property
+    def active(self) -> torch.Tensor:
+        """``(T, K)`` bool: the slot runs here (expert present, weight != 0)."""
+        return self.mask if self.mask is not None else self.weights != 0
 
     def pairs(self, order: str = "expert") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(token, slot, expert)`` of the active slots.
@@ -59,11 +66,18 @@ class Routing:
         return tok, slot, exp
 
 
+def _stack(module: torch.nn.Module, name: str):
+    """``getattr(module, name, None)``, reading a registered parameter directly (``nn.Module``'s
+    attribute fallback costs microseconds, and every experts call reads its stacks)."""
+    p = module._parameters.get(name)
+    return p if p is not None else getattr(module, name, None)
+
+
 def num_local_experts(module: torch.nn.Module) -> int:
     """How many experts ``module`` holds (the leading dimension of its weight stacks)."""
-    w = getattr(module, "gate_up_proj", None)
+    w = _stack(module, "gate_up_proj")
     if w is None:
-        w = getattr(module, "up_proj", None)
+        w = _stack(module, "up_proj")
     if w is None or not isinstance(w, torch.Tensor) or w.dim() != 3:
         raise MoelabError(
             f"{type(module).__name__} has no (E, ., .) gate_up_proj or up_proj stack; experts backends "
@@ -74,7 +88,9 @@ def num_local_experts(module: torch.nn.Module) -> int:
 
 def hidden_size(module: torch.nn.Module) -> int:
     """The hidden size ``H`` the module's experts read."""
-    w = module.down_proj
+    w = _stack(module, "down_proj")
+    if w is None:
+        w = module.down_proj  # its own error
     return int(w.shape[2] if getattr(module, "is_transposed", False) else w.shape[1])
 
 
@@ -135,8 +151,13 @@ def route(
     n_ids = num_local if expert_map is None else int(expert_map.numel())
     if expert_map is not None:
         check_expert_map(expert_map, num_local)
+    small = top_k_index.numel() <= _SMALL and top_k_index.is_cpu and top_k_weights.is_cpu
     if top_k_index.numel():
-        lo, hi = (int(v) for v in torch.aminmax(top_k_index))
+        if small:  # a decode step's few ids: Python's min/max over a list beat two torch calls
+            flat = top_k_index.reshape(-1).tolist()
+            lo, hi = min(flat), max(flat)
+        else:
+            lo, hi = (int(v) for v in torch.aminmax(top_k_index))
         if lo < 0 or hi >= n_ids:
             where = "the expert map's length" if expert_map is not None else "the module's expert count"
             raise MoelabError(
@@ -144,11 +165,40 @@ def route(
             )
     index = top_k_index if top_k_index.dtype == torch.long else top_k_index.long()
     if expert_map is None:
+        if small:  # NaN != 0 and -0.0 == 0, as the tensor comparison has them
+            return Routing(index, top_k_weights, None, 0 not in top_k_weights.reshape(-1).tolist())
         active = top_k_weights != 0
     else:
         index = expert_map.to(device=index.device, dtype=torch.long)[index]
         active = (index >= 0) & (top_k_weights != 0)
     return Routing(index, top_k_weights, active, bool(active.all()))
+
+
+#: Slots up to which :func:`route` checks a CPU call's routing with Python lists (a decode step's
+#: few values) instead of torch reductions (each a few microseconds however small the tensor).
+_SMALL = 64
+
+
+#: The weight stacks of an experts module that :meth:`ExpertsBackend.check_devices` checks.
+_STACKS = ("gate_up_proj", "up_proj", "down_proj")
+
+
+def _all_on_cpu(module: torch.nn.Module, tensors: dict[str, torch.Tensor | None]) -> bool:
+    """Whether the inputs and ``module``'s weight stacks are all CPU tensors, checked without
+    building the full check's names (it runs on every experts call): False also for a stack
+    that is not a plain parameter, which the full check then reads as the module exposes it."""
+    for t in tensors.values():
+        if t is not None and not t.is_cpu:
+            return False
+    params = module._parameters
+    for n in _STACKS:
+        p = params.get(n)
+        if p is None:
+            if n in module._buffers or n in module.__dict__ or hasattr(type(module), n):
+                return False
+        elif not p.is_cpu:
+            return False
+    return True
 
 
 class ExpertsBackend:
@@ -163,10 +213,10 @@ class ExpertsBackend:
 
     def check_devices(self, module: torch.nn.Module, tensors: dict[str, torch.Tensor | None]) -> None:
         """Refuse inputs or expert weights on a device type not in :attr:`devices`."""
-        if self.devices is None:
+        if self.devices is None or (self.devices == ("cpu",) and _all_on_cpu(module, tensors)):
             return
         named = dict(tensors)
-        for n in ("gate_up_proj", "up_proj", "down_proj"):  # the stacks the experts read
+        for n in _STACKS:  # the stacks the experts read
             p = getattr(module, n, None)
             if isinstance(p, torch.Tensor):
                 named[f"{type(module).__name__}.{n}"] = p

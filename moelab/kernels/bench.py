@@ -223,6 +223,47 @@ class _Routing:
         self.w = torch.rand(self.t, self.k).softmax(-1)
 
 
+#: The layer :func:`call_overhead` times: compute is a few microseconds, the rest is the call's own cost.
+OVERHEAD_SHAPE = "64x64x8x2"
+
+
+def call_overhead(calls: int = 400) -> dict[str, float]:
+    """µs of one batch-1 experts call on a tiny bf16 layer (:data:`OVERHEAD_SHAPE`), median of
+    ``calls`` after a warm-up, three ways: ``experts call`` (the ``moelab`` backend's ``__call__``,
+    what transformers' ``moelab`` experts implementation runs per layer: checks, routing, pack
+    lookup, extension), ``lane submit`` (``submit`` then ``result``: the real executor's host lane,
+    a C++ worker thread) and ``extension`` (the compiled call alone, its arguments prepared). What a
+    decode step pays per MoE layer besides the weights' bytes."""
+    import statistics
+    import time
+
+    from moelab.backends import get_backend
+    from moelab.kernels.op import _args, load_extension
+
+    shape = Shape.parse(OVERHEAD_SHAPE)
+    mod = _experts_module(shape, shape.experts)
+    r = _Routing(1, shape.experts, shape.top_k)
+    x = (torch.randn(1, shape.hidden) * 0.5).to(torch.bfloat16)
+    be = get_backend("moelab")
+    ext = load_extension()
+    args = _args(x, r.ids, r.w, be.packed(mod), None, None)
+
+    def median_us(fn: Callable[[], object]) -> float:
+        for _ in range(max(calls // 8, 1)):
+            fn()
+        ts = []
+        for _ in range(calls):
+            t0 = time.perf_counter_ns()
+            fn()
+            ts.append(time.perf_counter_ns() - t0)
+        return statistics.median(ts) / 1e3
+
+    with torch.no_grad():
+        return {"experts call": median_us(lambda: be(mod, x, r.ids, r.w)),
+                "lane submit": median_us(lambda: be.submit(mod, x, r.ids, r.w).result()),
+                "extension": median_us(lambda: ext.moe_forward(*args, expert_map=None))}
+
+
 def _batched_mm_bytes(shape: Shape, tokens: int) -> int:
     """Transient bytes of transformers' ``batched_mm``: it gathers a bf16 gate_up and a down matrix
     per (token, slot) pair."""
@@ -352,6 +393,8 @@ def run_bench(config: BenchConfig, progress: Callable[[str], None] | None = None
         "torch": torch.__version__, "group_size": config.group_size,
         "fp8_block": list(config.fp8_block), "prefill": config.prefill,
     }
+    say(f"timing a tiny layer's call ({OVERHEAD_SHAPE}, batch 1)")
+    machine["call_overhead_us"] = call_overhead()
     rows: list[Row] = []
     for shape in shapes:
         if config.prefill:
@@ -378,6 +421,9 @@ def format_table(result: dict) -> str:
          + (f", {m['load']['own']:.1f} of it this bench" if m["load"].get("own") is not None else ""))
         if m.get("load", {}).get("load1") is not None else "machine load unknown",
     ]
+    if m.get("call_overhead_us"):
+        lines.append(f"per-call cost on a {OVERHEAD_SHAPE} bf16 layer, batch 1 (median µs): "
+                     + ", ".join(f"{k} {v:.1f}" for k, v in m["call_overhead_us"].items()))
     if m.get("busy"):
         lines.append(f"WARNING — measured on a busy machine, figures are not meaningful: {m['busy_reason']}")
     base_names = sorted({k for r in result["rows"] for k in (*r["baseline_ms"], *r.get("baseline_skipped", {}))})

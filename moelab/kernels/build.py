@@ -159,9 +159,16 @@ _features: frozenset[str] | None = None
 
 
 def supported_isas() -> tuple[Isa, ...]:
-    """Instruction-set paths this CPU can run, fastest first."""
-    feats = cpu_features()
-    return tuple(i for i in ISAS if all(f in feats for f in _REQUIRED[i]))
+    """Instruction-set paths this CPU can run, fastest first (worked out once per process, from
+    :func:`cpu_features`: every call without a forced path reads it)."""
+    global _supported
+    if _supported is None or _supported[0] is not _features:
+        feats = cpu_features()
+        _supported = (feats, tuple(i for i in ISAS if all(f in feats for f in _REQUIRED[i])))
+    return _supported[1]
+
+
+_supported: tuple[frozenset[str], tuple[Isa, ...]] | None = None
 
 
 def _validate(isa: str, source: str) -> Isa:

@@ -111,17 +111,30 @@ def canonical_experts(module: torch.nn.Module) -> dict[str, Any]:
 
 
 def cache_key(module: torch.nn.Module) -> tuple:
-    """What a pack of ``module`` depends on: each parameter's (name, data_ptr, version, dtype, shape)."""
-    return tuple(
-        (n, p.data_ptr(), p._version, p.dtype, tuple(p.shape)) for n, p in module.named_parameters(recurse=False)
-    )
+    """What a pack of ``module`` depends on: each parameter's (name, data_ptr, version, dtype, shape).
+
+    The module's own parameters as ``named_parameters(recurse=False)`` lists them (a parameter
+    registered under two names counts once), read from its parameter table directly: every
+    experts call computes this key, and the generator cost several µs a call."""
+    key, seen = [], set()
+    for n, p in module._parameters.items():
+        if p is None or id(p) in seen:
+            continue
+        seen.add(id(p))
+        key.append((n, p.data_ptr(), p._version, p.dtype, tuple(p.shape)))
+    return tuple(key)
+
+
+#: The spec of each weight dtype a ``None`` spec follows (made once: a call resolves it every time).
+_FOLLOW = {torch.bfloat16: KernelSpec("bf16")}
+_FP32 = KernelSpec("fp32")
 
 
 def resolve_spec(module: torch.nn.Module, spec: KernelSpec | None) -> KernelSpec:
+    """``spec``, or for None the spec the module's weights follow: bf16 for bf16 weights, else fp32."""
     if spec is not None:
         return spec
-    dtype = module.gate_up_proj.dtype
-    return KernelSpec("bf16" if dtype == torch.bfloat16 else "fp32")
+    return _FOLLOW.get(module.gate_up_proj.dtype, _FP32)
 
 
 def install_fp8(module: torch.nn.Module, gate: Fp8Weights, up: Fp8Weights, down: Fp8Weights) -> PackedExperts:

@@ -8,7 +8,7 @@ import torch
 
 from moelab.errors import MoelabError
 from moelab.kernels.build import ISA_CODES, Isa, _validate, active_isa, load_extension
-from moelab.kernels.packing import ACT_CODES, DTYPE_CODES, PackedExperts
+from moelab.kernels.packing import PackedExperts
 
 #: Environment variable: the kernels' OpenMP threads per call when a call names none (default: torch's
 #: ``torch.get_num_threads()``). A hybrid run on a GPU box may want fewer than every core, leaving one
@@ -35,7 +35,7 @@ def default_threads() -> int:
 def _args(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, packed: PackedExperts,
           isa: Isa | None, num_threads: int | None) -> tuple:
     """The extension's positional arguments of one call, checked (clear errors before C++)."""
-    if hidden_states.device.type != "cpu":
+    if not hidden_states.is_cpu:
         raise MoelabError(
             f"hidden states are on {hidden_states.device}; moelab's native kernels run on the CPU. "
             "Move the experts to the CPU or use another experts implementation."
@@ -52,12 +52,7 @@ def _args(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights:
     isa = active_isa() if isa is None else _validate(isa, "isa=")
     dtype = hidden_states.dtype
     x = hidden_states if dtype in (torch.float32, torch.bfloat16) else hidden_states.float()
-    meta = [
-        packed.num_experts, packed.hidden, packed.intermediate, packed.kp1, packed.ip, packed.hp,
-        DTYPE_CODES[packed.spec.dtype], packed.spec.kernel_group or packed.spec.group_size,
-        ACT_CODES[packed.act],
-        ISA_CODES[isa], num_threads or default_threads(), packed.slice1,
-    ]
+    meta = [*packed.meta_head, ISA_CODES[isa], num_threads or default_threads(), packed.slice1]
     return (x.contiguous(), top_k_index, top_k_weights, packed.w1, packed.s1, packed.b1,
             packed.w2, packed.s2, packed.b2, meta, packed.alpha, packed.limit)
 

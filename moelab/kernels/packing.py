@@ -15,6 +15,7 @@ float weights are quantised per original matrix in ``spec.block`` blocks
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 from typing import Literal
@@ -117,6 +118,14 @@ class PackedExperts:
     def nbytes(self) -> int:
         """Bytes the kernels stream per full pass over all experts (weights + scales + biases)."""
         return sum(t.numel() * t.element_size() for t in (self.w1, self.s1, self.b1, self.w2, self.s2, self.b2))
+
+    @functools.cached_property
+    def meta_head(self) -> tuple[int, ...]:
+        """The first 9 entries of the extension's ``meta`` (the layer's geometry, weight format,
+        scale group and activation; :func:`moelab.kernels.op._args` adds the call's path, threads
+        and stage-1 slice), worked out once per pack."""
+        return (self.num_experts, self.hidden, self.intermediate, self.kp1, self.ip, self.hp,
+                DTYPE_CODES[self.spec.dtype], self.spec.kernel_group or self.spec.group_size, ACT_CODES[self.act])
 
     def expert_nbytes(self) -> int:
         """Bytes read for one expert (weights + scales)."""
