@@ -64,10 +64,11 @@ inline __m512i fp8_pairs(const Fp8Tables& t, __m512i v, __m512i idx) {
 // The bf16 of value / 256 for the fp8 byte in the high byte of each 16-bit lane, for a normal
 // magnitude u = b & 0x7F (8 <= u < 127): sign | u << 4 with the exponent raised by 112
 // (bf16 bias 127 = e4m3's 7 + 8 for the / 256 + 112). An arithmetic shift by 4 puts the sign at
-// bit 11 and copies it up to bit 15, u at bits 10..4.
+// bit 11 and copies it up to bit 15, u at bits 10..4. The exponent field e <= 15 and 112 share no
+// bit, so adding 112 << 7 is an or: one ternary-logic op, (shifted & 0x87F0) | 0x3800.
 inline __m512i fp8_high_bytes_to_bf16(__m512i w) {
-  return _mm512_add_epi16(_mm512_and_si512(_mm512_srai_epi16(w, 4), _mm512_set1_epi16(int16_t(0x87F0))),
-                          _mm512_set1_epi16(int16_t(112 << 7)));
+  return _mm512_ternarylogic_epi32(_mm512_srai_epi16(w, 4), _mm512_set1_epi16(int16_t(0x87F0)),
+                                   _mm512_set1_epi16(int16_t(112 << 7)), 0xEA);
 }
 
 // t: fp8_tables(), copied into a local by the caller's loop so the tables stay in registers.
