@@ -115,6 +115,8 @@ FP8_POOLS = {  # which stored bytes a test draws (NaN, 0x7F / 0xFF, is refused a
     "all": lambda b: b & 0x7F != 0x7F,
     "small": lambda b: b & 0x7F != 0x7F and (b & 0x70) == 0,
     "normal": lambda b: 8 <= (b & 0x7F) < 0x7F,
+    # the smallest normals (exponent field 1), with a zero or subnormal byte 1 in 64 below
+    "mixed": lambda b: 8 <= (b & 0x7F) < 16,
 }
 
 
@@ -133,7 +135,14 @@ def test_every_e4m3_byte_decodes_exactly_in_both_regimes(isa, bytes_, rows):
     pool = torch.tensor([b for b in range(256) if FP8_POOLS[bytes_](b)], dtype=torch.uint8)
     fp8 = {}
     for name, shape in (("gate", (e, i, h)), ("up", (e, i, h)), ("down", (e, h, i))):
-        q = pool[torch.randint(0, len(pool), shape, generator=g)].view(torch.float8_e4m3fn)
+        q = pool[torch.randint(0, len(pool), shape, generator=g)]
+        if bytes_ == "mixed":  # about a third of the lines all normal (shift decode), the rest with a
+            # subnormal or zero among normals of the same size (table decode): a test that sent a
+            # subnormal to the shift decode would make it 2^-6 (1 + m/8), not 2^-9 m
+            sub = torch.tensor([b for b in range(256) if (b & 0x7F) < 8], dtype=torch.uint8)
+            spot = torch.rand(shape, generator=g) < 1 / 64
+            q = torch.where(spot, sub[torch.randint(0, len(sub), shape, generator=g)], q)
+        q = q.view(torch.float8_e4m3fn)
         grid = (e, -(-shape[1] // 16), -(-shape[2] // 16))
         fp8[name] = Fp8Weights(q, torch.ones(grid), (16, 16))
     ids, wts = _routing("one", rows, e, 1)

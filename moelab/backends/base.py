@@ -25,7 +25,6 @@ subclasses implement :meth:`ExpertsBackend.compute`.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
@@ -35,7 +34,10 @@ from moelab.errors import MoelabError
 
 @dataclass(frozen=True)
 class Routing:
-    """One call's routing after the expert map: what runs, in the module's local numbering."""
+    """One call's routing after the expert map: what runs, in the module's local numbering.
+
+    (Until 2026-11-27 ``active`` was the third field; it is now read-only and built on first use,
+    and the third field is :attr:`mask`.)"""
 
     index: torch.Tensor
     """``(T, K)`` local expert index per slot (-1 where the expert is not here)."""
@@ -47,10 +49,16 @@ class Routing:
     all_active: bool
     """Every slot runs: the backend can take its unmasked path."""
 
-    @functools.cached_property
+    @property
     def active(self) -> torch.Tensor:
-        """``(T, K)`` bool: the slot runs here (expert present, weight != 0)."""
-        return self.mask if self.mask is not None else self.weights != 0
+        """``(T, K)`` bool: the slot runs here (expert present, weight != 0). Made once, on first
+        read, and kept in the instance's ``__dict__`` (not a ``functools.cached_property``: before
+        Python 3.12 that takes one lock shared by every instance, and a call makes one of these)."""
+        a = self.__dict__.get("_active")
+        if a is None:
+            a = self.mask if self.mask is not None else self.weights != 0
+            self.__dict__["_active"] = a
+        return a
 
     def pairs(self, order: str = "expert") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(token, slot, expert)`` of the active slots.

@@ -15,7 +15,6 @@ float weights are quantised per original matrix in ``spec.block`` blocks
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass, field
 from typing import Literal
@@ -119,13 +118,20 @@ class PackedExperts:
         """Bytes the kernels stream per full pass over all experts (weights + scales + biases)."""
         return sum(t.numel() * t.element_size() for t in (self.w1, self.s1, self.b1, self.w2, self.s2, self.b2))
 
-    @functools.cached_property
+    @property
     def meta_head(self) -> tuple[int, ...]:
         """The first 9 entries of the extension's ``meta`` (the layer's geometry, weight format,
         scale group and activation; :func:`moelab.kernels.op._args` adds the call's path, threads
-        and stage-1 slice), worked out once per pack."""
-        return (self.num_experts, self.hidden, self.intermediate, self.kp1, self.ip, self.hp,
-                DTYPE_CODES[self.spec.dtype], self.spec.kernel_group or self.spec.group_size, ACT_CODES[self.act])
+        and stage-1 slice), worked out once per pack and kept in its ``__dict__`` (the fields are
+        frozen; no ``functools.cached_property``, whose lock before Python 3.12 is shared by every
+        pack and every calling thread)."""
+        head = self.__dict__.get("_meta_head")
+        if head is None:
+            head = (self.num_experts, self.hidden, self.intermediate, self.kp1, self.ip, self.hp,
+                    DTYPE_CODES[self.spec.dtype], self.spec.kernel_group or self.spec.group_size,
+                    ACT_CODES[self.act])
+            self.__dict__["_meta_head"] = head
+        return head
 
     def expert_nbytes(self) -> int:
         """Bytes read for one expert (weights + scales)."""
