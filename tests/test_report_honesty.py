@@ -268,6 +268,26 @@ def test_a_kernel_build_lock_left_by_a_killed_build_is_cleared(tmp_path):
     assert clear_stale_lock(tmp_path) and not lock.exists()
 
 
+def test_a_build_lock_that_goes_stale_while_waited_on_is_cleared(tmp_path):
+    """A lock younger than the limit when a process starts (a build killed moments before) is
+    waited on only until it is stale; a lock its build removes ends the wait at once."""
+    import threading
+    import time
+
+    from moelab.kernels.build import wait_for_build_lock
+
+    lock = tmp_path / "lock"
+    lock.write_text("")
+    t0 = time.monotonic()
+    wait_for_build_lock(tmp_path, max_age_s=0.3, poll_s=0.02)  # fresh now, stale in 0.3 s
+    assert not lock.exists() and 0.25 <= time.monotonic() - t0 < 30
+    lock.write_text("")
+    threading.Timer(0.1, lock.unlink).start()  # the other build finishes
+    wait_for_build_lock(tmp_path, max_age_s=3600, poll_s=0.02)
+    assert not lock.exists()
+    wait_for_build_lock(tmp_path)  # no lock: returns at once
+
+
 def _run_small_sweep(tmp_path, spec_yaml: str):
     """Write ``spec_yaml``, run it into ``tmp_path/store`` (1 thread) and return (spec, statuses)."""
     from moelab.sweeps.driver import run_sweep

@@ -84,6 +84,25 @@ def clear_stale_lock(build_dir: Path, max_age_s: float = STALE_LOCK_S) -> bool:
     return True
 
 
+def wait_for_build_lock(build_dir: Path, max_age_s: float = STALE_LOCK_S, poll_s: float = 1.0) -> None:
+    """Return once ``build_dir`` has no build lock: another process's build finished (its lock is
+    gone) or its lock grew older than ``max_age_s`` (that build was killed: the lock is removed).
+    torch's own wait polls for the lock forever, so a lock left by a build killed moments before
+    this process started would hang it; this wait re-checks the age on every poll."""
+    import time
+
+    lock = Path(build_dir) / "lock"
+    said = False
+    while lock.exists():
+        if clear_stale_lock(build_dir, max_age_s):
+            return
+        if not said:
+            logger.warning("waiting for another process's kernel build to finish (lock %s; removed if it "
+                           "grows older than %.0f s)", lock, max_age_s)
+            said = True
+        time.sleep(poll_s)
+
+
 def _check_toolchain() -> None:
     from torch.utils.cpp_extension import is_ninja_available
 
@@ -118,7 +137,7 @@ def load_extension() -> ModuleType:
         _check_toolchain()
         build_dir = cache_dir()
         build_dir.mkdir(parents=True, exist_ok=True)
-        clear_stale_lock(build_dir)
+        wait_for_build_lock(build_dir)
         if not any(build_dir.glob(f"{_EXT_NAME}*.so")):
             logger.warning(
                 "Compiling moelab's native CPU kernels (first use only, about a minute); cache: %s",
