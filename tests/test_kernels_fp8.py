@@ -177,5 +177,6 @@ def test_bench_kernels_accepts_fp8_and_reports_its_bandwidth():
     assert result["machine"]["fp8_block"] == [128, 128] and "fp8 block 128x128" in format_table(result)
     # the per-call cost line: each way of calling a tiny layer, in µs
     cost = result["machine"]["call_overhead_us"]
-    assert set(cost) == {"experts call", "lane submit", "extension"} and all(v > 0 for v in cost.values())
+    assert set(cost) == {"experts call", "lane submit", "extension"}
+    assert all(us > 0 and sp >= 0 for us, sp in cost.values())
     assert "per-call cost on a 64x64x8x2 bf16 layer" in format_table(result)

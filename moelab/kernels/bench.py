@@ -227,9 +227,9 @@ class _Routing:
 OVERHEAD_SHAPE = "64x64x8x2"
 
 
-def call_overhead(calls: int = 400) -> dict[str, float]:
+def call_overhead(calls: int = 400) -> dict[str, tuple[float, float]]:
     """µs of one batch-1 experts call on a tiny bf16 layer (:data:`OVERHEAD_SHAPE`), median of
-    ``calls`` after a warm-up, three ways: ``experts call`` (the ``moelab`` backend's ``__call__``,
+    ``calls`` after a warm-up and its relative spread (:func:`moelab.measure.spread_of`), three ways: ``experts call`` (the ``moelab`` backend's ``__call__``,
     what transformers' ``moelab`` experts implementation runs per layer: checks, routing, pack
     lookup, extension), ``lane submit`` (``submit`` then ``result``: the real executor's host lane,
     a C++ worker thread) and ``extension`` (the compiled call alone, its arguments prepared). What a
@@ -239,6 +239,7 @@ def call_overhead(calls: int = 400) -> dict[str, float]:
 
     from moelab.backends import get_backend
     from moelab.kernels.op import _args, load_extension
+    from moelab.measure import spread_of
 
     shape = Shape.parse(OVERHEAD_SHAPE)
     mod = _experts_module(shape, shape.experts)
@@ -248,7 +249,7 @@ def call_overhead(calls: int = 400) -> dict[str, float]:
     ext = load_extension()
     args = _args(x, r.ids, r.w, be.packed(mod), None, None)
 
-    def median_us(fn: Callable[[], object]) -> float:
+    def median_us(fn: Callable[[], object]) -> tuple[float, float]:
         for _ in range(max(calls // 8, 1)):
             fn()
         ts = []
@@ -256,7 +257,7 @@ def call_overhead(calls: int = 400) -> dict[str, float]:
             t0 = time.perf_counter_ns()
             fn()
             ts.append(time.perf_counter_ns() - t0)
-        return statistics.median(ts) / 1e3
+        return statistics.median(ts) / 1e3, spread_of(ts)
 
     with torch.no_grad():
         return {"experts call": median_us(lambda: be(mod, x, r.ids, r.w)),
@@ -422,8 +423,8 @@ def format_table(result: dict) -> str:
         if m.get("load", {}).get("load1") is not None else "machine load unknown",
     ]
     if m.get("call_overhead_us"):
-        lines.append(f"per-call cost on a {OVERHEAD_SHAPE} bf16 layer, batch 1 (median µs): "
-                     + ", ".join(f"{k} {v:.1f}" for k, v in m["call_overhead_us"].items()))
+        lines.append(f"per-call cost on a {OVERHEAD_SHAPE} bf16 layer, batch 1 (median µs ± spread): "
+                     + ", ".join(f"{k} {us:.1f} ±{sp:.0%}" for k, (us, sp) in m["call_overhead_us"].items()))
     if m.get("busy"):
         lines.append(f"WARNING — measured on a busy machine, figures are not meaningful: {m['busy_reason']}")
     base_names = sorted({k for r in result["rows"] for k in (*r["baseline_ms"], *r.get("baseline_skipped", {}))})
