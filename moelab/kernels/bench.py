@@ -29,7 +29,7 @@ import torch
 
 from moelab.errors import MoelabError, unknown_name
 from moelab.kernels.packing import PackedExperts
-from moelab.measure import measure
+from moelab.measure import measure, spread_of
 
 logger = logging.getLogger(__name__)
 
@@ -239,7 +239,6 @@ def call_overhead(calls: int = 400) -> dict[str, tuple[float, float]]:
 
     from moelab.backends import get_backend
     from moelab.kernels.op import _args, load_extension
-    from moelab.measure import spread_of
 
     shape = Shape.parse(OVERHEAD_SHAPE)
     mod = _experts_module(shape, shape.experts)
