@@ -4,8 +4,8 @@
 // signed value (no saturation for |q|, |x| <= 127); int4 uses vpmaddubsw on the
 // unsigned nibble and the same offset correction as the AVX-512 path. fp8 (e4m3) bytes
 // are decoded in the decode regime by shifts and a mask straight into fp32 bit patterns
-// (value * 2^-120, exact) and multiplied against fp32 activation copies scaled by 2^60; in the
-// compute-bound regime a tile is decoded once through fp16 (vcvtph2ps). The block scale is
+// (value * 2^-120, exact) and multiplied against fp32 activation copies scaled by 2^60, in both
+// regimes (the compute-bound one decodes a tile once, scale applied). The block scale is
 // applied once per block.
 //
 // Two regimes, chosen per call by the rows (tokens) an expert has:
@@ -145,16 +145,15 @@ void mk_int(const MatView& m, int tile, const TilePtrs& p, float* out, size_t ld
     for (int i = 0; i < MH; ++i) _mm256_storeu_ps(out + size_t(t) * ldo + i * 8, facc[i][t]);
 }
 
-// fp8: [Kd/4][2][16][2] bytes. The 32-bit lane j of a half-line (32 bytes at k + hl) holds
-// rows 2j and 2j+1 at {k + hl, k + hl + 2} as bytes [r2j@k, r2j@k+2, r2j+1@k, r2j+1@k+2]. Each
-// byte is moved to the top of its lane, shifted right arithmetically by 4 and masked: that is
-// the fp32 bit pattern of value * 2^-120 (sign at 31, e4m3's exponent and mantissa at 26..20),
-// exact for every e4m3 value (subnormals become fp32 subnormals). Three integer shifts, four
-// shifts-and-masks per 32 weights and no conversion instruction: vcvtph2ps (two uops on Zen)
-// bounded the decode loop at ~60 % of read bandwidth. The activations arrive times kFp8XScale
-// (2^60, the fp32 copies of moe_op.cpp), so products stay normal; the packed scale (which
-// carries FP8_SCALE_FOLD = 2^8) times kFp8Unscale = 2^52 undoes 2^-120 * 2^60 exactly.
-// Accumulators hold even and odd rows; they are interleaved into row order once per block.
+// fp8: [Kd/4][16][4] bytes. The 32-bit lane j of a half-line (32 bytes at 32 hl) is row
+// 8 hl + j, its bytes (low to high) k+2, k, k+3, k+1. Each byte is moved to the top of its lane,
+// shifted right arithmetically by 4 and masked: that is the fp32 bit pattern of value * 2^-120
+// (sign at 31, e4m3's exponent and mantissa at 26..20), exact for every e4m3 value (subnormals
+// become fp32 subnormals). Three integer shifts, four shifts-and-masks per 32 weights and no
+// conversion instruction: vcvtph2ps (two uops on Zen) bounded the decode loop at ~60 % of read
+// bandwidth. The activations arrive times kFp8XScale (2^60, the fp32 copies of moe_op.cpp), so
+// products stay normal; the packed scale (which carries FP8_SCALE_FOLD = 2^8) times
+// kFp8Unscale = 2^52 undoes 2^-120 * 2^60 exactly. Accumulators hold rows in order.
 constexpr float kFp8Unscale = 0x1p52f;  // 2^(120 - 60 - 8)
 
 inline __m256 fp8_lane_top(__m256i top) {  // byte in bits 31..24 of each lane -> value * 2^-120
@@ -164,7 +163,7 @@ inline __m256 fp8_lane_top(__m256i top) {  // byte in bits 31..24 of each lane -
 
 template <int MT, int NT>
 void mk_fp8(const MatView& m, int tile, const TilePtrs& p, float* out, size_t ldo) {
-  constexpr int CH = NT == 1 ? 2 : 1;  // one token: two chains per accumulator (FMA latency)
+  constexpr int CH = NT == 1 ? 2 : 1;  // one token: (k, k+1) and (k+2, k+3) in two chains (FMA latency)
   const uint8_t* w[MT];
   const float* sc[MT];
   for (int i = 0; i < MT; ++i) {
@@ -173,7 +172,7 @@ void mk_fp8(const MatView& m, int tile, const TilePtrs& p, float* out, size_t ld
   }
   const int groups = m.kd / m.group;
   for (int g = 0; g < groups; ++g) {
-    __m256 acc[MT][2][NT][CH];  // [tile][even rows, odd rows][token][chain]
+    __m256 acc[MT][2][NT][CH];  // [tile][rows 0-7, rows 8-15][token][chain]
     for (int i = 0; i < MT; ++i)
       for (int h = 0; h < 2; ++h)
         for (int t = 0; t < NT; ++t)
@@ -181,40 +180,32 @@ void mk_fp8(const MatView& m, int tile, const TilePtrs& p, float* out, size_t ld
     const int k_end = (g + 1) * m.group;
     for (int k = g * m.group; k < k_end; k += 4) {
       const size_t off = size_t(k / 4) * 64;
-      for (int hl = 0; hl < 2; ++hl) {
-        const int c = CH == 2 ? hl : 0;
+      for (int hl = 0; hl < 2; ++hl)
         for (int i = 0; i < MT; ++i) {
           const __m256i v = _mm256_load_si256(reinterpret_cast<const __m256i*>(w[i] + off + 32 * hl));
-          const __m256 e0 = fp8_lane_top(_mm256_slli_epi32(v, 24));  // even rows at k + hl
-          const __m256 e2 = fp8_lane_top(_mm256_slli_epi32(v, 16));  // even rows at k + hl + 2
-          const __m256 o0 = fp8_lane_top(_mm256_slli_epi32(v, 8));   // odd rows at k + hl
-          const __m256 o2 = fp8_lane_top(v);                         // odd rows at k + hl + 2
+          const __m256 w0 = fp8_lane_top(_mm256_slli_epi32(v, 16));  // k
+          const __m256 w1 = fp8_lane_top(v);                         // k + 1
+          const __m256 w2 = fp8_lane_top(_mm256_slli_epi32(v, 24));  // k + 2
+          const __m256 w3 = fp8_lane_top(_mm256_slli_epi32(v, 8));   // k + 3
           for (int t = 0; t < NT; ++t) {
-            const __m256 x0 = _mm256_broadcast_ss(p.xf[t] + k + hl);
-            const __m256 x2 = _mm256_broadcast_ss(p.xf[t] + k + hl + 2);
-            acc[i][0][t][c] = _mm256_fmadd_ps(e0, x0, acc[i][0][t][c]);
-            acc[i][1][t][c] = _mm256_fmadd_ps(o0, x0, acc[i][1][t][c]);
-            acc[i][0][t][c] = _mm256_fmadd_ps(e2, x2, acc[i][0][t][c]);
-            acc[i][1][t][c] = _mm256_fmadd_ps(o2, x2, acc[i][1][t][c]);
+            const float* xk = p.xf[t] + k;
+            __m256& a0 = acc[i][hl][t][0];
+            __m256& a1 = acc[i][hl][t][CH - 1];
+            a0 = _mm256_fmadd_ps(w0, _mm256_broadcast_ss(xk), a0);
+            a1 = _mm256_fmadd_ps(w2, _mm256_broadcast_ss(xk + 2), a1);
+            a0 = _mm256_fmadd_ps(w1, _mm256_broadcast_ss(xk + 1), a0);
+            a1 = _mm256_fmadd_ps(w3, _mm256_broadcast_ss(xk + 3), a1);
           }
         }
-      }
     }
     for (int i = 0; i < MT; ++i) {
       const __m256 s = _mm256_set1_ps(sc[i][g] * kFp8Unscale);  // once per (tile, block)
-      for (int t = 0; t < NT; ++t) {
-        __m256 ev = acc[i][0][t][0], od = acc[i][1][t][0];
-        if constexpr (CH == 2) {
-          ev = _mm256_add_ps(ev, acc[i][0][t][1]);
-          od = _mm256_add_ps(od, acc[i][1][t][1]);
-        }
-        const __m256 lo = _mm256_unpacklo_ps(ev, od), hi = _mm256_unpackhi_ps(ev, od);
-        const __m256 r[2] = {_mm256_permute2f128_ps(lo, hi, 0x20), _mm256_permute2f128_ps(lo, hi, 0x31)};
+      for (int t = 0; t < NT; ++t)
         for (int h = 0; h < 2; ++h) {
+          const __m256 r = CH == 2 ? _mm256_add_ps(acc[i][h][t][0], acc[i][h][t][CH - 1]) : acc[i][h][t][0];
           float* o = out + size_t(t) * ldo + i * 16 + h * 8;
-          _mm256_storeu_ps(o, g ? _mm256_fmadd_ps(r[h], s, _mm256_loadu_ps(o)) : _mm256_mul_ps(r[h], s));
+          _mm256_storeu_ps(o, g ? _mm256_fmadd_ps(r, s, _mm256_loadu_ps(o)) : _mm256_mul_ps(r, s));
         }
-      }
     }
   }
   if (groups == 0)
@@ -263,23 +254,20 @@ void decode_tile(const MatView& m, int tile, int k0, int kc, float* wt) {
         _mm256_store_ps(wt + size_t(k + 1) * 16 + 8 * h, _mm256_castsi256_ps(_mm256_and_si256(v, hi_mask)));
       }
     }
-  } else {  // fp8: [Kd/4][2][16][2]; half-line hl holds rows x {k + hl, k + hl + 2}
-    const __m256i fmask = _mm256_set1_epi16(int16_t(0xBF80));
+  } else {  // fp8: [Kd/4][16][4]; half-line hl is rows 8 hl .. 8 hl + 7, bytes k+2, k, k+3, k+1
     const float* sc = m.scales + size_t(tile) * m.scale_tile;
     for (int k = 0; k < kc; k += 4) {
       const uint8_t* line = w + size_t((k0 + k) / 4) * 64;
-      // a 4-k line lies in one block; the activations' kFp8XScale is undone here
-      const __m256 s = _mm256_set1_ps(sc[(k0 + k) / m.group] * kFp8XUnscale);
+      // a 4-k line lies in one block; value * 2^-120 times the scale times 2^52 is the value
+      // times the checkpoint's scale times 2^-60, which undoes the activations' kFp8XScale
+      const __m256 s = _mm256_set1_ps(sc[(k0 + k) / m.group] * kFp8Unscale);
       for (int hl = 0; hl < 2; ++hl) {
         const __m256i v = _mm256_load_si256(reinterpret_cast<const __m256i*>(line + 32 * hl));
-        const __m256i h0 = _mm256_and_si256(_mm256_srai_epi16(_mm256_slli_epi16(v, 8), 1), fmask);
-        const __m256i h1 = _mm256_and_si256(_mm256_srai_epi16(v, 1), fmask);
-        float* d0 = wt + size_t(k + hl) * 16;
-        float* d1 = wt + size_t(k + hl + 2) * 16;
-        _mm256_store_ps(d0, _mm256_mul_ps(_mm256_cvtph_ps(_mm256_castsi256_si128(h0)), s));
-        _mm256_store_ps(d0 + 8, _mm256_mul_ps(_mm256_cvtph_ps(_mm256_extracti128_si256(h0, 1)), s));
-        _mm256_store_ps(d1, _mm256_mul_ps(_mm256_cvtph_ps(_mm256_castsi256_si128(h1)), s));
-        _mm256_store_ps(d1 + 8, _mm256_mul_ps(_mm256_cvtph_ps(_mm256_extracti128_si256(h1, 1)), s));
+        float* d = wt + size_t(k) * 16 + 8 * hl;
+        _mm256_store_ps(d, _mm256_mul_ps(fp8_lane_top(_mm256_slli_epi32(v, 16)), s));
+        _mm256_store_ps(d + 16, _mm256_mul_ps(fp8_lane_top(v), s));
+        _mm256_store_ps(d + 32, _mm256_mul_ps(fp8_lane_top(_mm256_slli_epi32(v, 24)), s));
+        _mm256_store_ps(d + 48, _mm256_mul_ps(fp8_lane_top(_mm256_slli_epi32(v, 8)), s));
       }
     }
   }

@@ -128,7 +128,7 @@ void mk_int(const MatView& m, int tile, const TilePtrs& p, float* out, size_t ld
     for (int i = 0; i < MT; ++i) _mm512_storeu_ps(out + size_t(t) * ldo + i * 16, facc[i][t]);
 }
 
-// fp8: [Kd/4][2][16][2] bytes, decoded line by line (moe_avx512_shared.h).
+// fp8: [Kd/4][16][4] bytes, decoded line by line (moe_avx512_shared.h).
 template <int MT, int NT>
 void mk_fp8(const MatView& m, int tile, const TilePtrs& p, float* out, size_t ldo) {
   __m512 facc[MT][NT];

@@ -2,11 +2,12 @@
 // own target pragma and after moe_generic.h; internal linkage, so each gets its own copy): the
 // decode of one packed fp8 line and the stage-1 activation epilogue.
 //
-// A 64-byte line of the fp8 layout ([Kd/4][2][16][2] bytes, see moe_kernels.h) is 16 rows x 4 k;
-// it decodes to the bf16 pairs (k, k+1) and (k+2, k+3) of every row: two lines of the bf16 layout
-// ([Kd/2][16][2]), which is also AMX's VNNI layout for a B tile. Each value is exact (value / 256,
-// the scale folds the 256 back), subnormals included: a line of normal numbers by shifts and two
-// word permutes, any other line by 128-entry byte tables (AVX512-VBMI); no conversion instruction.
+// A 64-byte line of the fp8 layout ([Kd/4][16][4] bytes, each row's 4 bytes in the order
+// k+2, k, k+3, k+1; see moe_kernels.h) is 16 rows x 4 k; it decodes to the bf16 pairs (k, k+1)
+// and (k+2, k+3) of every row: two lines of the bf16 layout ([Kd/2][16][2]), which is also AMX's
+// VNNI layout for a B tile. Each value is exact (value / 256, the scale folds the 256 back),
+// subnormals included: a line of normal numbers by shifts in place, any other line by 128-entry
+// byte tables (AVX512-VBMI); no conversion instruction and no permute on the common path.
 #pragma once
 #include <immintrin.h>
 
@@ -15,27 +16,21 @@ namespace {
 
 struct Fp8Tables {
   __m512i lo0, lo1, hi0, hi1;  // low / high bytes of the bf16 of magnitudes 0-63, 64-127 (/ 256)
-  __m512i idx01, idx23;        // line byte -> output byte, for the (k, k+1) and (k+2, k+3) pairs
-  __m512i wpair;               // 16-bit lanes (r, 16 + r) -> 32-bit lane r (fp8_line_to_bf16's fast path)
+  __m512i idx01, idx23;        // output byte -> line byte, for the (k, k+1) and (k+2, k+3) pairs
 };
 
 inline const Fp8Tables& fp8_tables() {
   static const Fp8Tables t = [] {
     alignas(64) uint8_t lo[128], hi[128], i01[64], i23[64];
-    alignas(64) uint16_t wp[32];
-    for (int r = 0; r < 16; ++r) {
-      wp[2 * r] = uint16_t(r);
-      wp[2 * r + 1] = uint16_t(16 + r);
-    }
     for (int j = 0; j < 128; ++j) {  // fp8_lut's value / 256 has at most 4 significant bits: its bf16 is exact
       const uint32_t bits = f32_to_bits(fp8_lut()[j]);
       lo[j] = uint8_t(bits >> 16);
       hi[j] = uint8_t(bits >> 24);
     }
-    for (int r = 0; r < 16; ++r)  // (row r, k) sits at byte 32 (k & 1) + 2 r + (k >> 1)
-      for (int b = 0; b < 4; ++b) {
-        i01[4 * r + b] = uint8_t(32 * (b >> 1) + 2 * r);
-        i23[4 * r + b] = uint8_t(32 * (b >> 1) + 2 * r + 1);
+    for (int r = 0; r < 16; ++r)  // row r's bytes 4 r .. 4 r + 3 hold k + 2, k, k + 3, k + 1
+      for (int b = 0; b < 4; ++b) {  // output bytes 4 r, 4 r + 1: the first value of the pair
+        i01[4 * r + b] = uint8_t(4 * r + (b >> 1 ? 3 : 1));
+        i23[4 * r + b] = uint8_t(4 * r + (b >> 1 ? 2 : 0));
       }
     Fp8Tables v;
     v.lo0 = _mm512_load_si512(lo);
@@ -44,7 +39,6 @@ inline const Fp8Tables& fp8_tables() {
     v.hi1 = _mm512_load_si512(hi + 64);
     v.idx01 = _mm512_load_si512(i01);
     v.idx23 = _mm512_load_si512(i23);
-    v.wpair = _mm512_load_si512(wp);
     return v;
   }();
   return t;
@@ -72,23 +66,20 @@ inline __m512i fp8_high_bytes_to_bf16(__m512i w) {
 }
 
 // t: fp8_tables(), copied into a local by the caller's loop so the tables stay in registers.
-// A line whose bytes are all normal numbers is decoded by shifts (bytes 2j and 2j + 1 of the
-// line, as 16-bit lane j, are (row j, k) and (row j, k + 2) for j < 16, (row j - 16, k + 1) and
-// (row j - 16, k + 3) above), and each row's pair moved into its 32-bit lane by one vpermw;
-// a line with a zero, a subnormal or a NaN (u < 8 or u = 127: (b + 1) & 0x7F <= 8) takes the
-// byte tables. Both give the same bits for a normal number.
+// In the 16-bit lanes of a line, lane 2 r holds (row r, k + 2) low and (row r, k) high, lane
+// 2 r + 1 holds k + 3 and k + 1: the high bytes decode in place to row r's pair (k, k + 1) in
+// 32-bit lane r, the low bytes (shifted up) to (k + 2, k + 3). A line with a zero or a
+// subnormal (exponent field 0: one test against 0x78) takes the byte tables; NaN bytes never
+// reach a kernel (packing refuses them). Both give the same bits for a normal number.
 inline void fp8_line_to_bf16(const Fp8Tables& t, const uint8_t* line, __m512i& p01, __m512i& p23) {
   const __m512i v = _mm512_load_si512(line);
-  const __m512i u1 = _mm512_and_si512(_mm512_add_epi8(v, _mm512_set1_epi8(1)), _mm512_set1_epi8(0x7F));
-  if (_mm512_cmple_epu8_mask(u1, _mm512_set1_epi8(8))) {
+  if (_mm512_testn_epi8_mask(v, _mm512_set1_epi8(0x78))) {
     p01 = fp8_pairs(t, v, t.idx01);
     p23 = fp8_pairs(t, v, t.idx23);
     return;
   }
-  const __m512i lo = fp8_high_bytes_to_bf16(_mm512_slli_epi16(v, 8));  // k (j < 16), k + 1 (j >= 16)
-  const __m512i hi = fp8_high_bytes_to_bf16(v);                        // k + 2, k + 3
-  p01 = _mm512_permutexvar_epi16(t.wpair, lo);
-  p23 = _mm512_permutexvar_epi16(t.wpair, hi);
+  p01 = fp8_high_bytes_to_bf16(v);                          // k, k + 1
+  p23 = fp8_high_bytes_to_bf16(_mm512_slli_epi16(v, 8));  // k + 2, k + 3
 }
 
 // exp_approx (moe_generic.h) on 16 lanes: the same clamp, range reduction and polynomial.

@@ -148,7 +148,7 @@ void gemm_generic(const MatView& m, int tile0, int ntiles, const ActView& a, int
             acc[l] += bf16_to_f32(wk[2 * l]) * x0 + bf16_to_f32(wk[2 * l + 1]) * x1;
         }
       } else if (m.wtype == W_FP8) {
-        // [Kd/4][2][16][2] bytes: (row l, k = 4 q + j) at 32 (j & 1) + 2 l + (j >> 1).
+        // [Kd/4][16][4] bytes: (row l, k = 4 q + j) at 4 l + kFp8Pos[j] (order k+2, k, k+3, k+1).
         const float* lut = fp8_lut();
         const uint16_t* x = static_cast<const uint16_t*>(a.base) + row * a.ld;
         const float* sc = m.scales + size_t(tile0 + ti) * m.scale_tile;
@@ -159,8 +159,8 @@ void gemm_generic(const MatView& m, int tile0, int ntiles, const ActView& a, int
             const uint8_t* blk = w + size_t(k / 4) * 64;
             for (int j = 0; j < 4; ++j) {
               const float xv = bf16_to_f32(x[k + j]);
-              const uint8_t* bj = blk + 32 * (j & 1) + (j >> 1);
-              for (int l = 0; l < 16; ++l) gacc[l] += lut[bj[2 * l]] * xv;
+              const uint8_t* bj = blk + kFp8Pos[j];
+              for (int l = 0; l < 16; ++l) gacc[l] += lut[bj[4 * l]] * xv;
             }
           }
           for (int l = 0; l < 16; ++l) acc[l] += gacc[l] * sc[g];  // once per block

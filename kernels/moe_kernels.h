@@ -10,14 +10,15 @@
 //   int8: [Kd/4][16][4] u8    (one line per 4 k; value = q + 128; vpdpbusd quads)
 //   int4: [Kd/8][16][4] u8    (one line per 8 k; low nibble k+j, high nibble k+4+j;
 //                              value = q + 8)
-//   fp8 : [Kd/4][2][16][2] u8 (one line per 4 k, e4m3fn bytes; byte 32*(k&1) + 2*row +
-//                              (k>>1) of the line holds (row, k), so one 16-bit lane pairs
-//                              k and k+2 of a row and a half-line holds 16 rows x 2 k)
+//   fp8 : [Kd/4][16][4] u8    (one line per 4 k, e4m3fn bytes; a row's 4 bytes hold k+2, k,
+//                              k+3, k+1: the high bytes of its two 16-bit lanes are the pair
+//                              (k, k+1), the low bytes (k+2, k+3), each pair where vdpbf16ps
+//                              and AMX's bf16 B tiles want it once decoded in place)
 // int8/int4 scales are fp32 [N/16][G][16]. fp8 scales are fp32 [N/16][G], one per
 // (16-row tile, block of `group` k): the checkpoint's 128x128 block scale (its row
-// block holds whole tiles) times 256, because the kernels decode e4m3 exactly through
-// fp16 (e4m3 bits << 7 are an fp16 of the value / 256), then apply the scale once per
-// block. Gate and up rows are interleaved per tile
+// block holds whole tiles) times 256, because the kernels decode e4m3 exactly to the
+// value / 256 (AVX2: value * 2^-120, its scale adjusted by a power of two), then apply the
+// scale once per block. Gate and up rows are interleaved per tile
 // (gate tile i, then up tile i) so one pass over the weights yields both.
 //
 // This header is included by the ISA translation units, which are compiled with
@@ -32,7 +33,9 @@ namespace moelab {
 // 2^60, so that the decode loop's weights (value * 2^-120, see moe_avx2.cpp) multiply into
 // normal fp32 products; an fp32 copy overflows only for |x| > 2^68. Powers of two: exact.
 constexpr float kFp8XScale = 0x1p60f;
-constexpr float kFp8XUnscale = 0x1p-60f;
+
+// fp8 layout: the byte of (row, k = 4 q + j) in line q of a tile is 4 row + kFp8Pos[j].
+constexpr int kFp8Pos[4] = {1, 3, 0, 2};
 
 enum WeightType : int { W_F32 = 0, W_BF16 = 1, W_INT8 = 2, W_INT4 = 3, W_FP8 = 4 };
 enum ActKind : int { ACT_SILU = 0, ACT_GPT_OSS = 1 };

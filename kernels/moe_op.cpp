@@ -646,7 +646,7 @@ std::vector<std::string> cpu_features() {
   __builtin_cpu_init();
   if (__builtin_cpu_supports("avx2")) f.push_back("avx2");
   if (__builtin_cpu_supports("fma")) f.push_back("fma");
-  if (__builtin_cpu_supports("f16c")) f.push_back("f16c");  // fp8 decode widens through fp16
+  if (__builtin_cpu_supports("f16c")) f.push_back("f16c");  // part of the avx2 path's target
   if (__builtin_cpu_supports("avx512f")) f.push_back("avx512f");
   if (__builtin_cpu_supports("avx512bw")) f.push_back("avx512bw");
   if (__builtin_cpu_supports("avx512vl")) f.push_back("avx512vl");

@@ -36,8 +36,9 @@ Activation = Literal["silu", "gpt_oss"]
 DTYPE_CODES: dict[str, int] = {"fp32": 0, "bf16": 1, "int8": 2, "int4": 3, "fp8": 4}
 ACT_CODES: dict[str, int] = {"silu": 0, "gpt_oss": 1}
 _BYTES_PER_K: dict[str, float] = {"fp32": 64, "bf16": 32, "int8": 16, "int4": 8, "fp8": 16}  # per 16-row tile
+_FP8_ORDER = [2, 0, 3, 1]  # the k offsets a packed fp8 row's 4 bytes hold (kernels/moe_kernels.h: kFp8Pos)
 FP8_SCALE_FOLD = 256.0
-"""The kernels decode e4m3 to value / 256 (exactly, via fp16); packed fp8 scales carry the 256."""
+"""The kernels decode e4m3 exactly to value / 256 (bf16) or value · 2^-120 (fp32, AVX2); packed fp8 scales carry the 256."""
 
 
 @dataclass(frozen=True)
@@ -191,10 +192,11 @@ def _fp8_rows(
 
 
 def _fp8_layout(u: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Bytes ``(N, Kp)`` → ``[N/16][Kp/4][2][16][2]`` (byte 32 (k&1) + 2 row + (k>>1) of a line);
-    per-row scales → one per (tile, block), times :data:`FP8_SCALE_FOLD`."""
+    """Bytes ``(N, Kp)`` → ``[N/16][Kp/4][16][4]``, each row's 4 bytes in the order k+2, k, k+3, k+1
+    (the kernels decode the high and low bytes of its 16-bit lanes in place into the bf16 pairs
+    (k, k+1) and (k+2, k+3)); per-row scales → one per (tile, block), times :data:`FP8_SCALE_FOLD`."""
     n, kp = u.shape
-    b = u.reshape(n // 16, 16, kp // 4, 2, 2).permute(0, 2, 4, 1, 3).contiguous()
+    b = u.reshape(n // 16, 16, kp // 4, 4)[..., _FP8_ORDER].permute(0, 2, 1, 3).contiguous()
     return b.flatten(), (rows[::16] * FP8_SCALE_FOLD).contiguous().flatten()
 
 
