@@ -1,16 +1,17 @@
 // AMX path (AMX-TILE, -BF16 and -INT8 on top of the AVX-512 path: Sapphire Rapids and later).
 //
-// Compute-bound calls (an expert with >= kAmxMinRows tokens) run on tiles:
+// Compute-bound calls (an expert with >= amx_min_rows(wtype) tokens: 4-8, moe_kernels.h) run on tiles:
 // C[16 tokens x 16 rows] += A[16 tokens x 64 bytes of k] . B[64 bytes of k x 16 rows].
 //  * bf16 / fp8 weights: tdpbf16ps, 32 k a step. The packed bf16 layout ([Kd/2][16][2]) already
 //    is AMX's VNNI layout for B, so a B tile is 16 consecutive 64-byte lines of a weight tile,
-//    loaded in place. fp8 weights are decoded exactly to bf16 (moe_avx512_shared.h) once per
-//    call and weight tile into a per-thread buffer in that layout, and each block of `group` k
+//    loaded in place. fp8 weights are decoded exactly to bf16 (moe_avx512_shared.h) into a
+//    per-thread buffer in that layout (per scale block just before use while the call has at
+//    most 32 rows, else once per call and weight tile), and each block of `group` k
 //    is summed in fresh C tiles that are scaled into fp32 sums once per block (the AVX-512
 //    path's order). A bf16 reduction that is not a multiple of 32 ends with AVX-512 dot products.
 //  * int8 / int4 weights (groups of 64 or 128): tdpbsud, 64 k a step, the int8 activations
 //    (signed) against the unsigned offset weights; the int8 layout is the VNNI layout for B,
-//    int4 nibbles are unpacked to bytes once per call and tile. Each group's int32 sums get the
+//    int4 nibbles are unpacked to bytes as fp8 tiles are decoded. Each group's int32 sums get the
 //    offset correction and both scales in fp32, as on the AVX-512 path.
 // Activation rows come as the driver's A panels (amx_panel_at: 1 KiB per tile, consecutive),
 // else straight from the caller's buffer when consecutive; a last block of fewer than 16 tokens
@@ -95,6 +96,7 @@ struct ATile {
 // C tiles for MI token blocks x NJ weight tiles over k-steps [s0, s1) (64 bytes of each row per
 // step: 32 bf16 k with tdpbf16ps, or 64 int8 k with tdpbsud: signed activations x unsigned,
 // offset weights), stored to c[(i * NJ + j) * 256 + token * 16 + row] (fp32, or int32 bits).
+// b[j] holds the weight tile's steps from s0 on (1 KiB each).
 template <int MI, int NJ, bool INT>
 void run_tiles(const ATile a[2], const uint8_t* const b[2], int s0, int s1, float* c) {
   _tile_zero(0);
@@ -104,19 +106,19 @@ void run_tiles(const ATile a[2], const uint8_t* const b[2], int s0, int s1, floa
   for (int s = s0; s < s1; ++s) {
     if (s + 1 < s1) {  // the next step's tiles into L1 while this step's multiply
       for (int l = 0; l < 1024; l += 64) {
-        _mm_prefetch(reinterpret_cast<const char*>(b[0] + size_t(s + 1) * 1024 + l), _MM_HINT_T0);
-        if constexpr (NJ > 1) _mm_prefetch(reinterpret_cast<const char*>(b[1] + size_t(s + 1) * 1024 + l), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(b[0] + size_t(s + 1 - s0) * 1024 + l), _MM_HINT_T0);
+        if constexpr (NJ > 1) _mm_prefetch(reinterpret_cast<const char*>(b[1] + size_t(s + 1 - s0) * 1024 + l), _MM_HINT_T0);
       }
       for (int r = 0; r < 16; ++r) {
         _mm_prefetch(reinterpret_cast<const char*>(a[0].p + size_t(s + 1) * a[0].step + r * a[0].stride), _MM_HINT_T0);
         if constexpr (MI > 1) _mm_prefetch(reinterpret_cast<const char*>(a[1].p + size_t(s + 1) * a[1].step + r * a[1].stride), _MM_HINT_T0);
       }
     }
-    _tile_loadd(6, b[0] + size_t(s) * 1024, 64);
+    _tile_loadd(6, b[0] + size_t(s - s0) * 1024, 64);
     _tile_loadd(4, a[0].p + size_t(s) * a[0].step, a[0].stride);
     if constexpr (INT) _tile_dpbsud(0, 4, 6); else _tile_dpbf16ps(0, 4, 6);
     if constexpr (NJ > 1) {
-      _tile_loadd(7, b[1] + size_t(s) * 1024, 64);
+      _tile_loadd(7, b[1] + size_t(s - s0) * 1024, 64);
       if constexpr (INT) _tile_dpbsud(1, 4, 7); else _tile_dpbf16ps(1, 4, 7);
     }
     if constexpr (MI > 1) {
@@ -145,13 +147,15 @@ struct Scratch {
 };
 thread_local Scratch scratch;
 
-// Weight tile `tile` as B tiles (1 KiB per step): in place (bf16, int8: the packed layouts are
-// AMX's VNNI layouts), or decoded into dec: fp8 -> exact bf16 pairs, int4 -> one int8 line of
-// its low nibbles (k..k+3) and one of its high nibbles (k+4..k+7), unsigned like int8's q + 128.
-const uint8_t* b_tiles(const MatView& m, int tile, uint8_t* dec) {
+// Steps [s0, s1) of weight tile `tile` as B tiles (1 KiB per step, from step s0 on): in place
+// (bf16, int8: the packed layouts are AMX's VNNI layouts), or decoded into dec: fp8 -> exact
+// bf16 pairs, int4 -> one int8 line of its low nibbles (k..k+3) and one of its high nibbles
+// (k+4..k+7), unsigned like int8's q + 128. A step is 8 packed lines of either.
+const uint8_t* b_tiles(const MatView& m, int tile, int s0, int s1, uint8_t* dec) {
   const uint8_t* w = m.w + size_t(tile) * m.tile_bytes;
-  if (m.wtype == W_BF16 || m.wtype == W_INT8) return w;
-  const int lines = m.wtype == W_FP8 ? m.kd / 4 : m.kd / 8;
+  if (m.wtype == W_BF16 || m.wtype == W_INT8) return w + size_t(s0) * 1024;
+  w += size_t(s0) * 8 * 64;
+  const int lines = (s1 - s0) * 8;
   const Fp8Tables tb = fp8_tables();
   const __m512i low4 = _mm512_set1_epi8(0x0F);
   for (int q = 0; q < lines; ++q) {
@@ -247,10 +251,15 @@ void gemm_tiles(const MatView& m, int tile0, int ntiles, const ActView& a, int n
   // A: the panel, or consecutive row-major rows read in place (gemm_amx sends nothing else)
   const size_t ld = a.ld * esz;
   const uint8_t* x0 = a.panel ? nullptr : static_cast<const uint8_t*>(a.base) + size_t(a.rows[0]) * ld;
-  const size_t dec_tile = size_t(steps) * 1024;
-  uint8_t* dec = fp8 || m.wtype == W_INT4 ? aligned_buffer(sc.wdec, size_t(ntiles) * dec_tile) : nullptr;
+  // Decoded weights (fp8, int4): rows that fit one pair of token blocks use each weight once, so
+  // each scale block of a tile pair is decoded just before its steps (2 x block KiB, in L1);
+  // more rows reuse every tile, decoded once per call (the whole reduction, in L2).
+  const bool decoded = fp8 || m.wtype == W_INT4, stream = decoded && n <= 32;
+  const size_t dec_tile = size_t(stream ? block : steps) * 1024;
+  uint8_t* dec = decoded ? aligned_buffer(sc.wdec, size_t(stream ? 2 : ntiles) * dec_tile) : nullptr;
   std::vector<const uint8_t*> bt(ntiles);
-  for (int j = 0; j < ntiles; ++j) bt[j] = b_tiles(m, tile0 + j, dec ? dec + size_t(j) * dec_tile : nullptr);
+  if (!stream)
+    for (int j = 0; j < ntiles; ++j) bt[j] = b_tiles(m, tile0 + j, 0, steps, dec ? dec + size_t(j) * dec_tile : nullptr);
   float* c = aligned_buffer(sc.c, 4 * 256);
   float* acc = aligned_buffer(sc.acc, 4 * 256);
   Tiles tiles;
@@ -269,7 +278,11 @@ void gemm_tiles(const MatView& m, int tile0, int ntiles, const ActView& a, int n
         const Epilogue ep{&m, &a, tile0, j0, i0, n};
         __builtin_memset(acc, 0, sizeof(float) * 4 * 256);
         for (int g = 0; g * block < steps; ++g) {
-          run(ap, b, g * block, (g + 1) * block, c);
+          const uint8_t* bg[2] = {nullptr, nullptr};
+          for (int j = 0; j < nj; ++j)
+            bg[j] = stream ? b_tiles(m, tile0 + j0 + j, g * block, (g + 1) * block, dec + size_t(j) * dec_tile)
+                           : b[j] + size_t(g) * block * 1024;
+          run(ap, bg, g * block, (g + 1) * block, c);
           fold_block(ep, mi, nj, g, c, acc);
         }
       }

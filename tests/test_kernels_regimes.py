@@ -1,6 +1,7 @@
 """Both regimes of each ISA path match the reference: the decode kernels (few rows per expert)
 and the compute-bound blocked kernels (AVX2: from 8 rows per expert, weights decoded per tile
-chunk of 256 along the reduction; AMX: bf16/fp8 on tiles from 16 rows per expert, a reduction tail
+chunk of 256 along the reduction; AMX: on tiles from 4 (bf16), 6 (int8, fp8) or 8 (int4) rows per
+expert, decoded weights streamed per scale block up to 32 rows and decoded per call above, a reduction tail
 that is not a multiple of 32 on AVX-512), over rows per expert across the switch, expert maps
 (uniform, skewed, one expert), zero slots (experts without tokens, zero router weights) and
 reductions that span several chunks with a ragged last one. The scheduler's per-thread stats
@@ -18,9 +19,10 @@ SPECS = [KernelSpec("fp32"), KernelSpec("bf16"), KernelSpec("int8", 64), KernelS
          KernelSpec("fp8"), KernelSpec("fp8", block=(16, 32))]
 SPEC_IDS = ["fp32", "bf16", "int8g64", "int4g32", "fp8b128", "fp8b16x32"]
 TOL = {"fp32": 1e-5, "bf16": 2e-3, "int8": 5e-3, "int4": 5e-3, "fp8": 5e-3}
-# across AVX2's blocked switch (8) and row block (96), and AMX's tile switch (16), its partial last
-# token block (17, 33) and its two-block register tile (32)
-ROWS_PER_EXPERT = [1, 3, 5, 7, 8, 9, 13, 15, 16, 17, 24, 33, 100]
+# across AVX2's blocked switch (8) and row block (96), AMX's tile switches (4, 6, 8: moe_kernels.h's
+# amx_min_rows), its partial last token block (17, 33), its two-block register tile (32) and its
+# switch from streamed to per-call weight decode (33)
+ROWS_PER_EXPERT = [1, 3, 4, 5, 6, 7, 8, 9, 13, 15, 16, 17, 24, 33, 100]
 
 
 @pytest.fixture(params=ISAS)
