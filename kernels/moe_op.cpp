@@ -18,6 +18,7 @@
 #include <torch/extension.h>
 
 #include <algorithm>
+#include <charconv>
 #include <chrono>
 #include <condition_variable>
 #include <cstring>
@@ -26,7 +27,7 @@
 #include <memory>
 #include <mutex>
 #include <optional>
-#include <sstream>
+#include <sstream>  // raise_probe(3) only
 #include <stdexcept>
 #include <string>
 #include <thread>
@@ -45,11 +46,26 @@ namespace moelab {
 // while the same exception kinds thrown from a function without tensor arguments (_raise_probe)
 // reached Python intact, and torch 2.13 raised in both cases (also under AddressSanitizer,
 // clean). No exception crosses the tensor-taking bindings now.
+//
+// Messages are built without iostreams. On the same torch 2.11 box (2026-11-28) returning the
+// message instead of throwing still died with SIGSEGV, before any output, for the messages that
+// hold a number; the probes that passed formatted text only. Inserting an integer into a
+// std::ostream goes through the locale's num_put facet, which this extension and torch's
+// libraries can resolve to different copies of libstdc++ (pytorch/pytorch#81543 shows torch's
+// libraries changing how every sstream formats numbers). std::to_chars uses no locale.
+inline void append(std::string& s, const char* v) { s += v; }
+inline void append(std::string& s, const std::string& v) { s += v; }
+template <typename T, typename = std::enable_if_t<std::is_integral_v<T> && !std::is_same_v<T, bool>>>
+void append(std::string& s, T v) {
+  char buf[24];
+  const auto r = std::to_chars(buf, buf + sizeof buf, v);
+  s.append(buf, r.ptr);
+}
 template <typename... Args>
 std::string message(const Args&... args) {
-  std::ostringstream os;
-  (os << ... << args);
-  return os.str();
+  std::string s;
+  (append(s, args), ...);
+  return s;
 }
 template <typename... Args>
 [[noreturn]] void fail(const Args&... args) {
@@ -635,10 +651,17 @@ std::map<std::string, std::vector<double>> last_call_stats() {
 // Throws one kind of C++ exception (0: a failing TORCH_CHECK, i.e. c10::Error; 1: std::runtime_error,
 // what fail() throws; 2: pybind11::value_error) from a function without tensor arguments, to see which
 // ones a torch release carries back to Python (tests/test_kernels_errors.py; see MOELAB_REQUIRE).
+// 3: a std::runtime_error whose message has an integer inserted by a std::ostringstream, the way
+// message() used to build them (see append above): a diagnostic for a torch build, not a path moelab uses.
 void raise_probe(int64_t kind) {
   if (kind == 0) TORCH_CHECK(false, "moelab: probe c10::Error");
   if (kind == 1) fail("moelab: probe std::runtime_error");
   if (kind == 2) throw pybind11::value_error("moelab: probe pybind11::value_error");
+  if (kind == 3) {
+    std::ostringstream os;
+    os << "moelab: probe ostream integer " << kind;
+    throw std::runtime_error(os.str());
+  }
 }
 
 std::vector<std::string> cpu_features() {
@@ -688,6 +711,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "this thread's last moe_forward: stage wall seconds, per-thread busy seconds, task counts");
   m.def("cpu_features", &moelab::cpu_features, "x86 features detected at run time");
   m.def("_raise_probe", &moelab::raise_probe, "throw one kind of C++ exception (0 c10::Error, 1 runtime_error, "
-        "2 pybind11 value_error): which survive this torch");
+        "2 pybind11 value_error, 3 runtime_error formatted by an ostringstream): which survive this torch");
   m.attr("ABI_VERSION") = 5;  // 4: expert_map, moe_submit/Ticket (C++ lane workers); 5: errors as returned strings
 }

@@ -12,6 +12,9 @@
 #      DEVICE_BACKEND=batched_mm, transformers' fastest built-in on an H100, unless set), alone;
 #   4. `moelab bench throughput --device cuda` (MoE-Gen's offloaded decode beside its simulation), alone;
 #   5. `moelab bench kernels` (T=1 16 256) and `--prefill` on the best ISA path, alone.
+# ONLY="errors bench kernels" runs just those steps (names: tests, errors, bench, throughput, kernels, prefill;
+# the environment and the build always run). "errors" runs the kernels' error-path tests alone and, when the
+# interpreter dies, a native backtrace under cuda-gdb (the image has no gdb).
 # Results: $OUT/summary.txt (the figures) and $OUT/all.tgz (every log), so they fit the device
 # tool's eight returned files. Exit status: non-zero when a test failed.
 set -uo pipefail
@@ -24,6 +27,10 @@ export TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$OUT/ext}"
 PY="${PYTHON:-python3}"
 S="$OUT/summary.txt"
 : > "$S"
+
+ONLY="${ONLY:-tests errors bench throughput kernels prefill}"
+want() { [[ " $ONLY " == *" $1 "* ]]; }
+grc=0; irc=0; erc=0
 
 step() {  # step LIMIT_S CMD...: run CMD with min(LIMIT_S, the budget left); say when it was cut or skipped
   local lim=$1 left=$((BUDGET - SECONDS)); shift
@@ -48,29 +55,57 @@ step 200 $PY -c "import time; t = time.time(); from moelab.kernels.build import 
 BEST=$($PY -c "from moelab.kernels import supported_isas; print(supported_isas()[0])" 2>/dev/null)
 echo "best ISA path: ${BEST:-none}" | tee -a "$S"
 
+if want tests; then
 echo "== tests (CUDA and ISA, side by side)" | tee -a "$S"
 mkdir -p "$OUT/isa" "$OUT/gpu"
 ( OUT="$OUT/isa" JOBS=4 SKIP_BENCH=1 step 240 bash scripts/cpu_isa_check.sh > "$OUT/isa/log.txt" 2>&1 ) &
 isa_pid=$!
 OUT="$OUT/gpu" SKIP_BENCH=1 step 240 bash scripts/gpu_check.sh > "$OUT/gpu/log.txt" 2>&1; grc=$?
 wait $isa_pid; irc=$?
+pkill -9 -f "pytest" 2>/dev/null  # workers a timed-out step left behind
 { echo "-- CUDA tests (rc $grc)"; grep -E "passed|failed|error|SKIPPED|FAILED|ERROR" "$OUT/gpu/pytest.txt" | tail -25
   echo "-- ISA tests (rc $irc)"; for f in "$OUT"/isa/pytest-*.txt; do echo "$f"; grep -E "^(FAILED|ERROR)|passed|failed|crash" "$f" | tail -12; done; } 2>&1 | tee -a "$S"
 
+fi
+
+if want errors; then
+echo "== kernels error paths (a crash is a failure, with its native backtrace)" | tee -a "$S"
+step 120 $PY -m pytest -q -p no:cacheprovider tests/test_kernels_errors.py > "$OUT/errors.txt" 2>&1; erc=$?
+tail -4 "$OUT/errors.txt" | tee -a "$S"
+for k in 0 1 2 3; do  # which exception kinds, thrown without tensor arguments, reach Python (3: ostream-formatted)
+  r=$(timeout 60 $PY -c "from moelab.kernels.build import load_extension as l
+try: l()._raise_probe($k)
+except Exception as e: print(type(e).__name__, e)" 2>&1 | tail -1); echo "probe $k (exit $?): $r" | tee -a "$S"
+done
+if [ $erc -ne 0 ] && command -v cuda-gdb > /dev/null; then
+  $PY - > "$OUT/crash.py" <<'PYEOF'
+import tests.test_kernels_errors as t; print(t.SCRIPT)
+PYEOF
+  step 90 cuda-gdb -batch -ex "set pagination off" -ex run -ex bt -ex "info sharedlibrary" --args $PY "$OUT/crash.py" > "$OUT/crash-bt.txt" 2>&1
+  grep -E "^#|signal|SIG" "$OUT/crash-bt.txt" | head -40 | tee -a "$S"
+fi
+fi
+
+if want bench; then
 echo "== real executor on CUDA (host backend ${HOST_BACKEND:-moelab_bf16})" | tee -a "$S"
 mkdir -p "$OUT/bench"
 POINTS="${POINTS:-0:0 0:2 0.25:0 0.25:2 1:0}" THREADS="${THREADS:-$(nproc) $(( $(nproc) - 2 ))}" HOST_BACKEND="${HOST_BACKEND:-moelab_bf16}" DEVICE_BACKEND="${DEVICE_BACKEND:-batched_mm}" OUT="$OUT/bench" SKIP_TESTS=1 step 200 bash scripts/gpu_check.sh \
   > "$OUT/bench/log.txt" 2>&1
 grep -vE "^== environment|^python |^cuda |^plotly|^lm_eval|^ray|^imports" "$OUT/bench/bench.txt" 2>/dev/null | tee -a "$S"
 
+fi
+
+if want throughput; then
 echo "== MoE-Gen offloaded decode on CUDA (moelab bench throughput --device cuda)" | tee -a "$S"
 step 120 $PY -m moelab.cli bench throughput --device cuda --models moelab-tiny-mixtral v2-lite:2 --batches 32 \
   --micro-batches 8 --expert-batches 64 --steps 4 --repeats 3 --expert-slots 2 --allow-busy \
   > "$OUT/throughput.txt" 2> "$OUT/throughput.log"
 cat "$OUT/throughput.txt" >> "$S"; tail -3 "$OUT/throughput.log" >> "$S"
+fi
 
 if [ -n "$BEST" ]; then
   for mode in tokens prefill; do
+    want "${mode/tokens/kernels}" || continue
     echo "== moelab bench kernels ($mode) on $BEST" | tee -a "$S"
     args=(--tokens 1 16 256); [ $mode = prefill ] && args=(--prefill)
     MOELAB_KERNELS_ISA=$BEST step 150 $PY -m moelab.cli bench kernels --dtypes bf16 int8 fp8 "${args[@]}" \
@@ -80,6 +115,7 @@ if [ -n "$BEST" ]; then
 fi
 
 rm -rf "$OUT/ext" "$OUT/isa/ext"
-(cd "$OUT" && tar czf all.tgz --exclude=all.tgz --exclude=summary.txt . && rm -rf isa gpu bench kernels-* throughput.*)
-echo "== done in ${SECONDS} s; CUDA tests rc $grc, ISA tests rc $irc" | tee -a "$S"
-exit $(( grc != 0 ? grc : irc ))
+tar czf /tmp/moelab-box-all.tgz -C "$OUT" --exclude=summary.txt . && mv /tmp/moelab-box-all.tgz "$OUT/all.tgz" \
+  && (cd "$OUT" && rm -rf isa gpu bench kernels-* throughput.* errors.txt crash*)
+echo "== done in ${SECONDS} s; CUDA tests rc $grc, ISA tests rc $irc, error paths rc $erc" | tee -a "$S"
+exit $(( grc != 0 ? grc : irc != 0 ? irc : erc ))

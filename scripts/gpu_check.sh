@@ -60,7 +60,7 @@ if [ -z "${SKIP_BENCH:-}" ]; then   # SKIP_BENCH=1: only the tests
 echo "== bench (real executor, CUDA lanes; DeepSeek-V2-Lite MoE shapes x 3 layers, bf16, host-misses, LRU warmed by frequency)" \
     | tee "$OUT/bench.txt"
 timeout 240 $PY - <<'PYEOF' 2>&1 | tee -a "$OUT/bench.txt"
-import json, os, time
+import copy, json, os, time
 import numpy as np
 import torch
 from moelab.forward.bench import decode_loop
@@ -73,6 +73,40 @@ model = realistic_model(3)
 print(f"model built in {time.perf_counter() - t:.1f} s; host backend {hb}, device backend {db}, {torch.get_num_threads()} threads, "
       f"{steps} decode steps per point")
 ids = torch.randint(3, 250, (1, 8), generator=torch.Generator().manual_seed(0))
+# plain transformers on the GPU, every expert resident: the fastest of its experts implementations (first, so a
+# run cut short by its time limit still has the baseline)
+import time as _t
+from transformers import DynamicCache
+from moelab.compat import cache_kwargs, output_cache
+
+def gpu_decode(m, ids, n):
+    cache = DynamicCache(config=m.config)
+    out = m(input_ids=ids, **cache_kwargs(cache, m), use_cache=True)
+    nxt = out.logits[:, -1:].argmax(-1)
+    torch.cuda.synchronize()
+    t0 = _t.perf_counter()
+    for _ in range(n):
+        out = m(input_ids=nxt, **cache_kwargs(output_cache(out), m), use_cache=True)
+        nxt = out.logits[:, -1:].argmax(-1)
+    torch.cuda.synchronize()
+    return (_t.perf_counter() - t0) / n
+
+plain = {}
+try:
+    gpu_model = copy.deepcopy(model).cuda()  # the same weights as the points below
+    for impl in ("eager", "batched_mm", "grouped_mm"):
+        try:
+            gpu_model.set_experts_implementation(impl)
+            gpu_decode(gpu_model, ids.cuda(), 2)
+            times = sorted(gpu_decode(gpu_model, ids.cuda(), steps) for _ in range(7))
+            plain[impl] = times[3] * 1e3
+            print(f"plain transformers on the GPU, {impl} experts: {plain[impl]:.2f} ms per step (median of 7)")
+        except Exception as e:  # noqa: BLE001
+            print(f"plain transformers, {impl}: failed: {type(e).__name__}: {e}")
+    del gpu_model
+    torch.cuda.empty_cache()
+except Exception as e:  # noqa: BLE001
+    print("plain transformers on the GPU failed:", type(e).__name__, e)
 # this box's own figures for the simulator (the preset PROFILE describes another machine): host read
 # bandwidth, pinned host->device copies, cores, one NUMA node
 box = None
@@ -136,39 +170,6 @@ for cap, d, th in [(float(p.split(":")[0]), int(p.split(":")[1]), t) for p in po
     except Exception as e:  # noqa: BLE001 - a check script: report and go on
         print("          simulation failed:", type(e).__name__, e)
 
-# plain transformers on the GPU, every expert resident: the fastest of its experts implementations
-import time as _t
-from transformers import DynamicCache
-from moelab.compat import cache_kwargs, output_cache
-
-def gpu_decode(m, ids, n):
-    cache = DynamicCache(config=m.config)
-    out = m(input_ids=ids, **cache_kwargs(cache, m), use_cache=True)
-    nxt = out.logits[:, -1:].argmax(-1)
-    torch.cuda.synchronize()
-    t0 = _t.perf_counter()
-    for _ in range(n):
-        out = m(input_ids=nxt, **cache_kwargs(output_cache(out), m), use_cache=True)
-        nxt = out.logits[:, -1:].argmax(-1)
-    torch.cuda.synchronize()
-    return (_t.perf_counter() - t0) / n
-
-plain = {}
-try:
-    gpu_model = realistic_model(3).cuda()
-    for impl in ("eager", "batched_mm", "grouped_mm"):
-        try:
-            gpu_model.set_experts_implementation(impl)
-            gpu_decode(gpu_model, ids.cuda(), 2)
-            times = sorted(gpu_decode(gpu_model, ids.cuda(), steps) for _ in range(7))
-            plain[impl] = times[3] * 1e3
-            print(f"plain transformers on the GPU, {impl} experts: {plain[impl]:.2f} ms per step (median of 7)")
-        except Exception as e:  # noqa: BLE001
-            print(f"plain transformers, {impl}: failed: {type(e).__name__}: {e}")
-    del gpu_model
-    torch.cuda.empty_cache()
-except Exception as e:  # noqa: BLE001
-    print("plain transformers on the GPU failed:", type(e).__name__, e)
 if plain:
     best = min(plain.values())
     full = [r for r in rows if r["capacity"] == 1.0]

@@ -8,13 +8,22 @@ tensors therefore return an error's message (``MOELAB_REQUIRE`` in kernels/moe_o
 ``moelab.kernels.op`` raises it; inputs are checked with the GIL held, which is released for the
 compute only. Each error path runs here in a fresh interpreter: a crash (a signal, a lost
 process) is a failure with its output, not a lost pytest worker.
+
+Returning the message was not enough: on the same torch 2.11 wheel (an H100 box with AMX,
+2026-11-28) every message holding a number still died with SIGSEGV, and ``_raise_probe(3)`` (an
+integer formatted by a ``std::ostringstream``, no tensors) died too, while probes 0-2 (text only)
+raised. Messages are now built without iostreams (``append`` in kernels/moe_op.cpp, integers
+through ``std::to_chars``); with that, this file passed there (5 passed). The last test keeps
+iostreams out of the extension's sources.
 """
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -110,3 +119,20 @@ def test_kernel_threads_follow_the_environment_and_refuse_nonsense(monkeypatch):
         monkeypatch.setenv(THREADS_ENV, bad)
         with pytest.raises(MoelabError, match=f"{THREADS_ENV}={bad!r}: expected a positive integer"):
             default_threads()
+
+
+def test_the_extension_formats_no_message_with_iostreams():
+    """No stream formatting in the kernels' sources (see the module docstring): ``std::ostringstream``,
+    ``std::cout`` and ``TORCH_CHECK`` (whose message ``c10::str`` builds with an ostringstream) appear only
+    in ``raise_probe``, the diagnostic that shows whether a torch build survives them."""
+    sources = sorted((Path(__file__).resolve().parents[1] / "kernels").glob("*.[ch]*"))
+    assert sources, "kernels/ sources not found"
+    pattern = re.compile(r"\b(?:std::(?:o|i)?stringstream|std::cout|std::cerr|TORCH_CHECK|AT_ERROR|TORCH_INTERNAL_ASSERT)\b")
+    found = []
+    for path in sources:
+        text = re.sub(r"//[^\n]*", "", path.read_text())  # comments may name them
+        probe = re.search(r"void raise_probe\(int64_t kind\) \{.*?\n\}", text, re.S)
+        if probe:
+            text = text[:probe.start()] + text[probe.end():]
+        found += [f"{path.name}: {m.group(0)}" for m in pattern.finditer(text)]
+    assert not found, f"stream-formatted messages in the extension (they crash torch 2.11's wheel): {found}"
