@@ -158,6 +158,14 @@ for cap, d, th in [(float(p.split(":")[0]), int(p.split(":")[1]), t) for p in po
     print(f"{cap:>8.2f}  {d:>8d}  {r['threads']:>7}  {r['step_ms']:7.1f}  {r.get('busy_device', 0):5.0f}/"
           f"{r.get('busy_host', 0):4.0f}/{r.get('busy_copy', 0):4.0f}/{r.get('busy_control', 0):4.0f}  "
           f"{r['overlap_pct']:9.0f}  {r['host_call_ms']:.2f}, {r['host_gbps']:.0f}")
+    # where each lane's time goes: per (lane, kind), events per forward and their median µs (the control
+    # lane's dispatch spans run from a layer's end to the next layer's submit: attention, router, planner)
+    ev["us"] = ev["t_end_us"] - ev["t_start_us"]
+    forwards = max(int(ev["step"].nunique()), 1)
+    parts = [f"{lane}/{kind} {len(g) / forwards:.1f}x{g['us'].median():.0f}"
+             for (lane, kind), g in ev.groupby(["lane", "kind"], sort=True)]
+    r["lane_kinds"] = {p.split(" ")[0]: p.split(" ")[1] for p in parts}
+    print("          per forward, events x median us:", ", ".join(parts))
     try:  # the simulator's prediction of the same plans on the spec-sheet profile of such a box
         from moelab.simulate.executor import simulate_plans
         sim = simulate_plans(list(run.plans), shape, os.environ.get("PROFILE", "h100-pcie5-ddr5"), context=8).summary()
