@@ -75,7 +75,6 @@ print(f"model built in {time.perf_counter() - t:.1f} s; host backend {hb}, devic
 ids = torch.randint(3, 250, (1, 8), generator=torch.Generator().manual_seed(0))
 # plain transformers on the GPU, every expert resident: the fastest of its experts implementations (first, so a
 # run cut short by its time limit still has the baseline)
-import time as _t
 from transformers import DynamicCache
 from moelab.compat import cache_kwargs, output_cache
 
@@ -84,12 +83,12 @@ def gpu_decode(m, ids, n):
     out = m(input_ids=ids, **cache_kwargs(cache, m), use_cache=True)
     nxt = out.logits[:, -1:].argmax(-1)
     torch.cuda.synchronize()
-    t0 = _t.perf_counter()
+    t0 = time.perf_counter()
     for _ in range(n):
         out = m(input_ids=nxt, **cache_kwargs(output_cache(out), m), use_cache=True)
         nxt = out.logits[:, -1:].argmax(-1)
     torch.cuda.synchronize()
-    return (_t.perf_counter() - t0) / n
+    return (time.perf_counter() - t0) / n
 
 plain = {}
 try:
@@ -162,10 +161,10 @@ for cap, d, th in [(float(p.split(":")[0]), int(p.split(":")[1]), t) for p in po
     # lane's dispatch spans run from a layer's end to the next layer's submit: attention, router, planner)
     ev["us"] = ev["t_end_us"] - ev["t_start_us"]
     forwards = max(int(ev["step"].nunique()), 1)
-    parts = [f"{lane}/{kind} {len(g) / forwards:.1f}x{g['us'].median():.0f}"
-             for (lane, kind), g in ev.groupby(["lane", "kind"], sort=True)]
-    r["lane_kinds"] = {p.split(" ")[0]: p.split(" ")[1] for p in parts}
-    print("          per forward, events x median us:", ", ".join(parts))
+    r["lane_kinds"] = {f"{lane}/{kind}": {"per_forward": len(g) / forwards, "median_us": float(g["us"].median())}
+                       for (lane, kind), g in ev.groupby(["lane", "kind"], sort=True)}
+    print("          per forward, events x median us:",
+          ", ".join(f"{k} {v['per_forward']:.1f}x{v['median_us']:.0f}" for k, v in r["lane_kinds"].items()))
     try:  # the simulator's prediction of the same plans on the spec-sheet profile of such a box
         from moelab.simulate.executor import simulate_plans
         sim = simulate_plans(list(run.plans), shape, os.environ.get("PROFILE", "h100-pcie5-ddr5"), context=8).summary()
