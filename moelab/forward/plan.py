@@ -11,6 +11,7 @@ Shape legend: T tokens in the forward (B·S), K top-k of the layer.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
@@ -21,6 +22,13 @@ if TYPE_CHECKING:
 
 #: Slot states in a :class:`SlotPlan`.
 IMMEDIATE, DEFERRED, DROPPED = 0, 1, 2
+
+#: A plan of at most this many CPU slots (T·K: a decode step's) is edited as Python lists
+#: (:attr:`SlotPlan.small`): between a forward's layers every torch call on tiny tensors costs
+#: tens of microseconds (its code and data are out of the caches after the layer's weights went
+#: through them), a list of a few ints a fraction of one. Same decisions as the tensor path
+#: (``tests/test_plan_small.py``).
+SMALL = 64
 
 @dataclass
 class SlotPlan:
@@ -65,6 +73,54 @@ class SlotPlan:
         self.state = torch.where(move, torch.full_like(self.state, to), self.state)
 
     @property
+    def small(self) -> bool:
+        """Whether policies edit this plan as lists (at most :data:`SMALL` slots, on the CPU, ≥ 1 token)."""
+        st = self.state
+        return 0 < st.numel() <= SMALL and st.is_cpu
+
+    @property
     def changed(self) -> bool:
         """Whether the plan differs from running every slot immediately with the router's weights."""
-        return self.weights_changed or bool((self.state != IMMEDIATE).any())
+        if self.weights_changed:
+            return True
+        if self.small:
+            return any(any(row) for row in self.state.tolist())  # IMMEDIATE is 0
+        return bool((self.state != IMMEDIATE).any())
+
+
+def _descending(keys: list[float]) -> list[int]:
+    """Positions of ``keys`` by descending value, ties in position order, NaN first: the order of
+    ``torch.argsort(keys, descending=True, stable=True)``."""
+    return sorted(range(len(keys)), key=lambda j: (0, 0.0) if math.isnan(keys[j]) else (1, -keys[j]))
+
+
+def demote_lowest_rows(state: list[list[int]], weights: list[list[float]], counts: list[int], frm: int,
+                       to: int) -> None:
+    """:meth:`SlotPlan.demote_lowest` on lists (edits ``state`` in place): per token, the slots in
+    state ``frm`` ranked as :meth:`SlotPlan.rank` ranks them (among them by descending weight, ties
+    in slot order; every other slot at ``-inf``), and those at rank ≥ n − count move to ``to``."""
+    for srow, wrow, count in zip(state, weights, counts, strict=True):
+        among = [s == frm for s in srow]
+        n = sum(among)
+        keys = [w if a else -math.inf for w, a in zip(wrow, among, strict=True)]
+        cut = n - max(count, 0)
+        for r, j in enumerate(_descending(keys)):
+            if among[j] and r >= cut:
+                srow[j] = to
+
+
+def compact_rows(ids: list[list[int]], weights: list[list[float]], keep: list[list[bool]]
+                 ) -> tuple[list[list[int]], list[list[float]]] | None:
+    """:func:`moelab.forward.points._compact` on lists: every token's kept slots packed to the left
+    in router order, padded to the widest token's count (at least 1) with the first packed slot's
+    expert at weight 0; None when every slot is kept."""
+    if all(all(row) for row in keep):
+        return None
+    m = max(max(sum(row) for row in keep), 1)
+    out_ids, out_w = [], []
+    for irow, wrow, krow in zip(ids, weights, keep, strict=True):
+        order = ([j for j, k in enumerate(krow) if k] + [j for j, k in enumerate(krow) if not k])[:m]
+        first = irow[order[0]]
+        out_ids.append([irow[j] if krow[j] else first for j in order])
+        out_w.append([wrow[j] if krow[j] else 0.0 for j in order])
+    return out_ids, out_w

@@ -70,7 +70,7 @@ from torch import nn
 from moelab.compat import experts_call_arguments, router_outputs, with_routing
 from moelab.errors import MoelabError, unknown_name
 from moelab.forward.context import ForwardContext, inspect_forward
-from moelab.forward.plan import DEFERRED, IMMEDIATE, SlotPlan
+from moelab.forward.plan import DEFERRED, IMMEDIATE, SlotPlan, compact_rows
 
 if TYPE_CHECKING:
     from moelab.adapters import MoELayer
@@ -482,12 +482,11 @@ class ForwardHooks:
 
             plan = call._plan
             if plan is not None and plan.changed:
-                out = _resolve(run(call.backend, *with_routing(args, kwargs, *_compact(ids, plan.weights,
-                                                                                 plan.state == IMMEDIATE))))
-                deferred = plan.state == DEFERRED
-                if bool(deferred.any()):
+                now, late_routing = _split_plan(ids, plan)
+                out = _resolve(run(call.backend, *with_routing(args, kwargs, *now)))
+                if late_routing is not None:
                     late_backend = call.deferred_backend if call.deferred_backend is not None else call.backend
-                    late = run(late_backend, *with_routing(args, kwargs, *_compact(ids, plan.weights, deferred)))
+                    late = run(late_backend, *with_routing(args, kwargs, *late_routing))
                     nxt = index + 1
                     ctx.carry[nxt] = _resolve(ctx.carry[nxt]) + _resolve(late) if nxt in ctx.carry else late
             else:
@@ -558,6 +557,26 @@ def hooks(
 
 
 # ---------------------------------------------------------------------- experts call helpers
+def _split_plan(experts: torch.Tensor, plan: SlotPlan) -> tuple[tuple[torch.Tensor, torch.Tensor],
+                                                                 tuple[torch.Tensor, torch.Tensor] | None]:
+    """The routing of a changed plan's immediate slots, and of its deferred slots (None when none
+    is deferred): :func:`_compact` of each; on lists for a small plan (:attr:`SlotPlan.small`)."""
+    if not plan.small:
+        deferred = plan.state == DEFERRED
+        late = _compact(experts, plan.weights, deferred) if bool(deferred.any()) else None
+        return _compact(experts, plan.weights, plan.state == IMMEDIATE), late
+    state, ids, w = plan.state.tolist(), experts.tolist(), plan.weights.tolist()
+
+    def packed(which: int) -> tuple[torch.Tensor, torch.Tensor]:
+        got = compact_rows(ids, w, [[s == which for s in row] for row in state])
+        if got is None:
+            return experts, plan.weights
+        return (torch.tensor(got[0], dtype=experts.dtype), torch.tensor(got[1], dtype=plan.weights.dtype))
+
+    late = packed(DEFERRED) if any(s == DEFERRED for row in state for s in row) else None
+    return packed(IMMEDIATE), late
+
+
 def _compact(experts: torch.Tensor, weights: torch.Tensor, keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The kept slots of every token, packed to the left in router order: (T, m) ids and weights.
 

@@ -48,6 +48,7 @@ import numpy as np
 import torch
 
 from moelab.backends import get_backend
+from moelab.forward.plan import SMALL
 from moelab.hybrid.cuda import CudaExecutor
 from moelab.hybrid.events import control_span
 from moelab.hybrid.executors import LaneExecutor
@@ -236,11 +237,38 @@ class RealExecutor(LaneExecutor):
         return backend
 
 
+#: Expert maps by (experts, device experts): a run's decode steps keep asking for the same few
+#: splits, and building a pair costs several library calls on the control thread (bounded: cleared
+#: when full). The maps are read, never written, by the backends.
+_MAPS: dict[tuple[int, tuple[int, ...]], tuple[torch.Tensor, torch.Tensor]] = {}
+_MAPS_MAX = 1024
+
+
 def _split(num_experts: int, device: list[int], ids, weights):
     """``(device map, host map, device pairs, host pairs)`` of one experts call: ``device`` experts
     run on the device, every other one (and padding rows' experts) on the host; pairs count the
-    (token, slot)s with a non-zero weight on each side (counted in numpy: CPU tensors)."""
-    dmap, hmap = split_maps(num_experts, device, ids.device)
+    (token, slot)s with a non-zero weight on each side (counted in numpy: CPU tensors; on lists for
+    a decode-sized call, :data:`moelab.forward.plan.SMALL` slots)."""
+    key = (num_experts, tuple(device))
+    maps = _MAPS.get(key)
+    if maps is None:
+        if len(_MAPS) >= _MAPS_MAX:
+            _MAPS.clear()
+        maps = _MAPS[key] = split_maps(num_experts, device, "cpu")
+    dmap, hmap = maps
+    if ids.numel() <= SMALL:
+        on_dev = [-1] * num_experts
+        for e in device:
+            on_dev[e] = e
+        dev = host = 0
+        for irow, wrow in zip(ids.tolist(), weights.tolist(), strict=True):
+            for e, w in zip(irow, wrow, strict=True):
+                if w != 0:
+                    if on_dev[e] >= 0:
+                        dev += 1
+                    else:
+                        host += 1
+        return dmap, hmap, dev, host
     w = weights.detach()
     active = (w if w.dtype in (torch.float32, torch.float64) else w.float()).numpy() != 0
     dev_pairs = int(np.count_nonzero(active & (dmap.numpy()[ids.numpy()] >= 0)))

@@ -23,6 +23,7 @@ import torch
 
 from moelab.adapters import MoELayer
 from moelab.errors import MoelabError
+from moelab.forward.plan import demote_lowest_rows
 from moelab.policies.base import (
     DEFERRED,
     IMMEDIATE,
@@ -142,6 +143,8 @@ class ExpertDeferral(RoutingPolicy):
         d = self.deferred_[plan.layer.index]
         if d == 0:
             return
+        if plan.small:
+            return self._plan_small(plan, d)
         immediate = plan.state == IMMEDIATE
         n = immediate.sum(1)
         count = torch.clamp(torch.minimum(torch.full_like(n, d), n - self.config.min_immediate), min=0)
@@ -151,3 +154,19 @@ class ExpertDeferral(RoutingPolicy):
             union = torch.unique(plan.experts[chosen])
             promote = (plan.state == DEFERRED) & torch.isin(plan.experts, union)
             plan.state = torch.where(promote, torch.full_like(plan.state, IMMEDIATE), plan.state)
+
+    def _plan_small(self, plan: SlotPlan, d: int) -> None:
+        """:meth:`_plan` on lists for a decode-sized plan (:attr:`SlotPlan.small`): the same slots move."""
+        state = plan.state.tolist()
+        mi = self.config.min_immediate
+        counts = [max(min(d, sum(s == IMMEDIATE for s in row) - mi), 0) for row in state]
+        demote_lowest_rows(state, plan.weights.float().tolist(), counts, IMMEDIATE, DEFERRED)
+        if self.config.batch_rule == "union":
+            experts = plan.experts.tolist()
+            union = {e for srow, erow, v in zip(state, experts, plan.valid.tolist(), strict=True) if v
+                     for s, e in zip(srow, erow, strict=True) if s == IMMEDIATE}
+            for srow, erow in zip(state, experts, strict=True):
+                for j, (s, e) in enumerate(zip(srow, erow, strict=True)):
+                    if s == DEFERRED and e in union:
+                        srow[j] = IMMEDIATE
+        plan.state = torch.tensor(state, dtype=plan.state.dtype)
