@@ -162,7 +162,10 @@ class ForwardContext:
         """The valid mask when it describes ``n`` tokens, else all True (a call on other rows)."""
         v = self.valid(device)
         if v is None or v.numel() != n:
-            return torch.ones(n, dtype=torch.bool, device=device)
+            key = ("ones", n, str(device))  # one per forward, not one per MoE layer (nobody writes it)
+            v = self._cache.get(key)
+            if v is None:
+                v = self._cache[key] = torch.ones(n, dtype=torch.bool, device=device)
         return v
 
     @property

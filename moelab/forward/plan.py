@@ -15,6 +15,7 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
+import numpy as np
 import torch
 
 if TYPE_CHECKING:
@@ -47,7 +48,7 @@ class SlotPlan:
     state: torch.Tensor
     """(T, K) int8: ``IMMEDIATE`` (0), ``DEFERRED`` (1) or ``DROPPED`` (2)."""
     valid: torch.Tensor
-    """(T,) bool: real tokens (False for padding)."""
+    """(T,) bool: real tokens (False for padding); shared by the forward's plans, read only."""
     phase: Literal["prefill", "decode"]
     """Phase of the forward in flight."""
     weights_changed: bool = False
@@ -86,6 +87,20 @@ class SlotPlan:
         if self.small:
             return any(any(row) for row in self.state.tolist())  # IMMEDIATE is 0
         return bool((self.state != IMMEDIATE).any())
+
+
+_NUMPY = {torch.int8: np.int8, torch.int16: np.int16, torch.int32: np.int32, torch.int64: np.int64,
+          torch.uint8: np.uint8, torch.bool: np.bool_, torch.float32: np.float32, torch.float64: np.float64}
+
+
+def small_tensor(rows: list, dtype: torch.dtype) -> torch.Tensor:
+    """A CPU tensor of ``dtype`` from nested lists of a small plan, through numpy where numpy has
+    the dtype (a third of ``torch.tensor``'s cost, which walks the lists in torch), else
+    ``torch.tensor``; the values are the same."""
+    np_dtype = _NUMPY.get(dtype)
+    if np_dtype is None:
+        return torch.tensor(rows, dtype=dtype)
+    return torch.from_numpy(np.array(rows, dtype=np_dtype))
 
 
 def _descending(keys: list[float]) -> list[int]:

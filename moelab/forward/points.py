@@ -70,7 +70,7 @@ from torch import nn
 from moelab.compat import experts_call_arguments, router_outputs, with_routing
 from moelab.errors import MoelabError, unknown_name
 from moelab.forward.context import ForwardContext, inspect_forward
-from moelab.forward.plan import DEFERRED, IMMEDIATE, SlotPlan, compact_rows
+from moelab.forward.plan import DEFERRED, IMMEDIATE, SlotPlan, compact_rows, small_tensor
 
 if TYPE_CHECKING:
     from moelab.adapters import MoELayer
@@ -571,7 +571,7 @@ def _split_plan(experts: torch.Tensor, plan: SlotPlan) -> tuple[tuple[torch.Tens
         got = compact_rows(ids, w, [[s == which for s in row] for row in state])
         if got is None:
             return experts, plan.weights
-        return (torch.tensor(got[0], dtype=experts.dtype), torch.tensor(got[1], dtype=plan.weights.dtype))
+        return small_tensor(got[0], experts.dtype), small_tensor(got[1], plan.weights.dtype)
 
     late = packed(DEFERRED) if any(s == DEFERRED for row in state for s in row) else None
     return packed(IMMEDIATE), late

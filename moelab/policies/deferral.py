@@ -23,7 +23,7 @@ import torch
 
 from moelab.adapters import MoELayer
 from moelab.errors import MoelabError
-from moelab.forward.plan import demote_lowest_rows
+from moelab.forward.plan import demote_lowest_rows, small_tensor
 from moelab.policies.base import (
     DEFERRED,
     IMMEDIATE,
@@ -169,4 +169,4 @@ class ExpertDeferral(RoutingPolicy):
                 for j, (s, e) in enumerate(zip(srow, erow, strict=True)):
                     if s == DEFERRED and e in union:
                         srow[j] = IMMEDIATE
-        plan.state = torch.tensor(state, dtype=plan.state.dtype)
+        plan.state = small_tensor(state, plan.state.dtype)
