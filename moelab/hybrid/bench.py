@@ -1,6 +1,6 @@
 """``moelab bench hybrid``: what the hybrid runtime costs, and what deferral gains on this machine.
 
-Three measurements, printed as tables:
+Measurements, printed as tables:
 
 1. **Planner cost** on the bundled models (batch 1 decode): time spent in the planner's
    handlers (the tensors-to-arrays adapter, routing slots, cache access, placement, prefetch
@@ -10,8 +10,10 @@ Three measurements, printed as tables:
    cache at 25 %, a learned-predictor prefetch (the bundled
    ``learned-d1`` predictor when present) and deferral on; the predictor's own inference
    is reported beside it. Target ≤ 30 µs per layer.
-2. **Functional executor with nothing enabled** (no cache, no routing change, no
-   prefetch) against the plain model, A/B interleaved. Target within 10 %.
+2. **Control thread of the real executor** per MoE layer (:func:`control_overhead`: its ``plan``
+   and ``dispatch`` events on a tiny model whose experts cost microseconds; target ≤ 50 µs), and the
+   **functional executor with nothing enabled** (no cache, no routing change, no prefetch) against
+   the plain model, A/B interleaved.
 3. **Real executor on realistic layer shapes**: a model built from a config with random
    weights and DeepSeek-V2-Lite's MoE layers (hidden 2048, 64 routed experts of
    intermediate 1408, top-6, 2 shared experts; ``--layers`` MoE layers, bf16; attention
@@ -35,8 +37,9 @@ import numpy as np
 import torch
 
 from moelab.caches.base import ExpertCache
+from moelab.errors import MoelabError
 from moelab.forward.bench import decode_loop as _decode
-from moelab.measure import BusyMachineError, Measurement, from_samples
+from moelab.measure import BusyMachineError, Measurement, from_samples, spread_of
 
 
 def planner_cost(model_name: str, steps: int = 64, repeats: int = 3) -> dict[str, Any]:
@@ -163,6 +166,58 @@ def functional_overhead(model_name: str, steps: int = 128, repeats: int = 5) -> 
             "plain": mp, "functional": mh}
 
 
+def measure_executor_overhead(*, host_backend: str = "reference", device_backend: str = "reference",
+                              steps: int = 6, warmup: int = 2) -> dict:
+    """The real executor's control-thread cost per MoE layer, measured on a tiny model (random
+    weights, 3 MoE layers, hidden 32: its experts and attention cost microseconds, so the control
+    thread's ``plan`` and ``dispatch`` events are the executor's own work): host-misses at a quarter
+    of the experts cached, one deferred expert per token, ``steps`` decode steps after ``warmup``.
+    Returns ``layer_us`` (the median over steps × MoE layers of plan + dispatch µs), its spread, the
+    points, and the median of the other control-thread spans for reference."""
+    import statistics
+
+    import torch
+
+    from moelab.forward.bench import decode_loop
+    from moelab.hybrid.runtime import HybridRun
+    from moelab.models.tiny import build_tiny
+
+    model = build_tiny("deepseek_v2", seed=0, dtype=torch.bfloat16)
+    ids = torch.randint(3, 250, (1, 8), generator=torch.Generator().manual_seed(0))
+    cfg = {"cache": {"capacity": 0.25, "policy": "lru"}, "placement": "host-misses", "executor": "real",
+           "device_backend": device_backend, "host_backend": host_backend, "device": "cpu",
+           "routing": {"deferred": 1, "min_immediate": 1}}
+    run = HybridRun(model, cfg)
+    with run, torch.no_grad():
+        decode_loop(model, ids, warmup)
+        first = int(run.events_table()["step"].max()) + 1
+        decode_loop(model, ids, steps)
+        ev = run.events_table()
+    ev = ev[(ev["step"] > first) & (ev["lane"].astype(str) == "control") & (ev["layer"] >= 0)]  # > : no prefill
+    ev = ev.assign(us=ev["t_end_us"] - ev["t_start_us"], kind=ev["kind"].astype(str))
+    own = ev[ev["kind"].isin(["plan", "dispatch"])].groupby(["step", "layer"])["us"].sum()
+    if not len(own):
+        raise MoelabError("the real executor recorded no plan/dispatch events on the tiny model; cannot measure "
+                          "its runtime overhead.")
+    other = {k: float(g.groupby(["step", "layer"])["us"].sum().median()) for k, g in ev.groupby("kind")
+             if k not in ("plan", "dispatch")}
+    vals = own.tolist()
+    return {"layer_us": float(statistics.median(vals)), "spread": spread_of(vals), "points": vals,
+            "moe_layers": int(own.index.get_level_values("layer").nunique()), "steps": steps,
+            "other_control_us": other, "config": cfg}
+
+
+def control_overhead(repeats: int = 3, steps: int = 12) -> dict[str, Any]:
+    """The real executor's control-thread cost per MoE layer (:func:`measure_executor_overhead` with
+    the native host lane, ``moelab`` backend), ``repeats`` times in this process: the median of the
+    runs' medians, and each run's median for the spread (issue #26's target: ≤ 50 µs)."""
+    runs = [measure_executor_overhead(host_backend="moelab", device_backend="reference", steps=steps)
+            for _ in range(repeats)]
+    m = from_samples([r["layer_us"] for r in runs])
+    return {"layer_us": m.median, "measurement": m, "runs": [r["layer_us"] for r in runs],
+            "other_control_us": runs[-1]["other_control_us"], "config": runs[-1]["config"]}
+
+
 def realistic_model(layers: int = 3, dtype: torch.dtype = torch.bfloat16):
     """DeepSeek-V2-Lite's MoE layer shapes with tiny attention, random weights, ``layers`` MoE layers."""
     from moelab.models.tiny import build_tiny
@@ -281,6 +336,11 @@ def _planner_tables(out, models, flagged: list) -> None:  # pragma: no cover - p
             f"mean {r['planner_mean_us']:.1f} µs; the planner alone, replayed outside the model: "
             f"{r['planner_alone_us']:.1f} µs), predictor {r['predictor_us_per_layer']:.1f} µs "
             f"({r['plans']} layer plans; prefetch {r['prefetch']})")
+    r = control_overhead()
+    flagged.append(r["measurement"])
+    out(f"real executor, control thread per MoE layer (plan + dispatch events: planner, policies, submitting, merging; "
+        f"tiny DeepSeek-V2, LRU 25 %, host-misses, deferral 1, native host lane): {r['layer_us']:.0f} µs "
+        f"[{_stat(r['measurement'])}] (runs {', '.join(f'{v:.0f}' for v in r['runs'])}; target ≤ 50 µs)")
     out("functional executor, nothing enabled, vs the plain model (median of 5 A/B pairs):")
     for m in models:
         r = functional_overhead(m)

@@ -23,8 +23,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from moelab.errors import MoelabError
-from moelab.measure import spread_of
+# measured by the hybrid package's bench: the simulator builds on the hybrid package
+from moelab.hybrid.bench import measure_executor_overhead
 from moelab.timing import HardwareProfile
 
 HARDWARE = "hardware"
@@ -50,47 +50,6 @@ def hardware_only(hw: HardwareProfile) -> HardwareProfile:
     return dataclasses.replace(hw, runtime_layer_us=0.0, runtime_call_us=0.0, provenance=prov)
 
 
-__all__ = ["EXECUTOR", "HARDWARE", "hardware_only", "has_runtime_overhead",
+__all__ = ["EXECUTOR", "HARDWARE", "hardware_only", "has_runtime_overhead", "measure_executor_overhead",
            "prediction_label"]
 
-
-# ---------------------------------------------------------------------- measurement
-def measure_executor_overhead(*, host_backend: str = "reference", device_backend: str = "reference",
-                              steps: int = 6, warmup: int = 2) -> dict:
-    """The real executor's control-thread cost per MoE layer, measured on a tiny model (random
-    weights, 3 MoE layers, hidden 32: its experts and attention cost microseconds, so the control
-    thread's ``plan`` and ``dispatch`` events are the executor's own work): host-misses at a quarter
-    of the experts cached, one deferred expert per token, ``steps`` decode steps after ``warmup``.
-    Returns ``layer_us`` (the median over steps × MoE layers of plan + dispatch µs), its spread, the
-    points, and the median of the other control-thread spans for reference."""
-    import statistics
-
-    import torch
-
-    from moelab.forward.bench import decode_loop
-    from moelab.hybrid.runtime import HybridRun
-    from moelab.models.tiny import build_tiny
-
-    model = build_tiny("deepseek_v2", seed=0, dtype=torch.bfloat16)
-    ids = torch.randint(3, 250, (1, 8), generator=torch.Generator().manual_seed(0))
-    cfg = {"cache": {"capacity": 0.25, "policy": "lru"}, "placement": "host-misses", "executor": "real",
-           "device_backend": device_backend, "host_backend": host_backend, "device": "cpu",
-           "routing": {"deferred": 1, "min_immediate": 1}}
-    run = HybridRun(model, cfg)
-    with run, torch.no_grad():
-        decode_loop(model, ids, warmup)
-        first = int(run.events_table()["step"].max()) + 1
-        decode_loop(model, ids, steps)
-        ev = run.events_table()
-    ev = ev[(ev["step"] > first) & (ev["lane"].astype(str) == "control") & (ev["layer"] >= 0)]  # > : no prefill
-    ev = ev.assign(us=ev["t_end_us"] - ev["t_start_us"], kind=ev["kind"].astype(str))
-    own = ev[ev["kind"].isin(["plan", "dispatch"])].groupby(["step", "layer"])["us"].sum()
-    if not len(own):
-        raise MoelabError("the real executor recorded no plan/dispatch events on the tiny model; cannot measure "
-                          "its runtime overhead.")
-    other = {k: float(g.groupby(["step", "layer"])["us"].sum().median()) for k, g in ev.groupby("kind")
-             if k not in ("plan", "dispatch")}
-    vals = own.tolist()
-    return {"layer_us": float(statistics.median(vals)), "spread": spread_of(vals), "points": vals,
-            "moe_layers": int(own.index.get_level_values("layer").nunique()), "steps": steps,
-            "other_control_us": other, "config": cfg}
