@@ -39,11 +39,30 @@ def test_rows_on_a_tiny_model(tiny, monkeypatch):
     assert r["best_plain"]["step_ms"] == min(row["step_ms"] for row in plain)
     runs = {row["kind"]: row for row in rows if row["kind"] != "plain"}
     assert set(runs) == {"nothing enabled", "full"}
+    # "every expert resident" holds: the warmed capacity-1.0 cache serves every decode step's work
+    assert runs["nothing enabled"]["device_pct"] == 100.0
+    assert 0.0 <= runs["full"]["device_pct"] <= 100.0
     for row in runs.values():
         assert row["step_ms"] > 0 and row["sim_step_ms"] > 0
         assert row["events_per_step"] > 0 and row["recording_pct"] > 0
     # the model's experts implementation is left as it was
     assert getattr(tiny.config, "_experts_implementation", None) == before
+
+
+def test_an_unwarmed_cache_stays_empty_under_host_misses(tiny):
+    """Why side_by_side warms its caches: without a warm start, capacity 1.0 under host-misses
+    never holds an expert (a host miss is not copied in), so "every expert resident" would be false."""
+    import torch
+
+    from moelab.forward.bench import decode_loop
+    from moelab.hybrid.runtime import HybridRun
+    from moelab.simulate.side_by_side import device_share
+
+    ids = torch.randint(3, 250, (1, 6), generator=torch.Generator().manual_seed(0))
+    run = HybridRun(tiny, {**side_configs("pcie4-x16")["nothing enabled"], "executor": "functional"})
+    with run:
+        decode_loop(tiny, ids, 3)
+    assert device_share(run.plans) == 0.0
 
 
 def test_bad_repeats_named():

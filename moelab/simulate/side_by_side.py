@@ -5,6 +5,7 @@ In one run, each figure the median of ``--repeats`` (≥ 7) decode loops with it
 machine's load: plain transformers with each of its ``eager``, ``batched_mm`` and ``grouped_mm``
 experts (the fastest is the baseline), moelab's real executor with nothing enabled (every expert
 resident: capacity 1.0, no deferral, no prefetch) and with the full configuration (LRU at 25 %,
+both caches warmed by frequency over a trace of the same decode loop as the realistic grid's,
 ``greedy-hss`` placement with the host stealing, deferral 2; no prefetch: a live run needs a
 fitted predictor, and this model's weights are random), and, for both runs, the simulator's
 prediction of the same plans on the calibrated profile of this machine (``--profile PROFILE`` from
@@ -17,13 +18,14 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from moelab.errors import MoelabError
 from moelab.forward.bench import decode_loop as _decode
-from moelab.hybrid.bench import _stat, realistic_model
+from moelab.hybrid.bench import _stat, realistic_model, warm_cache
 from moelab.hybrid.events import EventLog
 from moelab.hybrid.runtime import HybridRun
 from moelab.measure import Measurement, from_samples
@@ -35,14 +37,27 @@ from moelab.timing.shapes import ModelShape
 PLAIN_EXPERTS: tuple[str, ...] = ("eager", "batched_mm", "grouped_mm")
 
 
-def side_configs(profile_path: str) -> dict[str, dict[str, Any]]:
-    """The two moelab configurations of :func:`side_by_side`: nothing enabled, and everything on."""
+def side_configs(profile_path: str, cache: Callable[[float], dict[str, Any]] | None = None
+                 ) -> dict[str, dict[str, Any]]:
+    """The two moelab configurations of :func:`side_by_side`: nothing enabled, and everything on.
+
+    ``cache(capacity)`` gives each one's cache section (:func:`side_by_side` warms it by frequency
+    over a trace of its own decode loop, :func:`moelab.hybrid.bench.warm_cache`, so capacity 1.0
+    holds every expert from the first step); default: an empty LRU cache, which under ``host-misses``
+    never fills (a miss the host computes is not copied in)."""
+    cache = cache or (lambda c: {"capacity": c, "policy": "lru"})
     base = {"executor": "real", "device_backend": "reference", "host_backend": "moelab_bf16", "device": "cpu"}
-    nothing = {**base, "cache": {"capacity": 1.0, "policy": "lru"}, "placement": "host-misses",
-               "routing": {"deferred": 0}}
-    full = {**base, "cache": {"capacity": 0.25, "policy": "lru"}, "placement": "greedy-hss",
-            "hardware": profile_path, "routing": {"deferred": 2, "min_immediate": 0}}
+    nothing = {**base, "cache": cache(1.0), "placement": "host-misses", "routing": {"deferred": 0}}
+    full = {**base, "cache": cache(0.25), "placement": "greedy-hss", "hardware": profile_path,
+            "routing": {"deferred": 2, "min_immediate": 0}}
     return {"nothing enabled": nothing, "full": full}
+
+
+def device_share(plans: list) -> float:
+    """% of the decode plans' (expert, tokens) work on the device side (hits and fetched misses)."""
+    dev = sum(n for p in plans if p.phase == "decode" for _, n in p.device)
+    host = sum(n for p in plans if p.phase == "decode" for _, n in p.host)
+    return 100.0 * dev / (dev + host) if dev + host else 0.0
 
 
 def _loops(model, ids, steps: int, repeats: int) -> Measurement:
@@ -90,7 +105,8 @@ def side_by_side(layers: int = 3, steps: int = 8, repeats: int = 7, profile: Any
     finally:
         model.config._experts_implementation = before
     add_us = event_record_us()
-    for label, cfg in side_configs(path).items():
+    memo: dict = {}  # the warm-start trace, recorded once
+    for label, cfg in side_configs(path, lambda c: warm_cache(c, model, ids, steps, memo)).items():
         run = HybridRun(model, cfg)
         with run:
             _decode(model, ids, 2)
@@ -101,7 +117,8 @@ def side_by_side(layers: int = 3, steps: int = 8, repeats: int = 7, profile: Any
         sim = simulate_plans(plans, shape, prof, context=ids.shape[1] + steps // 2).summary()
         rows.append({"label": f"moelab real executor, {label}", "kind": label, "measurement": m,
                      "step_ms": m.median * 1e3, "sim_step_ms": sim["decode_step_us"] / 1e3,
-                     "events_per_step": per_step, "recording_pct": 100 * per_step * add_us / (m.median * 1e6)})
+                     "events_per_step": per_step, "recording_pct": 100 * per_step * add_us / (m.median * 1e6),
+                     "device_pct": device_share(plans), "device_backend": cfg["device_backend"]})
     best = min((r for r in rows if r["kind"] == "plain"), key=lambda r: r["step_ms"])
     return {"rows": rows, "best_plain": best, "profile": path, "layers": layers, "steps": steps, "repeats": repeats,
             "event_record_us": add_us}
@@ -122,6 +139,10 @@ def side_table(out, layers: int, steps: int, repeats: int, profile: Any, allow_b
         out(f"  {row['label']:44}  {row['step_ms']:8.2f}  {_stat(row['measurement']):>18}  "
             f"{row['step_ms'] / base:12.2f}x  {tail}")
     for row in r["rows"]:
+        if "device_pct" in row:
+            out(f"  {row['kind']}: {row['device_pct']:.0f} % of the decode steps' expert work on the device lane "
+                f"({row['device_backend']} experts; a CPU worker on a machine without a GPU)")
+    for row in r["rows"]:
         if "events_per_step" in row:
             out(f"  events, {row['kind']}: {row['events_per_step']:.0f} per step, recording "
                 f"{row['recording_pct']:.2f} % of the step (at {r['event_record_us']:.2f} µs an event)")
@@ -129,4 +150,4 @@ def side_table(out, layers: int, steps: int, repeats: int, profile: Any, allow_b
         "full configuration within 1.25x of its simulated step; recording events ≤ 5 % of a step.")
 
 
-__all__ = ["PLAIN_EXPERTS", "event_record_us", "side_by_side", "side_configs", "side_table"]
+__all__ = ["PLAIN_EXPERTS", "device_share", "event_record_us", "side_by_side", "side_configs", "side_table"]
