@@ -170,8 +170,10 @@ def measure_executor_overhead(*, host_backend: str = "reference", device_backend
                               steps: int = 6, warmup: int = 2) -> dict:
     """The real executor's control-thread cost per MoE layer, measured on a tiny model (random
     weights, 3 MoE layers, hidden 32: its experts and attention cost microseconds, so the control
-    thread's ``plan`` and ``dispatch`` events are the executor's own work): host-misses at a quarter
-    of the experts cached, one deferred expert per token, ``steps`` decode steps after ``warmup``.
+    thread's ``plan`` and ``dispatch`` events are the executor's own work): host-misses with a quarter
+    of the experts cached (LRU warmed by frequency over the same decode loop, :func:`warm_cache`: an
+    empty cache never fills under host-misses), one deferred expert per token, ``steps`` decode
+    steps after ``warmup``.
     Returns ``layer_us`` (the median over steps × MoE layers of plan + dispatch µs), its spread, the
     points, and the median of the other control-thread spans for reference."""
     import statistics
@@ -184,8 +186,9 @@ def measure_executor_overhead(*, host_backend: str = "reference", device_backend
 
     model = build_tiny("deepseek_v2", seed=0, dtype=torch.bfloat16)
     ids = torch.randint(3, 250, (1, 8), generator=torch.Generator().manual_seed(0))
-    cfg = {"cache": {"capacity": 0.25, "policy": "lru"}, "placement": "host-misses", "executor": "real",
-           "device_backend": device_backend, "host_backend": host_backend, "device": "cpu",
+    memo: dict = {}  # holds the warm-start trace's directory until the run is over
+    cfg = {"cache": warm_cache(0.25, model, ids, warmup + steps, memo), "placement": "host-misses",
+           "executor": "real", "device_backend": device_backend, "host_backend": host_backend, "device": "cpu",
            "routing": {"deferred": 1, "min_immediate": 1}}
     run = HybridRun(model, cfg)
     with run, torch.no_grad():
