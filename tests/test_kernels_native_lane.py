@@ -162,3 +162,59 @@ def moe_layers_hidden(module) -> int:
     from moelab.backends.base import hidden_size
 
     return hidden_size(module)
+
+
+# ---------------------------------------------------------------------- a backend's prepared calls
+def _experts_module(h: int = 32, i: int = 48, e: int = 8, seed: int = 0):
+    from transformers import Qwen2MoeConfig
+    from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeExperts
+
+    torch.manual_seed(seed)
+    mod = Qwen2MoeExperts(Qwen2MoeConfig(hidden_size=h, moe_intermediate_size=i, num_experts=e, num_experts_per_tok=2))
+    with torch.no_grad():
+        for p in mod.parameters():
+            p.normal_(0, 0.1)
+    return mod
+
+
+def test_a_backends_repeated_submits_reuse_the_prepared_call_and_follow_changes():
+    """KernelBackend.submit keeps each module's last call (its pack, path and threads) and reuses
+    it while the weights, the ISA path and the thread count stay; any change is seen at once."""
+    from moelab.kernels.backend import KernelBackend
+    from moelab.kernels.build import force_isa
+
+    be = KernelBackend(KernelSpec("fp32"))
+    mod = _experts_module()
+    ids, w = _routing(3, 8, 2, seed=1)
+    x = torch.randn(3, 32)
+    emap = torch.tensor([0, 1, 2, -1, 4, 5, 6, 7])
+
+    def expected():
+        return be(mod, x, ids, w, expert_map=emap)
+
+    first = be.submit(mod, x, ids, w, emap).result()
+    entry = be._calls[mod]
+    again = be.submit(mod, x, ids, w, emap).result()
+    assert be._calls[mod] is entry  # reused, not rebuilt
+    torch.testing.assert_close(first, expected(), rtol=0, atol=0)
+    torch.testing.assert_close(again, first, rtol=0, atol=0)
+
+    with torch.no_grad():
+        mod.down_proj.mul_(2.0)  # in place: a new version, so a new pack
+    changed = be.submit(mod, x, ids, w, emap).result()
+    assert be._calls[mod] is not entry
+    torch.testing.assert_close(changed, expected(), rtol=0, atol=0)
+    assert not torch.equal(changed, first)
+
+    other = [i for i in supported_isas() if i != be._calls[mod][1]]
+    if other:
+        with force_isa(other[-1]):
+            got = be.submit(mod, x, ids, w, emap).result()
+            assert be._calls[mod][1] == other[-1]
+            torch.testing.assert_close(got, expected(), rtol=1e-5, atol=1e-6)
+
+    with pytest.raises(MoelabError, match=r"hidden states have shape \(3, 16\)"):
+        be.submit(mod, torch.randn(3, 16), ids, w, emap)  # named on the prepared path too
+    with pytest.raises(MoelabError, match="top_k_index"):
+        be.submit(mod, x, ids[:2], w, emap)
+    assert be.forget(mod) and mod not in be._calls

@@ -35,9 +35,18 @@ from types import SimpleNamespace
 import torch
 
 from moelab.backends.base import ExpertsBackend, Routing
+from moelab.kernels.build import active_isa
 from moelab.kernels.fp8 import forget_fp8_pack, stored_fp8_pack
 from moelab.kernels.integration import IMPLEMENTATIONS, cache_key, canonical_experts, resolve_spec
-from moelab.kernels.op import NativeCall, moe_experts, moe_experts_submit
+from moelab.kernels.op import (
+    NativeCall,
+    _checked_input,
+    call_tail,
+    default_threads,
+    moe_experts,
+    moe_experts_submit,
+    submit_args,
+)
 from moelab.kernels.packing import KernelSpec, PackedExperts, pack_experts
 
 logger = logging.getLogger(__name__)
@@ -55,6 +64,9 @@ class KernelBackend(ExpertsBackend):
         self.name = name or ("moelab" if spec is None else f"moelab[{spec}]")
         self._packs: weakref.WeakKeyDictionary[torch.nn.Module, dict[KernelSpec, tuple[tuple, PackedExperts]]]
         self._packs = weakref.WeakKeyDictionary()
+        self._calls: weakref.WeakKeyDictionary[torch.nn.Module, tuple] = weakref.WeakKeyDictionary()
+        """module → (pack key, isa, threads, the extension's arguments after (x, ids, weights), hidden):
+        its last :meth:`submit`, reused while the key, path and threads stay the same."""
         self._lock = threading.Lock()
         _ALL.add(self)
 
@@ -82,8 +94,9 @@ class KernelBackend(ExpertsBackend):
             return {s: p for s, (_, p) in self._packs.get(module, {}).items()}
 
     def forget(self, module: torch.nn.Module) -> bool:
-        """Drop ``module``'s packs; whether there were any."""
+        """Drop ``module``'s packs (and its prepared call); whether there were any."""
         with self._lock:
+            self._calls.pop(module, None)
             return self._packs.pop(module, None) is not None
 
     # ------------------------------------------------------------------ running
@@ -105,10 +118,23 @@ class KernelBackend(ExpertsBackend):
         """This backend's call queued on the extension's C++ lane worker ``lane`` (the real
         executor's host lane without a Python thread): the expert map is applied by the kernel
         (experts not here add 0 and are not computed). ``result()`` of the returned call waits."""
+        x, w = hidden_states.detach(), top_k_weights.detach()
+        key, isa, threads = cache_key(module), active_isa(), default_threads()
+        hit = self._calls.get(module)
+        on_cpu = x.is_cpu and top_k_index.is_cpu and w.is_cpu and (expert_map is None or expert_map.is_cpu)
+        if hit is not None and on_cpu and hit[0] == key and hit[1] == isa and hit[2] == threads:
+            # prepared: the same weights, path and threads as the module's last call (a decode step's
+            # layers call every step: the device check, the pack lookup and its meta row once, not per call)
+            x = _checked_input(x, top_k_index, w, hit[4])
+            return submit_args((x, top_k_index, w, *hit[3]), expert_map, lane, hidden_states.dtype)
         self.check_devices(module, {"hidden_states": hidden_states, "top_k_index": top_k_index,
                                     "top_k_weights": top_k_weights, "expert_map": expert_map})
-        return moe_experts_submit(hidden_states.detach(), top_k_index, top_k_weights.detach(), self.packed(module),
-                                  lane=lane, expert_map=expert_map)
+        packed = self.packed(module)
+        if on_cpu:
+            with self._lock:
+                self._calls[module] = (key, isa, threads, call_tail(packed, isa, threads), packed.hidden)
+        return moe_experts_submit(x, top_k_index, w, packed, lane=lane, expert_map=expert_map, isa=isa,
+                                  num_threads=threads)
 
 
 def all_kernel_backends() -> list[KernelBackend]:

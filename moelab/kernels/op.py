@@ -32,29 +32,42 @@ def default_threads() -> int:
     return n
 
 
-def _args(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, packed: PackedExperts,
-          isa: Isa | None, num_threads: int | None) -> tuple:
-    """The extension's positional arguments of one call, checked (clear errors before C++)."""
+def _checked_input(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+                   hidden: int) -> torch.Tensor:
+    """The hidden states as the extension takes them (float32 or bfloat16, contiguous), after the
+    checks that name a bad call's shapes before C++ does."""
     if not hidden_states.is_cpu:
         raise MoelabError(
             f"hidden states are on {hidden_states.device}; moelab's native kernels run on the CPU. "
             "Move the experts to the CPU or use another experts implementation."
         )
-    if hidden_states.dim() != 2 or hidden_states.shape[1] != packed.hidden:
+    if hidden_states.dim() != 2 or hidden_states.shape[1] != hidden:
         raise MoelabError(
-            f"hidden states have shape {tuple(hidden_states.shape)}; expected (T, {packed.hidden})."
+            f"hidden states have shape {tuple(hidden_states.shape)}; expected (T, {hidden})."
         )
     if top_k_index.shape != top_k_weights.shape or top_k_index.shape[:1] != hidden_states.shape[:1]:
         raise MoelabError(
             f"top_k_index {tuple(top_k_index.shape)} and top_k_weights {tuple(top_k_weights.shape)} "
             f"must both be (T, K) with T = {hidden_states.shape[0]}."
         )
-    isa = active_isa() if isa is None else _validate(isa, "isa=")
     dtype = hidden_states.dtype
     x = hidden_states if dtype in (torch.float32, torch.bfloat16) else hidden_states.float()
-    meta = [*packed.meta_head, ISA_CODES[isa], num_threads or default_threads(), packed.slice1]
-    return (x.contiguous(), top_k_index, top_k_weights, packed.w1, packed.s1, packed.b1,
-            packed.w2, packed.s2, packed.b2, meta, packed.alpha, packed.limit)
+    return x.contiguous()
+
+
+def call_tail(packed: PackedExperts, isa: Isa, num_threads: int) -> tuple:
+    """The extension's arguments of a call after (x, ids, weights): the pack's tensors and the meta
+    row for ``isa`` and ``num_threads`` (what a prepared call keeps, :meth:`KernelBackend.submit`)."""
+    meta = [*packed.meta_head, ISA_CODES[isa], num_threads, packed.slice1]
+    return (packed.w1, packed.s1, packed.b1, packed.w2, packed.s2, packed.b2, meta, packed.alpha, packed.limit)
+
+
+def _args(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, packed: PackedExperts,
+          isa: Isa | None, num_threads: int | None) -> tuple:
+    """The extension's positional arguments of one call, checked (clear errors before C++)."""
+    x = _checked_input(hidden_states, top_k_index, top_k_weights, packed.hidden)
+    isa = active_isa() if isa is None else _validate(isa, "isa=")
+    return (x, top_k_index, top_k_weights, *call_tail(packed, isa, num_threads or default_threads()))
 
 
 def moe_experts(
@@ -136,8 +149,12 @@ def moe_experts_submit(
     """:func:`moe_experts` queued on C++ lane worker ``lane`` (0..7): checked and prepared on the
     calling thread, run by a worker thread of the extension without the interpreter; calls on one
     lane run in submission order. Returns a :class:`NativeCall` (``result()`` waits for it)."""
-    ext = load_extension()
     args = _args(hidden_states, top_k_index, top_k_weights, packed, isa, num_threads)
+    return submit_args(args, expert_map, lane, hidden_states.dtype)
+
+
+def submit_args(args: tuple, expert_map: torch.Tensor | None, lane: int, dtype: torch.dtype) -> NativeCall:
+    """Queue a call of checked extension arguments (:func:`_args`) on lane ``lane``."""
     if not 0 <= int(lane) < 8:
         raise MoelabError(f"lane={lane!r}: the extension has lanes 0..7.")
-    return NativeCall(_raised(ext.moe_submit(*args, expert_map=expert_map, lane=int(lane))), hidden_states.dtype)
+    return NativeCall(_raised(load_extension().moe_submit(*args, expert_map=expert_map, lane=int(lane))), dtype)
