@@ -176,11 +176,6 @@ def measure_executor_overhead(*, host_backend: str = "reference", device_backend
     steps after ``warmup``.
     Returns ``layer_us`` (the median over steps × MoE layers of plan + dispatch µs), its spread, the
     points, and the median of the other control-thread spans for reference."""
-    import statistics
-
-    import torch
-
-    from moelab.forward.bench import decode_loop
     from moelab.hybrid.runtime import HybridRun
     from moelab.models.tiny import build_tiny
 
@@ -192,9 +187,9 @@ def measure_executor_overhead(*, host_backend: str = "reference", device_backend
            "routing": {"deferred": 1, "min_immediate": 1}}
     run = HybridRun(model, cfg)
     with run, torch.no_grad():
-        decode_loop(model, ids, warmup)
+        _decode(model, ids, warmup)
         first = int(run.events_table()["step"].max()) + 1
-        decode_loop(model, ids, steps)
+        _decode(model, ids, steps)
         ev = run.events_table()
     ev = ev[(ev["step"] > first) & (ev["lane"].astype(str) == "control") & (ev["layer"] >= 0)]  # > : no prefill
     ev = ev.assign(us=ev["t_end_us"] - ev["t_start_us"], kind=ev["kind"].astype(str))
