@@ -49,9 +49,12 @@ def test_rows_on_a_tiny_model(tiny, monkeypatch):
     assert getattr(tiny.config, "_experts_implementation", None) == before
 
 
-def test_an_unwarmed_cache_stays_empty_under_host_misses(tiny):
+def test_an_unwarmed_cache_stays_empty_under_host_misses(tiny, caplog):
     """Why side_by_side warms its caches: without a warm start, capacity 1.0 under host-misses
-    never holds an expert (a host miss is not copied in), so "every expert resident" would be false."""
+    never holds an expert (a host miss is not copied in), so "every expert resident" would be false;
+    a run so configured says so."""
+    import logging
+
     import torch
 
     from moelab.forward.bench import decode_loop
@@ -59,10 +62,17 @@ def test_an_unwarmed_cache_stays_empty_under_host_misses(tiny):
     from moelab.simulate.side_by_side import device_share
 
     ids = torch.randint(3, 250, (1, 6), generator=torch.Generator().manual_seed(0))
-    run = HybridRun(tiny, {**side_configs("pcie4-x16")["nothing enabled"], "executor": "functional"})
-    with run:
+    cfg = {**side_configs("pcie4-x16")["nothing enabled"], "executor": "functional"}
+    run = HybridRun(tiny, cfg)
+    with caplog.at_level(logging.WARNING, logger="moelab.hybrid.runtime"), run:
         decode_loop(tiny, ids, 3)
     assert device_share(run.plans) == 0.0
+    assert "never fills" in caplog.text and "capacity=1.0" in caplog.text
+    for fills in ({"placement": "fetch-misses"}, {"cache": {**cfg["cache"], "admission": "all"}}):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="moelab.hybrid.runtime"), HybridRun(tiny, {**cfg, **fills}):
+            pass
+        assert "never fills" not in caplog.text, fills
 
 
 def test_bad_repeats_named():

@@ -158,6 +158,7 @@ class HybridRun:
         self.cache, self.placement, self.cost = self.planner.cache, self.planner.placement, self.planner.cost
         self._needs_scores = self.cache is not None and bool(self.cache.needs_scores)
         self.predictor = self._load_predictor()
+        self._warn_if_never_filled()
         try:
             self._apply_routing()
             mgr = forward_hooks(self.model)
@@ -175,6 +176,21 @@ class HybridRun:
         _ACTIVE[self.model] = self
         self.active_ = True
         return self
+
+    def _warn_if_never_filled(self) -> None:
+        """Warn when the device cache can never hold an expert: empty at the start, every miss run on
+        the host (``host-misses``), host misses not copied in (``admission: placement``) and no
+        prefetch to insert any. Such a run computes everything on the host whatever its capacity."""
+        cfg = self.config
+        if (self.cache is None or self.predictor is not None or cfg.placement != "host-misses"
+                or cfg.cache.admission == "all" or cfg.cache.warm != "empty"):
+            return
+        log.warning(
+            "hybrid run: cache.capacity=%s under placement host-misses starts empty and never fills (a miss "
+            "the host computes is not copied in: cache.admission placement), so every expert runs on the "
+            "host. Warm it (cache.warm: frequency with cache.warm_from: a routing trace of this model), set "
+            "cache.admission: all, add a prefetch predictor, or use a placement that fetches misses "
+            "(fetch-misses, greedy-hss).", cfg.cache.capacity)
 
     def _on_forward_start(self, ctx: ForwardContext) -> None:
         ctx.scratch["hybrid-forward-t0"] = time.perf_counter_ns()
