@@ -93,6 +93,35 @@ struct CallStats {
 };
 thread_local CallStats last_stats;
 
+// A call's large buffers (activation panels, stage-1 outputs), kept by the calling thread for its
+// next call and never zero-filled: every byte a kernel reads is written first (panel rows and
+// bytes past a call's own are read into tile rows whose results are discarded). A prefill's
+// buffers are tens of MB; allocating and zero-filling them each call (first-touch page faults and
+// a one-thread memset) took 28 ms of a 2048-token bf16 layer (2 cores, 2026-11-28). A buffer is
+// given back when a call needs less than a quarter of it, so decode after prefill does not keep
+// the prefill's memory.
+class Reused {
+ public:
+  template <typename T>
+  T* get(size_t n) {
+    const size_t bytes = n * sizeof(T) + 64;
+    if (bytes > cap_ || bytes < cap_ / 4) {
+      mem_.reset();
+      mem_.reset(new uint8_t[bytes]);  // default-initialised: no fill
+      cap_ = bytes;
+    }
+    return reinterpret_cast<T*>((reinterpret_cast<uintptr_t>(mem_.get()) + 63) & ~uintptr_t(63));
+  }
+
+ private:
+  std::unique_ptr<uint8_t[]> mem_;
+  size_t cap_ = 0;
+};
+struct CallBuffers {
+  Reused panel1, panel2, hf, hb, hq, hsx, hcorr, xq, xsx, xcorr;
+};
+thread_local CallBuffers call_buffers;
+
 inline uint16_t f32_to_bf16(float f) {
   uint32_t u;
   std::memcpy(&u, &f, 4);
@@ -253,9 +282,7 @@ void compute(Job& j) {
   // ---- stage-1 input in the kernel's format ----
   std::vector<float> xf;
   std::vector<uint16_t> xb;
-  std::vector<int8_t> xq;
-  std::vector<float> xsx;
-  std::vector<int32_t> xcorr;
+  CallBuffers& bufs = call_buffers;
   ActView a1{};
   if (wtype == W_F32) {
     if (x.scalar_type() == at::kFloat) {
@@ -299,21 +326,34 @@ void compute(Job& j) {
       a1.xf = xf.data();
     }
   } else {
-    xf.assign(size_t(T) * Kp1, 0.0f);
-    at::Tensor x32 = xc.to(at::kFloat);
-    const float* src = x32.data_ptr<float>();
-    for (int64_t t = 0; t < T; ++t) std::memcpy(&xf[size_t(t) * Kp1], src + size_t(t) * H, sizeof(float) * H);
-    xq.resize(size_t(T) * Kp1);
-    xsx.resize(size_t(T) * G1);
-    xcorr.resize(size_t(T) * G1);
-#pragma omp parallel for num_threads(nthreads) schedule(static) if (T >= 64)  // decode: no fork/join
-    for (int64_t t = 0; t < T; ++t)
-      ops.quant(&xf[size_t(t) * Kp1], Kp1, 1, Kp1, group, offset, &xq[size_t(t) * Kp1], Kp1,
-                &xsx[size_t(t) * G1], &xcorr[size_t(t) * G1], G1);
-    a1.base = xq.data();
+    int8_t* xq = bufs.xq.get<int8_t>(size_t(T) * Kp1);
+    float* xsx = bufs.xsx.get<float>(size_t(T) * G1);
+    int32_t* xcorr = bufs.xcorr.get<int32_t>(size_t(T) * G1);
+    const bool in_f32 = x.scalar_type() == at::kFloat;
+    const void* src = xc.data_ptr();
+    // each row as fp32, zero-padded to Kp1, in a per-thread row buffer, then quantised
+#pragma omp parallel num_threads(nthreads) if (T >= 64)  // decode: no fork/join
+    {
+      std::vector<float> row(Kp1, 0.0f);
+#pragma omp for schedule(static)
+      for (int64_t t = 0; t < T; ++t) {
+        if (in_f32) {
+          std::memcpy(row.data(), static_cast<const float*>(src) + size_t(t) * H, sizeof(float) * H);
+        } else {
+          const uint16_t* r16 = static_cast<const uint16_t*>(src) + size_t(t) * H;
+          for (int h = 0; h < H; ++h) {
+            const uint32_t u = uint32_t(r16[h]) << 16;
+            std::memcpy(&row[h], &u, 4);
+          }
+        }
+        ops.quant(row.data(), Kp1, 1, Kp1, group, offset, xq + size_t(t) * Kp1, Kp1, xsx + size_t(t) * G1,
+                  xcorr + size_t(t) * G1, G1);
+      }
+    }
+    a1.base = xq;
     a1.ld = size_t(Kp1);
-    a1.sx = xsx.data();
-    a1.corr = xcorr.data();
+    a1.sx = xsx;
+    a1.corr = xcorr;
     a1.ldg = size_t(G1);
   }
 
@@ -328,13 +368,14 @@ void compute(Job& j) {
     poff2[e + 1] = poff2[e] + (amx && bf16_act && S1 == 32 && amx_tiles(wtype, Ip, group, cnt[e])
                                    ? amx_panel_rows(cnt[e]) : 0);
   }
-  std::vector<uint8_t> panel1(poff1[E] * amx_panel_row_bytes(rb1)), panel2(poff2[E] * amx_panel_row_bytes(rb2));
-  if (!panel1.empty()) {
+  uint8_t* panel1 = bufs.panel1.get<uint8_t>(poff1[E] * amx_panel_row_bytes(rb1));
+  uint8_t* panel2 = bufs.panel2.get<uint8_t>(poff2[E] * amx_panel_row_bytes(rb2));
+  if (poff1[E] > 0) {
     const uint8_t* src = static_cast<const uint8_t*>(a1.base);
 #pragma omp parallel for num_threads(nthreads) schedule(dynamic, 1)
     for (int e = 0; e < E; ++e) {
       if (poff1[e + 1] == poff1[e]) continue;
-      uint8_t* pe = panel1.data() + poff1[e] * amx_panel_row_bytes(rb1);
+      uint8_t* pe = panel1 + poff1[e] * amx_panel_row_bytes(rb1);
       for (int j = 0; j < cnt[e]; ++j) {
         const uint8_t* row = src + size_t(pair_tok[off[e] + j]) * a1.ld * esz;
         for (size_t k = 0; k < rb1; k += 64) std::memcpy(pe + amx_panel_at(size_t(j), k, rb1), row + k, std::min<size_t>(64, rb1 - k));
@@ -343,16 +384,22 @@ void compute(Job& j) {
   }
 
   // ---- stage-1 output (h) buffers, one row per pair ----
-  std::vector<float> hf;
-  std::vector<uint16_t> hb;
-  std::vector<int8_t> hq;
-  std::vector<float> hsx;
-  std::vector<int32_t> hcorr;
+  float* hf = nullptr;
+  uint16_t* hb = nullptr;
+  int8_t* hq = nullptr;
+  float* hsx = nullptr;
+  int32_t* hcorr = nullptr;
   bool row_major2 = false;  // some expert's h goes to hb (not to an AMX panel)
   for (int e = 0; e < E; ++e) row_major2 = row_major2 || (cnt[e] > 0 && poff2[e + 1] == poff2[e]);
-  if (wtype == W_F32 || want_xf) hf.resize(size_t(S) * Ip);
-  else if (bf16_act) hb.resize(row_major2 ? size_t(S) * Ip : 0);
-  else { hq.resize(size_t(S) * Ip); hsx.resize(size_t(S) * G2); hcorr.resize(size_t(S) * G2); }
+  if (wtype == W_F32 || want_xf) {
+    hf = bufs.hf.get<float>(size_t(S) * Ip);
+  } else if (bf16_act) {
+    hb = bufs.hb.get<uint16_t>(row_major2 ? size_t(S) * Ip : 0);
+  } else {
+    hq = bufs.hq.get<int8_t>(size_t(S) * Ip);
+    hsx = bufs.hsx.get<float>(size_t(S) * G2);
+    hcorr = bufs.hcorr.get<int32_t>(size_t(S) * G2);
+  }
 
   // ---- stage 1: (expert, slice) tasks, heaviest experts first ----
   std::vector<int> order;
@@ -378,7 +425,7 @@ void compute(Job& j) {
                 wtype};
       ActView a = a1;
       a.rows = pair_tok.data() + off[e];
-      if (poff1[e + 1] > poff1[e]) a.panel = panel1.data() + poff1[e] * amx_panel_row_bytes(rb1);
+      if (poff1[e + 1] > poff1[e]) a.panel = panel1 + poff1[e] * amx_panel_row_bytes(rb1);
       ops.gemm(m, s * tiles1, tiles1, a, n, gu.data(), size_t(2 * S1));
       const float* bb = bias1 ? bias1 + size_t(e) * 2 * Ip + size_t(s) * 2 * S1 : nullptr;
       ops.act(gu.data(), size_t(2 * S1), bb, n, S1, act, float(alpha), float(limit), hloc.data(), S1);
@@ -395,7 +442,7 @@ void compute(Job& j) {
             if (is_fp8) dst[i] *= kFp8XScale;
           }
         } else if (poff2[e + 1] > poff2[e]) {  // AMX panel: slice s is k-step s
-          uint8_t* dst = panel2.data() + poff2[e] * rb2 + amx_panel_at(size_t(j), size_t(s) * S1 * 2, rb2);
+          uint8_t* dst = panel2 + poff2[e] * rb2 + amx_panel_at(size_t(j), size_t(s) * S1 * 2, rb2);
           for (int i = 0; i < S1; ++i) {
             const uint16_t v = f32_to_bf16(src[i]);
             std::memcpy(dst + 2 * i, &v, 2);
@@ -417,10 +464,10 @@ void compute(Job& j) {
   // ---- stage 2: output-row slices, experts in fixed order, fused weighted sum ----
   ActView a2{};
   a2.ld = size_t(Ip);
-  if (wtype == W_F32) a2.base = hf.data();
-  else if (want_xf) a2.base = a2.xf = hf.data();
-  else if (bf16_act) a2.base = hb.data();
-  else { a2.base = hq.data(); a2.sx = hsx.data(); a2.corr = hcorr.data(); a2.ldg = size_t(G2); }
+  if (wtype == W_F32) a2.base = hf;
+  else if (want_xf) a2.base = a2.xf = hf;
+  else if (bf16_act) a2.base = hb;
+  else { a2.base = hq; a2.sx = hsx; a2.corr = hcorr; a2.ldg = size_t(G2); }
   const bool out_f32 = x.scalar_type() == at::kFloat;
   float* outf = out_f32 ? out.data_ptr<float>() : nullptr;
   uint16_t* outb = out_f32 ? nullptr : reinterpret_cast<uint16_t*>(out.data_ptr());
@@ -446,7 +493,7 @@ void compute(Job& j) {
                   wtype};
         ActView a = a2;
         a.rows = iota.data() + off[e];
-        if (poff2[e + 1] > poff2[e]) a.panel = panel2.data() + poff2[e] * rb2;
+        if (poff2[e + 1] > poff2[e]) a.panel = panel2 + poff2[e] * rb2;
         ops.gemm(m, tile0, nt, a, n, y.data(), size_t(rows));
         const float* bb = bias2 ? bias2 + size_t(e) * Hp + r0 : nullptr;
         for (int j = 0; j < n; ++j) {

@@ -86,6 +86,24 @@ def test_expert_maps_and_zero_slots_match_reference(isa, spec, kind, t):
     _check(moe_experts(x, ids, wts, packed, isa=isa), reference_experts(x, ids, wts, spec=spec, **w), spec.dtype)
 
 
+@pytest.mark.parametrize("spec", SPECS, ids=SPEC_IDS)
+@pytest.mark.parametrize("rows", [5, 17])
+def test_a_call_does_not_read_what_the_previous_call_left_in_its_reused_buffers(isa, spec, rows):
+    # The calling thread keeps a call's panels and stage-1 outputs for its next call, unfilled
+    # (moe_op.cpp's Reused). Fill them with a larger call of huge activations (infinite and NaN
+    # products), then repeat a call with partial token blocks and a padded reduction (H = 520): its
+    # result must be bit for bit what it was before.
+    w = _layer(4, 520, 48)
+    packed = pack_experts(spec=spec, **w)
+    dt = torch.bfloat16 if spec.dtype in ("bf16", "fp8") else torch.float32
+    ids, wts = _routing("one", rows, 4, 1)
+    x = torch.randn(rows, 520, generator=torch.Generator().manual_seed(1)).to(dt)
+    before = moe_experts(x, ids, wts, packed, isa=isa)
+    big_ids, big_wts = _routing("one", 2 * rows, 4, 1)
+    moe_experts(torch.full((2 * rows, 520), 3e38).to(dt), big_ids, big_wts, packed, isa=isa)
+    assert torch.equal(moe_experts(x, ids, wts, packed, isa=isa), before)
+
+
 @pytest.mark.parametrize("dtype", ["bf16", "fp8"])
 def test_skewed_batch_result_does_not_depend_on_thread_count(isa, dtype):
     w = _layer(8, 256, 96, seed=5)
