@@ -107,6 +107,7 @@ class Reused {
     const size_t bytes = n * sizeof(T) + 64;
     if (bytes > cap_ || bytes < cap_ / 4) {
       mem_.reset();
+      cap_ = 0;  // a failed allocation (std::bad_alloc, the call's error) leaves an empty buffer
       mem_.reset(new uint8_t[bytes]);  // default-initialised: no fill
       cap_ = bytes;
     }
@@ -163,7 +164,7 @@ struct Job {
 // message in `err` (MOELAB_REQUIRE, above).
 // ``expert_map`` (vLLM's convention, optional): (R,) integers over the router's ids, -1 = the
 // expert is not here (its slots contribute 0 and are not computed), else its local index.
-std::shared_ptr<Job> prepare(const at::Tensor& x, const at::Tensor& ids, const at::Tensor& wts,
+std::shared_ptr<Job> prepare_job(const at::Tensor& x, const at::Tensor& ids, const at::Tensor& wts,
                              const at::Tensor& w1, const at::Tensor& s1, const at::Tensor& b1,
                              const at::Tensor& w2, const at::Tensor& s2, const at::Tensor& b2,
                              std::vector<int64_t> meta, double alpha, double limit,
@@ -225,6 +226,21 @@ std::shared_ptr<Job> prepare(const at::Tensor& x, const at::Tensor& ids, const a
     if (e >= 0) job->cnt[e]++;
   }
   return job;
+}
+
+// prepare_job, with what it allocates (contiguous copies, the output) failing as the call's error
+// rather than as an exception through the binding (see the top of this file).
+std::shared_ptr<Job> prepare(const at::Tensor& x, const at::Tensor& ids, const at::Tensor& wts,
+                             const at::Tensor& w1, const at::Tensor& s1, const at::Tensor& b1,
+                             const at::Tensor& w2, const at::Tensor& s2, const at::Tensor& b2,
+                             std::vector<int64_t> meta, double alpha, double limit,
+                             const std::optional<at::Tensor>& expert_map, std::string& err) {
+  try {
+    return prepare_job(x, ids, wts, w1, s1, b1, w2, s2, b2, std::move(meta), alpha, limit, expert_map, err);
+  } catch (const std::exception& e) {
+    err = message("moelab: experts call failed: ", e.what());
+    return nullptr;
+  }
 }
 
 // Runs a prepared job without the GIL; throws nothing it can avoid (allocation aside).

@@ -92,6 +92,56 @@ def test_error_paths_raise_in_a_fresh_interpreter_instead_of_aborting():
     assert lines["peak bad isa"].startswith("RuntimeError") and "unknown isa" in lines["peak bad isa"], out
 
 
+OOM_SCRIPT = textwrap.dedent("""
+    import resource
+    import torch
+    from moelab.kernels import KernelSpec, moe_experts, pack_experts
+    from moelab.kernels.build import force_isa
+
+    torch.manual_seed(0)
+    E, H, I, T = 8, 2048, 32, 4096
+    w = dict(gate=torch.randn(E, I, H) * 0.1, up=torch.randn(E, I, H) * 0.1, down=torch.randn(E, H, I) * 0.1)
+    packed = pack_experts(spec=KernelSpec("bf16"), **w)
+    x = torch.randn(T, H).to(torch.bfloat16)
+    ids = torch.arange(E).repeat(T, 1)  # every token on every expert: 8 x 16 MiB of A panels
+    wts = torch.full((T, E), 1.0 / E)
+    small = (x[:2], torch.tensor([[0], [3]]), torch.ones(2, 1))
+    with force_isa("{isa}"):
+        expected = moe_experts(*small, packed)
+        moe_experts(x[:64], ids[:64], wts[:64], packed)  # threads and small buffers exist
+        vm = int(open("/proc/self/statm").read().split()[0]) * resource.getpagesize()
+        resource.setrlimit(resource.RLIMIT_AS, (vm + (48 << 20), resource.RLIM_INFINITY))
+        try:
+            moe_experts(x, ids, wts, packed)
+        except Exception as e:
+            print("big ->", type(e).__name__, str(e).splitlines()[0][:80], flush=True)
+        else:
+            print("big -> no error", flush=True)
+        got = moe_experts(*small, packed)  # the buffer that failed to grow is empty, not stale
+        print("after ->", bool(torch.equal(got, expected)), flush=True)
+""")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("isa", ["amx", "avx2"])
+def test_a_call_whose_buffers_cannot_be_allocated_raises_and_the_next_call_works(isa):
+    """The call's buffers kept for the next call (``Reused`` in kernels/moe_op.cpp) run out of memory
+    (an address-space limit): the call raises, and the next call gets a fresh buffer, not the
+    stale one. amx: 128 MiB of A panels; avx2: fp32 copies of the input (the portable path
+    allocates nothing beyond its output for this call)."""
+    from moelab.kernels import supported_isas
+
+    if isa not in supported_isas():
+        pytest.skip(f"this CPU cannot run the {isa} path (supported: {supported_isas()})")
+    r = subprocess.run([sys.executable, "-c", OOM_SCRIPT.replace("{isa}", isa)], capture_output=True, text=True,
+                       timeout=600)
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, f"the interpreter died (exit {r.returncode}):\n{out[-3000:]}"
+    lines = dict(line.split(" -> ", 1) for line in r.stdout.splitlines() if " -> " in line)
+    assert lines.get("big", "").startswith("RuntimeError") and "experts call failed" in lines["big"], out
+    assert lines.get("after") == "True", out
+
+
 @pytest.mark.parametrize("kind,exc", [(0, "RuntimeError"), (1, "RuntimeError"), (2, "ValueError")])
 def test_the_exception_kinds_the_extension_throws_reach_python(kind, exc):
     """``_raise_probe`` throws, from a binding without tensor arguments, a c10::Error (0, a failing
