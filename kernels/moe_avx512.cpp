@@ -67,6 +67,14 @@ void mk_bf16(const MatView& m, int tile, const TilePtrs& p, float* out, size_t l
     for (int i = 0; i < MT; ++i) _mm512_storeu_ps(out + size_t(t) * ldo + i * 16, acc[i][t]);
 }
 
+// Decoded weights (fp8, int4) are prefetched kDecodePrefetchBytes ahead in each row tile's stream.
+// The fp8 decode takes about nine instructions a 64-byte line where int8 takes two, so the reorder
+// window holds a quarter of the loads int8 has in flight, and decode-sized calls read fp8 well
+// below the memory's bandwidth. In-process A/B on the development VM (2026-11-28), 1 and 16
+// tokens: fp8 15-26 % faster on both default shapes (1 and 4 KiB ahead: the same or less), int4
+// 8-10 %. Prefetching past a tile's end touches the next tile.
+constexpr int kDecodePrefetchBytes = 2048;
+
 template <bool I4, int MT, int NT>
 void mk_int(const MatView& m, int tile, const TilePtrs& p, float* out, size_t ldo) {
   __m512 facc[MT][NT];
@@ -93,6 +101,7 @@ void mk_int(const MatView& m, int tile, const TilePtrs& p, float* out, size_t ld
       if constexpr (I4) {
         __m512i lo[MT], hi[MT];
         for (int i = 0; i < MT; ++i) {
+          _mm_prefetch(reinterpret_cast<const char*>(w[i] + off + kDecodePrefetchBytes), _MM_HINT_T0);
           const __m512i v = _mm512_load_si512(w[i] + off);
           lo[i] = _mm512_and_si512(v, low4);
           hi[i] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
@@ -153,6 +162,7 @@ void mk_fp8(const MatView& m, int tile, const TilePtrs& p, float* out, size_t ld
       const size_t off = size_t(k / 4) * 64;
       __m512bh p01[MT], p23[MT];
       for (int i = 0; i < MT; ++i) {
+        _mm_prefetch(reinterpret_cast<const char*>(w[i] + off + kDecodePrefetchBytes), _MM_HINT_T0);
         __m512i a, b;
         fp8_line_to_bf16(tb, w[i] + off, a, b);
         p01[i] = (__m512bh)a;
