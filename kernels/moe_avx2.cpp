@@ -180,7 +180,7 @@ void mk_fp8(const MatView& m, int tile, const TilePtrs& p, float* out, size_t ld
     const int k_end = (g + 1) * m.group;
     for (int k = g * m.group; k < k_end; k += 4) {
       const size_t off = size_t(k / 4) * 64;
-      // each row tile's line 2 KiB ahead, as on AVX-512 (moe_avx512.cpp's kDecodePrefetchBytes): 12-16 % faster
+      // each row tile's line 2 KiB ahead, as on AVX-512 (moe_avx512.cpp's kPrefetchBytes): 12-16 % faster
       // at 1 and 16 tokens with the decode (in-process A/B, development VM, 2026-11-28)
       for (int i = 0; i < MT; ++i) _mm_prefetch(reinterpret_cast<const char*>(w[i] + off + 2048), _MM_HINT_T0);
       for (int hl = 0; hl < 2; ++hl)

@@ -45,6 +45,16 @@ void mk_f32(const MatView& m, int tile, const TilePtrs& p, float* out, size_t ld
     for (int i = 0; i < MT; ++i) _mm512_storeu_ps(out + size_t(t) * ldo + i * 16, acc[i][t]);
 }
 
+// Packed weights (bf16, fp8, int8, int4) are prefetched kPrefetchBytes ahead in each row tile's
+// stream. The fp8 decode takes about nine instructions a 64-byte line where int8 takes two, so the
+// reorder window holds a quarter of the loads int8 has in flight, and decode-sized calls read fp8
+// well below the memory's bandwidth; with several tokens per line the other types do more work
+// between loads too. In-process A/B on the development VM (2026-11-28), 1 and 16 tokens, both
+// default shapes: fp8 15-26 % faster (1 and 4 KiB ahead: the same or less), int4 8-10 %, int8
+// 8-14 % at 16 tokens and 2 % at 1, bf16 5-8 % at 1 and 12-13 % at 16. Prefetching past a tile's
+// end touches the next tile.
+constexpr int kPrefetchBytes = 2048;
+
 template <int MT, int NT>
 void mk_bf16(const MatView& m, int tile, const TilePtrs& p, float* out, size_t ldo) {
   __m512 acc[MT][NT];
@@ -57,6 +67,8 @@ void mk_bf16(const MatView& m, int tile, const TilePtrs& p, float* out, size_t l
   const int k2n = m.kd / 2;
   for (int k2 = 0; k2 < k2n; ++k2) {
     __m512bh wv[MT];
+    for (int i = 0; i < MT; ++i)
+      _mm_prefetch(reinterpret_cast<const char*>(w[i] + size_t(k2) * 32) + kPrefetchBytes, _MM_HINT_T0);
     for (int i = 0; i < MT; ++i) wv[i] = (__m512bh)_mm512_load_si512(w[i] + size_t(k2) * 32);
     for (int t = 0; t < NT; ++t) {
       const __m512bh xb = (__m512bh)_mm512_set1_epi32(load_i32(x[t] + 2 * k2));
@@ -67,13 +79,6 @@ void mk_bf16(const MatView& m, int tile, const TilePtrs& p, float* out, size_t l
     for (int i = 0; i < MT; ++i) _mm512_storeu_ps(out + size_t(t) * ldo + i * 16, acc[i][t]);
 }
 
-// Decoded weights (fp8, int4) are prefetched kDecodePrefetchBytes ahead in each row tile's stream.
-// The fp8 decode takes about nine instructions a 64-byte line where int8 takes two, so the reorder
-// window holds a quarter of the loads int8 has in flight, and decode-sized calls read fp8 well
-// below the memory's bandwidth. In-process A/B on the development VM (2026-11-28), 1 and 16
-// tokens: fp8 15-26 % faster on both default shapes (1 and 4 KiB ahead: the same or less), int4
-// 8-10 %. Prefetching past a tile's end touches the next tile.
-constexpr int kDecodePrefetchBytes = 2048;
 
 template <bool I4, int MT, int NT>
 void mk_int(const MatView& m, int tile, const TilePtrs& p, float* out, size_t ldo) {
@@ -101,7 +106,7 @@ void mk_int(const MatView& m, int tile, const TilePtrs& p, float* out, size_t ld
       if constexpr (I4) {
         __m512i lo[MT], hi[MT];
         for (int i = 0; i < MT; ++i) {
-          _mm_prefetch(reinterpret_cast<const char*>(w[i] + off + kDecodePrefetchBytes), _MM_HINT_T0);
+          _mm_prefetch(reinterpret_cast<const char*>(w[i] + off + kPrefetchBytes), _MM_HINT_T0);
           const __m512i v = _mm512_load_si512(w[i] + off);
           lo[i] = _mm512_and_si512(v, low4);
           hi[i] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
@@ -116,6 +121,7 @@ void mk_int(const MatView& m, int tile, const TilePtrs& p, float* out, size_t ld
         }
       } else {
         __m512i wv[MT];
+        for (int i = 0; i < MT; ++i) _mm_prefetch(reinterpret_cast<const char*>(w[i] + off + kPrefetchBytes), _MM_HINT_T0);
         for (int i = 0; i < MT; ++i) wv[i] = _mm512_load_si512(w[i] + off);
         for (int t = 0; t < NT; ++t) {
           const __m512i xb = _mm512_set1_epi32(load_i32(x[t] + k));
@@ -162,7 +168,7 @@ void mk_fp8(const MatView& m, int tile, const TilePtrs& p, float* out, size_t ld
       const size_t off = size_t(k / 4) * 64;
       __m512bh p01[MT], p23[MT];
       for (int i = 0; i < MT; ++i) {
-        _mm_prefetch(reinterpret_cast<const char*>(w[i] + off + kDecodePrefetchBytes), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(w[i] + off + kPrefetchBytes), _MM_HINT_T0);
         __m512i a, b;
         fp8_line_to_bf16(tb, w[i] + off, a, b);
         p01[i] = (__m512bh)a;
