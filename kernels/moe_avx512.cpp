@@ -79,7 +79,6 @@ void mk_bf16(const MatView& m, int tile, const TilePtrs& p, float* out, size_t l
     for (int i = 0; i < MT; ++i) _mm512_storeu_ps(out + size_t(t) * ldo + i * 16, acc[i][t]);
 }
 
-
 template <bool I4, int MT, int NT>
 void mk_int(const MatView& m, int tile, const TilePtrs& p, float* out, size_t ldo) {
   __m512 facc[MT][NT];
