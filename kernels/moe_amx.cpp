@@ -160,10 +160,8 @@ const uint8_t* b_tiles(const MatView& m, int tile, int s0, int s1, uint8_t* dec)
   const __m512i low4 = _mm512_set1_epi8(0x0F);
   for (int q = 0; q < lines; ++q) {
     __m512i x, y;
-    // the packed line 2 KiB ahead (as the AVX-512 decode kernels do): a streamed decode reads each
-    // line from memory just before its tiles; in-process A/B at 256 tokens (development VM,
-    // 2026-11-28): fp8 +29 %, int4 +3 %
-    _mm_prefetch(reinterpret_cast<const char*>(w + size_t(q) * 64 + 2048), _MM_HINT_T0);
+    // a streamed decode reads each line from memory just before its tiles (kPrefetchBytes)
+    _mm_prefetch(reinterpret_cast<const char*>(w + size_t(q) * 64 + kPrefetchBytes), _MM_HINT_T0);
     if (m.wtype == W_FP8) {
       fp8_line_to_bf16(tb, w + size_t(q) * 64, x, y);
     } else {
@@ -286,13 +284,12 @@ void gemm_tiles(const MatView& m, int tile0, int ntiles, const ActView& a, int n
           for (int j = 0; j < nj; ++j)
             bg[j] = stream ? b_tiles(m, tile0 + j0 + j, g * block, (g + 1) * block, dec + size_t(j) * dec_tile)
                            : b[j] + size_t(g) * block * 1024;
-          // int8 weights read once, in place: their lines 2 KiB ahead and the scales two groups
-          // ahead (run_tiles prefetches only within a group, so nothing for groups of 64);
-          // in-process A/B at 256 tokens (development VM, 2026-11-28): +15 %
+          // int8 weights read once, in place: their lines kPrefetchBytes ahead and the scales two
+          // groups ahead (run_tiles prefetches only within a group, so nothing for groups of 64)
           if (m.wtype == W_INT8 && n <= 32)
             for (int j = 0; j < nj; ++j) {
               for (int l = 0; l < block * 1024; l += 64)
-                _mm_prefetch(reinterpret_cast<const char*>(bg[j] + 2048 + l), _MM_HINT_T0);
+                _mm_prefetch(reinterpret_cast<const char*>(bg[j] + kPrefetchBytes + l), _MM_HINT_T0);
               _mm_prefetch(reinterpret_cast<const char*>(m.scales + size_t(tile0 + j0 + j) * m.scale_tile +
                                                          size_t(g + 2) * 16), _MM_HINT_T0);
             }

@@ -36,13 +36,6 @@ struct TilePtrs {
 
 inline int32_t load_i32(const void* p) { int32_t v; __builtin_memcpy(&v, p, 4); return v; }
 
-// Packed weights (bf16, int8, int4, fp8) are prefetched kPrefetchBytes ahead in each row tile's
-// stream, as on AVX-512 (moe_avx512.cpp): the hardware prefetchers alone leave decode-sized calls
-// well below the memory's bandwidth. In-process A/B on the development VM (2026-11-28, forced
-// avx2, 2048x1408x64x6): 1 token bf16 +23 %, int8 +24 %, int4 +18 %, fp8 +12 %; 16 tokens +16 to
-// +38 %.
-constexpr int kPrefetchBytes = 2048;
-
 // MT row tiles = 2*MT ymm halves; NT tokens.
 template <int MT, int NT>
 void mk_fp(const MatView& m, int tile, const TilePtrs& p, float* out, size_t ldo) {

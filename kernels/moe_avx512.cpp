@@ -45,16 +45,6 @@ void mk_f32(const MatView& m, int tile, const TilePtrs& p, float* out, size_t ld
     for (int i = 0; i < MT; ++i) _mm512_storeu_ps(out + size_t(t) * ldo + i * 16, acc[i][t]);
 }
 
-// Packed weights (bf16, fp8, int8, int4) are prefetched kPrefetchBytes ahead in each row tile's
-// stream. The fp8 decode takes about nine instructions a 64-byte line where int8 takes two, so the
-// reorder window holds a quarter of the loads int8 has in flight, and decode-sized calls read fp8
-// well below the memory's bandwidth; with several tokens per line the other types do more work
-// between loads too. In-process A/B on the development VM (2026-11-28), 1 and 16 tokens, both
-// default shapes: fp8 15-26 % faster (1 and 4 KiB ahead: the same or less), int4 8-10 %, int8
-// 8-14 % at 16 tokens and 2 % at 1, bf16 5-8 % at 1 and 12-13 % at 16. Prefetching past a tile's
-// end touches the next tile.
-constexpr int kPrefetchBytes = 2048;
-
 template <int MT, int NT>
 void mk_bf16(const MatView& m, int tile, const TilePtrs& p, float* out, size_t ldo) {
   __m512 acc[MT][NT];

@@ -34,6 +34,19 @@ namespace moelab {
 // normal fp32 products; an fp32 copy overflows only for |x| > 2^68. Powers of two: exact.
 constexpr float kFp8XScale = 0x1p60f;
 
+// How far ahead (bytes) a kernel prefetches a weight stream it reads once: each row tile's packed
+// lines on the AVX-512 and AVX2 decode kernels, the streamed fp8/int4 decode and in-place int8
+// tiles on AMX. The hardware prefetchers alone left decode-sized calls well below the memory's
+// bandwidth, fp8 most: its decode takes about nine instructions a 64-byte line where int8 takes
+// two, so the reorder window holds a quarter of int8's loads in flight. In-process A/B on the
+// development VM (scripts/kernels_ab.py, 2026-11-28; median ratio of 10-30 alternating call
+// pairs per point, quartiles up to 10 % either side; load 0.5-1.3 at the benchmarks around them),
+// 1 and 16 tokens, both default shapes:
+// AVX-512 fp8 +15-26 % (1 and 4 KiB ahead: the same or less), bf16 +5-13 %, int8 +2 % at 1 token
+// and +8-14 % at 16, int4 +8-10 %; forced avx2 bf16/int8/int4 +18-38 %, fp8 +12-16 %; AMX at 256
+// tokens fp8 +29 %, int8 +15 %, int4 +3 %. Prefetching past a tile's end touches the next tile.
+constexpr int kPrefetchBytes = 2048;
+
 // fp8 layout: the byte of (row, k = 4 q + j) in line q of a tile is 4 row + kFp8Pos[j].
 constexpr int kFp8Pos[4] = {1, 3, 0, 2};
 
