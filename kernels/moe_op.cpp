@@ -97,9 +97,9 @@ thread_local CallStats last_stats;
 // next call and never zero-filled: every byte a kernel reads is written first (panel rows and
 // bytes past a call's own are read into tile rows whose results are discarded). A prefill's
 // buffers are tens of MB; allocating and zero-filling them each call (first-touch page faults and
-// a one-thread memset) took 28 ms of a 2048-token bf16 layer (2 cores, 2026-11-28). A buffer is
-// given back when a call needs less than a quarter of it, so decode after prefill does not keep
-// the prefill's memory.
+// a one-thread memset) took 26.6-28.2 ms of a 2048-token bf16 layer (three calls, 2 cores,
+// 2026-11-28). A buffer is given back when a call needs less than a quarter of it, so decode after
+// prefill does not keep the prefill's memory.
 class Reused {
  public:
   template <typename T>
