@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 
 import pytest
@@ -76,3 +77,57 @@ def test_bench_kernels_cli_refuses_a_busy_machine_without_allow_busy(monkeypatch
                  "--dtypes", "bf16", "--repeat", "1"])
     assert code == 2
     assert "--allow-busy" in capsys.readouterr().err
+
+
+def test_bench_kernels_emulate_reruns_itself_with_every_layer_held_to_that_isa(monkeypatch):
+    """``--emulate avx2`` reruns the same command line in a child whose environment forces moelab's
+    path and caps oneDNN and ATen (the built-ins) at AVX2; a process that already has them runs it."""
+    import subprocess
+
+    from moelab.cli import bench as cli_bench
+    from moelab.cli import main
+
+    for k in ("MOELAB_KERNELS_ISA", "ONEDNN_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY"):
+        monkeypatch.delenv(k, raising=False)
+    seen = []
+
+    def fake_run(cmd, env, check):
+        seen.append((cmd, env))
+        return subprocess.CompletedProcess(cmd, 7)
+
+    monkeypatch.setattr(subprocess, "run", fake_run)
+    argv = ["bench", "kernels", "--emulate", "avx2", "--tokens", "256", "--dtypes", "fp8", "--json"]
+    assert main(argv) == 7  # the child's status
+    (cmd, env), = seen
+    assert cmd[1:] == ["-m", "moelab.cli", *argv]
+    assert env["MOELAB_KERNELS_ISA"] == "avx2" and env["ONEDNN_MAX_CPU_ISA"] == "AVX2"
+    assert env["ATEN_CPU_CAPABILITY"] == "avx2"
+    # in the child (the environment set): no second rerun
+    for k, v in cli_bench.EMULATE_ENV["avx2"].items():
+        monkeypatch.setenv(k, v)
+    assert cli_bench._emulated(argparse.Namespace(emulate="avx2", argv=argv)) is None
+
+
+@pytest.mark.slow
+def test_bench_kernels_emulate_avx2_times_the_built_ins_on_avx2_and_records_it():
+    """End to end: the child's built-ins ran under ATen AVX2 and oneDNN capped at AVX2, moelab on its
+    avx2 path, and the JSON (and the table's header) says so."""
+    import os
+    import subprocess
+    import sys
+
+    if "avx2" not in build.supported_isas():
+        pytest.skip("this CPU has no AVX2 path to emulate")
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("MOELAB_KERNELS_ISA", "ONEDNN_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY")}
+    out = subprocess.run([sys.executable, "-m", "moelab.cli", "bench", "kernels", "--emulate", "avx2", "--json",
+                          "--shapes", "64x96x8x2", "--tokens", "1", "--dtypes", "bf16", "--baselines", "eager",
+                          "--repeat", "1", "--allow-busy"], env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    data = json.loads(out.stdout)
+    m = data["machine"]
+    assert m["isa"] == "avx2" and m["builtin_isa"] == {"aten": "AVX2", "onednn_max": "AVX2"}
+    assert all(r["isa"] == "avx2" for r in data["rows"])
+    from moelab.kernels.bench import format_table
+
+    assert "built-ins on ATen AVX2, oneDNN capped at AVX2" in format_table(data)

@@ -72,6 +72,7 @@ def main(argv: list[str] | None = None) -> int:
         level=logging.INFO if args.verbose else logging.WARNING,
         format="%(levelname)s %(name)s: %(message)s",
     )
+    args.argv = argv  # the command line as given: a command that must rerun itself in a child (bench kernels --emulate)
     if not getattr(args, "func", None):
         parser.print_help()
         return 2

@@ -14,6 +14,17 @@ DEFAULT_TOKENS: tuple[int, ...] = (1, 4, 16, 64, 256)
 DEFAULT_DTYPES: tuple[str, ...] = ("bf16", "int8", "int4", "fp8")
 DTYPES: tuple[str, ...] = ("fp32", "bf16", "int8", "int4", "fp8")
 BASELINES: tuple[str, ...] = ("eager", "batched_mm", "grouped_mm")
+#: ``moelab bench kernels --emulate ISA``: the environment under which this CPU looks, to moelab's kernels
+#: and to transformers' built-ins alike, like one whose best instruction set is ISA (a CPU without AMX,
+#: or without AVX-512): moelab's path forced (``MOELAB_KERNELS_ISA``), oneDNN's kernels capped
+#: (``ONEDNN_MAX_CPU_ISA``, oneDNN's documented switch) and ATen's vectorised kernels held to that
+#: level (``ATEN_CPU_CAPABILITY``). Forcing moelab's path alone compares its AVX2 kernels with built-ins
+#: that still run AMX tiles through oneDNN, a pairing no machine has.
+EMULATE_ENV: dict[str, dict[str, str]] = {
+    "avx2": {"MOELAB_KERNELS_ISA": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"},
+    "avx512": {"MOELAB_KERNELS_ISA": "avx512", "ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16",
+               "ATEN_CPU_CAPABILITY": "avx512"},
+}
 # a copy of moelab.simulate.moegen.bench.DEFAULT_MODELS (importing it loads torch)
 THROUGHPUT_MODELS: tuple[str, ...] = ("moelab-tiny-mixtral", "v2-lite:2")
 
@@ -51,6 +62,10 @@ def register(subparsers) -> None:
     k.add_argument("--json", action="store_true", help="print the results as JSON instead of a table")
     k.add_argument("--allow-busy", action="store_true",
                    help="print figures measured on a busy machine (flagged) instead of refusing them")
+    k.add_argument("--emulate", choices=sorted(EMULATE_ENV), default=None,
+                   help="time as a CPU whose best instruction set is this one would: moelab's kernels forced to it "
+                   "and transformers' built-ins held to it too (oneDNN's ONEDNN_MAX_CPU_ISA, ATen's "
+                   "ATEN_CPU_CAPABILITY); reruns the command in a child process with that environment")
     k.set_defaults(func=run_kernels)
     h = sub.add_parser(
         "hybrid",
@@ -234,7 +249,28 @@ def run_hybrid(args) -> int:
     return 0
 
 
+def _emulated(args) -> int | None:
+    """``--emulate``: the exit status of this command rerun in a child with :data:`EMULATE_ENV`'s
+    settings (oneDNN and ATen read theirs once, when torch first uses them, so they cannot be set in
+    a process that has run torch), or None when this process already has them."""
+    import os
+    import subprocess
+
+    env = EMULATE_ENV[args.emulate]
+    if all(os.environ.get(k) == v for k, v in env.items()):
+        return None
+    argv = getattr(args, "argv", None)
+    if argv is None:
+        raise MoelabError("--emulate reruns `moelab bench kernels` in a child process and needs the command line "
+                          "(moelab.cli.main keeps it); call moelab.cli.main([...]) rather than run_kernels directly.")
+    print(f"--emulate {args.emulate}: rerunning with " + " ".join(f"{k}={v}" for k, v in env.items()),
+          file=sys.stderr, flush=True)
+    return subprocess.run([sys.executable, "-m", "moelab.cli", *argv], env={**os.environ, **env}, check=False).returncode
+
+
 def run_kernels(args) -> int:
+    if getattr(args, "emulate", None) and (code := _emulated(args)) is not None:
+        return code
     from moelab.kernels.bench import BenchConfig, format_table, run_bench
 
     cfg = BenchConfig(

@@ -20,6 +20,7 @@ layer (2048x1408x64x6) at 512 and 2048 tokens, with uniform routing and with a s
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -392,6 +393,10 @@ def run_bench(config: BenchConfig, progress: Callable[[str], None] | None = None
         "fma_peak_gflops": load_extension().fma_peak_gflops(ISA_CODES[isa], torch.get_num_threads()),
         "torch": torch.__version__, "group_size": config.group_size,
         "fp8_block": list(config.fp8_block), "prefill": config.prefill,
+        # what the built-ins may run on: ATen's vectorised kernels and oneDNN's cap (unset: its best,
+        # AMX where present); `moelab bench kernels --emulate` sets both with moelab's own path
+        "builtin_isa": {"aten": torch.backends.cpu.get_cpu_capability(),
+                        "onednn_max": os.environ.get("ONEDNN_MAX_CPU_ISA", "")},
     }
     say(f"timing a tiny layer's call ({OVERHEAD_SHAPE}, batch 1)")
     machine["call_overhead_us"] = call_overhead()
@@ -416,7 +421,10 @@ def format_table(result: dict) -> str:
         + (f" ({'AMX bf16 tile' if m['isa'] == 'amx' else 'FMA'} peak {m['fma_peak_gflops']:.0f} GFLOP/s)"
            if m.get("fma_peak_gflops") else "")
         + f"; torch {m['torch']}; int group {m['group_size']}"
-        + (f"; fp8 block {m['fp8_block'][0]}x{m['fp8_block'][1]}" if "fp8_block" in m else ""),
+        + (f"; fp8 block {m['fp8_block'][0]}x{m['fp8_block'][1]}" if "fp8_block" in m else "")
+        + (f"; built-ins on ATen {b['aten']}, oneDNN " + (f"capped at {b['onednn_max']}" if b["onednn_max"]
+                                                         else "uncapped (AMX where present)")
+           if (b := m.get("builtin_isa")) else ""),
         (f"machine load {m['load']['load1']:.1f} on {m['load']['cpus']} CPUs when measured"
          + (f", {m['load']['own']:.1f} of it this bench" if m["load"].get("own") is not None else ""))
         if m.get("load", {}).get("load1") is not None else "machine load unknown",
