@@ -350,3 +350,33 @@ def test_a_chunked_copy_evicted_between_its_pieces_leaves_the_slot_to_the_next_e
     assert pool.where == {(0, 2): 0}
     assert torch.equal(pool.gu[0], layers[0].experts.gate_up_proj[2])
     assert torch.equal(pool.dn[0], layers[0].experts.down_proj[2])
+
+
+def test_real_executor_runs_a_layers_device_experts_on_the_waiting_control_thread(mixtral, monkeypatch):
+    """On a CPU-only machine the control thread, which would only wait for the device lane, runs the
+    layer's device experts itself (the lane idle: ``Lane(helping=True)``); they stay device-lane
+    events, one at a time, and the outputs equal the functional executor's."""
+    import threading
+
+    from moelab.backends.reference import REFERENCE
+
+    threads: list[int] = []
+    compute = REFERENCE.compute
+
+    def probe(module, hidden, routing):
+        threads.append(threading.get_ident())
+        return compute(module, hidden, routing)
+
+    ids, mask = _inputs(2)
+    cfg = {"cache": {"capacity": 0.5, "policy": "lru"}, "placement": "fetch-misses", "routing": {"deferred": 0}}
+    with moelab.hybrid(mixtral, cfg):
+        want = _gen(mixtral, ids, mask, n=3)
+    monkeypatch.setattr(REFERENCE, "compute", probe)
+    with moelab.hybrid(mixtral, {**cfg, "executor": "real", "device": "cpu"}) as run:
+        got = _gen(mixtral, ids, mask, n=3)
+    assert torch.equal(want[0], got[0])
+    ev = run.events_table()
+    dev = ev[ev["kind"] == "expert-device"]
+    assert len(dev) == len(threads) > 0 and set(threads) == {threading.get_ident()}
+    g = dev.sort_values("t_start_us")
+    assert (g["t_start_us"].to_numpy()[1:] >= g["t_end_us"].to_numpy()[:-1]).all()

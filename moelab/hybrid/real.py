@@ -6,7 +6,11 @@ Lanes (one worker thread each, a priority queue in front):
   misses) with the device backend. On a machine without a GPU this is a CPU worker that
   stands in for the device: it shares the host's cores and memory bandwidth, which is
   exactly what makes CPU-only hybrid timings differ from a GPU box's (the simulator
-  models the difference);
+  models the difference). The lanes are *helping* (:class:`~moelab.hybrid.lanes.Lane`): the
+  control thread, which would only block until the device lane has computed the layer's
+  experts, runs them itself when the lane is idle (still one device-lane task at a time, its
+  event the device lane's); a layer's deferred device work and everything queued behind a
+  running task stay on the worker;
 * ``host`` — computes host-placed misses and the deferred slots of host experts with the host
   backend. A native kernels backend (``moelab``, ``moelab_bf16`` ...) runs on a C++ worker thread
   of the extension (:class:`~moelab.hybrid.lanes.NativeLane`: the call is checked and queued on
@@ -136,8 +140,8 @@ class RealExecutor(LaneExecutor):
         #: the Python lanes this executor started (their threads are joined by :meth:`close`)
         self.lanes: dict[str, Lane] = {}
         try:
-            for name in names:
-                self.lanes[name] = Lane(name, self.log)
+            for name in names:  # a thread that waits on a lane runs its next task if the lane is idle (Lane)
+                self.lanes[name] = Lane(name, self.log, helping=True)
             slots = 0 if run.cache is None else int(sum(run.cache.slots_))
             self.pool = ExpertPool(run.layers, max(slots, 1), torch.device("cpu"))
             if run.cache is not None:  # a warm start: its experts are resident before the first forward
