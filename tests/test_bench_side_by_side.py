@@ -47,6 +47,35 @@ def test_rows_on_a_tiny_model(tiny, monkeypatch):
         assert row["events_per_step"] > 0 and row["recording_pct"] > 0
     # the model's experts implementation is left as it was
     assert getattr(tiny.config, "_experts_implementation", None) == before
+    # each ratio to the best plain row is taken loop by loop: the best plain row's own is 1
+    assert r["best_plain"]["ratio"] == {"median": 1.0, "q25": 1.0, "q75": 1.0}
+    for row in rows:
+        q = row["ratio"]
+        assert 0 < q["q25"] <= q["median"] <= q["q75"]
+
+
+def test_the_rows_loops_are_interleaved_round_by_round(tiny, monkeypatch):
+    """Every round runs one timed loop of every row in the table's order (plain implementations,
+    then moelab's runs, each applied for its loop only), so a drift of the machine's speed touches
+    every row alike."""
+    from moelab.hybrid.runtime import active_hybrid
+    from moelab.simulate import side_by_side as sbs
+
+    monkeypatch.setenv("MOELAB_PLANNER", "reference")
+    seen = []
+    decode = sbs._decode
+
+    def recording(model, ids, steps):
+        run = active_hybrid(model)
+        seen.append((steps, "moelab" if run is not None else model.config._experts_implementation))
+        return decode(model, ids, steps)
+
+    monkeypatch.setattr(sbs, "_decode", recording)
+    sbs.side_by_side(steps=3, repeats=2, profile="pcie4-x16", model=tiny)
+    timed = [who for steps, who in seen if steps == 3]
+    one_round = [*PLAIN_EXPERTS, "moelab", "moelab"]
+    # the warm-start traces (warm_cache) run their own loops first; the timed rounds follow
+    assert timed[-2 * len(one_round):] == one_round * 2
 
 
 def test_an_unwarmed_cache_stays_empty_under_host_misses(tiny, caplog):

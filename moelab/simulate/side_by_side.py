@@ -83,10 +83,18 @@ def side_by_side(layers: int = 3, steps: int = 8, repeats: int = 7, profile: Any
     """Plain transformers (each experts implementation) vs moelab's real executor (nothing enabled,
     full configuration) vs the simulator's prediction of those runs, on :func:`realistic_model`.
 
+    The rows' decode loops are interleaved: each of the ``repeats`` rounds runs one loop of every
+    row in turn, so a drift of the machine's speed (this project's VMs swing up to 2× between
+    minutes) touches every row alike, and each row's ratio to the best plain row is also taken
+    round by round (``ratio``: the median and quartiles of ``row loop / best plain loop`` over the
+    rounds). A moelab run is applied for its loop only (its warm-up and set-up, a fresh warmed
+    cache each time, outside the timed loop).
+
     ``profile``: a calibrated profile file (``moelab calibrate --out``) or a profile's name, or None
     to calibrate now (``--quick`` settings; refused on a busy machine unless ``allow_busy``).
     ``model``: another model to measure instead of ``realistic_model(layers)``. Returns the rows
-    (``label``, ``measurement``, ``step_ms``, ``sim_step_ms`` for moelab's runs) and the profile used.
+    (``label``, ``measurement``, ``step_ms``, ``ratio``, ``sim_step_ms`` for moelab's runs) and the
+    profile used.
     """
     if repeats < 1 or steps < 1:
         raise MoelabError(f"repeats={repeats}, steps={steps}: both must be ≥ 1 (issue #26 asks for ≥ 7 repeats).")
@@ -94,50 +102,78 @@ def side_by_side(layers: int = 3, steps: int = 8, repeats: int = 7, profile: Any
     model = realistic_model(layers) if model is None else model
     ids = torch.randint(3, 250, (1, 8), generator=torch.Generator().manual_seed(0))
     shape = ModelShape.from_model(model, name="v2-lite-shaped")
-    rows: list[dict[str, Any]] = []
-    before = getattr(model.config, "_experts_implementation", None)
-    try:
-        for impl in PLAIN_EXPERTS:
-            model.set_experts_implementation(impl)
-            m = _loops(model, ids, steps, repeats)
-            rows.append({"label": f"plain transformers, {impl} experts", "kind": "plain", "measurement": m,
-                         "step_ms": m.median * 1e3})
-    finally:
-        model.config._experts_implementation = before
     add_us = event_record_us()
     memo: dict = {}  # the warm-start trace, recorded once
-    for label, cfg in side_configs(path, lambda c: warm_cache(c, model, ids, steps, memo)).items():
-        run = HybridRun(model, cfg)
-        with run:
+    runs = {label: HybridRun(model, cfg)
+            for label, cfg in side_configs(path, lambda c: warm_cache(c, model, ids, steps, memo)).items()}
+    loops: dict[str, list[float]] = {impl: [] for impl in PLAIN_EXPERTS} | {label: [] for label in runs}
+    plans: dict[str, list[list]] = {label: [] for label in runs}  # each loop's plans
+    events = dict.fromkeys(runs, 0)
+    before = getattr(model.config, "_experts_implementation", None)
+    try:
+        for impl in PLAIN_EXPERTS:  # warm-up: packing, first copies, allocator
+            model.set_experts_implementation(impl)
             _decode(model, ids, 2)
-            n0, e0 = len(run.plans), len(run.events)
-            m = from_samples([_decode(model, ids, steps) for _ in range(repeats)], warmup=0)
-            plans = list(run.plans[n0:])
-            per_step = (len(run.events) - e0) / (repeats * (steps + 1))  # each loop: a prefill and its steps
-        sim = simulate_plans(plans, shape, prof, context=ids.shape[1] + steps // 2).summary()
-        rows.append({"label": f"moelab real executor, {label}", "kind": label, "measurement": m,
-                     "step_ms": m.median * 1e3, "sim_step_ms": sim["decode_step_us"] / 1e3,
+        for _ in range(repeats):
+            for impl in PLAIN_EXPERTS:
+                model.set_experts_implementation(impl)
+                loops[impl].append(_decode(model, ids, steps))
+            model.config._experts_implementation = before
+            for label, run in runs.items():
+                with run:
+                    _decode(model, ids, 2)
+                    n0, e0 = len(run.plans), len(run.events)
+                    loops[label].append(_decode(model, ids, steps))
+                    plans[label].append(run.plans[n0:])
+                    events[label] += len(run.events) - e0
+    finally:
+        model.config._experts_implementation = before
+    rows: list[dict[str, Any]] = []
+    for impl in PLAIN_EXPERTS:
+        m = from_samples(loops[impl], warmup=0)
+        rows.append({"label": f"plain transformers, {impl} experts", "kind": "plain", "key": impl,
+                     "measurement": m, "step_ms": m.median * 1e3})
+    for label in runs:
+        m = from_samples(loops[label], warmup=0)
+        # each loop's plans are one applied run's (forward numbers restart): simulated loop by loop
+        sim_us = statistics.median(simulate_plans(p, shape, prof, context=ids.shape[1] + steps // 2).summary()
+                                   ["decode_step_us"] for p in plans[label])
+        every = [p for loop in plans[label] for p in loop]
+        per_step = events[label] / (repeats * (steps + 1))  # each loop: a prefill and its steps
+        rows.append({"label": f"moelab real executor, {label}", "kind": label, "key": label, "measurement": m,
+                     "step_ms": m.median * 1e3, "sim_step_ms": sim_us / 1e3,
                      "events_per_step": per_step, "recording_pct": 100 * per_step * add_us / (m.median * 1e6),
-                     "device_pct": device_share(plans), "device_backend": cfg["device_backend"]})
+                     "device_pct": device_share(every), "device_backend": runs[label].config.device_backend})
     best = min((r for r in rows if r["kind"] == "plain"), key=lambda r: r["step_ms"])
+    for row in rows:
+        row["ratio"] = _ratio(loops[row["key"]], loops[best["key"]])
     return {"rows": rows, "best_plain": best, "profile": path, "layers": layers, "steps": steps, "repeats": repeats,
             "event_record_us": add_us}
+
+
+def _ratio(a: list[float], b: list[float]) -> dict[str, float]:
+    """The median and quartiles of ``a[i] / b[i]`` over the rounds ``i``."""
+    import numpy as np
+
+    r = np.asarray(a) / np.asarray(b)
+    return {"median": float(np.median(r)), "q25": float(np.percentile(r, 25)), "q75": float(np.percentile(r, 75))}
 
 
 def side_table(out, layers: int, steps: int, repeats: int, profile: Any, allow_busy: bool,
                flagged: list) -> None:  # pragma: no cover - prints
     r = side_by_side(layers, steps, repeats, profile, allow_busy=allow_busy)
-    base = r["best_plain"]["step_ms"]
     out(f"side by side, DeepSeek-V2-Lite MoE shapes x {layers} layers, bf16, decode batch 1, "
-        f"{torch.get_num_threads()} torch threads; median of {repeats} loops of {steps} steps "
-        f"(simulator: {r['profile']}):")
-    out(f"  {'':44}  {'step ms':>8}  {'spread, load':>18}  {'vs best plain':>13}  {'simulated ms':>12}  {'real/sim':>8}")
+        f"{torch.get_num_threads()} torch threads; median of {repeats} loops of {steps} steps, the rows' loops "
+        f"interleaved, each ratio to the best plain row taken loop by loop (simulator: {r['profile']}):")
+    out(f"  {'':44}  {'step ms':>8}  {'spread, load':>18}  {'vs best plain (quartiles)':>25}  {'simulated ms':>12}  "
+        f"{'real/sim':>8}")
     for row in r["rows"]:
         flagged.append(row["measurement"])
         sim = row.get("sim_step_ms")
         tail = f"{sim:12.2f}  {row['step_ms'] / sim:8.2f}" if sim else f"{'':12}  {'':8}"
+        q = row["ratio"]
         out(f"  {row['label']:44}  {row['step_ms']:8.2f}  {_stat(row['measurement']):>18}  "
-            f"{row['step_ms'] / base:12.2f}x  {tail}")
+            f"{q['median']:12.2f}x ({q['q25']:.2f}-{q['q75']:.2f})  {tail}")
     for row in r["rows"]:
         if "device_pct" in row:
             out(f"  {row['kind']}: {row['device_pct']:.0f} % of the decode steps' expert work on the device lane "
