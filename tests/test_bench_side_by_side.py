@@ -107,3 +107,15 @@ def test_an_unwarmed_cache_stays_empty_under_host_misses(tiny, caplog):
 def test_bad_repeats_named():
     with pytest.raises(MoelabError, match="repeats=0"):
         side_by_side(repeats=0, profile="pcie4-x16")
+
+
+def test_the_device_lanes_backend_is_a_choice_and_a_bad_name_is_named(tiny, monkeypatch):
+    monkeypatch.setenv("MOELAB_PLANNER", "reference")
+    assert {c["device_backend"] for c in side_configs("pcie4-x16", device_backend="grouped_mm").values()} == \
+        {"grouped_mm"}
+    r = side_by_side(steps=2, repeats=1, profile="pcie4-x16", model=tiny, device_backend="grouped_mm")
+    runs = {row["kind"]: row for row in r["rows"] if row["kind"] != "plain"}
+    assert {row["device_backend"] for row in runs.values()} == {"grouped_mm"}
+    assert runs["nothing enabled"]["device_pct"] == 100.0
+    with pytest.raises(MoelabError, match="grouped_mn"):
+        side_by_side(repeats=1, profile="pcie4-x16", model=tiny, device_backend="grouped_mn")

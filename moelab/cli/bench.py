@@ -86,6 +86,11 @@ def register(subparsers) -> None:
     h.add_argument("--profile", metavar="PROFILE", default=None,
                    help="calibrated profile of this machine for the simulator's prediction (moelab calibrate --out); "
                    "default: calibrate now with --quick settings")
+    h.add_argument("--device-backend", metavar="BACKEND", default="reference",
+                   help="experts backend of the side-by-side's device lane (default: reference, eager maths in "
+                   "torch; e.g. grouped_mm to compute resident experts as that plain row does); a profile "
+                   "calibrated now measures the same backend, a given one should have (moelab calibrate "
+                   "--device-backend)")
     h.add_argument("--allow-busy", action="store_true",
                    help="print figures measured on a busy machine (flagged) instead of refusing them")
     h.set_defaults(func=run_hybrid)
@@ -244,7 +249,8 @@ def run_hybrid(args) -> int:
                   not (args.skip_realistic or only_side), allow_busy=args.allow_busy, planner=not only_side,
                   check_busy=False)
     if not args.skip_side_by_side:
-        side_table(print, args.layers, args.steps, args.repeats, args.profile, args.allow_busy, flagged)
+        side_table(print, args.layers, args.steps, args.repeats, args.profile, args.allow_busy, flagged,
+                   device_backend=args.device_backend)
     raise_if_busy(flagged, args.allow_busy)
     return 0
 

@@ -37,8 +37,8 @@ from moelab.timing.shapes import ModelShape
 PLAIN_EXPERTS: tuple[str, ...] = ("eager", "batched_mm", "grouped_mm")
 
 
-def side_configs(profile_path: str, cache: Callable[[float], dict[str, Any]] | None = None
-                 ) -> dict[str, dict[str, Any]]:
+def side_configs(profile_path: str, cache: Callable[[float], dict[str, Any]] | None = None,
+                 device_backend: str = "reference") -> dict[str, dict[str, Any]]:
     """The two moelab configurations of :func:`side_by_side`: nothing enabled, and everything on.
 
     ``cache(capacity)`` gives each one's cache section (:func:`side_by_side` warms it by frequency
@@ -46,7 +46,7 @@ def side_configs(profile_path: str, cache: Callable[[float], dict[str, Any]] | N
     holds every expert from the first step); default: an empty LRU cache, which under ``host-misses``
     never fills (a miss the host computes is not copied in)."""
     cache = cache or (lambda c: {"capacity": c, "policy": "lru"})
-    base = {"executor": "real", "device_backend": "reference", "host_backend": "moelab_bf16", "device": "cpu"}
+    base = {"executor": "real", "device_backend": device_backend, "host_backend": "moelab_bf16", "device": "cpu"}
     nothing = {**base, "cache": cache(1.0), "placement": "host-misses", "routing": {"deferred": 0}}
     full = {**base, "cache": cache(0.25), "placement": "greedy-hss", "hardware": profile_path,
             "routing": {"deferred": 2, "min_immediate": 0}}
@@ -79,7 +79,7 @@ def event_record_us(n: int = 20000) -> float:
 
 
 def side_by_side(layers: int = 3, steps: int = 8, repeats: int = 7, profile: Any = None, *,
-                 allow_busy: bool = False, model: Any = None) -> dict[str, Any]:
+                 allow_busy: bool = False, model: Any = None, device_backend: str = "reference") -> dict[str, Any]:
     """Plain transformers (each experts implementation) vs moelab's real executor (nothing enabled,
     full configuration) vs the simulator's prediction of those runs, on :func:`realistic_model`.
 
@@ -92,20 +92,27 @@ def side_by_side(layers: int = 3, steps: int = 8, repeats: int = 7, profile: Any
 
     ``profile``: a calibrated profile file (``moelab calibrate --out``) or a profile's name, or None
     to calibrate now (``--quick`` settings; refused on a busy machine unless ``allow_busy``).
-    ``model``: another model to measure instead of ``realistic_model(layers)``. Returns the rows
+    ``model``: another model to measure instead of ``realistic_model(layers)``. ``device_backend``: the
+    experts backend of both runs' device lane (``reference``: eager maths; ``grouped_mm`` computes
+    the resident experts as that plain row does), which a profile calibrated now measures too (a
+    given profile should have been: ``moelab calibrate --device-backend``). Returns the rows
     (``label``, ``measurement``, ``step_ms``, ``ratio``, ``sim_step_ms`` for moelab's runs) and the
     profile used.
     """
     if repeats < 1 or steps < 1:
         raise MoelabError(f"repeats={repeats}, steps={steps}: both must be ≥ 1 (issue #26 asks for ≥ 7 repeats).")
-    prof, path = profile_or_calibrated(profile, allow_busy=allow_busy)
+    from moelab.backends import get_backend
+
+    get_backend(device_backend)  # a did-you-mean error before anything runs
+    prof, path = profile_or_calibrated(profile, allow_busy=allow_busy, device_backend=device_backend)
     model = realistic_model(layers) if model is None else model
     ids = torch.randint(3, 250, (1, 8), generator=torch.Generator().manual_seed(0))
     shape = ModelShape.from_model(model, name="v2-lite-shaped")
     add_us = event_record_us()
     memo: dict = {}  # the warm-start trace, recorded once
     runs = {label: HybridRun(model, cfg)
-            for label, cfg in side_configs(path, lambda c: warm_cache(c, model, ids, steps, memo)).items()}
+            for label, cfg in side_configs(path, lambda c: warm_cache(c, model, ids, steps, memo),
+                                           device_backend).items()}
     loops: dict[str, list[float]] = {impl: [] for impl in PLAIN_EXPERTS} | {label: [] for label in runs}
     plans: dict[str, list[list]] = {label: [] for label in runs}  # each loop's plans
     events = dict.fromkeys(runs, 0)
@@ -160,8 +167,8 @@ def _ratio(a: list[float], b: list[float]) -> dict[str, float]:
 
 
 def side_table(out, layers: int, steps: int, repeats: int, profile: Any, allow_busy: bool,
-               flagged: list) -> None:  # pragma: no cover - prints
-    r = side_by_side(layers, steps, repeats, profile, allow_busy=allow_busy)
+               flagged: list, device_backend: str = "reference") -> None:  # pragma: no cover - prints
+    r = side_by_side(layers, steps, repeats, profile, allow_busy=allow_busy, device_backend=device_backend)
     out(f"side by side, DeepSeek-V2-Lite MoE shapes x {layers} layers, bf16, decode batch 1, "
         f"{torch.get_num_threads()} torch threads; median of {repeats} loops of {steps} steps, the rows' loops "
         f"interleaved, each ratio to the best plain row taken loop by loop (simulator: {r['profile']}):")

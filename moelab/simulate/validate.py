@@ -357,13 +357,14 @@ def _machine_cases(quick: bool) -> list[tuple[str, str, dict]]:
 
 
 def calibrated_profile(*, quick: bool = True, progress: bool = False, allow_busy: bool = False,
-                       allow_out_of_bounds: bool = False):
-    """Calibrate this machine now (``moelab calibrate --quick``'s settings) into a temporary profile."""
+                       allow_out_of_bounds: bool = False, device_backend: str = "reference"):
+    """Calibrate this machine now (``moelab calibrate --quick``'s settings) into a temporary profile;
+    ``device_backend``: the experts backend whose calls stand for the device's."""
     from moelab.simulate.calibrate import CalibrateConfig, calibrate, write_profile
 
     # the backends the real runs use (see _machine_cases): calibration measures those kernels on
     # microbenchmarks, never the runs themselves
-    cfg = CalibrateConfig(host_backend="moelab_bf16", device_backend="reference")
+    cfg = CalibrateConfig(host_backend="moelab_bf16", device_backend=device_backend)
     if quick:
         cfg.quick()
     prof, raw = calibrate(cfg, progress=progress, allow_busy=allow_busy, allow_out_of_bounds=allow_out_of_bounds)
@@ -373,7 +374,8 @@ def calibrated_profile(*, quick: bool = True, progress: bool = False, allow_busy
 
 
 def profile_or_calibrated(profile: Any = None, *, allow_busy: bool = False,
-                          progress: Callable[[str], None] | None = None) -> tuple[Any, str]:
+                          progress: Callable[[str], None] | None = None, device_backend: str = "reference"
+                          ) -> tuple[Any, str]:
     """``(profile, path)`` for a bench that sets real runs beside their simulation: ``profile`` as
     given (a ``moelab calibrate --out`` file or a profile's name), or, for None, this machine
     calibrated now with ``moelab calibrate --quick``'s settings (:func:`calibrated_profile`;
@@ -384,7 +386,7 @@ def profile_or_calibrated(profile: Any = None, *, allow_busy: bool = False,
         return get_profile(path), path
     if progress:
         progress("calibrating this machine (moelab calibrate --quick settings) for the simulation ...")
-    return calibrated_profile(quick=True, allow_busy=allow_busy)
+    return calibrated_profile(quick=True, allow_busy=allow_busy, device_backend=device_backend)
 
 
 def _case_rows(label: str, r: dict, run: int, label_sim: str) -> list[dict]:
