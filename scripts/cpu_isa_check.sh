@@ -9,7 +9,9 @@
 # Writes to $OUT: env.txt (versions, CPU flags, the ISA paths moelab detects), pytest-<isa>.txt (the
 # kernel parity, regime and error-path tests with MOELAB_KERNELS_ISA=<isa>, for each supported path),
 # bench-<isa>.txt / .json (`moelab bench kernels` bf16/int8/fp8 at T=1 16 256 on that path) and
-# prefill-<isa>.txt / .json (`--prefill`). Exit status: non-zero when a test failed.
+# prefill-<isa>.txt / .json (`--prefill`), and for the avx2 / avx512 paths below the CPU's best also
+# bench-<isa>-emulated.txt / .json (`--emulate <isa>`: transformers' built-ins held to that instruction
+# set too, as on a CPU whose best it is; EMULATE=0 skips them). Exit status: non-zero when a test failed.
 # SKIP_BENCH=1 runs the tests only; REPEAT=N bench repetitions (5); JOBS=N pytest workers (4).
 # On an AMX CPU the paths are amx (bf16/fp8 experts with >= 16 tokens on tiles), avx512, avx2, portable.
 set -uo pipefail
@@ -51,6 +53,13 @@ if [ -z "${SKIP_BENCH:-}" ]; then
       $PY -c "import json, sys; from moelab.kernels.bench import format_table; print(format_table(json.load(open(sys.argv[1]))))" \
         "$OUT/$mode-$isa.json" | tee "$OUT/$mode-$isa.txt"
     done
+    if [ "${EMULATE:-1}" != 0 ] && [ "$isa" != "${ISAS%% *}" ] && { [ "$isa" = avx2 ] || [ "$isa" = avx512 ]; }; then
+      echo "== bench, --emulate $isa (the built-ins held to $isa too)"
+      $PY -m moelab.cli bench kernels --emulate "$isa" --dtypes bf16 int8 fp8 --tokens 1 16 256 \
+        --repeat "$REPEAT" --allow-busy --json > "$OUT/bench-$isa-emulated.json" 2> "$OUT/bench-$isa-emulated.log"
+      $PY -c "import json, sys; from moelab.kernels.bench import format_table; print(format_table(json.load(open(sys.argv[1]))))" \
+        "$OUT/bench-$isa-emulated.json" | tee "$OUT/bench-$isa-emulated.txt"
+    fi
   done
 fi
 echo "== done: $([ $status -eq 0 ] && echo all tests passed || echo TESTS FAILED); results in $OUT"
