@@ -176,8 +176,9 @@ def test_both_benches_calibrate_through_one_helper_and_only_the_throughput_bench
         run_bench(["tiny-random-mixtral"], profile=None, progress=said.append)
     with pytest.raises(_Calibrating):
         side_by_side(profile=None, allow_busy=True)
-    # moelab calibrate --quick's settings, each bench's allow_busy passed on
-    assert calls == [{"quick": True, "allow_busy": False}, {"quick": True, "allow_busy": True}]
+    # moelab calibrate --quick's settings, each bench's allow_busy (and the side-by-side's device backend) passed on
+    assert calls == [{"quick": True, "allow_busy": False, "device_backend": "reference"},
+                     {"quick": True, "allow_busy": True, "device_backend": "reference"}]
     assert said == ["calibrating this machine (moelab calibrate --quick settings) for the simulation ..."]
 
 
