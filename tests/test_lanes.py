@@ -146,3 +146,41 @@ def test_a_waiter_on_an_idle_lane_takes_only_the_task_at_its_head(lane):
         assert ran == []
     assert low.result(timeout=10) == "low" and high.result(timeout=10) == "high"
     assert [n for n, _ in ran] == ["high", "low"]
+
+
+def test_an_interrupt_on_the_helping_thread_frees_the_lane_and_settles_the_task(lane, monkeypatch):
+    """A KeyboardInterrupt (the main thread's) landing where the waiter has taken the task but not
+    started it: the lane is free for the next task and the taken one is cancelled, not pending."""
+    import concurrent.futures
+
+    ln = lane()
+    real_run = ln._run
+    calls = []
+
+    def interrupted(fut, fn, meta):
+        if not calls:
+            calls.append(1)
+            raise KeyboardInterrupt
+        return real_run(fut, fn, meta)
+
+    monkeypatch.setattr(ln, "_run", interrupted)
+    with ln._cond:
+        fut = ln.submit(lambda: 1, step=0, layer=0, kind="x")
+        with pytest.raises((KeyboardInterrupt, concurrent.futures.CancelledError)):
+            fut.result()
+    assert fut.cancelled() and not ln._busy
+    assert ln.submit(lambda: 2, step=0, layer=0, kind="x").result(timeout=10) == 2
+
+
+def test_a_bounded_wait_does_not_run_the_task_and_a_closed_lane_refuses_work(lane):
+    import concurrent.futures
+
+    ln = lane()
+    with ln._cond:  # the worker cannot take the task: only a helping waiter could run it
+        fut = ln.submit(lambda: 1, step=0, layer=0, kind="x")
+        with pytest.raises(concurrent.futures.TimeoutError):
+            fut.result(timeout=0.05)
+    assert fut.result(timeout=10) == 1 and fut._item is None  # ran on the worker; no queue-entry cycle
+    ln.close()
+    with pytest.raises(RuntimeError, match="submit after close"):
+        ln.submit(lambda: 3, step=0, layer=0, kind="x")

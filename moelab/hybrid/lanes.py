@@ -69,6 +69,7 @@ class Lane:
         self._heap: list = []  # (priority, seq, task) — a task is [future, fn, meta]
         self._cond = threading.Condition()
         self._busy = False  # a task is running (on the worker, or on a helping thread)
+        self._closed = False
         self._seq = itertools.count()
         self._thread = threading.Thread(target=self._work, name=f"moelab-{name}", daemon=True)
         self._thread.start()
@@ -81,6 +82,8 @@ class Lane:
         Size: the task, its ordering (priority, after, post) and one keyword per column of the event it
         becomes.
         """
+        if self._closed:
+            raise RuntimeError(f"moelab {self.name} lane: submit after close(); the lane's worker has stopped.")
         fut: Future = _LaneFuture(self) if self.helping else Future()
         item = (priority, next(self._seq), [fut, fn, (step, layer, kind, expert, tokens, nbytes, cause, after or [],
                                                       post)])
@@ -104,16 +107,34 @@ class Lane:
             self._finish(task)
 
     def _help(self, item: tuple) -> None:
-        """Run ``item`` on this thread if the lane would run it next and is idle (else leave it to the worker)."""
-        with self._cond:
-            if self._busy or not self._heap or self._heap[0] is not item:
-                return
-            heapq.heappop(self._heap)
-            self._busy = True
-        self._finish(item[2])
+        """Run ``item`` on this thread if the lane would run it next and is idle (else leave it to the worker).
+
+        The waiting thread may be the main one, where a KeyboardInterrupt can land between any two
+        steps: the lane is freed whatever happens, and a task it took is cancelled (not started) or
+        failed (cut short) rather than left pending."""
+        taken = False
+        try:
+            with self._cond:
+                if self._busy or not self._heap or self._heap[0] is not item:
+                    return
+                self._busy = taken = True
+                heapq.heappop(self._heap)
+            self._run(*item[2])
+        finally:
+            if taken:
+                fut = item[2][0]
+                if not fut.done():  # interrupted: popped and never started, or cut short
+                    if fut.running():
+                        fut.set_exception(RuntimeError(f"moelab {self.name} lane: interrupted while the waiting "
+                                                       "thread ran this task"))
+                    else:
+                        fut.cancel()
+                with self._cond:
+                    self._busy = False
+                    self._cond.notify_all()
 
     def _finish(self, task: list) -> None:
-        """Run one task taken from the queue (the lane marked busy), then free the lane."""
+        """Run one task the worker took from the queue (the lane marked busy), then free the lane."""
         try:
             self._run(*task)
         finally:
@@ -122,6 +143,8 @@ class Lane:
                 self._cond.notify_all()
 
     def _run(self, fut: Future, fn, meta: tuple) -> None:
+        if isinstance(fut, _LaneFuture):
+            fut._item = None  # the queue entry refers to the future: no cycle once it runs
         if not fut.set_running_or_notify_cancel():
             return
         step, layer, kind, expert, tokens, nbytes, cause, after, post = meta
@@ -150,13 +173,15 @@ class Lane:
 
     def close(self) -> None:
         with self._cond:
+            self._closed = True
             heapq.heappush(self._heap, (float("inf"), next(self._seq), [None, None, None]))
             self._cond.notify_all()
         self._thread.join()
 
 
 class _LaneFuture(Future):
-    """A helping :class:`Lane`'s future: :meth:`result` first offers to run the task on the waiting thread."""
+    """A helping :class:`Lane`'s future: :meth:`result` (without a timeout: running the task cannot be
+    cut short) first offers to run the task on the waiting thread."""
 
     def __init__(self, lane: Lane) -> None:
         super().__init__()
@@ -165,7 +190,7 @@ class _LaneFuture(Future):
 
     def result(self, timeout=None):
         item = self._item
-        if item is not None and not self.done():
+        if item is not None and timeout is None and not self.done():  # a bounded wait only waits
             self._item = None
             self._lane._help(item)
         return super().result(timeout)
