@@ -69,12 +69,13 @@ struct alignas(64) TileConfig {
 
 // Eight 16 x 64-byte tiles: C 0-3 (fp32 / int32), A 4-5 and B 6-7 (bf16 pairs / int8 quads).
 struct Tiles {
-  Tiles() {
+  explicit Tiles(int rows0 = 16) {
     TileConfig c;
     for (int i = 0; i < 8; ++i) {
       c.colsb[i] = 64;
       c.rows[i] = 16;
     }
+    c.rows[0] = c.rows[1] = c.rows[4] = uint8_t(rows0);
     _tile_loadconfig(&c);
   }
   ~Tiles() { _tile_release(); }
@@ -223,14 +224,14 @@ void fold_block(const Epilogue& ep, int mi, int nj, int g, const float* c, float
       const float* ct = c + (i * nj + j) * 256;
       float* at = acc + (i * nj + j) * 256;
       const size_t tile = size_t(ep.tile0 + ep.j0 + j);
+      const int r0 = ep.i0 + 16 * i, valid = ep.n - r0 < 16 ? ep.n - r0 : 16;
       if (m.wtype == W_FP8) {
         const __m512 s = _mm512_set1_ps(m.scales[tile * m.scale_tile + g]);  // once per (tile, block)
-        for (int r = 0; r < 16; ++r)
+        for (int r = 0; r < valid; ++r)
           _mm512_store_ps(at + 16 * r, _mm512_fmadd_ps(_mm512_load_ps(ct + 16 * r), s, _mm512_load_ps(at + 16 * r)));
         continue;
       }
       const __m512 sw = _mm512_load_ps(m.scales + tile * m.scale_tile + size_t(g) * 16);
-      const int r0 = ep.i0 + 16 * i, valid = ep.n - r0 < 16 ? ep.n - r0 : 16;
       for (int r = 0; r < valid; ++r) {  // (C - offset * sum(q)) * weight scale * activation scale
         const size_t row = size_t(ep.a->rows[r0 + r]) * ep.a->ldg + g;
         const __m512i ci = _mm512_sub_epi32(_mm512_load_si512(ct + 16 * r), _mm512_set1_epi32(ep.a->corr[row]));
@@ -264,7 +265,7 @@ void gemm_tiles(const MatView& m, int tile0, int ntiles, const ActView& a, int n
     for (int j = 0; j < ntiles; ++j) bt[j] = b_tiles(m, tile0 + j, 0, steps, dec ? dec + size_t(j) * dec_tile : nullptr);
   float* c = aligned_buffer(sc.c, 4 * 256);
   float* acc = aligned_buffer(sc.acc, 4 * 256);
-  Tiles tiles;
+  Tiles tiles(n < 16 ? n : 16);
   for (int i0 = 0; i0 < n; i0 += 32) {
     const int mi = n - i0 > 16 ? 2 : 1;
     ATile ap[2];
