@@ -5,7 +5,8 @@
 //  * bf16 / fp8 weights: tdpbf16ps, 32 k a step. The packed bf16 layout ([Kd/2][16][2]) already
 //    is AMX's VNNI layout for B, so a B tile is 16 consecutive 64-byte lines of a weight tile,
 //    loaded in place. fp8 weights are decoded exactly to bf16 (moe_avx512_shared.h) into a
-//    per-thread buffer in that layout (per scale block just before use while the call has at
+//    per-thread buffer in that layout, one k-step ahead of the tile multiplies that read it (the
+//    vector ports decode while the AMX unit multiplies; per scale block while the call has at
 //    most 32 rows, else once per call and weight tile), and each block of `group` k
 //    is summed in fresh C tiles that are scaled into fp32 sums once per block (the AVX-512
 //    path's order). A bf16 reduction that is not a multiple of 32 ends with AVX-512 dot products.
@@ -94,22 +95,59 @@ struct ATile {
   size_t stride, step;
 };
 
+// `lines` packed 64-byte lines from w decoded into dec (128 bytes each: two B-tile lines): fp8 ->
+// exact bf16 pairs, int4 -> one int8 line of its low nibbles (k..k+3) and one of its high nibbles
+// (k+4..k+7), unsigned like int8's q + 128. A k-step is 8 packed lines of either. Each line is read
+// from memory just after its request kPrefetchBytes ahead.
+inline void decode_lines(const Fp8Tables& tb, int wtype, const uint8_t* w, int lines, uint8_t* dec) {
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  for (int q = 0; q < lines; ++q) {
+    __m512i x, y;
+    _mm_prefetch(reinterpret_cast<const char*>(w + size_t(q) * 64 + kPrefetchBytes), _MM_HINT_T0);
+    if (wtype == W_FP8) {
+      fp8_line_to_bf16(tb, w + size_t(q) * 64, x, y);
+    } else {
+      const __m512i v = _mm512_load_si512(w + size_t(q) * 64);
+      x = _mm512_and_si512(v, low4);
+      y = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+    }
+    _mm512_store_si512(dec + size_t(q) * 128, x);
+    _mm512_store_si512(dec + size_t(q) * 128 + 64, y);
+  }
+}
+
+// Weights decoded on the way (fp8, int4): weight tile j's packed steps start at raw[j] (512 bytes
+// a step), its B tiles go to the run's b[j] (1 KiB a step from s0 on).
+struct Decode {
+  const uint8_t* raw[2];
+  int wtype;
+};
+
 // C tiles for MI token blocks x NJ weight tiles over k-steps [s0, s1) (64 bytes of each row per
 // step: 32 bf16 k with tdpbf16ps, or 64 int8 k with tdpbsud: signed activations x unsigned,
 // offset weights), stored to c[(i * NJ + j) * 256 + token * 16 + row] (fp32, or int32 bits).
-// b[j] holds the weight tile's steps from s0 on (1 KiB each).
-template <int MI, int NJ, bool INT>
-void run_tiles(const ATile a[2], const uint8_t* const b[2], int s0, int s1, float* c) {
+// b[j] holds the weight tile's steps from s0 on (1 KiB each). With DEC the run first decodes them
+// there (d), one step ahead of the tile multiplies: the tiles multiply step s in the AMX unit while
+// the vector ports decode step s + 1, instead of a whole block's decode and then its multiplies.
+template <int MI, int NJ, bool INT, bool DEC = false>
+void run_tiles(const ATile a[2], const uint8_t* const b[2], int s0, int s1, float* c, const Decode* d = nullptr) {
+  const auto decode_step = [&](int s) {
+    for (int j = 0; j < NJ; ++j)
+      decode_lines(fp8_tables(), d->wtype, d->raw[j] + size_t(s) * 512, 8,
+                   const_cast<uint8_t*>(b[j]) + size_t(s - s0) * 1024);  // b[j] is the run's own buffer
+  };
+  if constexpr (DEC) decode_step(s0);
   _tile_zero(0);
   if constexpr (NJ > 1) _tile_zero(1);
   if constexpr (MI > 1) _tile_zero(2);
   if constexpr (MI > 1 && NJ > 1) _tile_zero(3);
   for (int s = s0; s < s1; ++s) {
-    if (s + 1 < s1) {  // the next step's tiles into L1 while this step's multiply
-      for (int l = 0; l < 1024; l += 64) {
-        _mm_prefetch(reinterpret_cast<const char*>(b[0] + size_t(s + 1 - s0) * 1024 + l), _MM_HINT_T0);
-        if constexpr (NJ > 1) _mm_prefetch(reinterpret_cast<const char*>(b[1] + size_t(s + 1 - s0) * 1024 + l), _MM_HINT_T0);
-      }
+    if (s + 1 < s1) {  // the next step's tiles into L1 while this step's multiply (decoded ones are)
+      if constexpr (!DEC)
+        for (int l = 0; l < 1024; l += 64) {
+          _mm_prefetch(reinterpret_cast<const char*>(b[0] + size_t(s + 1 - s0) * 1024 + l), _MM_HINT_T0);
+          if constexpr (NJ > 1) _mm_prefetch(reinterpret_cast<const char*>(b[1] + size_t(s + 1 - s0) * 1024 + l), _MM_HINT_T0);
+        }
       for (int r = 0; r < 16; ++r) {
         _mm_prefetch(reinterpret_cast<const char*>(a[0].p + size_t(s + 1) * a[0].step + r * a[0].stride), _MM_HINT_T0);
         if constexpr (MI > 1) _mm_prefetch(reinterpret_cast<const char*>(a[1].p + size_t(s + 1) * a[1].step + r * a[1].stride), _MM_HINT_T0);
@@ -127,6 +165,8 @@ void run_tiles(const ATile a[2], const uint8_t* const b[2], int s0, int s1, floa
       if constexpr (INT) _tile_dpbsud(2, 5, 6); else _tile_dpbf16ps(2, 5, 6);
       if constexpr (NJ > 1) { if constexpr (INT) _tile_dpbsud(3, 5, 7); else _tile_dpbf16ps(3, 5, 7); }
     }
+    if constexpr (DEC)
+      if (s + 1 < s1) decode_step(s + 1);
   }
   _tile_stored(0, c, 64);
   if constexpr (NJ > 1) _tile_stored(1, c + 256, 64);
@@ -134,11 +174,11 @@ void run_tiles(const ATile a[2], const uint8_t* const b[2], int s0, int s1, floa
   if constexpr (MI > 1 && NJ > 1) _tile_stored(3, c + 3 * 256, 64);
 }
 
-using RunFn = void (*)(const ATile[2], const uint8_t* const[2], int, int, float*);
-template <bool INT>
+using RunFn = void (*)(const ATile[2], const uint8_t* const[2], int, int, float*, const Decode*);
+template <bool INT, bool DEC = false>
 RunFn run_for(int mi, int nj) {
-  if (mi == 2) return nj == 2 ? run_tiles<2, 2, INT> : run_tiles<2, 1, INT>;
-  return nj == 2 ? run_tiles<1, 2, INT> : run_tiles<1, 1, INT>;
+  if (mi == 2) return nj == 2 ? run_tiles<2, 2, INT, DEC> : run_tiles<2, 1, INT, DEC>;
+  return nj == 2 ? run_tiles<1, 2, INT, DEC> : run_tiles<1, 1, INT, DEC>;
 }
 
 // Per-thread scratch, reused across calls.
@@ -148,32 +188,13 @@ struct Scratch {
 };
 thread_local Scratch scratch;
 
-// Steps [s0, s1) of weight tile `tile` as B tiles (1 KiB per step, from step s0 on): in place
-// (bf16, int8: the packed layouts are AMX's VNNI layouts), or decoded into dec: fp8 -> exact
-// bf16 pairs, int4 -> one int8 line of its low nibbles (k..k+3) and one of its high nibbles
-// (k+4..k+7), unsigned like int8's q + 128. A step is 8 packed lines of either.
-const uint8_t* b_tiles(const MatView& m, int tile, int s0, int s1, uint8_t* dec) {
-  const uint8_t* w = m.w + size_t(tile) * m.tile_bytes;
-  if (m.wtype == W_BF16 || m.wtype == W_INT8) return w + size_t(s0) * 1024;
-  w += size_t(s0) * 8 * 64;
-  const int lines = (s1 - s0) * 8;
-  const Fp8Tables tb = fp8_tables();
-  const __m512i low4 = _mm512_set1_epi8(0x0F);
-  for (int q = 0; q < lines; ++q) {
-    __m512i x, y;
-    // a streamed decode reads each line from memory just before its tiles (kPrefetchBytes)
-    _mm_prefetch(reinterpret_cast<const char*>(w + size_t(q) * 64 + kPrefetchBytes), _MM_HINT_T0);
-    if (m.wtype == W_FP8) {
-      fp8_line_to_bf16(tb, w + size_t(q) * 64, x, y);
-    } else {
-      const __m512i v = _mm512_load_si512(w + size_t(q) * 64);
-      x = _mm512_and_si512(v, low4);
-      y = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
-    }
-    _mm512_store_si512(dec + size_t(q) * 128, x);
-    _mm512_store_si512(dec + size_t(q) * 128 + 64, y);
-  }
-  return dec;
+// run_tiles over steps [s0, s1) of weight tiles tile, tile + 1 (nj of them), decoding them into b
+// on the way (fp8, int4).
+__attribute__((noinline)) void run_decoding(const MatView& m, int tile, int mi, int nj, const ATile a[2],
+                                            const uint8_t* const b[2], int s0, int s1, float* c) {
+  Decode d{{nullptr, nullptr}, m.wtype};
+  for (int j = 0; j < nj; ++j) d.raw[j] = m.w + size_t(tile + j) * m.tile_bytes;
+  (m.wtype == W_INT4 ? run_for<true, true>(mi, nj) : run_for<false, true>(mi, nj))(a, b, s0, s1, c, &d);
 }
 
 // The reduction's tail (kd % 32 k, bf16 only) for one token row: acc[16] += W[tail] . x[tail],
@@ -254,15 +275,16 @@ void gemm_tiles(const MatView& m, int tile0, int ntiles, const ActView& a, int n
   // A: the panel, or consecutive row-major rows read in place (gemm_amx sends nothing else)
   const size_t ld = a.ld * esz;
   const uint8_t* x0 = a.panel ? nullptr : static_cast<const uint8_t*>(a.base) + size_t(a.rows[0]) * ld;
-  // Decoded weights (fp8, int4): rows that fit one pair of token blocks use each weight once, so
-  // each scale block of a tile pair is decoded just before its steps (2 x block KiB, in L1);
-  // more rows reuse every tile, decoded once per call (the whole reduction, in L2).
+  // Decoded weights (fp8, int4) are decoded by the first token-block pair's runs, one step ahead
+  // of its tile multiplies (run_tiles<..., DEC>). Rows that fit one such pair use each weight once,
+  // so each scale block of a tile pair is decoded into the same 2 x block KiB (L1); more rows
+  // keep every tile's whole reduction (L2) for the later token blocks.
   const bool decoded = fp8 || m.wtype == W_INT4, stream = decoded && n <= 32;
   const size_t dec_tile = size_t(stream ? block : steps) * 1024;
   uint8_t* dec = decoded ? aligned_buffer(sc.wdec, size_t(stream ? 2 : ntiles) * dec_tile) : nullptr;
-  std::vector<const uint8_t*> bt(ntiles);
-  if (!stream)
-    for (int j = 0; j < ntiles; ++j) bt[j] = b_tiles(m, tile0 + j, 0, steps, dec ? dec + size_t(j) * dec_tile : nullptr);
+  std::vector<const uint8_t*> bt(ntiles);  // each weight tile's B tiles: in place (bf16, int8), or decoded
+  for (int j = 0; j < ntiles; ++j)
+    bt[j] = decoded ? dec + size_t(stream ? 0 : j) * dec_tile : m.w + size_t(tile0 + j) * m.tile_bytes;
   float* c = aligned_buffer(sc.c, 4 * 256);
   float* acc = aligned_buffer(sc.acc, 4 * 256);
   Tiles tiles(n < 16 ? n : 16);
@@ -276,15 +298,14 @@ void gemm_tiles(const MatView& m, int tile0, int ntiles, const ActView& a, int n
       const uint8_t* b[2] = {bt[j0], nj > 1 ? bt[j0 + 1] : nullptr};
       const RunFn run = is_int ? run_for<true>(mi, nj) : run_for<false>(mi, nj);
       if (m.wtype == W_BF16) {  // one block, no scales
-        run(ap, b, 0, steps, acc);
+        run(ap, b, 0, steps, acc, nullptr);
       } else {
         const Epilogue ep{&m, &a, tile0, j0, i0, n};
         __builtin_memset(acc, 0, sizeof(float) * 4 * 256);
         for (int g = 0; g * block < steps; ++g) {
           const uint8_t* bg[2] = {nullptr, nullptr};
           for (int j = 0; j < nj; ++j)
-            bg[j] = stream ? b_tiles(m, tile0 + j0 + j, g * block, (g + 1) * block, dec + size_t(j) * dec_tile)
-                           : b[j] + size_t(g) * block * 1024;
+            bg[j] = stream ? dec + size_t(j) * dec_tile : b[j] + size_t(g) * block * 1024;
           // int8 weights read once, in place: their lines kPrefetchBytes ahead and the scales two
           // groups ahead (run_tiles prefetches only within a group, so nothing for groups of 64)
           if (m.wtype == W_INT8 && n <= 32)
@@ -294,7 +315,8 @@ void gemm_tiles(const MatView& m, int tile0, int ntiles, const ActView& a, int n
               _mm_prefetch(reinterpret_cast<const char*>(m.scales + size_t(tile0 + j0 + j) * m.scale_tile +
                                                          size_t(g + 2) * 16), _MM_HINT_T0);
             }
-          run(ap, bg, g * block, (g + 1) * block, c);
+          if (decoded && i0 == 0) run_decoding(m, tile0 + j0, mi, nj, ap, bg, g * block, (g + 1) * block, c);
+          else run(ap, bg, g * block, (g + 1) * block, c, nullptr);
           fold_block(ep, mi, nj, g, c, acc);
         }
       }

@@ -1,7 +1,8 @@
 """Both regimes of each ISA path match the reference: the decode kernels (few rows per expert)
 and the compute-bound blocked kernels (AVX2: from 8 rows per expert, weights decoded per tile
-chunk of 256 along the reduction; AMX: on tiles from 4 (bf16), 6 (int8, fp8) or 8 (int4) rows per
-expert, decoded weights streamed per scale block up to 32 rows and decoded per call above, a reduction tail
+chunk of 256 along the reduction; AMX: on tiles from 4 (bf16, fp8), 6 (int8) or 8 (int4) rows per
+expert, decoded weights streamed per scale block up to 32 rows and decoded per call above (one k-step
+ahead of the tile multiplies either way), a reduction tail
 that is not a multiple of 32 on AVX-512), over rows per expert across the switch, expert maps
 (uniform, skewed, one expert), zero slots (experts without tokens, zero router weights) and
 reductions that span several chunks with a ragged last one. The scheduler's per-thread stats
