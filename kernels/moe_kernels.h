@@ -58,10 +58,10 @@ enum Isa : int { ISA_PORTABLE = 0, ISA_AVX2 = 1, ISA_AVX512 = 2, ISA_AMX = 3 };
 // costs nearly the same from 1 row to 16 (a call of fewer than 16 configures its A and C tiles
 // to its rows), while the AVX-512 kernel's cost grows with the rows: the crossover is where they
 // meet. Measured on an Emerald Rapids Xeon (2 cores, both default shapes, 2026-11-28): bf16
-// tiles win from 4 rows, int8 from 6, int4 from 8. fp8 (which decodes each weight tile first)
-// from 4: in-process A/B (scripts/kernels_ab.py) against 6, with the scale fold over the call's
-// rows only, 1.14x at T = 64 on the small shape, 1.12-1.15x at T = 16-32 on the large one; from
-// 2 rows it loses (0.85-0.93x), 3 and 4 are even.
+// tiles win from 4 rows, int8 from 6, int4 from 8. fp8 (whose tiles are decoded to bf16 on the
+// way) from 4: in-process A/B (scripts/kernels_ab.py) against 6, with the scale fold over the
+// call's rows only, 1.14x at T = 64 on the small shape, 1.12-1.15x at T = 16-32 on the large one;
+// from 2 rows it loses (0.85-0.93x); 3 measured even with 4 (0.96-1.02x), so fp8 keeps bf16's 4.
 inline int amx_min_rows(int wtype) {
   switch (wtype) {
     case W_BF16: return 4;
