@@ -229,8 +229,8 @@ ATile a_block(const ActView& a, const uint8_t* x0, size_t ld, int r0, int n, siz
   return ATile{p, rb, 64};
 }
 
-// What turns each block of steps' C tiles into the fp32 sums: nothing (bf16: one block), the
-// block scale (fp8), or the group's offset correction and scales (int8/int4).
+// What turns each block of steps' C tiles into the fp32 sums: nothing (bf16: one block, or a
+// chunk's sums added), the block scale (fp8), or the group's offset correction and scales (int8/int4).
 struct Epilogue {
   const MatView* m;
   const ActView* a;
@@ -246,8 +246,8 @@ void fold_block(const Epilogue& ep, int mi, int nj, int g, const float* c, float
       float* at = acc + (i * nj + j) * 256;
       const size_t tile = size_t(ep.tile0 + ep.j0 + j);
       const int r0 = ep.i0 + 16 * i, valid = ep.n - r0 < 16 ? ep.n - r0 : 16;
-      if (m.wtype == W_FP8) {
-        const __m512 s = _mm512_set1_ps(m.scales[tile * m.scale_tile + g]);  // once per (tile, block)
+      if (m.wtype == W_BF16 || m.wtype == W_FP8) {  // bf16: a chunk's sums, unscaled
+        const __m512 s = _mm512_set1_ps(m.wtype == W_BF16 ? 1.0f : m.scales[tile * m.scale_tile + g]);  // once per (tile, block)
         for (int r = 0; r < valid; ++r)
           _mm512_store_ps(at + 16 * r, _mm512_fmadd_ps(_mm512_load_ps(ct + 16 * r), s, _mm512_load_ps(at + 16 * r)));
         continue;
@@ -262,10 +262,20 @@ void fold_block(const Epilogue& ep, int mi, int nj, int g, const float* c, float
     }
 }
 
-// Token blocks outer, weight tile pairs inner: a block's rows are read once and stay in L2 for
-// every weight tile of the call; the call's weight tiles (in place, or decoded) stay in L2 for
-// every token block. Size: one loop nest over (token block pairs, weight tile pairs, scale
-// blocks); splitting it further would pass its dozen locals around.
+// What a call's loop nest may keep in L2 (bytes of weight tiles and activation rows) before it
+// splits the reduction into chunks (below); half of the 2 MiB L2 of Sapphire/Emerald Rapids.
+constexpr size_t kL2Budget = size_t(1) << 20;
+
+// Loop order. Token-block pairs outer, weight tile pairs inner: a pair's rows are read once and
+// stay in L2 for every weight tile of the call, and the call's weight tiles (in place, or decoded)
+// stay in L2 for the later token-block pairs. That holds while the call's tiles and one pair's
+// rows fit in kL2Budget; a call with more than one token-block pair over longer rows (a 14336-long
+// down projection: 4 tiles are 1.8 MiB in bf16) would read its tiles from memory again for every
+// pair. Such a call runs the reduction in chunks of steps sized so that its tiles' and all its
+// rows' chunks fit, weight tile pairs outer and token-block pairs inner within a chunk: each
+// weight line comes from memory once, the later pairs reading it from L2, and each (pair, tile
+// pair) keeps its fp32 sums across chunks. Size: one loop nest over (chunks, token block pairs,
+// weight tile pairs, scale blocks); splitting it further would pass its dozen locals around.
 void gemm_tiles(const MatView& m, int tile0, int ntiles, const ActView& a, int n, float* out, size_t ldo) {
   Scratch& sc = scratch;
   const bool is_int = m.wtype == W_INT8 || m.wtype == W_INT4, fp8 = m.wtype == W_FP8;
@@ -275,37 +285,55 @@ void gemm_tiles(const MatView& m, int tile0, int ntiles, const ActView& a, int n
   // A: the panel, or consecutive row-major rows read in place (gemm_amx sends nothing else)
   const size_t ld = a.ld * esz;
   const uint8_t* x0 = a.panel ? nullptr : static_cast<const uint8_t*>(a.base) + size_t(a.rows[0]) * ld;
+  const int npi = (n + 31) / 32, npj = (ntiles + 1) / 2;  // token-block pairs, weight tile pairs
+  // chunk: steps of the reduction per pass (all of them unless the call outgrows kL2Budget)
+  int chunk = steps;
+  if (npi > 1 && (size_t(ntiles) * 16 + 32) * rb > kL2Budget) {
+    const int unit = m.wtype == W_BF16 ? 4 : block;  // bf16: 128 k a chunk at least (each chunk adds a fold)
+    const int fit = int(kL2Budget / ((size_t(ntiles) * 16 + size_t(n)) * 64)) / unit * unit;
+    chunk = fit < unit ? unit : (fit < steps ? fit : steps);
+  }
+  const bool chunked = chunk < steps;
   // Decoded weights (fp8, int4) are decoded by the first token-block pair's runs, one step ahead
   // of its tile multiplies (run_tiles<..., DEC>). Rows that fit one such pair use each weight once,
   // so each scale block of a tile pair is decoded into the same 2 x block KiB (L1); more rows
-  // keep every tile's whole reduction (L2) for the later token blocks.
+  // keep every tile's chunk of the reduction (L2) for the later token-block pairs.
   const bool decoded = fp8 || m.wtype == W_INT4, stream = decoded && n <= 32;
-  const size_t dec_tile = size_t(stream ? block : steps) * 1024;
+  const size_t dec_tile = size_t(stream ? block : chunk) * 1024;
   uint8_t* dec = decoded ? aligned_buffer(sc.wdec, size_t(stream ? 2 : ntiles) * dec_tile) : nullptr;
   std::vector<const uint8_t*> bt(ntiles);  // each weight tile's B tiles: in place (bf16, int8), or decoded
   for (int j = 0; j < ntiles; ++j)
     bt[j] = decoded ? dec + size_t(stream ? 0 : j) * dec_tile : m.w + size_t(tile0 + j) * m.tile_bytes;
   float* c = aligned_buffer(sc.c, 4 * 256);
-  float* acc = aligned_buffer(sc.acc, 4 * 256);
+  // fp32 sums: one (pair, tile pair) at a time, or all of them when they outlive a chunk
+  float* acc0 = aligned_buffer(sc.acc, size_t(chunked ? npi * npj : 1) * 4 * 256);
+  std::vector<ATile> ap(size_t(npi) * 2);
+  std::vector<const uint8_t*> tail(size_t(npi) * 32);
+  for (int ip = 0; ip < npi; ++ip)  // only a call's last block is partial: one pad serves
+    for (int i = 0; i < (n - 32 * ip > 16 ? 2 : 1); ++i)
+      ap[2 * ip + i] = a_block(a, x0, ld, 32 * ip + 16 * i, n, rb, sc.pad, &tail[size_t(32 * ip + 16 * i)]);
   Tiles tiles(n < 16 ? n : 16);
-  for (int i0 = 0; i0 < n; i0 += 32) {
-    const int mi = n - i0 > 16 ? 2 : 1;
-    ATile ap[2];
-    const uint8_t* tail[2][16];
-    for (int i = 0; i < mi; ++i) ap[i] = a_block(a, x0, ld, i0 + 16 * i, n, rb, sc.pad, tail[i]);
-    for (int j0 = 0; j0 < ntiles; j0 += 2) {
-      const int nj = ntiles - j0 >= 2 ? 2 : 1;
+  for (int c0 = 0; c0 < steps; c0 += chunk) {
+    const int c1 = steps - c0 < chunk ? steps : c0 + chunk;
+    for (int o = 0; o < npi * npj; ++o) {
+      const int ip = chunked ? o % npi : o / npj, jp = chunked ? o / npi : o % npj;
+      const int i0 = 32 * ip, j0 = 2 * jp;
+      const int mi = n - i0 > 16 ? 2 : 1, nj = ntiles - j0 >= 2 ? 2 : 1;
+      const ATile* api = &ap[2 * ip];
+      float* acc = acc0 + (chunked ? size_t(ip * npj + jp) * 4 * 256 : 0);
       const uint8_t* b[2] = {bt[j0], nj > 1 ? bt[j0 + 1] : nullptr};
       const RunFn run = is_int ? run_for<true>(mi, nj) : run_for<false>(mi, nj);
-      if (m.wtype == W_BF16) {  // one block, no scales
-        run(ap, b, 0, steps, acc, nullptr);
+      if (m.wtype == W_BF16 && !chunked) {  // one block, no scales
+        run(api, b, 0, steps, acc, nullptr);
       } else {
         const Epilogue ep{&m, &a, tile0, j0, i0, n};
-        __builtin_memset(acc, 0, sizeof(float) * 4 * 256);
-        for (int g = 0; g * block < steps; ++g) {
+        const int blk = m.wtype == W_BF16 ? chunk : block;  // steps per fold (bf16: a chunk, unscaled)
+        if (c0 == 0) __builtin_memset(acc, 0, sizeof(float) * 4 * 256);
+        for (int g = c0 / blk; g * blk < c1; ++g) {
+          const int s0 = g * blk, s1 = c1 - s0 < blk ? c1 : s0 + blk;
           const uint8_t* bg[2] = {nullptr, nullptr};
-          for (int j = 0; j < nj; ++j)
-            bg[j] = stream ? dec + size_t(j) * dec_tile : b[j] + size_t(g) * block * 1024;
+          for (int j = 0; j < nj; ++j)  // decoded per call: the tile's buffer holds this chunk
+            bg[j] = stream ? dec + size_t(j) * dec_tile : b[j] + size_t(decoded ? s0 - c0 : s0) * 1024;
           // int8 weights read once, in place: their lines kPrefetchBytes ahead and the scales two
           // groups ahead (run_tiles prefetches only within a group, so nothing for groups of 64)
           if (m.wtype == W_INT8 && n <= 32)
@@ -315,18 +343,20 @@ void gemm_tiles(const MatView& m, int tile0, int ntiles, const ActView& a, int n
               _mm_prefetch(reinterpret_cast<const char*>(m.scales + size_t(tile0 + j0 + j) * m.scale_tile +
                                                          size_t(g + 2) * 16), _MM_HINT_T0);
             }
-          if (decoded && i0 == 0) run_decoding(m, tile0 + j0, mi, nj, ap, bg, g * block, (g + 1) * block, c);
-          else run(ap, bg, g * block, (g + 1) * block, c, nullptr);
+          if (decoded && i0 == 0) run_decoding(m, tile0 + j0, mi, nj, api, bg, s0, s1, c);
+          else run(api, bg, s0, s1, c, nullptr);
           fold_block(ep, mi, nj, g, c, acc);
         }
       }
+      if (c1 < steps) continue;  // the sums are complete after the last chunk
       for (int i = 0; i < mi; ++i)
         for (int j = 0; j < nj; ++j) {
           const int r0 = i0 + 16 * i, valid = n - r0 < 16 ? n - r0 : 16;
           float* at = acc + (i * nj + j) * 256;
           for (int r = 0; r < valid; ++r) {
             if (tail_k2)
-              tail_dot(b[j] + size_t(steps) * 1024, tail_k2, reinterpret_cast<const uint16_t*>(tail[i][r]), at + 16 * r);
+              tail_dot(m.w + size_t(tile0 + j0 + j) * m.tile_bytes + size_t(steps) * 1024, tail_k2,
+                       reinterpret_cast<const uint16_t*>(tail[size_t(r0 + r)]), at + 16 * r);
             __builtin_memcpy(out + size_t(r0 + r) * ldo + size_t(j0 + j) * 16, at + 16 * r, 64);
           }
         }
