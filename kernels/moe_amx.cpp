@@ -237,29 +237,44 @@ struct Epilogue {
   int tile0, j0, i0, n;
 };
 
-// acc[(i, j)] (+)= C of block g, scaled as the weight type asks.
+// acc[(i, j)] (+)= C of block g, scaled as the weight type asks. int8/int4: each token block's
+// activation scales and offset corrections for the group are gathered once for all its weight
+// tiles, so the per-row loop is the four vector operations alone (the tile multiplies of a group
+// of 64 take about as long as this fold: in the loop, the index arithmetic and the reloads of the
+// views' fields that stores might alias had doubled its cost).
 void fold_block(const Epilogue& ep, int mi, int nj, int g, const float* c, float* acc) {
   const MatView& m = *ep.m;
-  for (int i = 0; i < mi; ++i)
+  for (int i = 0; i < mi; ++i) {
+    const int r0 = ep.i0 + 16 * i, valid = ep.n - r0 < 16 ? ep.n - r0 : 16;
+    alignas(64) float sx[16];
+    alignas(64) int32_t corr[16];
+    const bool scaled_rows = m.wtype != W_BF16 && m.wtype != W_FP8;
+    if (scaled_rows) {
+      const ActView& a = *ep.a;
+      for (int r = 0; r < valid; ++r) {
+        const size_t row = size_t(a.rows[r0 + r]) * a.ldg + g;
+        sx[r] = a.sx[row];
+        corr[r] = a.corr[row];
+      }
+    }
     for (int j = 0; j < nj; ++j) {
       const float* ct = c + (i * nj + j) * 256;
       float* at = acc + (i * nj + j) * 256;
       const size_t tile = size_t(ep.tile0 + ep.j0 + j);
-      const int r0 = ep.i0 + 16 * i, valid = ep.n - r0 < 16 ? ep.n - r0 : 16;
-      if (m.wtype == W_BF16 || m.wtype == W_FP8) {  // bf16: a chunk's sums, unscaled
-        const __m512 s = _mm512_set1_ps(m.wtype == W_BF16 ? 1.0f : m.scales[tile * m.scale_tile + g]);  // once per (tile, block)
+      if (!scaled_rows) {  // bf16: a chunk's sums, unscaled; fp8: the block scale
+        const __m512 s = _mm512_set1_ps(m.wtype == W_BF16 ? 1.0f : m.scales[tile * m.scale_tile + g]);
         for (int r = 0; r < valid; ++r)
           _mm512_store_ps(at + 16 * r, _mm512_fmadd_ps(_mm512_load_ps(ct + 16 * r), s, _mm512_load_ps(at + 16 * r)));
         continue;
       }
       const __m512 sw = _mm512_load_ps(m.scales + tile * m.scale_tile + size_t(g) * 16);
       for (int r = 0; r < valid; ++r) {  // (C - offset * sum(q)) * weight scale * activation scale
-        const size_t row = size_t(ep.a->rows[r0 + r]) * ep.a->ldg + g;
-        const __m512i ci = _mm512_sub_epi32(_mm512_load_si512(ct + 16 * r), _mm512_set1_epi32(ep.a->corr[row]));
-        const __m512 f = _mm512_mul_ps(sw, _mm512_set1_ps(ep.a->sx[row]));
+        const __m512i ci = _mm512_sub_epi32(_mm512_load_si512(ct + 16 * r), _mm512_set1_epi32(corr[r]));
+        const __m512 f = _mm512_mul_ps(sw, _mm512_set1_ps(sx[r]));
         _mm512_store_ps(at + 16 * r, _mm512_fmadd_ps(_mm512_cvtepi32_ps(ci), f, _mm512_load_ps(at + 16 * r)));
       }
     }
+  }
 }
 
 // What a call's loop nest may keep in L2 (bytes of weight tiles and activation rows) before it
