@@ -77,9 +77,12 @@ struct Tiles {
       c.rows[i] = 16;
     }
     c.rows[0] = c.rows[1] = c.rows[4] = uint8_t(rows0);
-    _tile_loadconfig(&c);
+    // Volatile asm with a memory clobber rather than _tile_loadconfig: GCC treats that builtin as
+    // a read of a local nothing else reads and may sink it past the calls that run the tiles (it
+    // did in a trial restructuring of gemm_tiles: tilezero faulted, unconfigured).
+    asm volatile("ldtilecfg %0" : : "m"(c) : "memory");
   }
-  ~Tiles() { _tile_release(); }
+  ~Tiles() { asm volatile("tilerelease" : : : "memory"); }
 };
 
 template <typename T>
