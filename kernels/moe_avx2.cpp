@@ -36,6 +36,16 @@ struct TilePtrs {
 
 inline int32_t load_i32(const void* p) { int32_t v; __builtin_memcpy(&v, p, 4); return v; }
 
+// Where a tile's stream is prefetched at byte off: kPrefetchBytes ahead, and past the tile's end
+// into the start of the tile read next. Two tiles i, i + 1 stream side by side, so the second
+// one's overrun is the start of the next pair's first tile (i + 2), and the first one's is moved
+// to the start of that pair's second tile (i + 3) rather than into tile i + 1, already streaming.
+template <int MT>
+inline size_t ahead(int i, size_t off, size_t tile_bytes) {
+  const size_t o = off + kPrefetchBytes;
+  return MT == 2 && i == 0 && o >= tile_bytes ? o + 2 * tile_bytes : o;
+}
+
 // MT row tiles = 2*MT ymm halves; NT tokens.
 template <int MT, int NT>
 void mk_fp(const MatView& m, int tile, const TilePtrs& p, float* out, size_t ldo) {
@@ -109,7 +119,7 @@ void mk_int(const MatView& m, int tile, const TilePtrs& p, float* out, size_t ld
       for (int t = 0; t < NT; ++t) iacc[i][t] = _mm256_setzero_si256();
     for (int k = g * m.group; k < (g + 1) * m.group; k += step) {
       const size_t off = size_t(k / step) * 64;
-      for (int i = 0; i < MT; ++i) _mm_prefetch(reinterpret_cast<const char*>(w[i] + off + kPrefetchBytes), _MM_HINT_T0);
+      for (int i = 0; i < MT; ++i) _mm_prefetch(reinterpret_cast<const char*>(w[i] + ahead<MT>(i, off, m.tile_bytes)), _MM_HINT_T0);
       for (int i = 0; i < MH; ++i) {
         const __m256i v = _mm256_load_si256(reinterpret_cast<const __m256i*>(w[i / 2] + off + (i % 2) * 32));
         if constexpr (I4) {
@@ -205,7 +215,7 @@ void mk_fp8_pairs(const MatView& m, int tile, const TilePtrs& p, float* out, siz
     const int k_end = (g + 1) * m.group;
     for (int k = g * m.group; k < k_end; k += 4) {
       const size_t off = size_t(k / 4) * 64;
-      for (int i = 0; i < MT; ++i) _mm_prefetch(reinterpret_cast<const char*>(w[i] + off + kPrefetchBytes), _MM_HINT_T0);
+      for (int i = 0; i < MT; ++i) _mm_prefetch(reinterpret_cast<const char*>(w[i] + ahead<MT>(i, off, m.tile_bytes)), _MM_HINT_T0);
       for (int hl = 0; hl < 2; ++hl)
         for (int i = 0; i < MT; ++i) {
           const __m256i v = _mm256_load_si256(reinterpret_cast<const __m256i*>(w[i] + off + 32 * hl));
@@ -259,7 +269,7 @@ void mk_fp8_lanes(const MatView& m, int tile, const TilePtrs& p, float* out, siz
     const int k_end = (g + 1) * m.group;
     for (int k = g * m.group; k < k_end; k += 4) {
       const size_t off = size_t(k / 4) * 64;
-      for (int i = 0; i < MT; ++i) _mm_prefetch(reinterpret_cast<const char*>(w[i] + off + kPrefetchBytes), _MM_HINT_T0);
+      for (int i = 0; i < MT; ++i) _mm_prefetch(reinterpret_cast<const char*>(w[i] + ahead<MT>(i, off, m.tile_bytes)), _MM_HINT_T0);
       for (int hl = 0; hl < 2; ++hl)
         for (int i = 0; i < MT; ++i) {
           const __m256i v = _mm256_load_si256(reinterpret_cast<const __m256i*>(w[i] + off + 32 * hl));
