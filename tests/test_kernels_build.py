@@ -58,6 +58,10 @@ def test_bench_kernels_cli_prints_json(capsys):
     assert all(r["ms"] > 0 and set(r["baseline_ms"]) == {"eager", "batched_mm", "grouped_mm"} for r in rows)
     assert data["machine"]["isa"] and all(r["isa"] == data["machine"]["isa"] for r in rows)
     assert data["machine"]["fma_peak_gflops"] > 0 and all(r["pct_peak"] is None for r in rows)  # T < 64
+    # %read divides by the bandwidth probed between the row's own timed calls; the opening probe's share is kept
+    for r in rows:
+        assert r["read_gbps"] > 0 and r["pct_read_bw"] == pytest.approx(100 * r["gbps"] / r["read_gbps"])
+        assert r["pct_read_bw_opening"] == pytest.approx(100 * r["gbps"] / data["machine"]["read_gbps"])
 
 
 def test_bench_kernels_prefill_flag_and_batched_mm_are_cli_choices():

@@ -3,7 +3,8 @@
 Measures, on the machine it runs on: the read (and copy) bandwidth of main memory
 (STREAM-like, all threads), then for each expert shape, dtype and token count T the
 time of one MoE layer's experts, the achieved weight bandwidth (bytes of the distinct
-experts touched / time) as a share of the read bandwidth, for T ≥ 64 the achieved
+experts touched / time) as a share of the read bandwidth (probed again, untimed, before each
+timed call of that row: the best of those probes), for T ≥ 64 the achieved
 GFLOP/s as a share of the machine's measured FMA peak (on the ISA path that ran; on ``amx``
 the bf16 tile peak), the
 thread imbalance of the kernels' two stages, and the speedup over the fastest of
@@ -107,6 +108,7 @@ class Row:
     ms: float
     gbps: float
     pct_read_bw: float
+    """``gbps`` as a share of ``read_gbps``, the read bandwidth probed between this row's timed calls."""
     baseline_ms: dict[str, float] = field(default_factory=dict)
     speedup_vs_best: float | None = None
     rel_err_vs_bf16: float | None = None
@@ -124,6 +126,13 @@ class Row:
     """max / mean per-thread busy time of the slower-balanced kernel stage (1.0 = perfect)."""
     baseline_skipped: dict[str, str] = field(default_factory=dict)
     """Built-ins not run, with the reason (e.g. memory)."""
+    read_gbps: float | None = None
+    """Read bandwidth (GB/s, the best of the STREAM-like probes run untimed before each of this row's
+    timed calls), which ``pct_read_bw`` divides by: this machine's bandwidth can change by 2x
+    between minutes, so the run's opening probe (``machine.read_gbps``) can be far from the
+    bandwidth a later row ran at. The probe also evicts the last call's weights from the caches."""
+    pct_read_bw_opening: float | None = None
+    """``gbps`` as a share of the run's opening probe (``machine.read_gbps``)."""
 
 
 _BUSY: list[str] = []  # reasons any timing of the current run was flagged busy
@@ -292,7 +301,7 @@ def _bench_shape(shape: Shape, config: BenchConfig, specs: dict, machine: dict, 
     say(f"shape {shape}: building E={e} bf16 experts and packing {', '.join(specs)}")
     mod = _experts_module(shape, e)
     packs = {d: packed_for(mod, spec) for d, spec in specs.items()}
-    layer = _Layer(shape, mod, packs, e)
+    layer = _Layer(shape, mod, packs, e, torch.ones(config.bandwidth_mib * 2**20 // 4))
     rows: list[Row] = []
     for t in tokens:
         for skewed in routings:
@@ -308,6 +317,8 @@ class _Layer:
     mod: torch.nn.Module
     packs: dict[str, PackedExperts]
     experts: int
+    probe: torch.Tensor
+    """The read-bandwidth probe's array (``BenchConfig.bandwidth_mib``), summed before each timed call."""
 
 
 def _bench_point(layer: _Layer, config: BenchConfig, machine: dict, say, t: int, skewed: bool) -> list[Row]:
@@ -349,8 +360,15 @@ def _bench_point(layer: _Layer, config: BenchConfig, machine: dict, say, t: int,
             if v is not None:
                 imb.append(v)
 
-        m = _measure(fn, repeat, r.redraw)
+        probe_s: list[float] = []
+
+        def setup(r: _Routing = r, probe: torch.Tensor = layer.probe, probe_s: list[float] = probe_s) -> None:
+            r.redraw()
+            probe_s.append(_timed(probe.sum))
+
+        m = _measure(fn, repeat, setup)
         sec = m.median
+        read_here = 4 * layer.probe.numel() / min(probe_s) / 1e9
         gbps = sorted(used)[len(used) // 2] * packed.expert_nbytes() / sec / 1e9
         err = None
         if "bf16" in packs and d != "bf16":
@@ -360,7 +378,8 @@ def _bench_point(layer: _Layer, config: BenchConfig, machine: dict, say, t: int,
         peak = machine.get("fma_peak_gflops")
         rows.append(Row(
             shape=str(shape), experts_used=e, dtype=d, tokens=t, ms=sec * 1e3, gbps=gbps,
-            pct_read_bw=100 * gbps / machine["read_gbps"], baseline_ms={k: v * 1e3 for k, v in base.items()},
+            pct_read_bw=100 * gbps / read_here, baseline_ms={k: v * 1e3 for k, v in base.items()},
+            read_gbps=read_here, pct_read_bw_opening=100 * gbps / machine["read_gbps"],
             speedup_vs_best=(best / sec) if best else None, rel_err_vs_bf16=err, spread=m.spread,
             isa=machine["isa"], routing="skewed" if skewed else "uniform", gflops=gflops,
             pct_peak=100 * gflops / peak if peak and t >= GFLOPS_MIN_TOKENS else None,
@@ -458,7 +477,8 @@ def format_table(result: dict) -> str:
                       for b, why in r.get("baseline_skipped", {}).items()})
     if skipped:
         lines.append("built-ins skipped: " + "; ".join(skipped))
-    lines.append("ms = median of the repeats, ± its spread; speedup = fastest transformers built-in (bf16) that ran / "
-                 "moelab; %peak = GFLOP/s / measured FMA peak (T ≥ 64); imbal = max/mean per-thread busy time of "
+    lines.append("ms = median of the repeats, ± its spread; %read = GB/s / the read bandwidth probed between that "
+                 "row's timed calls (best of its probes; the header's is the run's opening probe); "
+                 "speedup = fastest transformers built-in (bf16) that ran / moelab; %peak = GFLOP/s / measured FMA peak (T ≥ 64); imbal = max/mean per-thread busy time of "
                  "the worse kernel stage; err = relative Frobenius error of the layer output vs moelab bf16.")
     return "\n".join(lines)
