@@ -247,11 +247,11 @@ struct Epilogue {
 // views' fields that stores might alias had doubled its cost).
 void fold_block(const Epilogue& ep, int mi, int nj, int g, const float* c, float* acc) {
   const MatView& m = *ep.m;
+  const bool scaled_rows = m.wtype != W_BF16 && m.wtype != W_FP8;  // int8 / int4
   for (int i = 0; i < mi; ++i) {
     const int r0 = ep.i0 + 16 * i, valid = ep.n - r0 < 16 ? ep.n - r0 : 16;
     alignas(64) float sx[16];
     alignas(64) int32_t corr[16];
-    const bool scaled_rows = m.wtype != W_BF16 && m.wtype != W_FP8;
     if (scaled_rows) {
       const ActView& a = *ep.a;
       for (int r = 0; r < valid; ++r) {

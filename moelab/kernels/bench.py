@@ -152,17 +152,26 @@ def _median_time(fn: Callable[[], object], repeat: int, setup: Callable[[], None
     return _measure(fn, repeat, setup).median
 
 
+def _probe_array(mib: int) -> torch.Tensor:
+    """The read-bandwidth probe's array: ``mib`` MiB of fp32 ones, summed to read it."""
+    return torch.ones(mib * 2**20 // 4)
+
+
+def _read_gbps(a: torch.Tensor, seconds: float) -> float:
+    """GB/s of reading ``a`` once in ``seconds``."""
+    return a.numel() * a.element_size() / seconds / 1e9
+
+
 def memory_bandwidth(mib: int = 1024, repeat: int = 5) -> dict[str, Any]:
     """STREAM-like read (``sum``) and copy bandwidth in GB/s, best of ``repeat`` after a warm-up,
     all threads; with the machine's load and whether it made the figure meaningless (``busy``)."""
 
-    n = mib * 2**20 // 4
-    a = torch.ones(n)
-    b = torch.empty(n)
+    a = _probe_array(mib)
+    b = torch.empty_like(a)
     read = measure(lambda: a.sum(), warmup=1, repeat=repeat)
     copy = measure(lambda: b.copy_(a), warmup=1, repeat=repeat)
     reasons = [m.reason for m in (read, copy) if m.busy]
-    return {"read_gbps": 4 * n / read.best / 1e9, "copy_gbps": 8 * n / copy.best / 1e9,
+    return {"read_gbps": _read_gbps(a, read.best), "copy_gbps": 2 * _read_gbps(a, copy.best),
             "load": read.load_after, "busy": bool(reasons), "busy_reason": "; ".join(reasons)}
 
 
@@ -295,13 +304,14 @@ def _bench_shape(shape: Shape, config: BenchConfig, specs: dict, machine: dict, 
                  tokens: Sequence[int], routings: Sequence[bool] = (False,)) -> list[Row]:
     from moelab.kernels.backend import packed_for
 
+    probe = _probe_array(config.bandwidth_mib)  # before the experts are sized to the memory left
     e = _fit_experts(shape, config.dtypes, config.memory_fraction)
     if e < shape.experts:
         logger.warning("shape %s: using E=%d experts (memory); per-token work is unchanged", shape, e)
     say(f"shape {shape}: building E={e} bf16 experts and packing {', '.join(specs)}")
     mod = _experts_module(shape, e)
     packs = {d: packed_for(mod, spec) for d, spec in specs.items()}
-    layer = _Layer(shape, mod, packs, e, torch.ones(config.bandwidth_mib * 2**20 // 4))
+    layer = _Layer(shape, mod, packs, e, probe)
     rows: list[Row] = []
     for t in tokens:
         for skewed in routings:
@@ -368,7 +378,7 @@ def _bench_point(layer: _Layer, config: BenchConfig, machine: dict, say, t: int,
 
         m = _measure(fn, repeat, setup)
         sec = m.median
-        read_here = 4 * layer.probe.numel() / min(probe_s) / 1e9
+        read_here = _read_gbps(layer.probe, min(probe_s))
         gbps = sorted(used)[len(used) // 2] * packed.expert_nbytes() / sec / 1e9
         err = None
         if "bf16" in packs and d != "bf16":
@@ -479,6 +489,7 @@ def format_table(result: dict) -> str:
         lines.append("built-ins skipped: " + "; ".join(skipped))
     lines.append("ms = median of the repeats, ± its spread; %read = GB/s / the read bandwidth probed between that "
                  "row's timed calls (best of its probes; the header's is the run's opening probe); "
-                 "speedup = fastest transformers built-in (bf16) that ran / moelab; %peak = GFLOP/s / measured FMA peak (T ≥ 64); imbal = max/mean per-thread busy time of "
-                 "the worse kernel stage; err = relative Frobenius error of the layer output vs moelab bf16.")
+                 "speedup = fastest transformers built-in (bf16) that ran / moelab; %peak = GFLOP/s / measured "
+                 "FMA peak (T ≥ 64); imbal = max/mean per-thread busy time of the worse kernel stage; "
+                 "err = relative Frobenius error of the layer output vs moelab bf16.")
     return "\n".join(lines)
