@@ -16,35 +16,6 @@
 namespace moelab {
 namespace {
 
-struct TilePtrs {
-  const void* x[8];
-  const float* sx[8];
-  const int32_t* corr[8];
-};
-
-inline int32_t load_i32(const void* p) { int32_t v; __builtin_memcpy(&v, p, 4); return v; }
-
-template <int MT, int NT>
-void mk_f32(const MatView& m, int tile, const TilePtrs& p, float* out, size_t ldo) {
-  __m512 acc[MT][NT];
-  const float* w[MT];
-  const float* x[NT];
-  for (int i = 0; i < MT; ++i) w[i] = reinterpret_cast<const float*>(m.w + size_t(tile + i) * m.tile_bytes);
-  for (int t = 0; t < NT; ++t) x[t] = static_cast<const float*>(p.x[t]);
-  for (int i = 0; i < MT; ++i)
-    for (int t = 0; t < NT; ++t) acc[i][t] = _mm512_setzero_ps();
-  for (int k = 0; k < m.kd; ++k) {
-    __m512 wv[MT];
-    for (int i = 0; i < MT; ++i) wv[i] = _mm512_load_ps(w[i] + size_t(k) * 16);
-    for (int t = 0; t < NT; ++t) {
-      const __m512 xb = _mm512_set1_ps(x[t][k]);
-      for (int i = 0; i < MT; ++i) acc[i][t] = _mm512_fmadd_ps(wv[i], xb, acc[i][t]);
-    }
-  }
-  for (int t = 0; t < NT; ++t)
-    for (int i = 0; i < MT; ++i) _mm512_storeu_ps(out + size_t(t) * ldo + i * 16, acc[i][t]);
-}
-
 template <int MT, int NT>
 void mk_bf16(const MatView& m, int tile, const TilePtrs& p, float* out, size_t ldo) {
   __m512 acc[MT][NT];
@@ -67,69 +38,6 @@ void mk_bf16(const MatView& m, int tile, const TilePtrs& p, float* out, size_t l
   }
   for (int t = 0; t < NT; ++t)
     for (int i = 0; i < MT; ++i) _mm512_storeu_ps(out + size_t(t) * ldo + i * 16, acc[i][t]);
-}
-
-template <bool I4, int MT, int NT>
-void mk_int(const MatView& m, int tile, const TilePtrs& p, float* out, size_t ldo) {
-  __m512 facc[MT][NT];
-  const uint8_t* w[MT];
-  const float* sc[MT];
-  const int8_t* x[NT];
-  for (int i = 0; i < MT; ++i) {
-    w[i] = m.w + size_t(tile + i) * m.tile_bytes;
-    sc[i] = m.scales + size_t(tile + i) * m.scale_tile;
-  }
-  for (int t = 0; t < NT; ++t) x[t] = static_cast<const int8_t*>(p.x[t]);
-  for (int i = 0; i < MT; ++i)
-    for (int t = 0; t < NT; ++t) facc[i][t] = _mm512_setzero_ps();
-  const __m512i low4 = _mm512_set1_epi8(0x0F);
-  const int groups = m.kd / m.group;
-  const int step = I4 ? 8 : 4;
-  for (int g = 0; g < groups; ++g) {
-    __m512i iacc[MT][NT];
-    for (int i = 0; i < MT; ++i)
-      for (int t = 0; t < NT; ++t) iacc[i][t] = _mm512_setzero_si512();
-    const int k_end = (g + 1) * m.group;
-    for (int k = g * m.group; k < k_end; k += step) {
-      const size_t off = size_t(k / step) * 64;
-      if constexpr (I4) {
-        __m512i lo[MT], hi[MT];
-        for (int i = 0; i < MT; ++i) {
-          _mm_prefetch(reinterpret_cast<const char*>(w[i] + off + kPrefetchBytes), _MM_HINT_T0);
-          const __m512i v = _mm512_load_si512(w[i] + off);
-          lo[i] = _mm512_and_si512(v, low4);
-          hi[i] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
-        }
-        for (int t = 0; t < NT; ++t) {
-          const __m512i x0 = _mm512_set1_epi32(load_i32(x[t] + k));
-          const __m512i x1 = _mm512_set1_epi32(load_i32(x[t] + k + 4));
-          for (int i = 0; i < MT; ++i) {
-            iacc[i][t] = _mm512_dpbusd_epi32(iacc[i][t], lo[i], x0);
-            iacc[i][t] = _mm512_dpbusd_epi32(iacc[i][t], hi[i], x1);
-          }
-        }
-      } else {
-        __m512i wv[MT];
-        for (int i = 0; i < MT; ++i) _mm_prefetch(reinterpret_cast<const char*>(w[i] + off + kPrefetchBytes), _MM_HINT_T0);
-        for (int i = 0; i < MT; ++i) wv[i] = _mm512_load_si512(w[i] + off);
-        for (int t = 0; t < NT; ++t) {
-          const __m512i xb = _mm512_set1_epi32(load_i32(x[t] + k));
-          for (int i = 0; i < MT; ++i) iacc[i][t] = _mm512_dpbusd_epi32(iacc[i][t], wv[i], xb);
-        }
-      }
-    }
-    for (int t = 0; t < NT; ++t) {
-      const __m512i c = _mm512_set1_epi32(p.corr[t][g]);
-      const __m512 s = _mm512_set1_ps(p.sx[t][g]);
-      for (int i = 0; i < MT; ++i) {
-        const __m512 f = _mm512_cvtepi32_ps(_mm512_sub_epi32(iacc[i][t], c));
-        const __m512 scale = _mm512_mul_ps(_mm512_load_ps(sc[i] + size_t(g) * 16), s);
-        facc[i][t] = _mm512_fmadd_ps(f, scale, facc[i][t]);
-      }
-    }
-  }
-  for (int t = 0; t < NT; ++t)
-    for (int i = 0; i < MT; ++i) _mm512_storeu_ps(out + size_t(t) * ldo + i * 16, facc[i][t]);
 }
 
 // fp8: [Kd/4][16][4] bytes, decoded line by line (moe_avx512_shared.h).
@@ -240,20 +148,6 @@ void gemm_avx512(const MatView& m, int tile0, int ntiles, const ActView& a, int 
       }
     }
   }
-}
-
-// 12 independent zmm FMA chains (fp32 FMA peak; the bf16 dot product does 2x the flops).
-double peak_avx512(int64_t iters) {
-  __m512 acc[12];
-  for (int j = 0; j < 12; ++j) acc[j] = _mm512_set1_ps(float(j) * 1e-3f);
-  const __m512 a = _mm512_set1_ps(0.999f), b = _mm512_set1_ps(1e-4f);
-  for (int64_t i = 0; i < iters; ++i)
-    for (int j = 0; j < 12; ++j) acc[j] = _mm512_fmadd_ps(acc[j], a, b);
-  __m512 s = acc[0];
-  for (int j = 1; j < 12; ++j) s = _mm512_add_ps(s, acc[j]);
-  volatile float sink = _mm512_reduce_add_ps(s);
-  (void)sink;
-  return 2.0 * 12 * 16 * double(iters);
 }
 
 }  // namespace

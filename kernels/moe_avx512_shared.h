@@ -1,6 +1,7 @@
-// AVX-512 pieces shared by the AVX-512 and AMX translation units (each includes this after its
-// own target pragma and after moe_generic.h; internal linkage, so each gets its own copy): the
-// decode of one packed fp8 line and the stage-1 activation epilogue.
+// AVX-512 pieces shared by the AVX-512 and AMX translation units, which have BF16 and VBMI (each
+// includes this after its own target pragma and after moe_generic.h; internal linkage, so each
+// gets its own copy): the decode of one packed fp8 line into bf16 pairs, on top of the pieces
+// every AVX-512 unit shares (moe_avx512_common.h).
 //
 // A 64-byte line of the fp8 layout ([Kd/4][16][4] bytes, each row's 4 bytes in the order
 // k+2, k, k+3, k+1; see moe_kernels.h) is 16 rows x 4 k; it decodes to the bf16 pairs (k, k+1)
@@ -10,6 +11,8 @@
 // byte tables (AVX512-VBMI); no conversion instruction and no permute on the common path.
 #pragma once
 #include <immintrin.h>
+
+#include "moe_avx512_common.h"
 
 namespace moelab {
 namespace {
@@ -80,50 +83,6 @@ inline void fp8_line_to_bf16(const Fp8Tables& t, const uint8_t* line, __m512i& p
   }
   p01 = fp8_high_bytes_to_bf16(v);                          // k, k + 1
   p23 = fp8_high_bytes_to_bf16(_mm512_slli_epi16(v, 8));  // k + 2, k + 3
-}
-
-// exp_approx (moe_generic.h) on 16 lanes: the same clamp, range reduction and polynomial.
-inline __m512 exp16(__m512 x) {
-  x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.0f)), _mm512_set1_ps(-87.0f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
-                                        _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.0f));
-  const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-  return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
-}
-
-// act_generic's epilogue, 16 lanes (one tile) at a time.
-void act_avx512(const float* gu, size_t ldgu, const float* bias, int n, int rows, int act, float alpha, float limit,
-                float* h, size_t ldh) {
-  const int tiles = rows / 16;
-  const __m512 one = _mm512_set1_ps(1.0f), lim = _mm512_set1_ps(limit), nlim = _mm512_set1_ps(-limit);
-  for (int t = 0; t < n; ++t)
-    for (int i = 0; i < tiles; ++i) {
-      const float* g = gu + size_t(t) * ldgu + size_t(2 * i) * 16;
-      __m512 gv = _mm512_loadu_ps(g), uv = _mm512_loadu_ps(g + 16);
-      if (bias) {
-        gv = _mm512_add_ps(gv, _mm512_loadu_ps(bias + size_t(2 * i) * 16));
-        uv = _mm512_add_ps(uv, _mm512_loadu_ps(bias + size_t(2 * i) * 16 + 16));
-      }
-      __m512 o;
-      if (act == ACT_SILU) {
-        o = _mm512_mul_ps(_mm512_div_ps(gv, _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), gv)))), uv);
-      } else {  // gpt_oss: clamped SwiGLU, (up + 1) * gate * sigmoid(alpha * gate)
-        gv = _mm512_min_ps(lim, gv);  // (a, b) order: a NaN in b comes through, as in act_generic
-        uv = _mm512_max_ps(nlim, _mm512_min_ps(lim, uv));
-        const __m512 sg = exp16(_mm512_mul_ps(_mm512_set1_ps(-alpha), gv));
-        o = _mm512_mul_ps(_mm512_add_ps(uv, one), _mm512_div_ps(gv, _mm512_add_ps(one, sg)));
-      }
-      _mm512_storeu_ps(h + size_t(t) * ldh + size_t(i) * 16, o);
-    }
 }
 
 }  // namespace

@@ -52,7 +52,8 @@ constexpr int kFp8Pos[4] = {1, 3, 0, 2};
 
 enum WeightType : int { W_F32 = 0, W_BF16 = 1, W_INT8 = 2, W_INT4 = 3, W_FP8 = 4 };
 enum ActKind : int { ACT_SILU = 0, ACT_GPT_OSS = 1 };
-enum Isa : int { ISA_PORTABLE = 0, ISA_AVX2 = 1, ISA_AVX512 = 2, ISA_AMX = 3 };
+// Codes as moelab/kernels/build.py numbers them (avx512vnni came last: codes never change).
+enum Isa : int { ISA_PORTABLE = 0, ISA_AVX2 = 1, ISA_AVX512 = 2, ISA_AMX = 3, ISA_AVX512VNNI = 4 };
 
 // AMX path: an expert call with at least this many rows (tokens) runs on tiles. A tile pass
 // costs nearly the same from 1 row to 16 (a call of fewer than 16 configures its A and C tiles
@@ -141,6 +142,7 @@ struct IsaOps {
 
 IsaOps portable_ops();
 IsaOps avx2_ops();
+IsaOps avx512vnni_ops();
 IsaOps avx512_ops();
 IsaOps amx_ops();
 // The CPU has AMX-TILE, AMX-BF16 and AMX-INT8 and the OS granted this process tile state (asked once).

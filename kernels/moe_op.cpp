@@ -134,6 +134,7 @@ IsaOps ops_for(int isa) {
   switch (isa) {
     case ISA_AMX: return amx_ops();
     case ISA_AVX512: return avx512_ops();
+    case ISA_AVX512VNNI: return avx512vnni_ops();
     case ISA_AVX2: return avx2_ops();
     default: return portable_ops();
   }
@@ -257,9 +258,10 @@ void compute(Job& j) {
   const bool is_fp8 = wtype == W_FP8;
   const bool has_scales = is_int || is_fp8;
   const bool bf16_act = wtype == W_BF16 || is_fp8;  // fp8 weights meet bf16 activations
-  // AVX2 multiplies bf16/fp8 weights in fp32: it reads fp32 copies of the (bf16-valued)
-  // activations, made once per call instead of once per task (fp8: times kFp8XScale).
-  const bool want_xf = bf16_act && isa == ISA_AVX2;
+  // AVX2 and avx512vnni (no BF16) multiply bf16/fp8 weights in fp32: they read fp32 copies of
+  // the (bf16-valued) activations, made once per call instead of once per task (fp8: times
+  // kFp8XScale).
+  const bool want_xf = bf16_act && (isa == ISA_AVX2 || isa == ISA_AVX512VNNI);
   const int offset = wtype == W_INT8 ? 128 : 8;
   const int64_t T = xc.size(0), K = j.ids64.size(1), S = T * K;
   if (T == 0) return;
@@ -681,7 +683,7 @@ std::variant<at::Tensor, std::string> ticket_wait(Ticket& t) {
 
 // Measured fp32 FMA peak of `isa` on nthreads threads, GFLOP/s (best of 3 runs of ~0.1 s).
 double fma_peak_gflops(int64_t isa, int64_t nthreads) {
-  if (isa < ISA_PORTABLE || isa > ISA_AMX) fail("moelab: unknown isa code ", isa);  // no tensors here: a throw is safe
+  if (isa < ISA_PORTABLE || isa > ISA_AVX512VNNI) fail("moelab: unknown isa code ", isa);  // no tensors here: a throw is safe
   const IsaOps ops = ops_for(int(isa));
   const int nt = std::max<int>(1, int(nthreads));
   pybind11::gil_scoped_release nogil;

@@ -9,11 +9,12 @@
 # Writes to $OUT: env.txt (versions, CPU flags, the ISA paths moelab detects), pytest-<isa>.txt (the
 # kernel parity, regime and error-path tests with MOELAB_KERNELS_ISA=<isa>, for each supported path),
 # bench-<isa>.txt / .json (`moelab bench kernels` bf16/int8/fp8 at T=1 16 256 on that path) and
-# prefill-<isa>.txt / .json (`--prefill`), and for the avx2 / avx512 paths below the CPU's best also
+# prefill-<isa>.txt / .json (`--prefill`), and for the avx2 / avx512vnni / avx512 paths below the CPU's best also
 # bench-<isa>-emulated.txt / .json (`--emulate <isa>`: transformers' built-ins held to that instruction
 # set too, as on a CPU whose best it is; EMULATE=0 skips them). Exit status: non-zero when a test failed.
 # SKIP_BENCH=1 runs the tests only; REPEAT=N bench repetitions (5); JOBS=N pytest workers (4).
-# On an AMX CPU the paths are amx (bf16/fp8 experts with >= 16 tokens on tiles), avx512, avx2, portable.
+# On an AMX CPU the paths are amx (bf16/fp8 experts with >= 16 tokens on tiles), avx512, avx512vnni, avx2, portable;
+# on a Cascade Lake or Ice Lake one avx512vnni, avx2, portable.
 set -uo pipefail
 OUT="${OUT:-${1:-cpu_isa_check_out}}"
 mkdir -p "$OUT"
@@ -28,7 +29,7 @@ echo "== environment" | tee "$OUT/env.txt"
 {
   $PY -c "import platform, torch, transformers; print('python', platform.python_version(), 'torch', torch.__version__, 'transformers', transformers.__version__, 'threads', torch.get_num_threads())"
   grep -m1 "model name" /proc/cpuinfo
-  grep -m1 -o -w -E "avx2|fma|f16c|avx512f|avx512bw|avx512vl|avx512dq|avx512_vnni|avx512_bf16|amx_tile|amx_bf16|amx_int8" /proc/cpuinfo | sort -u | tr '\n' ' '; echo
+  grep -m1 -o -w -E "avx2|fma|f16c|avx512f|avx512bw|avx512vl|avx512dq|avx512_vnni|avx512_bf16|avx512vbmi|amx_tile|amx_bf16|amx_int8" /proc/cpuinfo | sort -u | tr '\n' ' '; echo
 } 2>&1 | tee -a "$OUT/env.txt"
 ISAS=$($PY -c "from moelab.kernels import supported_isas; print(' '.join(supported_isas()))") || { echo "building the kernels failed"; exit 1; }
 echo "moelab ISA paths: $ISAS" | tee -a "$OUT/env.txt"
@@ -53,7 +54,7 @@ if [ -z "${SKIP_BENCH:-}" ]; then
       $PY -c "import json, sys; from moelab.kernels.bench import format_table; print(format_table(json.load(open(sys.argv[1]))))" \
         "$OUT/$mode-$isa.json" | tee "$OUT/$mode-$isa.txt"
     done
-    if [ "${EMULATE:-1}" != 0 ] && [ "$isa" != "${ISAS%% *}" ] && { [ "$isa" = avx2 ] || [ "$isa" = avx512 ]; }; then
+    if [ "${EMULATE:-1}" != 0 ] && [ "$isa" != "${ISAS%% *}" ] && { [ "$isa" = avx2 ] || [ "$isa" = avx512 ] || [ "$isa" = avx512vnni ]; }; then
       echo "== bench, --emulate $isa (the built-ins held to $isa too)"
       $PY -m moelab.cli bench kernels --emulate "$isa" --dtypes bf16 int8 fp8 --tokens 1 16 256 \
         --repeat "$REPEAT" --allow-busy --json > "$OUT/bench-$isa-emulated.json" 2> "$OUT/bench-$isa-emulated.log"

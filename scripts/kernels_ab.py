@@ -70,7 +70,7 @@ def main() -> None:
     ap.add_argument("--dtypes", nargs="+", default=["bf16", "int8", "fp8"])
     ap.add_argument("--tokens", nargs="+", type=int, default=[1, 16, 256])
     ap.add_argument("--reps", type=int, default=12, help="alternating pairs of calls per point")
-    ap.add_argument("--isa", default="amx", choices=["amx", "avx512", "avx2", "portable"])
+    ap.add_argument("--isa", default="amx", choices=["amx", "avx512", "avx512vnni", "avx2", "portable"])
     ap.add_argument("--build-dir", default="/tmp/moelab_kernels_ab")
     a = ap.parse_args()
     exts = {k: build(f"kab_{k}", src, a.build_dir) for k, src in (("base", a.base), ("new", a.new))}

@@ -24,6 +24,8 @@ EMULATE_ENV: dict[str, dict[str, str]] = {
     "avx2": {"MOELAB_KERNELS_ISA": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"},
     "avx512": {"MOELAB_KERNELS_ISA": "avx512", "ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16",
                "ATEN_CPU_CAPABILITY": "avx512"},
+    "avx512vnni": {"MOELAB_KERNELS_ISA": "avx512vnni", "ONEDNN_MAX_CPU_ISA": "AVX512_CORE_VNNI",
+                   "ATEN_CPU_CAPABILITY": "avx512"},
 }
 # a copy of moelab.simulate.moegen.bench.DEFAULT_MODELS (importing it loads torch)
 THROUGHPUT_MODELS: tuple[str, ...] = ("moelab-tiny-mixtral", "v2-lite:2")

@@ -7,8 +7,9 @@ needed (~1 minute on 2 cores), never at install time. The cache lives in
 concurrent first builds (e.g. pytest-xdist workers) safe: one builds, the others wait.
 
 Instruction set: ``amx`` (the AVX-512 path, with experts that have many tokens on AMX tiles: bf16/fp8 weights
-on AMX-BF16, int8/int4 on AMX-INT8), ``avx512`` (AVX-512 F/BW/VL/DQ + VNNI + BF16 + VBMI), ``avx2`` (AVX2 + FMA + F16C) or
-``portable`` (plain C++), chosen from CPU detection (``amx`` also needs the operating system to grant
+on AMX-BF16, int8/int4 on AMX-INT8), ``avx512`` (AVX-512 F/BW/VL/DQ + VNNI + BF16 + VBMI: Sapphire Rapids, Zen 4),
+``avx512vnni`` (AVX-512 F/BW/VL/DQ + VNNI without BF16 or VBMI: Cascade Lake, Cooper Lake, Ice Lake; bf16 and fp8
+weights multiply in fp32), ``avx2`` (AVX2 + FMA + F16C) or ``portable`` (plain C++), chosen from CPU detection (``amx`` also needs the operating system to grant
 the process tile state, Linux 5.16 or later). Force one with the environment
 variable ``MOELAB_KERNELS_ISA`` or with :func:`force_isa` (tests use this to exercise
 the fallback).
@@ -32,14 +33,18 @@ from moelab.errors import MoelabError, unknown_name
 
 logger = logging.getLogger(__name__)
 
-Isa = Literal["amx", "avx512", "avx2", "portable"]
-ISAS: tuple[Isa, ...] = ("amx", "avx512", "avx2", "portable")
-ISA_CODES: dict[str, int] = {"portable": 0, "avx2": 1, "avx512": 2, "amx": 3}
+Isa = Literal["amx", "avx512", "avx512vnni", "avx2", "portable"]
+#: Fastest first: the first one the CPU supports is the default.
+ISAS: tuple[Isa, ...] = ("amx", "avx512", "avx512vnni", "avx2", "portable")
+#: The extension's codes (kernels/moe_kernels.h); a new path takes the next free one.
+ISA_CODES: dict[str, int] = {"portable": 0, "avx2": 1, "avx512": 2, "amx": 3, "avx512vnni": 4}
 ISA_ENV = "MOELAB_KERNELS_ISA"
-_AVX512 = ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512vnni", "avx512bf16", "avx512vbmi", "f16c")
+_AVX512VNNI = ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512vnni", "fma", "f16c")
+_AVX512 = (*_AVX512VNNI, "avx512bf16", "avx512vbmi")
 _REQUIRED: dict[str, tuple[str, ...]] = {
     "amx": (*_AVX512, "amx_tile", "amx_bf16", "amx_int8"),
     "avx512": _AVX512,
+    "avx512vnni": _AVX512VNNI,
     "avx2": ("avx2", "fma", "f16c"),
     "portable": (),
 }
