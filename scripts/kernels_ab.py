@@ -10,7 +10,10 @@ return the same output bit for bit (``maxdiff``).
     git worktree add /tmp/base <rev>
     python scripts/kernels_ab.py --base /tmp/base/kernels --new kernels --dtypes fp8 int8 --tokens 1 16 256
 
-The first run compiles both builds (about a minute each) into ``--build-dir``.
+The first run compiles both builds (about a minute each) into ``--build-dir``. ``--base-isa`` runs
+the base build on another path than ``--isa`` (the same tree on both sides compares two paths:
+``--base kernels --new kernels --base-isa avx2 --isa avx512vnni``; their outputs then differ by
+rounding, not bit for bit).
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from torch.utils import cpp_extension
 
 from moelab.kernels.backend import packed_for
 from moelab.kernels.bench import Shape, _experts_module, _Routing
+from moelab.kernels.build import ISAS
 from moelab.kernels.op import _args
 from moelab.kernels.packing import KernelSpec
 
@@ -41,20 +45,19 @@ def build(name: str, src: str, build_dir: str):
     )
 
 
-def compare(exts: dict, packed, shape: Shape, tokens: int, reps: int, isa: str) -> str:
-    """One (dtype, T) point: alternating calls on every build; a line of figures."""
+def compare(exts: dict, packed, shape: Shape, tokens: int, reps: int, isas: dict[str, str]) -> str:
+    """One (dtype, T) point: alternating calls on every build (each on its path); a line of figures."""
     r = _Routing(tokens, shape.experts, shape.top_k)
     x = (torch.randn(tokens, shape.hidden) * 0.5).to(torch.bfloat16)
-    args = _args(x, r.ids, r.w, packed, isa, None)
-    outs = {k: e.moe_forward(*args, expert_map=None) for k, e in exts.items()}
+    outs = {k: e.moe_forward(*_args(x, r.ids, r.w, packed, isas[k], None), expert_map=None) for k, e in exts.items()}
     diff = (outs["base"].float() - outs["new"].float()).abs().max().item()
     ts: dict[str, list[float]] = {k: [] for k in exts}
     for i in range(reps):
         r.redraw()
-        args = _args(x, r.ids, r.w, packed, isa, None)
+        args = {k: _args(x, r.ids, r.w, packed, isas[k], None) for k in exts}
         for k in (["base", "new"] if i % 2 == 0 else ["new", "base"]):
             t0 = time.perf_counter()
-            exts[k].moe_forward(*args, expert_map=None)
+            exts[k].moe_forward(*args[k], expert_map=None)
             ts[k].append(time.perf_counter() - t0)
     ratio = sorted(b / n for b, n in zip(ts["base"], ts["new"]))
     q = len(ratio) // 4
@@ -70,7 +73,8 @@ def main() -> None:
     ap.add_argument("--dtypes", nargs="+", default=["bf16", "int8", "fp8"])
     ap.add_argument("--tokens", nargs="+", type=int, default=[1, 16, 256])
     ap.add_argument("--reps", type=int, default=12, help="alternating pairs of calls per point")
-    ap.add_argument("--isa", default="amx", choices=["amx", "avx512", "avx512vnni", "avx2", "portable"])
+    ap.add_argument("--isa", default="amx", choices=ISAS)
+    ap.add_argument("--base-isa", default=None, choices=ISAS, help="the base build's path (default: --isa)")
     ap.add_argument("--build-dir", default="/tmp/moelab_kernels_ab")
     a = ap.parse_args()
     exts = {k: build(f"kab_{k}", src, a.build_dir) for k, src in (("base", a.base), ("new", a.new))}
@@ -80,7 +84,8 @@ def main() -> None:
     for dtype in a.dtypes:
         packed = packed_for(mod, KernelSpec(dtype, 64, block=(128, 128)))
         for t in a.tokens:
-            print(f"{shape} {a.isa} {dtype} T={t}: {compare(exts, packed, shape, t, a.reps, a.isa)}", flush=True)
+            isas = {"base": a.base_isa or a.isa, "new": a.isa}
+            print(f"{shape} {isas['base']}/{a.isa} {dtype} T={t}: {compare(exts, packed, shape, t, a.reps, isas)}", flush=True)
 
 
 if __name__ == "__main__":
