@@ -20,7 +20,8 @@ SPECS = [KernelSpec("fp32"), KernelSpec("bf16"), KernelSpec("int8", 64), KernelS
          KernelSpec("fp8"), KernelSpec("fp8", block=(16, 32))]
 SPEC_IDS = ["fp32", "bf16", "int8g64", "int4g32", "fp8b128", "fp8b16x32"]
 TOL = {"fp32": 1e-5, "bf16": 2e-3, "int8": 5e-3, "int4": 5e-3, "fp8": 5e-3}
-# across AVX2's blocked switch (8) and row block (96), AMX's tile switches (4, 6, 8: moe_kernels.h's
+# across the AVX2 and avx512vnni blocked switch (8), their micro-kernels' rows (6, 8) and row block
+# (96), AMX's tile switches (4, 6, 8: moe_kernels.h's
 # amx_min_rows), its partial last token block (17, 33), its two-block register tile (32) and its
 # switch from streamed to per-call weight decode (33)
 ROWS_PER_EXPERT = [1, 3, 4, 5, 6, 7, 8, 9, 13, 15, 16, 17, 24, 33, 100]
