@@ -121,33 +121,11 @@ void gemm_avx512(const MatView& m, int tile0, int ntiles, const ActView& a, int 
                  size_t ldo) {
   const bool is_int = m.wtype == W_INT8 || m.wtype == W_INT4;
   const int nt_max = is_int || m.wtype == W_FP8 ? 4 : 8;  // two accumulator sets: MT*NT <= 8
-  const size_t esize = m.wtype == W_F32 ? 4 : (m.wtype == W_BF16 || m.wtype == W_FP8 ? 2 : 1);
-  // Decode (one token tile): four row tiles in flight for memory-level parallelism.
-  const int mt_max = n <= 2 ? 4 : 2;
-  for (int ti = 0; ti < ntiles; ti += mt_max) {
-    const int mt = ntiles - ti < mt_max ? ntiles - ti : mt_max;
-    for (int t0 = 0; t0 < n; t0 += nt_max) {
-      const int nt = n - t0 < nt_max ? n - t0 : nt_max;
-      TilePtrs p;
-      for (int t = 0; t < nt; ++t) {
-        const size_t row = size_t(a.rows[t0 + t]);
-        p.x[t] = static_cast<const uint8_t*>(a.base) + row * a.ld * esize;
-        if (is_int) {
-          p.sx[t] = a.sx + row * a.ldg;
-          p.corr[t] = a.corr + row * a.ldg;
-        }
-      }
-      float* o = out + size_t(t0) * ldo + size_t(ti) * 16;
-      int done = 0;
-      while (done < mt) {  // mt in {1..4}: run as 4, 2 or 1 tiles
-        const int left = mt - done;
-        const int tile = tile0 + ti + done;
-        if (left >= 4 && n <= 2) { mk_nt<4>(nt, m, tile, p, o + done * 16, ldo); done += 4; }
-        else if (left >= 2) { mk_nt<2>(nt, m, tile, p, o + done * 16, ldo); done += 2; }
-        else { mk_nt<1>(nt, m, tile, p, o + done * 16, ldo); done += 1; }
-      }
-    }
-  }
+  decode_tiles(m, tile0, ntiles, a, n, out, ldo, nt_max, [&](int mt, int nt, int tile, const TilePtrs& p, float* o) {
+    if (mt == 4) mk_nt<4>(nt, m, tile, p, o, ldo);
+    else if (mt == 2) mk_nt<2>(nt, m, tile, p, o, ldo);
+    else mk_nt<1>(nt, m, tile, p, o, ldo);
+  });
 }
 
 }  // namespace

@@ -102,6 +102,41 @@ void mk_int(const MatView& m, int tile, const TilePtrs& p, float* out, size_t ld
     for (int i = 0; i < MT; ++i) _mm512_storeu_ps(out + size_t(t) * ldo + i * 16, facc[i][t]);
 }
 
+// The decode-regime driver of the AVX-512 units: row tiles outer (four in flight for memory-level
+// parallelism while a call has at most 2 rows, else two), blocks of up to nt_max rows inner, so
+// each tile's weights stream from memory once for all n rows. run(mt, nt, tile, p, out) runs the
+// unit's MT = mt (4, 2 or 1) x NT = nt micro-kernel.
+template <class Run>
+void decode_tiles(const MatView& m, int tile0, int ntiles, const ActView& a, int n, float* out, size_t ldo,
+                  int nt_max, Run&& run) {
+  const bool is_int = m.wtype == W_INT8 || m.wtype == W_INT4;
+  const size_t esize = m.wtype == W_F32 ? 4 : (m.wtype == W_BF16 || m.wtype == W_FP8 ? 2 : 1);
+  const int mt_max = n <= 2 ? 4 : 2;
+  for (int ti = 0; ti < ntiles; ti += mt_max) {
+    const int mt = ntiles - ti < mt_max ? ntiles - ti : mt_max;
+    for (int t0 = 0; t0 < n; t0 += nt_max) {
+      const int nt = n - t0 < nt_max ? n - t0 : nt_max;
+      TilePtrs p;
+      for (int t = 0; t < nt; ++t) {
+        const size_t row = size_t(a.rows[t0 + t]);
+        p.x[t] = static_cast<const uint8_t*>(a.base) + row * a.ld * esize;
+        p.xf[t] = a.xf ? a.xf + row * a.ld : nullptr;
+        if (is_int) {
+          p.sx[t] = a.sx + row * a.ldg;
+          p.corr[t] = a.corr + row * a.ldg;
+        }
+      }
+      float* o = out + size_t(t0) * ldo + size_t(ti) * 16;
+      int done = 0;
+      while (done < mt) {  // mt in {1..4}: run as 4, 2 or 1 tiles (4 only while n <= 2)
+        const int left = mt - done, step = left >= 4 ? 4 : (left >= 2 ? 2 : 1);
+        run(step, nt, tile0 + ti + done, p, o + done * 16);
+        done += step;
+      }
+    }
+  }
+}
+
 // exp_approx (moe_generic.h) on 16 lanes: the same clamp, range reduction and polynomial.
 inline __m512 exp16(__m512 x) {
   x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.0f)), _mm512_set1_ps(-87.0f));
