@@ -45,6 +45,24 @@ def test_isa_can_be_forced_by_env_and_context(monkeypatch):
     assert build.active_isa() == build.supported_isas()[0]
 
 
+def test_isa_ladder_is_ordered_by_what_each_path_needs():
+    """ISAS is fastest first: a CPU that runs a path runs every later one (its requirements are a
+    superset of theirs, the portable path needs nothing), every path has its own extension code,
+    and each --emulate setting forces the path it is named after."""
+    from moelab.cli.bench import EMULATE_ENV
+
+    for faster, slower in zip(build.ISAS, build.ISAS[1:]):
+        assert set(build._REQUIRED[faster]) >= set(build._REQUIRED[slower]), (faster, slower)
+    assert build._REQUIRED["portable"] == ()
+    assert set(build.ISA_CODES) == set(build.ISAS)
+    assert len(set(build.ISA_CODES.values())) == len(build.ISAS)
+    for isa, env in EMULATE_ENV.items():
+        assert isa in build.ISAS and env["MOELAB_KERNELS_ISA"] == isa
+    # a Cascade Lake (AVX-512 with VNNI, no BF16 or VBMI) runs the avx512vnni path, not avx512
+    clx = {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512vnni"}
+    assert [i for i in build.ISAS if set(build._REQUIRED[i]) <= clx] == ["avx512vnni", "avx2", "portable"]
+
+
 def test_bench_kernels_cli_prints_json(capsys):
     from moelab.cli import main
 
