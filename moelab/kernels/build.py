@@ -39,7 +39,7 @@ ISAS: tuple[Isa, ...] = ("amx", "avx512", "avx512vnni", "avx2", "portable")
 #: The extension's codes (kernels/moe_kernels.h); a new path takes the next free one.
 ISA_CODES: dict[str, int] = {"portable": 0, "avx2": 1, "avx512": 2, "amx": 3, "avx512vnni": 4}
 ISA_ENV = "MOELAB_KERNELS_ISA"
-_AVX512VNNI = ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512vnni", "fma", "f16c")
+_AVX512VNNI = ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512vnni", "avx2", "fma", "f16c")
 _AVX512 = (*_AVX512VNNI, "avx512bf16", "avx512vbmi")
 _REQUIRED: dict[str, tuple[str, ...]] = {
     "amx": (*_AVX512, "amx_tile", "amx_bf16", "amx_int8"),
