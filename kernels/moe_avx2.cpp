@@ -166,8 +166,7 @@ void mk_int(const MatView& m, int tile, const TilePtrs& p, float* out, size_t ld
 // conversion instruction: vcvtph2ps (two uops on Zen) bounded the decode loop at ~60 % of read
 // bandwidth. The activations arrive times kFp8XScale (2^60, the fp32 copies of moe_op.cpp), so
 // products stay normal; the packed scale (which carries FP8_SCALE_FOLD = 2^8) times
-// kFp8Unscale = 2^52 undoes 2^-120 * 2^60 exactly. Accumulators hold rows in order.
-constexpr float kFp8Unscale = 0x1p52f;  // 2^(120 - 60 - 8)
+// kFp8Unscale = 2^52 (moe_kernels.h) undoes 2^-120 * 2^60 exactly. Accumulators hold rows in order.
 
 inline __m256 fp8_lane_top(__m256i top) {  // byte in bits 31..24 of each lane -> value * 2^-120
   return _mm256_castsi256_ps(

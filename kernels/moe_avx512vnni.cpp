@@ -29,8 +29,6 @@
 namespace moelab {
 namespace {
 
-constexpr float kFp8Unscale = 0x1p52f;  // 2^(120 - 60 - 8), as on the AVX2 path
-
 // The four k of one fp8 line (16 rows x bytes k+2, k, k+3, k+1 in each 32-bit lane), fp32. One
 // arithmetic shift of the 16-bit words by 4 serves two bytes: the high word's top byte (k + 1)
 // is in place, the low word's (k) moves up by 16; the line shifted up by 8 gives k + 3 and
@@ -238,9 +236,9 @@ void mk_blocked_n(int nr, const float* wt, int kc, const float* const* x, float*
 // is 2-8 KiB of two tiles a whole tile apart, which the hardware prefetchers meet cold; the first
 // sweep over the current pair prefetches the next one's lines, one per k (in-process A/B on a
 // Cascade Lake-class VM, 2026-11-28, two runs, both default shapes: bf16 +8-15 % at 256 tokens,
-// +5-10 % at 64; fp8 +1-7 %). Rows stay where they are: copying them into a panel of consecutive rows, which
-// would keep eight rows 4 KiB apart from sharing an L1 set, cost 10-14 % at 256 tokens (a task's
-// call covers four tiles, too few to amortise the copy).
+// +5-10 % at 64; fp8 +1-7 %). Rows stay where they are: copying them into a panel of consecutive
+// rows, which would keep eight rows 4 KiB apart from sharing an L1 set, cost 10-14 % at 256
+// tokens (a task's call covers four tiles, too few to amortise the copy).
 void gemm_blocked(const MatView& m, int tile0, int ntiles, const ActView& a, int n, float* out,
                   size_t ldo) {
   alignas(64) float wt[kKc * 32];

@@ -29,10 +29,13 @@
 
 namespace moelab {
 
-// fp8 weights on AVX2: the fp32 activation copies (ActView::xf) are the bf16 values times
-// 2^60, so that the decode loop's weights (value * 2^-120, see moe_avx2.cpp) multiply into
+// fp8 weights on AVX2 and avx512vnni: the fp32 activation copies (ActView::xf) are the bf16
+// values times 2^60, so that the decode loop's weights (value * 2^-120, see moe_avx2.cpp) multiply into
 // normal fp32 products; an fp32 copy overflows only for |x| > 2^68. Powers of two: exact.
 constexpr float kFp8XScale = 0x1p60f;
+// ...and the kernels decode e4m3 to value * 2^-120: the packed scale (which carries the 2^8 fold)
+// times this undoes 2^-120 * 2^60 exactly, once per block.
+constexpr float kFp8Unscale = 0x1p52f;  // 2^(120 - 60 - 8)
 
 // How far ahead (bytes) a kernel prefetches a weight stream it reads once: each row tile's packed
 // lines on the AVX-512 and AVX2 decode kernels, the streamed fp8/int4 decode and in-place int8
@@ -80,7 +83,7 @@ struct ActView {
   const float* sx;        // int only: per-(row, group) scale, row stride ldg
   const int32_t* corr;    // int only: offset * sum(q) per (row, group)
   size_t ldg;
-  const float* xf;        // bf16/fp8 weights on AVX2: the same rows as fp32 (exact copies of
+  const float* xf;        // bf16/fp8 weights on AVX2 / avx512vnni: the same rows as fp32 (exact copies of
                           // the bf16 values, stride ld), so kernels broadcast from memory
   const uint8_t* panel;   // AMX, optional: the same n rows as AMX A tiles (amx_panel_at)
 };
