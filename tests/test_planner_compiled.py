@@ -169,6 +169,54 @@ def test_hand_computed_case(monkeypatch):
     assert comp.cache.contents(0) == [1, 6]
 
 
+def test_prefill_sized_plans_and_long_proposals_after_decode_ones(monkeypatch, tmp_path):
+    """The compiled planner's tables and scratch (MRS's top-p table, the prefetch keys, the plan's
+    record) are sized for 64 tokens at first and regrown, handle and all, for a larger call; a
+    proposal longer than the cache's keys (repeats) gets its own keys array. Both paths still plan
+    the same, before and after the growth."""
+    import numpy as np
+
+    cfg = {"cache": {"capacity": 0.25, "policy": "mrs"}, "placement": "greedy-hss", "hardware": "pcie4-x16",
+           "prefetch": {"distance": 1}}
+    ref, comp = _planners(monkeypatch, cfg)
+    rng = random.Random(5)
+    grown = False
+    for f, tokens in enumerate([1, 3, 70, 1, 200, 2, 1]):
+        for layer in range(L):
+            ids, w, st = _routing(rng, tokens, states=True)
+            sc = _scores(rng, tokens)
+            pf = [rng.randrange(E) for _ in range(3 * L * E if f == 5 else 3)]  # f = 5: longer than NK
+            h0 = comp._compiled._h
+            a = ref.plan_layer(f, f, "decode", layer, ids, w if tokens > 1 else None, st, sc, pf)
+            b = comp.plan_layer(f, f, "decode", layer, ids, w if tokens > 1 else None, st, sc, pf)
+            assert asdict(a) == asdict(b), (f, layer)
+            grown |= comp._compiled._h is not h0
+    assert grown and comp._compiled._ntab > 200
+    assert ref.cache.contents() == comp.cache.contents() and ref.cache.eviction_order() == comp.cache.eviction_order()
+    assert np.array_equal(comp._compiled.out.rows, np.arange(comp._compiled._ntab))
+
+
+def test_the_state_handle_names_each_array_and_refuses_what_the_kernel_cannot_read(monkeypatch):
+    """The handle holds, per field, an array's address and shape or a setting's value; an array that
+    is not C-contiguous, or a field of another type than the kernel's, is refused with its name."""
+    import numpy as np
+
+    cfg = {"cache": {"capacity": 0.25, "policy": "lru"}, "placement": "fetch-misses"}
+    _, comp = _planners(monkeypatch, cfg)
+    c = comp._compiled
+    h = c._h.tolist()
+    # Cache: code, insertion, lfu_reset, alpha (its float's bits), bypass, never, then pinned's address and length
+    assert h[:6] == [c.state.code, 0, 0, int(np.float64(c.state.alpha).view(np.int64)), 0, 0]
+    assert h[6:8] == [c.state.pinned.ctypes.data, c.state.pinned.shape[0]]
+    assert c.out.rec.ctypes.data in h and c.static.layer_hm.ctypes.data in h
+    i = h.index(c.static.layer_hm.ctypes.data)
+    assert h[i + 1 : i + 3] == [L, 2]
+    with pytest.raises(MoelabError, match=r"Static\.costs: .*1d, A.*C-contiguous"):
+        _compiled.handle(c.state, c.static._replace(costs=np.zeros(20)[::2]), c.out)
+    with pytest.raises(MoelabError, match=r"Static\.top_k: array\(int32"):
+        _compiled.handle(c.state, c.static._replace(top_k=c.static.top_k.astype(np.int32)), c.out)
+
+
 def test_unsupported_falls_back_and_forcing(monkeypatch):
     cfg = HybridConfig.from_dict({"cache": {"capacity": 0.25}, "placement": "min-cost", "hardware": "pcie4-x16"})
     kw = dict(num_experts=[E] * L, top_k=[K] * L, expert_bytes=1000, shape=get_shape("mixtral-8x7b"))
@@ -302,16 +350,16 @@ config = HybridConfig.from_dict({"cache": {"policy": "lru", "capacity": 0.5}})
 p = Planner.build(config, num_experts=[8] * 4, top_k=[2] * 4, expert_bytes=1000)
 p.plan_layer(0, 0, "decode", 0, np.array([[1, 2]]), np.array([[0.5, 0.5]], dtype=np.float32))
 if sys.argv[1] == "check":
-    missed = {f.__name__: len(f.stats.cache_misses) for f in (_compiled.make_box, _compiled.run)}
-    assert not any(missed.values()) and all(f.stats.cache_hits for f in (_compiled.make_box, _compiled.run)), missed
+    missed = {f.__name__: len(f.stats.cache_misses) for f in (_compiled.run,)}
+    assert not any(missed.values()) and all(f.stats.cache_hits for f in (_compiled.run,)), missed
 print("ok")
 """
 
 
 def test_a_new_process_loads_the_compiled_planner_from_the_disk_cache(tmp_path):
-    """The planner's state box and entry point are cached on disk (a jitclass made every process
-    compile for seconds): after one process has planned, the next one loads both and compiles
-    nothing for them (numba's dispatcher statistics, in a fresh interpreter)."""
+    """The planner's entry point is cached on disk (a jitclass made every process compile for
+    seconds): after one process has planned, the next one loads it and compiles nothing for it
+    (numba's dispatcher statistics, in a fresh interpreter)."""
     import subprocess
     import sys
 

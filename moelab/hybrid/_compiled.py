@@ -25,11 +25,21 @@ reference): a cache (capacity > 0) of a built-in policy with a compiled kernel (
 ``MOELAB_PLANNER=reference|compiled`` forces a path (``compiled`` raises where it is not
 supported); :attr:`Planner.path` says which one runs.
 
-**Speed.** numba unboxes a named tuple of arrays field by field on every call (≈ 6 µs for a
-cache); the planner's state is therefore held by a numba structref (:class:`Box`), which
-crosses the boundary as one pointer. Everything is cached on disk (``cache=True``), the box's
-constructor and the entry point (:func:`run`) included, so a process that finds the cache
-compiles nothing (a jitclass could not be cached: every process paid seconds of compilation).
+**Speed.** What crosses the Python → numba boundary costs more than most of a decode step's
+plan, and several times more between a forward's layers (cold caches) than in a loop. numba
+unboxes a named tuple of arrays field by field on every call (≈ 6 µs for a cache); a structref
+of the state crosses as one pointer, but its type is looked up in Python (2.2 µs a call in a
+loop, 15–20 µs between layers); a returned array is boxed into a new Python object (2.4 µs /
+12 µs). So the state — the cache, the static tables, the outputs — crosses as one int64 array,
+its *handle* (:func:`handle`: each array's address and shape, each setting's value), from
+which the kernel rebuilds the named tuples as views (:func:`_views`, no reference counting:
+the planner holds the arrays); the settings (placement, admission, prefetch choice) are in
+it, and the plan's record is written into a preallocated buffer the caller copies. In a loop
+over a decode's recorded calls (MRS, greedy-hss, prefetch) the call took 19.8 µs with the
+structref and 14.1 µs with the handle; in the model 80–103 → 53–73 µs (2026-11-28, development
+VM). Everything is cached on disk (``cache=True``), the entry point (:func:`run`) included, so a
+process that finds the cache compiles nothing (a jitclass could not be cached: every process
+paid seconds of compilation).
 
 **Float parity.** ``greedy-hss`` is the reference's arithmetic in the reference's order (sums
 left to right, the same subtractions and re-additions on its lane totals), on the cost model's
@@ -84,6 +94,12 @@ class Static(NamedTuple):
     """(N,) float64 ``cost.shared_us(n)``."""
     layer_hm: np.ndarray
     """(L, 2) int64 demand hits and misses per MoE layer (the reference cache's counters)."""
+    place: int
+    """The placement's code (:data:`PLACE_CODES`)."""
+    admit_all: bool
+    """Admission ``all``: every miss is copied in (else only the misses the placement fetches)."""
+    impact: bool
+    """Prefetch ``select: impact`` (HybriMoE's impact-driven choice) instead of ``order``."""
 
 
 class Out(NamedTuple):
@@ -121,6 +137,20 @@ class Out(NamedTuple):
     """(E,) uint8 scratch: the access's admission filter."""
     flags: np.ndarray
     """(E,) uint8 scratch: the access's hit flags."""
+    top_v: np.ndarray
+    """(N, E) float32 scratch: MRS's top-p scores of each token row (N: the tables' token counts)."""
+    top_e: np.ndarray
+    """(N, E) int32 scratch: their experts."""
+    rows: np.ndarray
+    """(N,) int64 ``0 .. N-1``: token row r reads scores row r."""
+    group: np.ndarray
+    """(1,) int32 scratch: the layer of the one group :func:`~moelab.caches._fast.top_p_rows` sees."""
+    row_ptr: np.ndarray
+    """(2,) int64 scratch: that group's rows."""
+    pk: np.ndarray
+    """(NK,) int64 scratch: the prefetch proposal's cache keys."""
+    rec: np.ndarray
+    """(8 + 6 E + 2 T·K + 3 NK,) int64: the last plan's record (:func:`pack`)."""
 
 
 # ---------------------------------------------------------------------- the kernel
@@ -511,17 +541,13 @@ def plan(cache, s, out, layer, ids, w, st, has_state, scores, place, admit_all, 
             cnt[ERROR] = BAD_PROPOSAL
             return
     p = s.mrs_p[layer]
-    if p > 0:
-        sc = scores
-        R = sc.shape[0]
-        P = max(p, 1)
-        top_v = np.zeros((R, P), dtype=np.float32)
-        top_e = np.zeros((R, P), dtype=np.int32)
-        gl = np.full(1, layer, dtype=np.int32)
-        rp = np.zeros(2, dtype=np.int64)
-        rp[1] = R
-        rows = np.arange(R)
-        if _fast.top_p_rows(gl, rp, rows, sc, s.mrs_p, cache.key_offset, top_v, top_e) >= 0:
+    if p > 0:  # the top-p tables in preallocated scratch (p <= E: every entry read is written first)
+        R = scores.shape[0]
+        top_v, top_e = out.top_v[:R, :p], out.top_e[:R, :p]
+        out.group[0] = layer
+        out.row_ptr[1] = R
+        if _fast.top_p_rows(out.group, out.row_ptr, out.rows[:R], scores, s.mrs_p, cache.key_offset, top_v,
+                            top_e) >= 0:
             cnt[ERROR] = BAD_SCORES
             return
     n = _union(ids, w, st, has_state, out)
@@ -576,12 +602,14 @@ def plan(cache, s, out, layer, ids, w, st, has_state, scores, place, admit_all, 
             for i in range(n):
                 nd += where[i] == FETCHED
             chosen = _impactful(cache, s, place, pf_target, T, nd, pf)
-            pk = np.empty(chosen.shape[0], dtype=np.int64)
-            for q in range(chosen.shape[0]):
+            m = chosen.shape[0]
+            pk = out.pk[:m] if m <= out.pk.shape[0] else np.empty(m, dtype=np.int64)
+            for q in range(m):
                 pk[q] = po + chosen[q]
         else:
-            pk = np.empty(pf.shape[0], dtype=np.int64)
-            for q in range(pf.shape[0]):
+            m = pf.shape[0]  # a proposal may repeat experts: longer than the scratch, it gets its own
+            pk = out.pk[:m] if m <= out.pk.shape[0] else np.empty(m, dtype=np.int64)
+            for q in range(m):
                 pk[q] = po + pf[q]
         moved = _fast.prefetch(cache, pk, budget)
         cnt[MOVED] = moved
@@ -632,15 +660,16 @@ def _ints2(x: Any) -> np.ndarray:
 
 @njit(cache=True, nogil=True)
 def pack(out):
-    """One plan's outputs as one fresh int64 record (what a :class:`LazyPlan` keeps): the 8
-    counts (``cnt``), then needed, tokens, hit, where, spec, inserted_host (n each), the
-    deferred pairs (2 per pair), the access's evictions, the prefetch's insertions and evictions."""
+    """One plan's outputs as one int64 record in ``out.rec`` (the caller copies what a
+    :class:`LazyPlan` keeps); returns its length: the 8 counts (``cnt``), then needed, tokens, hit,
+    where, spec, inserted_host (n each), the deferred pairs (2 per pair), the access's evictions,
+    the prefetch's insertions and evictions (an error: the counts only)."""
     cnt = out.cnt
     n, nd, ne, ni, no = cnt[N_NEEDED], cnt[N_DEFERRED], cnt[N_EVICTED], cnt[N_PF_IN], cnt[N_PF_OUT]
-    rec = np.empty(8 + 6 * n + 2 * nd + ne + ni + no, dtype=np.int64)
+    rec = out.rec
     rec[:8] = cnt
     if cnt[ERROR]:
-        return rec[:8].copy()
+        return 8
     o = 8
     for i in range(n):
         rec[o + i] = out.needed[i]
@@ -659,40 +688,126 @@ def pack(out):
     rec[o : o + ni] = out.pf_in[:ni]
     o += ni
     rec[o : o + no] = out.pf_out[:no]
-    return rec
+    return o + no
+
+
+def _static(mrs_p, costs, top_k, dcost, hcost, shared, layer_hm, place: int, admit_all: bool, impact: bool) -> Static:
+    """A :class:`Static` with the kernel's types."""
+    return Static(mrs_p, costs, top_k, dcost, hcost, shared, layer_hm, int(place), bool(admit_all), bool(impact))
+
+
+def _out(E: int, NK: int, N: int, slots: int) -> Out:
+    """Zeroed outputs and scratch for layers of up to ``E`` experts, ``NK`` cache keys, ``N - 1``
+    tokens and ``slots`` (token, expert) slots."""
+    z = np.zeros
+    return Out(z(E, np.int64), z(E, np.int64), z(E, np.uint8), z(E, np.int64), z(E, np.uint8), z(E, np.uint8),
+               z((slots, 2), np.int64), z(NK, np.int64), z(NK, np.int64), z(NK, np.int64), z(8, np.int64),
+               z(E + 1, np.float64), z(E + 1, np.int64), z(E, np.int64), z(E, np.uint8), z(E, np.uint8),
+               z((N, E), np.float32), z((N, E), np.int32), np.arange(N, dtype=np.int64), z(1, np.int32),
+               z(2, np.int64), z(NK, np.int64), z(8 + 6 * E + 2 * slots + 3 * NK, np.int64))
+
+
+def handle(*parts: tuple) -> np.ndarray:
+    """The int64 handle of the named tuples ``parts`` (the cache, the static tables, the outputs),
+    what :func:`run` reads them from: per field in order, an array's data address then its
+    shape, an integer's or a flag's value, a float's bits. The arrays must be C-contiguous and
+    outlive every call given the handle (the :class:`CompiledPlanner` holds them)."""
+    words: list[int] = []
+    for nt, want in zip(parts, _VIEWS, strict=True):
+        for name, v, t in zip(nt._fields, nt, want.types, strict=True):
+            if _typeof(v) != t:  # the kernel reads the words as the types it was compiled for
+                raise MoelabError(f"compiled planner state {type(nt).__name__}.{name}: {_typeof(v)}, expected {t}"
+                                  + (" (C-contiguous)" if isinstance(v, np.ndarray) else "") + ".")
+            if isinstance(v, np.ndarray):
+                words += [v.ctypes.data, *v.shape]
+            elif isinstance(v, float):
+                words.append(int(np.float64(v).view(np.int64)))
+            else:
+                words.append(int(v))
+    return np.array(words, dtype=np.int64)
 
 
 if HAVE_NUMBA:
+    from llvmlite import ir as _ir
+    from numba import typeof as _typeof
     from numba.core import types as _types
-    from numba.experimental import structref as _structref
+    from numba.extending import intrinsic as _intrinsic
+    from numba.np.arrayobj import populate_array as _populate_array
 
-    @_structref.register
-    class BoxType(_types.StructRef):
-        """The numba type of a planner's boxed state (fields ``cache``, ``s``, ``out``)."""
+    def _view_types() -> tuple:
+        """The numba types of the cache, static tables and outputs :func:`run` works on (those of a
+        tiny planner's: the field types do not depend on the sizes)."""
+        z = np.zeros(1, np.int64)
+        cache = _fast.new_cache(_fast.make_policy(_fast.LRU, 1), z, np.ones(1, np.int64), np.array([0, 1]))
+        static = _static(np.zeros(1, np.int64), np.zeros(10), z, np.zeros(2), np.zeros(2), np.zeros(2),
+                         np.zeros((1, 2), np.int64), 0, False, False)
+        return _typeof(cache), _typeof(static), _typeof(_out(1, 1, 1, 2))
 
-    class Box(_structref.StructRefProxy):
-        """A planner's compiled state — the cache, the static tables, the outputs — as one
-        reference-counted struct. It crosses the Python → numba boundary as one pointer (a named
-        tuple of arrays is unboxed field by field, ≈ 6 µs a call), and unlike a jitclass the
-        functions taking it are cached on disk: a new process loads them and compiles nothing."""
+    _VIEWS = _view_types()
 
-    _structref.define_proxy(Box, BoxType, ["cache", "s", "out"])
+    @_intrinsic
+    def _views(typingctx, h):
+        """``(cache, static tables, outputs)`` read from the handle ``h`` (:func:`handle`): each
+        array a view of the memory its address names (no reference counting: the planner keeps the
+        arrays), each scalar its word. What replaces passing the three named tuples — unboxed field
+        by field (≈ 6 µs a call) — or a struct of them, whose Python-level type lookup and unboxing
+        cost 2 µs a call in a loop and 15-20 µs between a forward's layers."""
+        if not (isinstance(h, _types.Array) and h.dtype == _types.int64 and h.ndim == 1):
+            return None
+        ret = _types.Tuple(_VIEWS)
 
-    @njit(cache=True)
-    def make_box(cache, s, out):
-        """A :class:`Box` over ``cache``, ``s`` and ``out`` (the arrays are shared, not copied)."""
-        return Box(cache, s, out)
+        def codegen(context, builder, sig, args):
+            base = context.make_array(sig.args[0])(context, builder, value=args[0]).data
+            i64 = _ir.IntType(64)
+            pos = [0]
+
+            def word():
+                v = builder.load(builder.gep(base, [_ir.Constant(i64, pos[0])]))
+                pos[0] += 1
+                return v
+
+            tuples = []
+            for nt in _VIEWS:
+                values = []
+                for t in nt.types:
+                    if isinstance(t, _types.Array):
+                        addr = word()
+                        shape = [word() for _ in range(t.ndim)]
+                        ary = context.make_array(t)(context, builder)
+                        size = context.get_abi_sizeof(context.get_data_type(t.dtype))
+                        strides, step = [], _ir.Constant(i64, size)
+                        for d in reversed(shape):  # C order
+                            strides.insert(0, step)
+                            step = builder.mul(step, d)
+                        _populate_array(ary, data=builder.inttoptr(addr, ary.data.type), shape=shape,
+                                        strides=strides, itemsize=_ir.Constant(i64, size), meminfo=None)
+                        values.append(ary._getvalue())
+                    elif t == _types.boolean:
+                        values.append(builder.icmp_unsigned("!=", word(), _ir.Constant(i64, 0)))
+                    elif isinstance(t, _types.Float):
+                        values.append(builder.bitcast(word(), context.get_value_type(t)))
+                    elif isinstance(t, _types.Integer):
+                        values.append(context.cast(builder, word(), _types.int64, t))
+                    else:  # pragma: no cover - the named tuples hold arrays and scalars only
+                        raise TypeError(f"compiled planner state: no handle word for {t}")
+                tuples.append(context.make_tuple(builder, nt, values))
+            return context.make_tuple(builder, ret, tuples)
+
+        return ret(h), codegen
 
     @njit(cache=True, nogil=True)
-    def run(box, layer, ids, w, st, has_state, scores, place, admit_all, pf, pf_target, budget, impact):
-        """:func:`plan` on a planner's boxed state, then :func:`pack`; with the error code, the
+    def run(h, layer, ids, w, st, has_state, scores, pf, pf_target, budget):
+        """:func:`plan` on the planner's state read from its handle ``h`` (:func:`handle`; its
+        settings there too: each argument costs microseconds at the boundary between a forward's
+        layers), then :func:`pack`; returns the record's length in ``out.rec``, the error code, the
         skipped slots and the prefetched experts (what the caller reads at once, as ints).
 
         Size: :func:`plan`'s per-call arguments."""
-        plan(box.cache, box.s, box.out, layer, ids, w, st, has_state, scores, place, admit_all, pf, pf_target,
-             budget, impact)
-        cnt = box.out.cnt
-        return pack(box.out), cnt[ERROR], cnt[SKIPPED], cnt[MOVED]
+        cache, s, out = _views(h)
+        plan(cache, s, out, layer, ids, w, st, has_state, scores, s.place, s.admit_all, pf, pf_target,
+             budget, s.impact)
+        cnt = out.cnt
+        return pack(out), cnt[ERROR], cnt[SKIPPED], cnt[MOVED]
 
 
 # ---------------------------------------------------------------------- the Python side
@@ -887,25 +1002,20 @@ class CompiledPlanner:
         self._pf0 = np.zeros(0, dtype=np.int64)
         self._ntab = 0
         self._slots = 0
-        self._box = None
         self._grow(64, 64)
 
     def _grow(self, tokens: int, slots: int) -> None:
         """(Re)build the static tables for ``tokens`` real tokens and the outputs for ``slots`` slots."""
-        if tokens >= self._ntab:
+        more_tokens = tokens >= self._ntab
+        if more_tokens:
             self._ntab = max(2 * self._ntab, tokens + 1)
             d, h, sh = _cost_tables(self._cost, self._ntab)
-            self.static = Static(self._mrs_p, self._costs, np.asarray(self.planner.top_k, dtype=np.int64), d, h, sh,
-                                 self.layer_hm)
-        if slots > self._slots:
+            self.static = _static(self._mrs_p, self._costs, np.asarray(self.planner.top_k, dtype=np.int64), d, h, sh,
+                                  self.layer_hm, self.place, self.admit_all, self.impact)
+        if slots > self._slots or more_tokens:
             self._slots = max(2 * self._slots, slots)
-            E, NK = self._emax, self._nk
-            self.out = Out(np.zeros(E, np.int64), np.zeros(E, np.int64), np.zeros(E, np.uint8), np.zeros(E, np.int64),
-                           np.zeros(E, np.uint8), np.zeros(E, np.uint8), np.zeros((self._slots, 2), np.int64),
-                           np.zeros(NK, np.int64), np.zeros(NK, np.int64), np.zeros(NK, np.int64),
-                           np.zeros(8, np.int64), np.zeros(E + 1, np.float64), np.zeros(E + 1, np.int64),
-                           np.zeros(E, np.int64), np.zeros(E, np.uint8), np.zeros(E, np.uint8))
-        self._box = make_box(self.state, self.static, self.out)
+            self.out = _out(self._emax, self._nk, self._ntab, self._slots)
+        self._h = handle(self.state, self.static, self.out)
 
     def plan_layer(self, forward: int, step: int, phase: str, layer: int, ids: Any, weights: Any,
                    state: Any = None, scores: Any = None, prefetch: Any = None):
@@ -954,8 +1064,8 @@ class CompiledPlanner:
             budget = -1 if b is None else int(b)
         if not 0 <= layer < p.num_layers:
             self.view.reference._check_layer(layer)
-        rec, err, skipped, moved = run(self._box, layer, ids, w, st, has_state, sc, self.place, self.admit_all,
-                                             pf, pf_target, budget, self.impact)
+        n, err, skipped, moved = run(self._h, layer, ids, w, st, has_state, sc, pf, pf_target, budget)
+        rec = self.out.rec[:n].copy()
         if err:
             self._raise(err, layer, ids, pf, pf_target)
         if pf_target >= 0 and p.budget_per_forward and p.budget is not None:

@@ -294,7 +294,10 @@ class HybridRun:
     def _on_plan(self, ctx: ForwardContext, layer, call: ExpertsCall) -> None:
         t0 = time.perf_counter_ns()
         try:
-            self._plan_layer(ctx, layer, call)
+            if self.planner.path == "compiled":
+                self._plan_layer_arrays(ctx, layer, call)
+            else:
+                self._plan_layer(ctx, layer, call)
         finally:
             dt = time.perf_counter_ns() - t0
             self.timing["planner_ns"] += dt
@@ -307,8 +310,6 @@ class HybridRun:
         # (moelab.hybrid.planner), the same object offline planning runs; as arrays for its
         # compiled path, as Python lists for the reference (a decode step has a few values, for
         # which list code beats numpy's per-call cost)
-        if self.planner.path == "compiled":
-            return self._plan_layer_arrays(ctx, layer, call)
         plan = call._plan
         experts = call.experts
         K = experts.shape[-1]
@@ -340,7 +341,10 @@ class HybridRun:
         experts = call.experts
         if experts.dim() != 2:
             experts = experts.reshape(-1, experts.shape[-1])
-        ids = _host_array(experts)
+        try:
+            ids = experts.numpy()
+        except (RuntimeError, TypeError):  # on a device
+            ids = _host_array(experts)
         T = ids.shape[0]
         mask = ctx.mask_cpu  # None when every token is real
         valid = mask.reshape(-1) if mask is not None and mask.size == T else None
@@ -356,7 +360,12 @@ class HybridRun:
         state = None
         if plan is not None:
             st = plan.state
-            state = _host_array(st if st.dim() == 2 else st.reshape(T, -1))
+            if st.dim() != 2:
+                st = st.reshape(T, -1)
+            try:
+                state = st.numpy()
+            except (RuntimeError, TypeError):
+                state = _host_array(st)
             if rows is not None:
                 state = state[rows]
         scores = self._scores(ctx, layer, valid) if self._needs_scores else None
