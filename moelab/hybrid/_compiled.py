@@ -1048,8 +1048,9 @@ class CompiledPlanner:
             if type(sc) is not np.ndarray or sc.dtype != np.float32 or sc.ndim != 2:
                 sc = np.asarray(sc, dtype=np.float32)
                 sc = sc.reshape(-1, sc.shape[-1])
-        if self._ntab <= T or self._slots < T * K:
-            self._grow(T, T * K)
+        R = max(T, sc.shape[0])  # the MRS scratch holds a row per scores row
+        if self._ntab <= R or self._slots < T * K:
+            self._grow(R, T * K)
         target = layer + p.distance
         pf, pf_target, budget = self._pf0, -1, -1
         if prefetch is not None and target < p.num_layers:

@@ -341,10 +341,7 @@ class HybridRun:
         experts = call.experts
         if experts.dim() != 2:
             experts = experts.reshape(-1, experts.shape[-1])
-        try:
-            ids = experts.numpy()
-        except (RuntimeError, TypeError):  # on a device
-            ids = _host_array(experts)
+        ids = _host_array(experts)
         T = ids.shape[0]
         mask = ctx.mask_cpu  # None when every token is real
         valid = mask.reshape(-1) if mask is not None and mask.size == T else None
@@ -360,12 +357,7 @@ class HybridRun:
         state = None
         if plan is not None:
             st = plan.state
-            if st.dim() != 2:
-                st = st.reshape(T, -1)
-            try:
-                state = st.numpy()
-            except (RuntimeError, TypeError):
-                state = _host_array(st)
+            state = _host_array(st if st.dim() == 2 else st.reshape(T, -1))
             if rows is not None:
                 state = state[rows]
         scores = self._scores(ctx, layer, valid) if self._needs_scores else None
