@@ -171,7 +171,8 @@ def test_hand_computed_case(monkeypatch):
 
 def test_prefill_sized_plans_and_long_proposals_after_decode_ones(monkeypatch, tmp_path):
     """The compiled planner's tables and scratch (MRS's top-p table, the prefetch keys, the plan's
-    record) are sized for 64 tokens at first and regrown, handle and all, for a larger call; a
+    record) are sized for 64 tokens at first and regrown, handle and all, for a larger call (or more
+    rows of scores); a
     proposal longer than the cache's keys (repeats) gets its own keys array. Both paths still plan
     the same, before and after the growth."""
     import numpy as np
@@ -184,7 +185,7 @@ def test_prefill_sized_plans_and_long_proposals_after_decode_ones(monkeypatch, t
     for f, tokens in enumerate([1, 3, 70, 1, 200, 2, 1]):
         for layer in range(L):
             ids, w, st = _routing(rng, tokens, states=True)
-            sc = _scores(rng, tokens)
+            sc = _scores(rng, 90 if f == 0 else tokens)  # f = 0: more scores rows than the tables' 64 tokens
             pf = [rng.randrange(E) for _ in range(3 * L * E if f == 5 else 3)]  # f = 5: longer than NK
             h0 = comp._compiled._h
             a = ref.plan_layer(f, f, "decode", layer, ids, w if tokens > 1 else None, st, sc, pf)
