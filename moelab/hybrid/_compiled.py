@@ -691,11 +691,6 @@ def pack(out):
     return o + no
 
 
-def _static(mrs_p, costs, top_k, dcost, hcost, shared, layer_hm, place: int, admit_all: bool, impact: bool) -> Static:
-    """A :class:`Static` with the kernel's types."""
-    return Static(mrs_p, costs, top_k, dcost, hcost, shared, layer_hm, int(place), bool(admit_all), bool(impact))
-
-
 def _out(E: int, NK: int, N: int, slots: int) -> Out:
     """Zeroed outputs and scratch for layers of up to ``E`` experts, ``NK`` cache keys, ``N - 1``
     tokens and ``slots`` (token, expert) slots."""
@@ -739,8 +734,8 @@ if HAVE_NUMBA:
         tiny planner's: the field types do not depend on the sizes)."""
         z = np.zeros(1, np.int64)
         cache = _fast.new_cache(_fast.make_policy(_fast.LRU, 1), z, np.ones(1, np.int64), np.array([0, 1]))
-        static = _static(np.zeros(1, np.int64), np.zeros(10), z, np.zeros(2), np.zeros(2), np.zeros(2),
-                         np.zeros((1, 2), np.int64), 0, False, False)
+        static = Static(np.zeros(1, np.int64), np.zeros(10), z, np.zeros(2), np.zeros(2), np.zeros(2),
+                        np.zeros((1, 2), np.int64), 0, False, False)
         return _typeof(cache), _typeof(static), _typeof(_out(1, 1, 1, 2))
 
     _VIEWS = _view_types()
@@ -1010,8 +1005,8 @@ class CompiledPlanner:
         if more_tokens:
             self._ntab = max(2 * self._ntab, tokens + 1)
             d, h, sh = _cost_tables(self._cost, self._ntab)
-            self.static = _static(self._mrs_p, self._costs, np.asarray(self.planner.top_k, dtype=np.int64), d, h, sh,
-                                  self.layer_hm, self.place, self.admit_all, self.impact)
+            self.static = Static(self._mrs_p, self._costs, np.asarray(self.planner.top_k, dtype=np.int64), d, h, sh,
+                                 self.layer_hm, self.place, self.admit_all, self.impact)
         if slots > self._slots or more_tokens:
             self._slots = max(2 * self._slots, slots)
             self.out = _out(self._emax, self._nk, self._ntab, self._slots)
