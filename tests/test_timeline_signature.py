@@ -121,7 +121,9 @@ def test_real_figure_on_a_bundled_model():
     panels = real_fig10(model=model, host_backend="reference", warmup=1, steps=2)
     assert all(p.timeline.wall_us > 0 for p in panels)
     assert all("host" in p.timeline.lanes for p in panels)
-    assert any("expert-deferred" in set(p.timeline.events["kind"].astype(str)) for p in panels[1:])
+    # the deferral runs' steps ran deferred experts (whether one overlaps the window is timing: in
+    # one CI run under load a previous layer's had finished before the window opened)
+    assert panels[0].deferred_calls == 0 and all(p.deferred_calls > 0 for p in panels[1:])
     _check(fig10_figure(panels), panels)
 
 

@@ -62,6 +62,10 @@ class Fig10Panel:
     layer: int
     window_us: tuple[float, float]
     label: str = ""
+    deferred_calls: int = 0
+    """Deferred-expert calls (``expert-deferred`` events) of the panel's whole step, in or out of the
+    window: whether deferred work reaches the window is timing (on a loaded machine a previous
+    layer's can finish before it opens), whether the step deferred any is not."""
 
     @property
     def layer_us(self) -> float:
@@ -105,7 +109,8 @@ def layer_timeline(events: pd.DataFrame, layer: int, step: int | None = None, *,
 
 def _panel(events: pd.DataFrame, deferred: int, layer: int, step: int | None, label: str) -> Fig10Panel:
     tl, s, window = layer_timeline(events, layer, step, name=label)
-    return Fig10Panel(deferred, tl, s, layer, window, label)
+    kinds = events.loc[events["step"] == s, "kind"].astype(str)
+    return Fig10Panel(deferred, tl, s, layer, window, label, int((kinds == "expert-deferred").sum()))
 
 
 # ---------------------------------------------------------------------- simulated
