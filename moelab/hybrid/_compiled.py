@@ -48,6 +48,7 @@ per-token-count values computed by the cost model itself, so its decisions are b
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from typing import Any, NamedTuple
@@ -708,7 +709,7 @@ def handle(*parts: tuple) -> np.ndarray:
     shape, an integer's or a flag's value, a float's bits. The arrays must be C-contiguous and
     outlive every call given the handle (the :class:`CompiledPlanner` holds them)."""
     words: list[int] = []
-    for nt, want in zip(parts, _VIEWS, strict=True):
+    for nt, want in zip(parts, _view_types(), strict=True):
         for name, v, t in zip(nt._fields, nt, want.types, strict=True):
             if _typeof(v) != t:  # the kernel reads the words as the types it was compiled for
                 raise MoelabError(f"compiled planner state {type(nt).__name__}.{name}: {_typeof(v)}, expected {t}"
@@ -729,16 +730,17 @@ if HAVE_NUMBA:
     from numba.extending import intrinsic as _intrinsic
     from numba.np.arrayobj import populate_array as _populate_array
 
+    @functools.cache
     def _view_types() -> tuple:
         """The numba types of the cache, static tables and outputs :func:`run` works on (those of a
-        tiny planner's: the field types do not depend on the sizes)."""
+        tiny planner's: the field types do not depend on the sizes); worked out on first use, not at
+        import (building the tiny cache calls a compiled function)."""
         z = np.zeros(1, np.int64)
         cache = _fast.new_cache(_fast.make_policy(_fast.LRU, 1), z, np.ones(1, np.int64), np.array([0, 1]))
         static = Static(np.zeros(1, np.int64), np.zeros(10), z, np.zeros(2), np.zeros(2), np.zeros(2),
                         np.zeros((1, 2), np.int64), 0, False, False)
         return _typeof(cache), _typeof(static), _typeof(_out(1, 1, 1, 2))
 
-    _VIEWS = _view_types()
 
     @_intrinsic
     def _views(typingctx, h):
@@ -749,7 +751,8 @@ if HAVE_NUMBA:
         cost 2 µs a call in a loop and 15-20 µs between a forward's layers."""
         if not (isinstance(h, _types.Array) and h.dtype == _types.int64 and h.ndim == 1):
             return None
-        ret = _types.Tuple(_VIEWS)
+        views = _view_types()
+        ret = _types.Tuple(views)
 
         def codegen(context, builder, sig, args):
             base = context.make_array(sig.args[0])(context, builder, value=args[0]).data
@@ -762,7 +765,7 @@ if HAVE_NUMBA:
                 return v
 
             tuples = []
-            for nt in _VIEWS:
+            for nt in views:
                 values = []
                 for t in nt.types:
                     if isinstance(t, _types.Array):
