@@ -219,12 +219,13 @@ std::shared_ptr<Job> prepare_job(const at::Tensor& x, const at::Tensor& ids, con
   }
   const int64_t S = job->ids64.numel();
   const int64_t* idp = job->ids64.data_ptr<int64_t>();
+  const float* wp = job->w32.data_ptr<float>();
   const int64_t R = job->emap.empty() ? E : int64_t(job->emap.size());
   job->cnt.assign(E, 0);
   for (int64_t s = 0; s < S; ++s) {
     MOELAB_REQUIRE(idp[s] >= 0 && idp[s] < R, "moelab: expert id ", idp[s], " out of range [0, ", R, ")");
     const int64_t e = job->emap.empty() ? idp[s] : job->emap[idp[s]];
-    if (e >= 0) job->cnt[e]++;
+    if (e >= 0 && wp[s] != 0.0f) job->cnt[e]++;  // a slot of weight exactly 0 adds 0: not computed
   }
   return job;
 }
@@ -289,7 +290,7 @@ void compute(Job& j) {
     std::vector<int32_t> fill(off.begin(), off.end() - 1);
     for (int64_t s = 0; s < S; ++s) {
       const int64_t e = mapped ? j.emap[idp[s]] : idp[s];
-      if (e < 0) continue;  // an expert not here: contributes 0
+      if (e < 0 || wp[s] == 0.0f) continue;  // an expert not here, or weight 0 (padding): adds 0
       const int32_t p = fill[e]++;
       pair_tok[p] = int32_t(s / K);
       pair_w[p] = wp[s];

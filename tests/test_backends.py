@@ -334,3 +334,33 @@ def test_supported_paths_follow_the_detected_features(monkeypatch):
     assert build.supported_isas() == ("portable",)
     monkeypatch.undo()
     assert build.supported_isas() == best
+
+
+@pytest.mark.parametrize("backend", ["moelab", "moelab_int8"])
+def test_a_prepared_kernel_call_equals_the_checked_one_and_still_refuses_bad_input(backend):
+    # A kernel backend checks a module's first call in full (route) and keeps its arguments; the
+    # module's next calls skip the torch-side checks and apply the expert map in the kernel. Both
+    # must give the same bits, and the prepared path must still refuse bad routing by value.
+    module = copy.deepcopy(_experts("mixtral", "fp32"))
+    be = KernelBackend(get_backend(backend).spec, backend)
+    x, idx, w = _routing(module, 5, 2, torch.float32, seed=3, zero_slot=True)
+    for name, expert_map in _maps(8).items():
+        be.forget(module)
+        first = be(module, x, idx, w, expert_map)  # full checks, then prepared
+        # (no expert here: zeros before any pack, so nothing to prepare)
+        assert (module in be._calls) == (name != "all"), name
+        assert torch.equal(be(module, x, idx, w, expert_map), first), name
+        assert torch.equal(be.submit(module, x, idx, w, expert_map).result(), first), name
+    bad = idx.clone()
+    bad[1, 0] = 8
+    with pytest.raises(MoelabError, match=r"expert id 8 out of range \[0, 8\)"):
+        be(module, x, bad, w)
+    with pytest.raises(MoelabError, match=r"expert_map entry 9 out of range \[-1, 8\)"):
+        be(module, x, idx, w, torch.tensor([0, 1, 2, 3, 4, 5, 6, 9]))
+    with pytest.raises(MoelabError, match="integer expert ids"):
+        be(module, x, idx.float(), w)
+    with pytest.raises(MoelabError, match="1-D integer"):
+        be(module, x, idx, w, torch.arange(8.0))
+    with pytest.raises(MoelabError, match=r"expected \(T, 32\)"):
+        be(module, x[:, :5], idx, w)
+    assert torch.equal(be(module, x, idx, w), be(module, x, idx, w))  # still usable after the errors

@@ -146,11 +146,36 @@ def test_last_call_stats_count_tasks_and_per_thread_busy_time():
     ids, wts = _routing("uniform", 20, 8, 2)
     moe_experts(torch.randn(20, 64), ids, wts, packed, num_threads=2)
     st = load_extension().last_call_stats()
-    used = int(torch.unique(ids).numel())
+    used = int(torch.unique(ids[wts != 0]).numel())  # an expert's slots of weight 0 are not computed
     assert st["tasks"] == [used * packed.ip // packed.slice1, packed.hp // 64 + (packed.hp % 64 > 0)]
     assert len(st["busy1"]) == len(st["busy2"]) == 2
     assert all(b >= 0 for b in st["busy1"] + st["busy2"]) and sum(st["busy1"]) > 0
     assert all(v >= 0 for v in st["wall"])
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_slots_of_weight_zero_are_not_computed(isa, dtype):
+    # The backends' contract (moelab.backends.base): a slot whose weight is exactly 0 is not
+    # computed. Expert 3's weights are infinite, so computing it at all (0 * inf) would put NaN in
+    # its tokens' outputs; at weight 0 it must leave them as the call without that slot.
+    w = _layer(8, 64, 96, seed=3)
+    for name in ("gate", "up", "down"):
+        w[name][3] = float("inf")
+    packed = pack_experts(spec=KernelSpec(dtype), **w)
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(6, 64, generator=g).to(torch.float32 if dtype == "fp32" else torch.bfloat16)
+    ids = torch.tensor([[3, 0], [1, 3], [2, 3], [3, 4], [3, 5], [5, 3]])
+    wts = torch.rand(6, 2, generator=g)
+    wts[ids == 3] = 0.0
+    wts[1] = torch.tensor([0.0, 0.0])  # a token with every slot at weight 0: output 0
+    out = moe_experts(x, ids, wts, packed, isa=isa, num_threads=2)
+    assert torch.isfinite(out).all()
+    st = load_extension().last_call_stats()
+    assert st["tasks"][0] == 4 * packed.ip // packed.slice1  # experts 0, 2, 4, 5: not 1 (weight 0), not 3
+    keep = ids != 3  # the same call without the weight-0 slots of expert 3 (one slot per token left)
+    alone = moe_experts(x, ids[keep].reshape(6, 1), wts[keep].reshape(6, 1), packed, isa=isa, num_threads=2)
+    assert torch.equal(out, alone)
+    assert torch.equal(out[1], torch.zeros_like(out[1]))
 
 
 def test_fma_peak_probe_reports_positive_gflops(isa):

@@ -18,10 +18,12 @@ the key still matches.
 
 Only CPU tensors are accepted (a clear :class:`~moelab.errors.MoelabError` otherwise).
 With every slot active the call is the kernel's; with skipped slots (expert not here,
-weight 0) the kernel runs on the active (token, slot) pairs only (one row each, fp32
-out) and the pairs are summed per token in fp32 in expert order — the kernel's own
-accumulation order — so the result equals the kernel run on all slots with the skipped
-weights set to 0, bit for bit.
+weight 0) it is the kernel's call with those slots' weights set to 0. The kernel leaves slots of
+weight exactly 0 out of its routing (it computes an expert only for its slots of non-zero
+weight), so a skipped slot costs nothing, and the result is the kernel run on all slots with the
+skipped weights set to 0, bit for bit. (Until 2026-11-29 a call with skipped slots ran the kernel
+on the active (token, slot) pairs one row each and summed them per token in Python: the same
+bits, at 0.5 ms a decode-sized call on the development VM.)
 """
 
 from __future__ import annotations
@@ -35,7 +37,8 @@ from types import SimpleNamespace
 import torch
 
 from moelab.backends.base import ExpertsBackend, Routing
-from moelab.kernels.build import active_isa
+from moelab.errors import MoelabError
+from moelab.kernels.build import active_isa, load_extension
 from moelab.kernels.fp8 import forget_fp8_pack, stored_fp8_pack
 from moelab.kernels.integration import IMPLEMENTATIONS, cache_key, canonical_experts, resolve_spec
 from moelab.kernels.op import (
@@ -44,7 +47,6 @@ from moelab.kernels.op import (
     call_tail,
     default_threads,
     moe_experts,
-    moe_experts_submit,
     submit_args,
 )
 from moelab.kernels.packing import KernelSpec, PackedExperts, pack_experts
@@ -100,41 +102,90 @@ class KernelBackend(ExpertsBackend):
             return self._packs.pop(module, None) is not None
 
     # ------------------------------------------------------------------ running
+    def __call__(self, module: torch.nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                 top_k_weights: torch.Tensor, expert_map: torch.Tensor | None = None) -> torch.Tensor:
+        """The layer's experts output through the kernel, the expert map applied by the kernel
+        (see :meth:`_call_args` for the checks)."""
+        args = self._call_args(module, hidden_states, top_k_index, top_k_weights, expert_map)
+        if args is None:  # a first or changed call: every check in Python, then the kernel (compute)
+            return super().__call__(module, hidden_states, top_k_index, top_k_weights, expert_map)
+        out = load_extension().moe_forward(*args, expert_map=expert_map)
+        if isinstance(out, str):  # the extension's check failed (it returns the message: kernels/moe_op.cpp)
+            raise MoelabError(self._refused(module, out))
+        return out if out.dtype == hidden_states.dtype else out.to(hidden_states.dtype)
+
     def compute(self, module: torch.nn.Module, hidden_states: torch.Tensor, routing: Routing) -> torch.Tensor:
         packed = self.packed(module)
+        self._prepare(module, packed)
         x = hidden_states.detach()
         weights = routing.weights.detach()
         if routing.all_active:
             return moe_experts(x, routing.index, weights, packed)
-        tok, slot, exp = routing.pairs("expert")
-        y = moe_experts(x[tok].float(), exp[:, None], weights[tok, slot, None], packed)  # (S, H) fp32
-        out = torch.zeros(x.shape, dtype=torch.float32)
-        out.index_add_(0, tok, y)
-        return out if x.dtype == torch.float32 else out.to(x.dtype)
-
+        # a skipped slot gets weight 0 (and a valid expert id): the kernel leaves slots of weight
+        # exactly 0 out of its routing, so they are not computed
+        active = routing.active
+        index = torch.where(active, routing.index, 0)
+        return moe_experts(x, index, torch.where(active, weights, torch.zeros((), dtype=weights.dtype)), packed)
 
     def submit(self, module: torch.nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                top_k_weights: torch.Tensor, expert_map: torch.Tensor | None = None, *, lane: int = 0) -> NativeCall:
         """This backend's call queued on the extension's C++ lane worker ``lane`` (the real
         executor's host lane without a Python thread): the expert map is applied by the kernel
         (experts not here add 0 and are not computed). ``result()`` of the returned call waits."""
-        x, w = hidden_states.detach(), top_k_weights.detach()
-        key, isa, threads = cache_key(module), active_isa(), default_threads()
+        args = self._call_args(module, hidden_states, top_k_index, top_k_weights, expert_map)
+        if args is None:
+            self.check_devices(module, {"hidden_states": hidden_states, "top_k_index": top_k_index,
+                                        "top_k_weights": top_k_weights, "expert_map": expert_map})
+            self._prepare(module, self.packed(module))
+            args = self._call_args(module, hidden_states, top_k_index, top_k_weights, expert_map)
+        try:
+            return submit_args(args, expert_map, lane, hidden_states.dtype)
+        except RuntimeError as e:  # the extension's check failed: nothing was queued
+            raise MoelabError(self._refused(module, str(e))) from None
+
+    def _refused(self, module: torch.nn.Module, message: str) -> str:
+        """The error of a call the extension refused (an expert id or map entry out of range)."""
+        return (f"{message} (the {self.name!r} experts backend on {type(module).__name__}: expert ids index the "
+                "expert map if one is given, else the module's experts; map entries are -1 or a local index).")
+
+    def _prepare(self, module: torch.nn.Module, packed: PackedExperts) -> None:
+        """Keep ``module``'s call arguments for its next calls (:meth:`_call_args`): the pack's
+        tensors and meta row on the current path and threads, under the module's pack key."""
+        isa, threads = active_isa(), default_threads()
+        with self._lock:
+            self._calls[module] = (cache_key(module), isa, threads, call_tail(packed, isa, threads), packed.hidden)
+
+    def _call_args(self, module: torch.nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                   top_k_weights: torch.Tensor, expert_map: torch.Tensor | None) -> tuple | None:
+        """The extension's arguments of a call of a prepared module (:meth:`_prepare`: the same
+        weights, path and threads as its last call), or None (a first call, changed weights, another
+        path or thread count, a tensor off the CPU: the caller then runs the full checks).
+
+        A decode step's layers call every step, so the device check, the pack lookup and the
+        routing's checks in torch run once per module, not per call (several microseconds each,
+        tens between a forward's layers): a prepared call checks the shapes and dtypes here and
+        the extension checks every expert id and map entry (a clear error, raised before anything
+        runs)."""
         hit = self._calls.get(module)
-        on_cpu = x.is_cpu and top_k_index.is_cpu and w.is_cpu and (expert_map is None or expert_map.is_cpu)
-        if hit is not None and on_cpu and hit[0] == key and hit[1] == isa and hit[2] == threads:
-            # prepared: the same weights, path and threads as the module's last call (a decode step's
-            # layers call every step: the device check, the pack lookup and its meta row once, not per call)
-            x = _checked_input(x, top_k_index, w, hit[4])
-            return submit_args((x, top_k_index, w, *hit[3]), expert_map, lane, hidden_states.dtype)
-        self.check_devices(module, {"hidden_states": hidden_states, "top_k_index": top_k_index,
-                                    "top_k_weights": top_k_weights, "expert_map": expert_map})
-        packed = self.packed(module)
-        if on_cpu:
-            with self._lock:
-                self._calls[module] = (key, isa, threads, call_tail(packed, isa, threads), packed.hidden)
-        return moe_experts_submit(x, top_k_index, w, packed, lane=lane, expert_map=expert_map, isa=isa,
-                                  num_threads=threads)
+        if hit is None:
+            return None
+        x, w = hidden_states.detach(), top_k_weights.detach()
+        if not (x.is_cpu and top_k_index.is_cpu and w.is_cpu and (expert_map is None or expert_map.is_cpu)):
+            return None
+        if hit[0] != cache_key(module) or hit[1] != active_isa() or hit[2] != default_threads():
+            return None
+        _check_ids(top_k_index, expert_map)
+        return (_checked_input(x, top_k_index, w, hit[4]), top_k_index, w, *hit[3])
+
+
+def _check_ids(top_k_index: torch.Tensor, expert_map: torch.Tensor | None) -> None:
+    """The dtypes and ranks a prepared call's routing must have (the extension checks the values)."""
+    if top_k_index.dtype.is_floating_point or top_k_index.dtype == torch.bool:
+        raise MoelabError(f"top_k_index has dtype {top_k_index.dtype}; expected integer expert ids (torch.long).")
+    if expert_map is not None and (expert_map.dim() != 1 or expert_map.dtype.is_floating_point
+                                   or expert_map.dtype.is_complex or expert_map.dtype == torch.bool):
+        raise MoelabError(f"expert_map {tuple(expert_map.shape)} of {expert_map.dtype}: expected a 1-D integer "
+                          "tensor (E,) with expert_map[e] = local index or -1.")
 
 
 def all_kernel_backends() -> list[KernelBackend]:

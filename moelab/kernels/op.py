@@ -87,7 +87,9 @@ def moe_experts(
     with ``num_threads`` OpenMP threads (default ``torch.get_num_threads()``); releases
     the GIL while it runs. Forward only (no autograd). ``expert_map`` (vLLM's convention):
     ``(E,)`` integers over the router's ids, ``-1`` = the expert is not here (its slots add 0
-    and are not computed), otherwise its index among the packed experts.
+    and are not computed), otherwise its index among the packed experts. A slot of weight exactly
+    0 is not computed either (the backends' contract, :mod:`moelab.backends.base`): an expert runs
+    only for its slots of non-zero weight.
     """
     ext = load_extension()
     args = _args(hidden_states, top_k_index, top_k_weights, packed, isa, num_threads)
