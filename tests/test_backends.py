@@ -205,6 +205,8 @@ def test_bad_expert_maps_and_ids_are_refused_with_the_value():
         be(module, x, idx, w, torch.zeros(8))
     with pytest.raises(MoelabError, match="expert map's length"):
         be(module, x, idx, w, torch.arange(4))
+    with pytest.raises(MoelabError, match="not a 1-D tensor"):  # was an AttributeError
+        be(module, x, idx, w, list(range(8)))
     with pytest.raises(MoelabError, match=r"expected \(T, 32\)"):
         be(module, x[:, :5], idx, w)
     with pytest.raises(MoelabError, match=r"\(T, K\)"):
@@ -363,4 +365,6 @@ def test_a_prepared_kernel_call_equals_the_checked_one_and_still_refuses_bad_inp
         be(module, x, idx, w, torch.arange(8.0))
     with pytest.raises(MoelabError, match=r"expected \(T, 32\)"):
         be(module, x[:, :5], idx, w)
+    with pytest.raises(MoelabError, match="not a 1-D tensor"):
+        be(module, x, idx, w, list(range(8)))
     assert torch.equal(be(module, x, idx, w), be(module, x, idx, w))  # still usable after the errors

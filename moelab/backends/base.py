@@ -108,7 +108,7 @@ def require_cpu(backend: str, **tensors: torch.Tensor | None) -> None:
     The error names the tensor, its device, what the backend needs and the fix.
     """
     for what, t in tensors.items():
-        if t is not None and t.device.type != "cpu":
+        if isinstance(t, torch.Tensor) and t.device.type != "cpu":
             raise MoelabError(
                 f"{what} is on {t.device}; the {backend!r} experts backend runs moelab's native CPU kernels "
                 "and needs CPU tensors. Use get_backend('reference') or a torch backend ('eager', "
@@ -156,9 +156,9 @@ def route(
     if top_k_index.dtype.is_floating_point or top_k_index.dtype == torch.bool:
         raise MoelabError(f"top_k_index has dtype {top_k_index.dtype}; expected integer expert ids (torch.long).")
     num_local = num_local_experts(module)
-    n_ids = num_local if expert_map is None else int(expert_map.numel())
     if expert_map is not None:
         check_expert_map(expert_map, num_local)
+    n_ids = num_local if expert_map is None else int(expert_map.numel())
     small = top_k_index.numel() <= _SMALL and top_k_index.is_cpu and top_k_weights.is_cpu
     if top_k_index.numel():
         if small:  # a decode step's few ids: Python's min/max over a list beat two torch calls
@@ -196,7 +196,7 @@ def _all_on_cpu(module: torch.nn.Module, tensors: dict[str, torch.Tensor | None]
     building the full check's names (it runs on every experts call): False also for a stack
     that is not a plain parameter, which the full check then reads as the module exposes it."""
     for t in tensors.values():
-        if t is not None and not t.is_cpu:
+        if isinstance(t, torch.Tensor) and not t.is_cpu:  # (what is no tensor, route() names)
             return False
     params = module._parameters
     for n in _STACKS:
@@ -232,7 +232,7 @@ class ExpertsBackend:
             require_cpu(self.name, **named)
             return
         for what, t in named.items():
-            if t is not None and t.device.type not in self.devices:
+            if isinstance(t, torch.Tensor) and t.device.type not in self.devices:
                 raise MoelabError(
                     f"{what} is on {t.device}; the {self.name!r} experts backend runs on {', '.join(self.devices)}. "
                     "Use get_backend('reference') there, or move the experts and inputs."

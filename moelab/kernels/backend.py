@@ -167,8 +167,8 @@ class KernelBackend(ExpertsBackend):
         the extension checks every expert id and map entry (a clear error, raised before anything
         runs)."""
         hit = self._calls.get(module)
-        if hit is None:
-            return None
+        if hit is None or not (expert_map is None or isinstance(expert_map, torch.Tensor)):
+            return None  # (a map that is no tensor: the full checks name it)
         x, w = hidden_states.detach(), top_k_weights.detach()
         if not (x.is_cpu and top_k_index.is_cpu and w.is_cpu and (expert_map is None or expert_map.is_cpu)):
             return None
