@@ -249,6 +249,58 @@ void mk_fp8_pairs(const MatView& m, int tile, const TilePtrs& p, float* out, siz
       for (int i = 0; i < 2 * MT; ++i) _mm256_storeu_ps(out + size_t(t) * ldo + i * 8, _mm256_setzero_ps());
 }
 
+// One 32-byte half-line of the pair decode into a row-pair accumulator pair (lo: rows 0, 1, 4, 5;
+// hi: rows 2, 3, 6, 7), as mk_fp8_pairs does it.
+inline void fp8_pair_step(const uint8_t* src, __m256i zero, __m256 x01, __m256 x23, __m256& lo, __m256& hi) {
+  const __m256i v = _mm256_load_si256(reinterpret_cast<const __m256i*>(src));
+  const __m256i a = fp8_words(v);
+  lo = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, a)), x01, lo);
+  hi = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, a)), x01, hi);
+  const __m256i b = fp8_words(_mm256_slli_epi16(v, 8));
+  lo = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, b)), x23, lo);
+  hi = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, b)), x23, hi);
+}
+
+// mk_fp8_pairs<2, 1> (one token, two tiles: a decode step) with its eight accumulators as named
+// variables, decoded half-line by half-line: the template's [tile][half-line][token] arrays left
+// GCC 12 short of registers, and it kept four accumulators on the stack (a store and a reload in
+// every FMA chain).
+inline void store_pair_rows(float* o, __m256 lo, __m256 hi, __m256 s, bool add) {
+  const __m256 r = _mm256_hadd_ps(lo, hi);  // rows 0..7 in order
+  _mm256_storeu_ps(o, add ? _mm256_fmadd_ps(r, s, _mm256_loadu_ps(o)) : _mm256_mul_ps(r, s));
+}
+
+void mk_fp8_pairs_one(const MatView& m, int tile, const TilePtrs& p, float* out) {
+  const uint8_t* w0 = m.w + size_t(tile) * m.tile_bytes;
+  const uint8_t* w1 = w0 + m.tile_bytes;
+  const float* sc0 = m.scales + size_t(tile) * m.scale_tile;
+  const float* sc1 = sc0 + m.scale_tile;
+  const float* x = p.xf[0];
+  const __m256i zero = _mm256_setzero_si256();
+  const int groups = m.kd / m.group;
+  for (int g = 0; g < groups; ++g) {
+    __m256 l00 = _mm256_setzero_ps(), h00 = l00, l01 = l00, h01 = l00, l10 = l00, h10 = l00, l11 = l00, h11 = l00;
+    const int k_end = (g + 1) * m.group;
+    for (int k = g * m.group; k < k_end; k += 4) {
+      const size_t off = size_t(k / 4) * 64;
+      _mm_prefetch(reinterpret_cast<const char*>(w0 + ahead<2>(0, off, m.tile_bytes)), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(w1 + ahead<2>(1, off, m.tile_bytes)), _MM_HINT_T0);
+      const __m256 x01 = pair_of(x + k), x23 = pair_of(x + k + 2);
+      fp8_pair_step(w0 + off, zero, x01, x23, l00, h00);
+      fp8_pair_step(w1 + off, zero, x01, x23, l10, h10);
+      fp8_pair_step(w0 + off + 32, zero, x01, x23, l01, h01);
+      fp8_pair_step(w1 + off + 32, zero, x01, x23, l11, h11);
+    }
+    const __m256 s0 = _mm256_set1_ps(sc0[g] * kFp8Unscale), s1 = _mm256_set1_ps(sc1[g] * kFp8Unscale);
+    store_pair_rows(out, l00, h00, s0, g > 0);
+    store_pair_rows(out + 8, l01, h01, s0, g > 0);
+    store_pair_rows(out + 16, l10, h10, s1, g > 0);
+    store_pair_rows(out + 24, l11, h11, s1, g > 0);
+  }
+  if (groups == 0)
+    for (int i = 0; i < 4; ++i) _mm256_storeu_ps(out + i * 8, _mm256_setzero_ps());
+}
+
 template <int MT, int NT>
 void mk_fp8_lanes(const MatView& m, int tile, const TilePtrs& p, float* out, size_t ldo) {
   constexpr int CH = NT == 1 ? 2 : 1;  // one token: (k, k+1) and (k+2, k+3) in two chains (FMA latency)
@@ -309,7 +361,8 @@ void mk_dispatch(const MatView& m, int tile, const TilePtrs& p, float* out, size
     case W_BF16: mk_fp<MT, NT>(m, tile, p, out, ldo); break;
     case W_INT8: mk_int<false, MT, NT>(m, tile, p, out, ldo); break;
     case W_FP8:  // the pair decode doubles the accumulators: from 3 tokens they would spill
-      if constexpr (NT <= 2) mk_fp8_pairs<MT, NT>(m, tile, p, out, ldo);
+      if constexpr (MT == 2 && NT == 1) mk_fp8_pairs_one(m, tile, p, out);
+      else if constexpr (NT <= 2) mk_fp8_pairs<MT, NT>(m, tile, p, out, ldo);
       else mk_fp8_lanes<MT, NT>(m, tile, p, out, ldo);
       break;
     default: mk_int<true, MT, NT>(m, tile, p, out, ldo); break;
