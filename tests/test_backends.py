@@ -361,8 +361,10 @@ def test_a_prepared_kernel_call_equals_the_checked_one_and_still_refuses_bad_inp
         be(module, x, idx, w, torch.tensor([0, 1, 2, 3, 4, 5, 6, 9]))
     with pytest.raises(MoelabError, match="integer expert ids"):
         be(module, x, idx.float(), w)
-    with pytest.raises(MoelabError, match="1-D integer"):
+    with pytest.raises(MoelabError, match="expected an integer tensor"):
         be(module, x, idx, w, torch.arange(8.0))
+    with pytest.raises(MoelabError, match="not a 1-D tensor"):
+        be(module, x, idx, w, torch.arange(8).reshape(2, 4))
     with pytest.raises(MoelabError, match=r"expected \(T, 32\)"):
         be(module, x[:, :5], idx, w)
     with pytest.raises(MoelabError, match="not a 1-D tensor"):

@@ -116,8 +116,17 @@ def require_cpu(backend: str, **tensors: torch.Tensor | None) -> None:
             )
 
 
-def check_expert_map(expert_map: torch.Tensor, num_local: int) -> None:
-    """``expert_map`` is a 1-D integer tensor with values in ``[-1, num_local)``."""
+def check_routing_types(top_k_index: torch.Tensor, expert_map: torch.Tensor | None) -> None:
+    """Integer expert ids, and ``expert_map`` (if any) a 1-D integer tensor: the checks that read no
+    values (:func:`route` and a kernel backend's prepared call, whose extension checks the values)."""
+    if top_k_index.dtype.is_floating_point or top_k_index.dtype == torch.bool:
+        raise MoelabError(f"top_k_index has dtype {top_k_index.dtype}; expected integer expert ids (torch.long).")
+    if expert_map is not None:
+        check_map_type(expert_map)
+
+
+def check_map_type(expert_map: torch.Tensor) -> None:
+    """``expert_map`` is a 1-D integer tensor (its values unread)."""
     if not isinstance(expert_map, torch.Tensor) or expert_map.dim() != 1:
         shape = tuple(expert_map.shape) if isinstance(expert_map, torch.Tensor) else type(expert_map).__name__
         raise MoelabError(
@@ -125,6 +134,11 @@ def check_expert_map(expert_map: torch.Tensor, num_local: int) -> None:
         )
     if expert_map.dtype.is_floating_point or expert_map.dtype.is_complex or expert_map.dtype == torch.bool:
         raise MoelabError(f"expert_map has dtype {expert_map.dtype}; expected an integer tensor (torch.long).")
+
+
+def check_expert_map(expert_map: torch.Tensor, num_local: int) -> None:
+    """``expert_map`` is a 1-D integer tensor with values in ``[-1, num_local)``."""
+    check_map_type(expert_map)
     if expert_map.numel():
         lo, hi = (int(v) for v in torch.aminmax(expert_map))
         if lo < -1 or hi >= num_local:
@@ -153,8 +167,7 @@ def route(
             f"top_k_index {tuple(top_k_index.shape)} and top_k_weights {tuple(top_k_weights.shape)} must both "
             f"be (T, K) with T = {hidden_states.shape[0]}."
         )
-    if top_k_index.dtype.is_floating_point or top_k_index.dtype == torch.bool:
-        raise MoelabError(f"top_k_index has dtype {top_k_index.dtype}; expected integer expert ids (torch.long).")
+    check_routing_types(top_k_index, None)  # the map's type: check_expert_map, with its values
     num_local = num_local_experts(module)
     if expert_map is not None:
         check_expert_map(expert_map, num_local)

@@ -36,7 +36,7 @@ from types import SimpleNamespace
 
 import torch
 
-from moelab.backends.base import ExpertsBackend, Routing
+from moelab.backends.base import ExpertsBackend, Routing, check_routing_types
 from moelab.errors import MoelabError
 from moelab.kernels.build import active_isa, load_extension
 from moelab.kernels.fp8 import forget_fp8_pack, stored_fp8_pack
@@ -174,18 +174,8 @@ class KernelBackend(ExpertsBackend):
             return None
         if hit[0] != cache_key(module) or hit[1] != active_isa() or hit[2] != default_threads():
             return None
-        _check_ids(top_k_index, expert_map)
+        check_routing_types(top_k_index, expert_map)
         return (_checked_input(x, top_k_index, w, hit[4]), top_k_index, w, *hit[3])
-
-
-def _check_ids(top_k_index: torch.Tensor, expert_map: torch.Tensor | None) -> None:
-    """The dtypes and ranks a prepared call's routing must have (the extension checks the values)."""
-    if top_k_index.dtype.is_floating_point or top_k_index.dtype == torch.bool:
-        raise MoelabError(f"top_k_index has dtype {top_k_index.dtype}; expected integer expert ids (torch.long).")
-    if expert_map is not None and (expert_map.dim() != 1 or expert_map.dtype.is_floating_point
-                                   or expert_map.dtype.is_complex or expert_map.dtype == torch.bool):
-        raise MoelabError(f"expert_map {tuple(expert_map.shape)} of {expert_map.dtype}: expected a 1-D integer "
-                          "tensor (E,) with expert_map[e] = local index or -1.")
 
 
 def all_kernel_backends() -> list[KernelBackend]:
