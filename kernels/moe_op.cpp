@@ -153,12 +153,47 @@ size_t tile_bytes(int wtype, int kd) {
 // One experts call, checked and ready to run: its inputs (kept alive by the job), the routing's
 // pairs per expert after the expert map, and the output it writes.
 struct Job {
-  at::Tensor xc, ids64, w32, w1, s1, b1, w2, s2, b2, out;
+  at::Tensor xc, w1, s1, b1, w2, s2, b2, out;
+  std::vector<int64_t> ids;   // (T*K) the routing's expert ids, row-major
+  std::vector<float> wts;     // (T*K) its weights in fp32
+  int64_t K = 0;              // slots per token
   std::vector<int64_t> meta;
   double alpha = 0, limit = 0;
   std::vector<int32_t> cnt;   // pairs per (local) expert
   std::vector<int64_t> emap;  // empty: ids are local experts; else local = emap[id], -1 = not here
 };
+
+// The routing copied into the job as int64 ids and fp32 weights. The common dtypes (int64 / int32
+// ids; fp32 / bf16 / fp16 weights, contiguous) are read directly: a decode step's call has a few
+// slots, and two ATen conversions (dispatcher round trips, a tensor allocated for the weights)
+// cost more than the kernel's own routing; any other dtype or layout goes through ATen once.
+void copy_routing(const at::Tensor& ids, const at::Tensor& wts, Job& job) {
+  const int64_t S = ids.numel();
+  job.K = ids.dim() == 2 ? ids.size(1) : 0;
+  job.ids.resize(size_t(S));
+  job.wts.resize(size_t(S));
+  if (ids.is_contiguous() && ids.scalar_type() == at::kLong) {
+    std::memcpy(job.ids.data(), ids.data_ptr<int64_t>(), size_t(S) * sizeof(int64_t));
+  } else if (ids.is_contiguous() && ids.scalar_type() == at::kInt) {
+    const int32_t* p = ids.data_ptr<int32_t>();
+    for (int64_t s = 0; s < S; ++s) job.ids[s] = p[s];
+  } else {
+    const at::Tensor c = ids.to(at::kLong).contiguous();
+    std::memcpy(job.ids.data(), c.data_ptr<int64_t>(), size_t(S) * sizeof(int64_t));
+  }
+  if (wts.is_contiguous() && wts.scalar_type() == at::kFloat) {
+    std::memcpy(job.wts.data(), wts.data_ptr<float>(), size_t(S) * sizeof(float));
+  } else if (wts.is_contiguous() && wts.scalar_type() == at::kBFloat16) {
+    const at::BFloat16* p = wts.data_ptr<at::BFloat16>();
+    for (int64_t s = 0; s < S; ++s) job.wts[s] = float(p[s]);
+  } else if (wts.is_contiguous() && wts.scalar_type() == at::kHalf) {
+    const at::Half* p = wts.data_ptr<at::Half>();
+    for (int64_t s = 0; s < S; ++s) job.wts[s] = float(p[s]);
+  } else {
+    const at::Tensor c = wts.to(at::kFloat).contiguous();
+    std::memcpy(job.wts.data(), c.data_ptr<float>(), size_t(S) * sizeof(float));
+  }
+}
 
 // meta: E, H, I, Kp1, Ip, Hp, wtype, group, act, isa, nthreads, slice1
 // Checks everything (with the GIL held) and counts the pairs; on a failed check, no job and the
@@ -178,6 +213,8 @@ std::shared_ptr<Job> prepare_job(const at::Tensor& x, const at::Tensor& ids, con
               "moelab: hidden states must be float32 or bfloat16");
   MOELAB_REQUIRE(ids.dim() == 2 && ids.size(0) == x.size(0), "moelab: top_k_index must be (T, K)");
   MOELAB_REQUIRE(wts.sizes() == ids.sizes(), "moelab: top_k_weights must match top_k_index");
+  MOELAB_REQUIRE(at::isIntegralType(ids.scalar_type(), /*includeBool=*/false),
+                 "moelab: top_k_index must hold integer expert ids");
   MOELAB_REQUIRE(S1 % 16 == 0 && Ip % S1 == 0 && Hp % 16 == 0, "moelab: bad packed geometry");
   MOELAB_REQUIRE(wtype >= W_F32 && wtype <= W_FP8, "moelab: unknown weight type ", wtype);
   const bool is_int = wtype == W_INT8 || wtype == W_INT4;
@@ -202,24 +239,25 @@ std::shared_ptr<Job> prepare_job(const at::Tensor& x, const at::Tensor& ids, con
   }
   auto job = std::make_shared<Job>();
   job->xc = x.contiguous();
-  job->ids64 = ids.to(at::kLong).contiguous();
-  job->w32 = wts.to(at::kFloat).contiguous();
+  copy_routing(ids, wts, *job);
   job->w1 = w1; job->s1 = s1; job->b1 = b1; job->w2 = w2; job->s2 = s2; job->b2 = b2;
   job->meta = std::move(meta);
   job->alpha = alpha;
   job->limit = limit;
   job->out = at::empty({x.size(0), H}, x.options());
   if (expert_map.has_value() && expert_map->defined()) {
+    MOELAB_REQUIRE(expert_map->dim() == 1, "moelab: expert_map must be one-dimensional");
+    MOELAB_REQUIRE(at::isIntegralType(expert_map->scalar_type(), /*includeBool=*/false),
+                   "moelab: expert_map must hold integers");
     const at::Tensor m = expert_map->to(at::kLong).contiguous();
-    MOELAB_REQUIRE(m.dim() == 1, "moelab: expert_map must be one-dimensional");
     const int64_t* mp = m.data_ptr<int64_t>();
     job->emap.assign(mp, mp + m.numel());
     for (int64_t v : job->emap)
       MOELAB_REQUIRE(v >= -1 && v < E, "moelab: expert_map entry ", v, " out of range [-1, ", E, ")");
   }
-  const int64_t S = job->ids64.numel();
-  const int64_t* idp = job->ids64.data_ptr<int64_t>();
-  const float* wp = job->w32.data_ptr<float>();
+  const int64_t S = int64_t(job->ids.size());
+  const int64_t* idp = job->ids.data();
+  const float* wp = job->wts.data();
   const int64_t R = job->emap.empty() ? E : int64_t(job->emap.size());
   job->cnt.assign(E, 0);
   for (int64_t s = 0; s < S; ++s) {
@@ -264,7 +302,7 @@ void compute(Job& j) {
   // kFp8XScale).
   const bool want_xf = bf16_act && (isa == ISA_AVX2 || isa == ISA_AVX512VNNI);
   const int offset = wtype == W_INT8 ? 128 : 8;
-  const int64_t T = xc.size(0), K = j.ids64.size(1), S = T * K;
+  const int64_t T = xc.size(0), K = j.K, S = T * K;
   if (T == 0) return;
   const size_t tb1 = tile_bytes(wtype, Kp1), tb2 = tile_bytes(wtype, Ip);
   const size_t e_bytes1 = tb1 * size_t(2 * Ip / 16), e_bytes2 = tb2 * size_t(Hp / 16);
@@ -279,8 +317,8 @@ void compute(Job& j) {
   const at::Tensor& x = xc;
 
   // ---- routing: counting sort of the (token, slot) pairs by (local) expert ----
-  const int64_t* idp = j.ids64.data_ptr<int64_t>();
-  const float* wp = j.w32.data_ptr<float>();
+  const int64_t* idp = j.ids.data();
+  const float* wp = j.wts.data();
   const std::vector<int32_t>& cnt = j.cnt;
   const bool mapped = !j.emap.empty();
   std::vector<int32_t> off(E + 1, 0), pair_tok(S), iota(S);
@@ -682,6 +720,29 @@ std::variant<at::Tensor, std::string> ticket_wait(Ticket& t) {
   return out;
 }
 
+// One layer's packed weights and meta row, held on the C++ side (moelab.kernels.op.prepared): its
+// calls pass only what changes call after call (hidden states, routing, expert map), not the nine
+// arguments that stay the same, each of which the binding converts on every call (on the
+// development VM the binding's conversions cost more than the checks and the queueing together
+// between a forward's layers). The checks are the unprepared calls' own: every call goes through
+// moe_forward / moe_submit.
+struct Prepared {
+  at::Tensor w1, s1, b1, w2, s2, b2;
+  std::vector<int64_t> meta;
+  double alpha = 0, limit = 0;
+
+  std::variant<at::Tensor, std::string> forward(const at::Tensor& x, const at::Tensor& ids, const at::Tensor& wts,
+                                                const std::optional<at::Tensor>& expert_map) const {
+    return moe_forward(x, ids, wts, w1, s1, b1, w2, s2, b2, meta, alpha, limit, expert_map);
+  }
+  std::variant<std::shared_ptr<Ticket>, std::string> submit(const at::Tensor& x, const at::Tensor& ids,
+                                                            const at::Tensor& wts,
+                                                            const std::optional<at::Tensor>& expert_map,
+                                                            int64_t lane) const {
+    return moe_submit(x, ids, wts, w1, s1, b1, w2, s2, b2, meta, alpha, limit, expert_map, lane);
+  }
+};
+
 // Measured fp32 FMA peak of `isa` on nthreads threads, GFLOP/s (best of 3 runs of ~0.1 s).
 double fma_peak_gflops(int64_t isa, int64_t nthreads) {
   if (isa < ISA_PORTABLE || isa > ISA_AVX512VNNI) fail("moelab: unknown isa code ", isa);  // no tensors here: a throw is safe
@@ -772,11 +833,22 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("b1"), pybind11::arg("w2"), pybind11::arg("s2"), pybind11::arg("b2"), pybind11::arg("meta"),
         pybind11::arg("alpha"), pybind11::arg("limit"), pybind11::arg("expert_map") = pybind11::none(),
         pybind11::arg("lane") = 0);
+  pybind11::class_<moelab::Prepared, std::shared_ptr<moelab::Prepared>>(m, "Prepared")
+      .def(pybind11::init([](at::Tensor w1, at::Tensor s1, at::Tensor b1, at::Tensor w2, at::Tensor s2, at::Tensor b2,
+                             std::vector<int64_t> meta, double alpha, double limit) {
+             return std::make_shared<moelab::Prepared>(
+                 moelab::Prepared{w1, s1, b1, w2, s2, b2, std::move(meta), alpha, limit});
+           }),
+           "a layer's call tail (w1, s1, b1, w2, s2, b2, meta, alpha, limit), kept for its calls")
+      .def("forward", &moelab::Prepared::forward, "moe_forward on this tail (positional: x, ids, wts, expert_map)")
+      .def("submit", &moelab::Prepared::submit,
+           "moe_submit on this tail (positional: x, ids, wts, expert_map, lane); a Ticket");
   m.def("fma_peak_gflops", &moelab::fma_peak_gflops, "measured fp32 FMA peak of an ISA path (GFLOP/s)");
   m.def("last_call_stats", &moelab::last_call_stats,
         "this thread's last moe_forward: stage wall seconds, per-thread busy seconds, task counts");
   m.def("cpu_features", &moelab::cpu_features, "x86 features detected at run time");
   m.def("_raise_probe", &moelab::raise_probe, "throw one kind of C++ exception (0 c10::Error, 1 runtime_error, "
         "2 pybind11 value_error, 3 runtime_error formatted by an ostringstream): which survive this torch");
-  m.attr("ABI_VERSION") = 5;  // 4: expert_map, moe_submit/Ticket (C++ lane workers); 5: errors as returned strings
+  m.attr("ABI_VERSION") = 6;  // 4: expert_map, moe_submit/Ticket (C++ lane workers); 5: errors as returned
+                             // strings; 6: Prepared (a layer's call tail kept in C++)
 }

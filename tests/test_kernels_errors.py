@@ -32,7 +32,7 @@ pytestmark = pytest.mark.xdist_group("kernels")
 SCRIPT = textwrap.dedent("""
     import torch
     from moelab.kernels import KernelSpec, moe_experts, pack_experts, supported_isas
-    from moelab.kernels.op import moe_experts_submit
+    from moelab.kernels.op import moe_experts_submit, prepared_call
     from moelab.kernels.build import force_isa, load_extension
 
     torch.manual_seed(0)
@@ -62,6 +62,14 @@ SCRIPT = textwrap.dedent("""
                     print(f"{isa} {dtype} submit ->", type(e).__name__, str(e).splitlines()[0][:80], flush=True)
                 else:
                     print(f"{isa} {dtype} submit -> no error", flush=True)
+                # a prepared call (the layer's tail kept in C++) checks as the full call does
+                prep = prepared_call(packed, isa, 1)
+                got = [prep.forward(x, torch.tensor([[0], [4]]), torch.ones(2, 1), None),
+                       prep.submit(x, torch.tensor([[0.0], [1.0]]), torch.ones(2, 1), None, 0),
+                       prep.forward(x, torch.tensor([[0], [1]]), torch.ones(2, 1), torch.arange(4.0)),
+                       prep.submit(x[:, :5], torch.tensor([[0], [1]]), torch.ones(2, 1), None, 0)]
+                print(f"{isa} {dtype} prepared ->", " | ".join(g if isinstance(g, str) else "no error" for g in got),
+                      flush=True)
                 # the operator still works after its errors
                 out = moe_experts(x, torch.tensor([[0], [3]]), torch.ones(2, 1), packed)
                 print(f"{isa} {dtype} after errors ->", tuple(out.shape), bool(torch.isfinite(out).all()), flush=True)
@@ -88,6 +96,9 @@ def test_error_paths_raise_in_a_fresh_interpreter_instead_of_aborting():
                 assert got.startswith("RuntimeError") and "out of range" in got, out
             got = lines.get(f"{isa} {dtype} submit", "")
             assert got.startswith("RuntimeError") and "out of range" in got, out
+            got = lines.get(f"{isa} {dtype} prepared", "").split(" | ")
+            assert len(got) == 4 and "out of range" in got[0] and "integer expert ids" in got[1], out
+            assert "expert_map must hold integers" in got[2] and "hidden states must be (T, 32)" in got[3], out
             assert lines[f"{isa} {dtype} after errors"] == "(2, 32) True", out
     assert lines["peak bad isa"].startswith("RuntimeError") and "unknown isa" in lines["peak bad isa"], out
 

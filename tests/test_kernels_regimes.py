@@ -178,6 +178,40 @@ def test_slots_of_weight_zero_are_not_computed(isa, dtype):
     assert torch.equal(out[1], torch.zeros_like(out[1]))
 
 
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_a_prepared_call_reads_every_routing_dtype_and_layout_as_the_plain_call(isa, dtype):
+    # The extension copies the routing itself (int64 / int32 ids, fp32 / bf16 / fp16 weights read
+    # directly, anything else converted by ATen first) and a prepared call (op.prepared_call) keeps
+    # the layer's tail in C++: both paths must equal the plain call on int64 ids and fp32 weights
+    # holding the same values, bit for bit, synchronous and queued on a lane.
+    from moelab.kernels.op import prepared_call
+
+    packed = pack_experts(spec=KernelSpec(dtype), **_layer(8, 64, 96, seed=5))
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(5, 64, generator=g).to(torch.float32 if dtype == "fp32" else torch.bfloat16)
+    ids = torch.rand(5, 8, generator=g).argsort(-1)[:, :3]
+    wts = torch.rand(5, 3, generator=g).to(torch.bfloat16).to(torch.float64)  # exact in every float type
+    wts[2, 1] = 0.0
+    emap = torch.tensor([0, 1, -1, 3, 4, 5, 6, 7])
+    want = moe_experts(x, ids, wts.float(), packed, isa=isa, num_threads=2, expert_map=emap)
+    prep = prepared_call(packed, isa, 2)
+    variants = {
+        "int64": ids, "int32": ids.int(), "int16 (ATen)": ids.short(), "strided": ids.t().contiguous().t(),
+    }
+    weights = {"fp32": wts.float(), "bf16": wts.bfloat16(), "fp16": wts.half(), "fp64 (ATen)": wts,
+               "strided": wts.float().t().contiguous().t()}
+    for iname, i in variants.items():
+        for wname, w in weights.items():
+            got = prep.forward(x, i, w, emap)
+            assert not isinstance(got, str), (iname, wname, got)
+            assert torch.equal(got, want), (iname, wname)
+            queued = prep.submit(x, i, w, emap.int(), 1).wait()
+            assert torch.equal(queued, want), (iname, wname, "submit")
+    assert "integer expert ids" in prep.forward(x, ids.float(), wts.float(), None)
+    assert "expert_map must hold integers" in prep.forward(x, ids, wts.float(), emap.float())
+    assert "expert id 9 out of range" in prep.submit(x, ids.clone().fill_(9), wts.float(), None, 0)
+
+
 def test_fma_peak_probe_reports_positive_gflops(isa):
     assert load_extension().fma_peak_gflops(ISA_CODES[isa], 1) > 0
 

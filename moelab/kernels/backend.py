@@ -36,18 +36,18 @@ from types import SimpleNamespace
 
 import torch
 
-from moelab.backends.base import ExpertsBackend, Routing, check_routing_types
+from moelab.backends.base import ExpertsBackend, Routing, check_map_type, check_routing_types
 from moelab.errors import MoelabError
-from moelab.kernels.build import active_isa, load_extension
 from moelab.kernels.fp8 import forget_fp8_pack, stored_fp8_pack
 from moelab.kernels.integration import IMPLEMENTATIONS, cache_key, canonical_experts, resolve_spec
 from moelab.kernels.op import (
+    KERNEL_INPUT_DTYPES,
+    LANES,
     NativeCall,
     _checked_input,
-    call_tail,
-    default_threads,
+    call_config,
     moe_experts,
-    submit_args,
+    prepared_call,
 )
 from moelab.kernels.packing import KernelSpec, PackedExperts, pack_experts
 
@@ -67,8 +67,8 @@ class KernelBackend(ExpertsBackend):
         self._packs: weakref.WeakKeyDictionary[torch.nn.Module, dict[KernelSpec, tuple[tuple, PackedExperts]]]
         self._packs = weakref.WeakKeyDictionary()
         self._calls: weakref.WeakKeyDictionary[torch.nn.Module, tuple] = weakref.WeakKeyDictionary()
-        """module → (pack key, isa, threads, the extension's arguments after (x, ids, weights), hidden):
-        its last :meth:`submit`, reused while the key, path and threads stay the same."""
+        """module → (pack key, (isa, threads), the extension's prepared call, hidden size): its last
+        call's, reused while the key, path and threads stay the same (:meth:`_call_args`)."""
         self._lock = threading.Lock()
         _ALL.add(self)
 
@@ -109,9 +109,10 @@ class KernelBackend(ExpertsBackend):
         args = self._call_args(module, hidden_states, top_k_index, top_k_weights, expert_map)
         if args is None:  # a first or changed call: every check in Python, then the kernel (compute)
             return super().__call__(module, hidden_states, top_k_index, top_k_weights, expert_map)
-        out = load_extension().moe_forward(*args, expert_map=expert_map)
+        x, ids, w, prepared = args
+        out = prepared.forward(x, ids, w, expert_map)
         if isinstance(out, str):  # the extension's check failed (it returns the message: kernels/moe_op.cpp)
-            raise MoelabError(self._refused(module, out))
+            raise self._refusal(module, args, expert_map, out)
         return out if out.dtype == hidden_states.dtype else out.to(hidden_states.dtype)
 
     def compute(self, module: torch.nn.Module, hidden_states: torch.Tensor, routing: Routing) -> torch.Tensor:
@@ -138,44 +139,64 @@ class KernelBackend(ExpertsBackend):
                                         "top_k_weights": top_k_weights, "expert_map": expert_map})
             self._prepare(module, self.packed(module))
             args = self._call_args(module, hidden_states, top_k_index, top_k_weights, expert_map)
-        try:
-            return submit_args(args, expert_map, lane, hidden_states.dtype)
-        except RuntimeError as e:  # the extension's check failed: nothing was queued
-            raise MoelabError(self._refused(module, str(e))) from None
+            if args is None:  # a map that is no tensor: route() names it
+                check_map_type(expert_map)
+        if not 0 <= lane < LANES:
+            raise MoelabError(f"lane={lane!r}: the extension has lanes 0..{LANES - 1}.")
+        x, ids, w, prepared = args
+        ticket = prepared.submit(x, ids, w, expert_map, lane)
+        if isinstance(ticket, str):  # the extension's check failed: nothing was queued
+            raise self._refusal(module, args, expert_map, ticket)
+        return NativeCall(ticket, hidden_states.dtype)
 
     def _refused(self, module: torch.nn.Module, message: str) -> str:
         """The error of a call the extension refused (an expert id or map entry out of range)."""
         return (f"{message} (the {self.name!r} experts backend on {type(module).__name__}: expert ids index the "
                 "expert map if one is given, else the module's experts; map entries are -1 or a local index).")
 
+    def _refusal(self, module: torch.nn.Module, args: tuple, expert_map: torch.Tensor | None,
+                 message: str) -> MoelabError:
+        """The error of a prepared call the extension refused: the routing's and the hidden states'
+        checks in Python name a wrong type or shape (the prepared path leaves them to the
+        extension); otherwise the extension's message (an expert id or map entry out of range)."""
+        x, ids, w, _ = args
+        check_routing_types(ids, expert_map)
+        _checked_input(x, ids, w, self._calls[module][3])
+        return MoelabError(self._refused(module, message))
+
     def _prepare(self, module: torch.nn.Module, packed: PackedExperts) -> None:
-        """Keep ``module``'s call arguments for its next calls (:meth:`_call_args`): the pack's
-        tensors and meta row on the current path and threads, under the module's pack key."""
-        isa, threads = active_isa(), default_threads()
+        """Keep ``module``'s call for its next calls (:meth:`_call_args`): the pack's tensors and meta
+        row on the current path and threads, held by the extension (:func:`prepared_call`), under the
+        module's pack key."""
+        config = call_config()
         with self._lock:
-            self._calls[module] = (cache_key(module), isa, threads, call_tail(packed, isa, threads), packed.hidden)
+            self._calls[module] = (cache_key(module), config, prepared_call(packed, *config), packed.hidden)
 
     def _call_args(self, module: torch.nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                    top_k_weights: torch.Tensor, expert_map: torch.Tensor | None) -> tuple | None:
-        """The extension's arguments of a call of a prepared module (:meth:`_prepare`: the same
-        weights, path and threads as its last call), or None (a first call, changed weights, another
-        path or thread count, a tensor off the CPU: the caller then runs the full checks).
+        """``(x, ids, weights, prepared call)`` of a call of a prepared module (:meth:`_prepare`: the
+        same weights, path and threads as its last call), or None (a first call, changed weights,
+        another path or thread count, a tensor off the CPU: the caller then runs the full checks).
 
         A decode step's layers call every step, so the device check, the pack lookup and the
         routing's checks in torch run once per module, not per call (several microseconds each,
-        tens between a forward's layers): a prepared call checks the shapes and dtypes here and
-        the extension checks every expert id and map entry (a clear error, raised before anything
-        runs)."""
+        tens between a forward's layers). A prepared call checks here only what the extension
+        cannot (that every tensor is on the CPU, which path and threads apply); the extension
+        checks the shapes, the dtypes, every expert id and map entry, and refuses a bad call before
+        anything runs (:meth:`_refusal` then names the problem as the full checks would)."""
         hit = self._calls.get(module)
         if hit is None or not (expert_map is None or isinstance(expert_map, torch.Tensor)):
             return None  # (a map that is no tensor: the full checks name it)
-        x, w = hidden_states.detach(), top_k_weights.detach()
+        x, w = hidden_states, top_k_weights
         if not (x.is_cpu and top_k_index.is_cpu and w.is_cpu and (expert_map is None or expert_map.is_cpu)):
             return None
-        if hit[0] != cache_key(module) or hit[1] != active_isa() or hit[2] != default_threads():
+        if hit[0] != cache_key(module) or hit[1] != call_config():
             return None
-        check_routing_types(top_k_index, expert_map)
-        return (_checked_input(x, top_k_index, w, hit[4]), top_k_index, w, *hit[3])
+        if x.requires_grad:  # the kernel is forward only: its output has no graph either way
+            x = x.detach()
+        if x.dtype not in KERNEL_INPUT_DTYPES:
+            x = x.float()
+        return x, top_k_index, w.detach() if w.requires_grad else w, hit[2]
 
 
 def all_kernel_backends() -> list[KernelBackend]:

@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from moelab.errors import MoelabError
-from moelab.kernels.build import ISA_CODES, Isa, _validate, active_isa, load_extension
+from moelab.kernels.build import ISA_CODES, Isa, _validate, active_isa, env_value, load_extension
 from moelab.kernels.packing import PackedExperts
 
 #: Environment variable: the kernels' OpenMP threads per call when a call names none (default: torch's
@@ -19,7 +17,7 @@ THREADS_ENV = "MOELAB_KERNELS_THREADS"
 def default_threads() -> int:
     """Threads of a call that names none: ``$MOELAB_KERNELS_THREADS`` if set (a positive integer),
     else ``torch.get_num_threads()``."""
-    v = os.environ.get(THREADS_ENV)
+    v = env_value(THREADS_ENV)
     if not v:
         return torch.get_num_threads()
     try:
@@ -50,9 +48,29 @@ def _checked_input(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k
             f"top_k_index {tuple(top_k_index.shape)} and top_k_weights {tuple(top_k_weights.shape)} "
             f"must both be (T, K) with T = {hidden_states.shape[0]}."
         )
-    dtype = hidden_states.dtype
-    x = hidden_states if dtype in (torch.float32, torch.bfloat16) else hidden_states.float()
+    x = hidden_states if hidden_states.dtype in KERNEL_INPUT_DTYPES else hidden_states.float()
     return x.contiguous()
+
+
+#: Hidden-state dtypes the extension takes as they are (a call in another float type runs in fp32).
+KERNEL_INPUT_DTYPES = (torch.float32, torch.bfloat16)
+#: The extension's lane workers: a queued call's ``lane`` is 0 .. LANES - 1.
+LANES = 8
+
+
+def call_config() -> tuple[Isa, int]:
+    """(path, threads) of a call that names neither: :func:`active_isa`, :func:`default_threads`."""
+    return active_isa(), default_threads()
+
+
+def prepared_call(packed: PackedExperts, isa: Isa, num_threads: int):
+    """The extension's ``Prepared`` of ``packed`` on ``isa`` with ``num_threads``: a layer's call
+    tail (:func:`call_tail`) held in C++, whose ``forward(x, ids, weights, expert_map)`` and
+    ``submit(x, ids, weights, expert_map, lane)`` pass only the call's own tensors (the binding
+    converts every argument on every call: nine fewer, the nine that stay the same). They check
+    what :func:`moe_experts` checks and return an error's message instead of raising
+    (:func:`_raised`)."""
+    return load_extension().Prepared(*call_tail(packed, isa, num_threads))
 
 
 def call_tail(packed: PackedExperts, isa: Isa, num_threads: int) -> tuple:
@@ -157,6 +175,6 @@ def moe_experts_submit(
 
 def submit_args(args: tuple, expert_map: torch.Tensor | None, lane: int, dtype: torch.dtype) -> NativeCall:
     """Queue a call of checked extension arguments (:func:`_args`) on lane ``lane``."""
-    if not 0 <= int(lane) < 8:
-        raise MoelabError(f"lane={lane!r}: the extension has lanes 0..7.")
+    if not 0 <= int(lane) < LANES:
+        raise MoelabError(f"lane={lane!r}: the extension has lanes 0..{LANES - 1}.")
     return NativeCall(_raised(load_extension().moe_submit(*args, expert_map=expert_map, lane=int(lane))), dtype)
