@@ -39,9 +39,9 @@
 namespace moelab {
 
 // Errors are values at the boundary: the functions that take tensors (moe_forward, moe_submit,
-// Ticket.wait) return the error's message as a string instead of throwing, and the Python
-// wrapper (moelab.kernels.op) raises it. On torch 2.11 (its CUDA wheel, an AVX-512 machine,
-// 2026-11-27) any exception leaving moe_forward killed the interpreter with SIGSEGV on every ISA
+// Prepared.forward / .submit, Ticket.wait) return the error's message as a string instead of
+// throwing, and the Python wrapper (moelab.kernels.op) raises it. On torch 2.11 (its CUDA wheel,
+// an AVX-512 machine, 2026-11-27) any exception leaving moe_forward killed the interpreter with SIGSEGV on every ISA
 // path — a failing TORCH_CHECK and a plain std::runtime_error alike, thrown with the GIL held —
 // while the same exception kinds thrown from a function without tensor arguments (_raise_probe)
 // reached Python intact, and torch 2.13 raised in both cases (also under AddressSanitizer,
@@ -720,7 +720,7 @@ std::variant<at::Tensor, std::string> ticket_wait(Ticket& t) {
   return out;
 }
 
-// One layer's packed weights and meta row, held on the C++ side (moelab.kernels.op.prepared): its
+// One layer's packed weights and meta row, held on the C++ side (moelab.kernels.op.prepared_call): its
 // calls pass only what changes call after call (hidden states, routing, expert map), not the nine
 // arguments that stay the same, each of which the binding converts on every call (on the
 // development VM the binding's conversions cost more than the checks and the queueing together

@@ -139,8 +139,10 @@ class KernelBackend(ExpertsBackend):
                                         "top_k_weights": top_k_weights, "expert_map": expert_map})
             self._prepare(module, self.packed(module))
             args = self._call_args(module, hidden_states, top_k_index, top_k_weights, expert_map)
-            if args is None:  # a map that is no tensor: route() names it
+            if args is None:  # a map that is no tensor (route() names it), or the weights changed meanwhile
                 check_map_type(expert_map)
+                raise MoelabError(f"the {self.name!r} experts backend could not prepare a call of "
+                                  f"{type(module).__name__}: its weights changed while it was being packed; retry.")
         if not 0 <= lane < LANES:
             raise MoelabError(f"lane={lane!r}: the extension has lanes 0..{LANES - 1}.")
         x, ids, w, prepared = args
@@ -161,7 +163,8 @@ class KernelBackend(ExpertsBackend):
         extension); otherwise the extension's message (an expert id or map entry out of range)."""
         x, ids, w, _ = args
         check_routing_types(ids, expert_map)
-        _checked_input(x, ids, w, self._calls[module][3])
+        hit = self._calls.get(module)
+        _checked_input(x, ids, w, hit[3] if hit is not None else int(x.shape[-1]))
         return MoelabError(self._refused(module, message))
 
     def _prepare(self, module: torch.nn.Module, packed: PackedExperts) -> None:
