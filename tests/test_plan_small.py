@@ -153,3 +153,26 @@ def test_the_real_executor_counts_pairs_on_lists_as_in_numpy(T, K, dtype, tensor
         dm_t, hm_t, dev_t, host_t = real_mod._split(12, device, ids, w)
         assert (dev, host) == (dev_t, host_t)
         assert dm.tolist() == dm_t.tolist() and hm.tolist() == hm_t.tolist()
+
+
+@pytest.mark.parametrize("small", [True, False])
+def test_a_slot_of_weight_minus_inf_ranks_above_the_slots_outside_the_ranking(small, monkeypatch):
+    """Slots outside ``among`` rank after every slot in it, even one of weight -inf: demoting 0 (or
+    1) of a token's immediate slots moves none (or the -inf one), never by position next to a
+    dropped slot of the same key."""
+    if not small:
+        monkeypatch.setattr(plan_mod, "SMALL", 0)
+    ids = torch.tensor([[3, 5, 7]])
+    w = torch.tensor([[0.5, float("-inf"), 0.25]])
+    state = torch.tensor([[DROPPED, IMMEDIATE, IMMEDIATE]], dtype=torch.int8)
+    valid = torch.tensor([True])
+    assert _plan(ids, w, state, valid).rank(state == IMMEDIATE).tolist() == [[2, 1, 0]]
+    for count, want in ((0, [DROPPED, IMMEDIATE, IMMEDIATE]), (1, [DROPPED, DEFERRED, IMMEDIATE]),
+                        (2, [DROPPED, DEFERRED, DEFERRED]), (5, [DROPPED, DEFERRED, DEFERRED])):
+        p = _plan(ids, w, state, valid)
+        assert p.small == small
+        p.demote_lowest(torch.tensor([count]), IMMEDIATE, DEFERRED)
+        assert p.state.tolist() == [want], count
+        rows = state.tolist()
+        demote_lowest_rows(rows, w.tolist(), [count], IMMEDIATE, DEFERRED)
+        assert rows == [want], count

@@ -6,6 +6,7 @@ of a bundled model gives the same plan table on either path."""
 
 from __future__ import annotations
 
+import contextlib
 import random
 from collections import Counter
 from dataclasses import asdict
@@ -141,6 +142,94 @@ def test_prefetch_budgets(monkeypatch, budget_scope, budget):
            "prefetch": {"budget": budget, "budget_scope": budget_scope, "distance": 2}}
     ref, comp = _planners(monkeypatch, cfg)
     _drive(ref, comp, seed=3, prefetch=True)
+
+
+DEFER_WEIGHTS = [0.5, 0.25, 0.25, 0.0, -0.0, 0.125, 1.0, float("nan"), float("-inf"), 0.75]
+
+
+@pytest.mark.parametrize("rule", ["per_token", "union"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("K", [1, 2, 4, 6])
+def test_deferral_made_in_the_plan_call_edits_the_states_as_the_policy_does(monkeypatch, K, dtype, rule):
+    """``plan_layer(defer=True)`` (the run's deferral handed to the planner): the slot states the
+    compiled call leaves are those :class:`~moelab.policies.ExpertDeferral` leaves on the plan's
+    tensors (the tensor path, and the list path of small plans), the reference planner's too, and
+    both planners' plans are equal. Ties, zeros of both signs, NaN and -inf weights, slots an
+    earlier policy deferred or dropped, one token and several; bfloat16 weights reach the
+    planners as their bit patterns (uint16), as the runtime hands them over. (The plans are
+    compared where no weight is NaN: the union of several tokens is ordered by weight.)"""
+    from types import SimpleNamespace
+
+    import numpy as np
+    import torch
+
+    import moelab.forward.plan as plan_mod
+    from moelab.forward.plan import SlotPlan
+    from moelab.policies.deferral import DeferralConfig, ExpertDeferral
+
+    E2, L2 = 12, 3
+    config = HybridConfig.from_dict({"cache": {"capacity": 0.25, "policy": "lru"}, "placement": "host-misses"})
+    kw = dict(num_experts=[E2] * L2, top_k=[K] * L2, expert_bytes=1000)
+    monkeypatch.setenv(_compiled.ENV, "reference")
+    ref = Planner.build(config, **kw)
+    monkeypatch.setenv(_compiled.ENV, "compiled")
+    comp = Planner.build(config, **kw)
+    tdtype = getattr(torch, dtype)
+    rng = random.Random(K * 7 + (rule == "union") + 100 * (dtype == "bfloat16"))
+    moved = 0
+    for f in range(60):
+        d, mi = rng.randrange(0, K + 1), rng.randrange(0, K + 1)
+        deferred = [d, rng.randrange(0, K + 1), 0]
+        for p in (ref, comp):
+            p.defer_with(deferred, mi, rule == "union")
+        pol = ExpertDeferral.__new__(ExpertDeferral)
+        pol.config = DeferralConfig(deferred=d, min_immediate=mi, batch_rule=rule)
+        pol.deferred_ = deferred
+        T = rng.choice([1, 1, 2, 3, 5])
+        layer = rng.randrange(L2)
+        ids = torch.tensor([rng.sample(range(E2), K) for _ in range(T)], dtype=torch.int64)
+        w = torch.tensor([[rng.choice(DEFER_WEIGHTS) for _ in range(K)] for _ in range(T)], dtype=tdtype)
+        st0 = torch.tensor([[rng.choice((0, 0, 0, 1, 2)) for _ in range(K)] for _ in range(T)], dtype=torch.int8)
+        want = []
+        for small in (True, False):  # the policy on the plan's tensors: list path, tensor path
+            monkeypatch.setattr(plan_mod, "SMALL", 64 if small else 0)
+            sp = SlotPlan(SimpleNamespace(index=layer, top_k=K), ids, w.clone(), st0.clone(),
+                          torch.ones(T, dtype=torch.bool), "decode")
+            pol._plan(sp)
+            want.append(sp.state.tolist())
+        monkeypatch.setattr(plan_mod, "SMALL", 64)
+        assert want[0] == want[1]
+        wa = w.view(torch.uint16).numpy() if dtype == "bfloat16" else w.numpy()
+        got, plans = [], []
+        for p in (ref, comp):
+            st = st0.numpy().copy()
+            plans.append(p.plan_layer(f, f, "decode", layer, ids.numpy(), wa, st, None, None, True))
+            got.append(st.tolist())
+        assert got[0] == got[1] == want[0], (w.tolist(), st0.tolist(), d, mi, layer)
+        if not bool(w.isnan().any()):  # (a NaN weight has no place in the union's order by weight)
+            assert asdict(plans[0]) == asdict(plans[1])
+        moved += int((np.array(want[0]) != st0.numpy()).sum())
+    assert moved > 0
+
+
+def test_plan_layer_with_defer_needs_what_it_edits(monkeypatch):
+    cfg = {"cache": {"capacity": 0.25, "policy": "lru"}, "placement": "host-misses"}
+    ref, comp = _planners(monkeypatch, cfg)
+    for p in (ref, comp):
+        with pytest.raises(MoelabError, match="defer_with"):
+            p.defer_with([1, 1], 0, False)
+    import numpy as np
+
+    ids, w = np.array([[1, 2]]), np.array([[0.5, 0.25]], dtype=np.float32)
+    with pytest.raises(MoelabError, match="defer_with"):
+        ref.plan_layer(0, 0, "decode", 0, ids, w, np.zeros((1, 2), np.int8), None, None, True)
+    for p in (ref, comp):
+        p.defer_with([1] * L, 0, False)
+    with pytest.raises(MoelabError, match="in place"):
+        comp.plan_layer(0, 0, "decode", 0, ids, w, [[0, 0]], None, None, True)
+    st = np.zeros((1, 2), np.int8)
+    comp.plan_layer(0, 0, "decode", 0, ids, w, st, None, None, True)
+    assert st.tolist() == [[0, 1]]
 
 
 def test_warm_start(monkeypatch):
@@ -337,6 +426,58 @@ def test_a_hybrid_run_plans_the_same_on_both_paths(monkeypatch, tmp_path, model_
                            num_experts=[ly.num_experts for ly in layers], top_k=[ly.top_k for ly in layers],
                            shape=ModelShape.from_model(model))
     assert [asdict(p) for p in offline] == [asdict(p) for p in run.plans]
+
+
+@pytest.mark.parametrize("between", [None, "observer", "policy"])
+def test_the_run_hands_its_deferral_to_the_compiled_planner_only_where_nothing_runs_between(monkeypatch, between):
+    """With the compiled planner, the run's Expert Deferral is made in the planner's call (the
+    policy's own ``_plan`` does not run on a real decode step; padded prefill rows go back to the
+    policy) with the reference path's tokens, plan table and deferred slots; where another plan
+    handler sits between the two (an observer of the states) or another policy acts after the
+    deferral, the policy edits the plan itself, so what runs in between sees its edit."""
+    import torch
+
+    import moelab
+    from moelab.forward import Order, forward_hooks
+    from moelab.models.tiny import build_tiny
+    from moelab.policies import ExpertSkipping
+    from moelab.policies.deferral import ExpertDeferral
+
+    model = build_tiny("qwen2_moe", seed=0, dtype=torch.bfloat16)  # bf16 router weights
+    calls = Counter()
+    plan_of = ExpertDeferral._plan
+
+    def counted(self, plan):
+        calls[plan.phase] += 1
+        return plan_of(self, plan)
+
+    monkeypatch.setattr(ExpertDeferral, "_plan", counted)
+    ids = torch.randint(3, 250, (2, 7), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0  # left padding: the prefill's padded rows
+    cfg = {"cache": {"capacity": 0.5, "policy": "lru", "admission": "all"}, "placement": "host-misses",
+           "routing": {"deferred": 1, "min_immediate": 1, "phase": "all"}}
+    got = {}
+    for path in ("reference", "compiled"):
+        monkeypatch.setenv(_compiled.ENV, path)
+        calls.clear()
+        seen: list[int] = []
+        with moelab.hybrid(model, cfg) as run, contextlib.ExitStack() as stack:
+            if between == "observer":
+                h = forward_hooks(model).add("plan", lambda ctx, layer, call, seen=seen: seen.append(
+                    int(call.plan.state.sum())), order=Order.ROUTING + 50)
+                stack.callback(h.remove)
+            if between == "policy":
+                stack.enter_context(ExpertSkipping(model, skipped=1))
+            out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=5, do_sample=False)
+        got[path] = (out.tolist(), run.plan_table(), dict(calls), seen)
+    ref, comp = got["reference"], got["compiled"]
+    assert ref[0] == comp[0] and ref[1].equals(comp[1]) and ref[3] == comp[3]
+    assert sum(len(d) for d in comp[1]["deferred"]) > 0
+    assert ref[2]["decode"] > 0 and comp[2].get("prefill", 0) > 0
+    assert comp[2].get("decode", 0) == (0 if between is None else ref[2]["decode"])
+    if between == "observer":
+        assert any(seen)  # it saw the deferred slots
 
 
 _NO_COMPILE = """

@@ -149,7 +149,7 @@ class ForwardContext:
         """(B·S,) bool mask of real tokens on ``device`` (default: the inputs'); None if all are real."""
         if self.all_real:
             return None
-        key = ("valid", str(device))
+        key = ("valid", device)  # (torch.device hashes by value)
         got = self._cache.get(key)
         if got is None:
             got = self.inputs.mask.reshape(-1)
@@ -162,7 +162,7 @@ class ForwardContext:
         """The valid mask when it describes ``n`` tokens, else all True (a call on other rows)."""
         v = self.valid(device)
         if v is None or v.numel() != n:
-            key = ("ones", n, str(device))  # one per forward, not one per MoE layer (nobody writes it)
+            key = ("ones", n, device)  # one per forward, not one per MoE layer (nobody writes it)
             v = self._cache.get(key)
             if v is None:
                 v = self._cache[key] = torch.ones(n, dtype=torch.bool, device=device)

@@ -56,9 +56,11 @@ class SlotPlan:
 
     def rank(self, among: torch.Tensor) -> torch.Tensor:
         """(T, K) rank of each slot by descending weight among the slots where ``among`` is True
-        (0 = highest); ties keep the router's slot order. Slots outside ``among`` rank last."""
-        key = torch.where(among, self.weights.float(), torch.full_like(self.weights, float("-inf"), dtype=torch.float32))
-        order = torch.argsort(key, dim=1, descending=True, stable=True)
+        (0 = highest; NaN above every number); ties keep the router's slot order. Slots outside
+        ``among`` rank after all of them (even below an ``among`` slot of weight -inf)."""
+        order = torch.argsort(self.weights.float(), dim=1, descending=True, stable=True)
+        outside = (~among).gather(1, order).to(torch.int8)  # then the among slots first, in that order
+        order = order.gather(1, torch.argsort(outside, dim=1, stable=True))
         rank = torch.empty_like(order)
         rank.scatter_(1, order, torch.arange(order.shape[1], device=order.device).expand_as(order))
         return rank
@@ -112,16 +114,14 @@ def _descending(keys: list[float]) -> list[int]:
 def demote_lowest_rows(state: list[list[int]], weights: list[list[float]], counts: list[int], frm: int,
                        to: int) -> None:
     """:meth:`SlotPlan.demote_lowest` on lists (edits ``state`` in place): per token, the slots in
-    state ``frm`` ranked as :meth:`SlotPlan.rank` ranks them (among them by descending weight, ties
-    in slot order; every other slot at ``-inf``), and those at rank ≥ n − count move to ``to``."""
+    state ``frm`` ranked as :meth:`SlotPlan.rank` ranks them (by descending weight, NaN first, ties
+    in slot order), and those at rank ≥ n − count move to ``to``."""
     for srow, wrow, count in zip(state, weights, counts, strict=True):
-        among = [s == frm for s in srow]
-        n = sum(among)
-        keys = [w if a else -math.inf for w, a in zip(wrow, among, strict=True)]
-        cut = n - max(count, 0)
-        for r, j in enumerate(_descending(keys)):
-            if among[j] and r >= cut:
-                srow[j] = to
+        if count <= 0:
+            continue
+        ranked = [j for j in _descending(wrow) if srow[j] == frm]
+        for j in ranked[max(len(ranked) - count, 0):]:
+            srow[j] = to
 
 
 def compact_rows(ids: list[list[int]], weights: list[list[float]], keep: list[list[bool]]

@@ -139,6 +139,10 @@ class ExpertsCall:
     with ``result()``): the next MoE layer waits for it only when it adds the deferred sum,
     so deferred work overlaps whatever runs in between."""
     _plan: SlotPlan | None = None
+    pending: Any = None
+    """A routing policy whose edit of :attr:`plan` the next ``plan`` handler makes itself (set by the
+    policy runtime, :meth:`moelab.policies.runtime.PolicyRuntime.hand_over`); that handler must
+    make it, or run ``pending._plan(call.plan)``, and clear this."""
 
     @property
     def plan(self) -> SlotPlan:
@@ -146,14 +150,11 @@ class ExpertsCall:
         if self._plan is None:
             T, K = self.experts.shape
             dev = self.experts.device
-            self._plan = SlotPlan(
-                layer=self.layer,
-                experts=self.experts,
-                weights=self.weights,
-                state=torch.zeros((T, K), dtype=torch.int8, device=dev),
-                valid=self.ctx.valid_or_ones(T, dev),
-                phase=self.ctx.phase,
-            )
+            # on the CPU through numpy: half of torch.zeros' cost, paid per MoE layer
+            state = torch.from_numpy(np.zeros((T, K), dtype=np.int8)) if dev.type == "cpu" else \
+                torch.zeros((T, K), dtype=torch.int8, device=dev)
+            self._plan = SlotPlan(self.layer, self.experts, self.weights, state, self.ctx.valid_or_ones(T, dev),
+                                  self.ctx.phase)
         return self._plan
 
 

@@ -4,7 +4,9 @@
 configuration is supported (below) and numba is present it hands each layer to this module,
 which makes the same decisions in one compiled call:
 
-slot states → the experts the layer needs in access order (the rule of
+slot states (edited first by Expert Deferral where the run hands its deferral to the planner:
+:meth:`moelab.hybrid.planner.Planner.defer_with`, :func:`_defer`; the policy's own edit,
+:func:`moelab.policies.deferral.defer_rows`, is the reference) → the experts the layer needs in access order (the rule of
 :func:`moelab.caches.online.union_small`: one token's in router order, several tokens' each once
 by descending largest weight, ties lower id) → hits and misses against the compiled cache →
 placement (``host-misses``, ``fetch-misses``, ``greedy-hss`` on the one cost model's numbers,
@@ -69,6 +71,12 @@ DEVICE, FETCHED, HOSTED, STOLEN = 0, 1, 2, 3
 #: The environment variable that forces a path: ``reference`` or ``compiled`` (default: automatic).
 ENV = "MOELAB_PLANNER"
 
+#: The weights' dtypes the kernel reads as they are (uint16: bfloat16 bit patterns).
+_WEIGHT_DTYPES = (np.dtype(np.float32), np.dtype(np.uint16))
+#: ``state`` modes of :func:`run`: no slot states; states read; states edited in place by Expert
+#: Deferral first (:func:`_defer`, the run's own policy handed to the planner), then read.
+NO_STATE, READ_STATE, DEFER = 0, 1, 2
+
 # cnt[] slots of the kernel's output
 N_NEEDED, N_DEFERRED, SKIPPED, N_EVICTED, N_PF_IN, N_PF_OUT, MOVED, ERROR = range(8)
 # error codes
@@ -101,6 +109,12 @@ class Static(NamedTuple):
     """Admission ``all``: every miss is copied in (else only the misses the placement fetches)."""
     impact: bool
     """Prefetch ``select: impact`` (HybriMoE's impact-driven choice) instead of ``order``."""
+    defer_d: np.ndarray
+    """(L,) int64 Expert Deferral's D per MoE layer, where the planner applies it (:data:`DEFER`)."""
+    defer_min: int
+    """Its ``min_immediate``."""
+    defer_union: bool
+    """Its ``batch_rule`` is ``union``."""
 
 
 class Out(NamedTuple):
@@ -155,8 +169,96 @@ class Out(NamedTuple):
 
 
 # ---------------------------------------------------------------------- the kernel
+def _weight(w, t, j):
+    """Slot ``(t, j)``'s router weight as a float: ``w`` holds float32 values, or (uint16) the bit
+    patterns of bfloat16 ones: a bf16 tensor's own memory, read with no conversion on the hot path."""
+    x = w[t, j]
+    if w.dtype == np.uint16:
+        return float(np.array([np.uint32(x) << np.uint32(16)], dtype=np.uint32).view(np.float32)[0])
+    return float(x)
+
+
+if HAVE_NUMBA:
+    from llvmlite import ir as _ir
+    from numba import typeof as _typeof
+    from numba.core import types as _types
+    from numba.extending import intrinsic as _intrinsic
+    from numba.extending import overload as _overload
+    from numba.np.arrayobj import populate_array as _populate_array
+
+    @_intrinsic
+    def _bf16_value(typingctx, bits):
+        """The float64 of bfloat16 bit pattern ``bits`` (exact: the bits are a float32's top half)."""
+        if not (isinstance(bits, _types.Integer) and bits.bitwidth == 16):
+            return None
+
+        def codegen(context, builder, sig, args):
+            i32 = _ir.IntType(32)
+            v = builder.shl(builder.zext(args[0], i32), _ir.Constant(i32, 16))
+            return builder.fpext(builder.bitcast(v, _ir.FloatType()), _ir.DoubleType())
+
+        return _types.float64(bits), codegen
+
+    @_overload(_weight)
+    def _weight_compiled(w, t, j):
+        if isinstance(w.dtype, _types.Integer):
+            return lambda w, t, j: _bf16_value(w[t, j])
+        return lambda w, t, j: np.float64(w[t, j])
+
+
 @njit(cache=True, nogil=True)
-def _union(ids, w, st, has_state, out):
+def _ranks_after(a, ja, b, jb):
+    """Whether slot ``ja`` (weight ``a``) ranks after slot ``jb`` (weight ``b``) in
+    :meth:`moelab.forward.plan.SlotPlan.rank`'s order: descending weight, NaN first, ties in slot order."""
+    if a != a:
+        return b != b and ja > jb
+    if b != b:
+        return True
+    return a < b or (a == b and ja > jb)
+
+
+@njit(cache=True, nogil=True)
+def _defer(ids, w, st, d, min_immediate, union, mark):
+    """Expert Deferral's edit of the slot states, in place (:class:`moelab.policies.ExpertDeferral`,
+    whose ``_plan`` is the reference): per token, the ``min(d, n - min_immediate)`` lowest-ranked of
+    its ``n`` immediate slots become deferred; under the ``union`` rule a deferred slot whose expert
+    is immediate for any token runs immediately again (every row is a real token here: the caller
+    hands padded batches to the reference). ``mark``: per-expert scratch, zero before and after."""
+    T, K = st.shape
+    for t in range(T):
+        n = 0
+        for j in range(K):
+            n += st[t, j] == 0
+        for _ in range(min(d, n - min_immediate)):  # the lowest-ranked immediate slot, each time
+            low = -1
+            for j in range(K):
+                if st[t, j] == 0 and (low < 0 or _ranks_after(_weight(w, t, j), j, _weight(w, t, low), low)):
+                    low = j
+            st[t, low] = 1
+    if not union:
+        return
+    negative = False  # an id below 0 counts as an expert of its own, as in the reference's set
+    for t in range(T):
+        for j in range(K):
+            if st[t, j] == 0:
+                e = ids[t, j]
+                if e < 0:
+                    negative = True
+                else:
+                    mark[e] = 1
+    for t in range(T):
+        for j in range(K):
+            e = ids[t, j]
+            if st[t, j] == 1 and (negative if e < 0 else mark[e] != 0):
+                st[t, j] = 0
+    for t in range(T):
+        for j in range(K):
+            if ids[t, j] >= 0:
+                mark[ids[t, j]] = 0
+
+
+@njit(cache=True, nogil=True)
+def _union(ids, w, st, mode, out):
     """Slot states and the union (:func:`moelab.hybrid.planner.slots_and_union`); returns n."""
     T, K = ids.shape
     needed, tokens, seen, best, dfr, cnt = out.needed, out.tokens, out.seen, out.scratch, out.deferred, out.cnt
@@ -166,7 +268,7 @@ def _union(ids, w, st, has_state, out):
     if T == 1:
         for j in range(K):
             e = ids[0, j]
-            s = st[0, j] if has_state else 0
+            s = st[0, j] if mode else 0
             if s == 2:
                 skipped += 1
                 continue
@@ -190,7 +292,7 @@ def _union(ids, w, st, has_state, out):
         for t in range(T):
             for j in range(K):
                 e = ids[t, j]
-                s = st[t, j] if has_state else 0
+                s = st[t, j] if mode else 0
                 if s == 2:
                     skipped += 1
                     continue
@@ -208,7 +310,7 @@ def _union(ids, w, st, has_state, out):
                         dfr[found, 1] += 1
                 if e < 0:
                     continue
-                x = np.float64(w[t, j])
+                x = _weight(w, t, j)
                 p = seen[e]
                 if p == 0:
                     needed[n] = e
@@ -519,7 +621,7 @@ def _impactful(cache, s, place, target, T, n_demand, pf):
 
 
 @njit(cache=True, nogil=True)
-def plan(cache, s, out, layer, ids, w, st, has_state, scores, place, admit_all, pf, pf_target, budget, impact):
+def plan(cache, s, out, layer, ids, w, st, mode, scores, place, admit_all, pf, pf_target, budget, impact):
     """One MoE layer's plan (see the module docstring); results in ``out``, its counts in
     ``out.cnt`` (``cnt[ERROR]`` nonzero: nothing was changed, the wrapper raises).
 
@@ -551,7 +653,9 @@ def plan(cache, s, out, layer, ids, w, st, has_state, scores, place, admit_all, 
                             top_e) >= 0:
             cnt[ERROR] = BAD_SCORES
             return
-    n = _union(ids, w, st, has_state, out)
+    if mode == DEFER and s.defer_d[layer] > 0:
+        _defer(ids, w, st, s.defer_d[layer], s.defer_min, s.defer_union, out.seen)
+    n = _union(ids, w, st, mode, out)
     cnt[N_NEEDED] = n
     needed, hit, where, spec = out.needed, out.hit, out.where, out.spec
     keys = out.keys[:n]  # preallocated scratch: no allocation on the per-layer path
@@ -724,11 +828,6 @@ def handle(*parts: tuple) -> np.ndarray:
 
 
 if HAVE_NUMBA:
-    from llvmlite import ir as _ir
-    from numba import typeof as _typeof
-    from numba.core import types as _types
-    from numba.extending import intrinsic as _intrinsic
-    from numba.np.arrayobj import populate_array as _populate_array
 
     @functools.cache
     def _view_types() -> tuple:
@@ -738,7 +837,7 @@ if HAVE_NUMBA:
         z = np.zeros(1, np.int64)
         cache = _fast.new_cache(_fast.make_policy(_fast.LRU, 1), z, np.ones(1, np.int64), np.array([0, 1]))
         static = Static(np.zeros(1, np.int64), np.zeros(10), z, np.zeros(2), np.zeros(2), np.zeros(2),
-                        np.zeros((1, 2), np.int64), 0, False, False)
+                        np.zeros((1, 2), np.int64), 0, False, False, z, 0, False)
         return _typeof(cache), _typeof(static), _typeof(_out(1, 1, 1, 2))
 
 
@@ -794,7 +893,7 @@ if HAVE_NUMBA:
         return ret(h), codegen
 
     @njit(cache=True, nogil=True)
-    def run(h, layer, ids, w, st, has_state, scores, pf, pf_target, budget):
+    def run(h, layer, ids, w, st, mode, scores, pf, pf_target, budget):
         """:func:`plan` on the planner's state read from its handle ``h`` (:func:`handle`; its
         settings there too: each argument costs microseconds at the boundary between a forward's
         layers), then :func:`pack`; returns the record's length in ``out.rec``, the error code, the
@@ -802,7 +901,7 @@ if HAVE_NUMBA:
 
         Size: :func:`plan`'s per-call arguments."""
         cache, s, out = _views(h)
-        plan(cache, s, out, layer, ids, w, st, has_state, scores, s.place, s.admit_all, pf, pf_target,
+        plan(cache, s, out, layer, ids, w, st, mode, scores, s.place, s.admit_all, pf, pf_target,
              budget, s.impact)
         cnt = out.cnt
         return pack(out), cnt[ERROR], cnt[SKIPPED], cnt[MOVED]
@@ -998,9 +1097,17 @@ class CompiledPlanner:
         self._f1 = np.zeros((1, 1), dtype=np.float32)
         self._i1 = np.zeros((1, 1), dtype=np.int64)
         self._pf0 = np.zeros(0, dtype=np.int64)
+        self._defer = (np.zeros(L, dtype=np.int64), 0, False)  # (D per layer, min_immediate, union)
         self._ntab = 0
         self._slots = 0
         self._grow(64, 64)
+
+    def defer_with(self, deferred: list[int], min_immediate: int, union: bool) -> None:
+        """:meth:`moelab.hybrid.planner.Planner.defer_with`: the deferral settings into the handle."""
+        self._defer = (np.asarray(deferred, dtype=np.int64), int(min_immediate), bool(union))
+        self.static = self.static._replace(defer_d=self._defer[0], defer_min=self._defer[1],
+                                           defer_union=self._defer[2])
+        self._h = handle(self.state, self.static, self.out)
 
     def _grow(self, tokens: int, slots: int) -> None:
         """(Re)build the static tables for ``tokens`` real tokens and the outputs for ``slots`` slots."""
@@ -1009,17 +1116,18 @@ class CompiledPlanner:
             self._ntab = max(2 * self._ntab, tokens + 1)
             d, h, sh = _cost_tables(self._cost, self._ntab)
             self.static = Static(self._mrs_p, self._costs, np.asarray(self.planner.top_k, dtype=np.int64), d, h, sh,
-                                 self.layer_hm, self.place, self.admit_all, self.impact)
+                                 self.layer_hm, self.place, self.admit_all, self.impact, *self._defer)
         if slots > self._slots or more_tokens:
             self._slots = max(2 * self._slots, slots)
             self.out = _out(self._emax, self._nk, self._ntab, self._slots)
         self._h = handle(self.state, self.static, self.out)
 
     def plan_layer(self, forward: int, step: int, phase: str, layer: int, ids: Any, weights: Any,
-                   state: Any = None, scores: Any = None, prefetch: Any = None):
+                   state: Any = None, scores: Any = None, prefetch: Any = None, defer: bool = False):
         """:meth:`moelab.hybrid.planner.Planner.plan_layer`, compiled: the same arguments, as lists or
-        arrays (integer ids and states of any width, as the model's tensors hold them: the kernel is
-        compiled per dtype, so nothing is converted on the hot path).
+        arrays (integer ids and states of any width, as the model's tensors hold them, and float32
+        or bfloat16-bits (uint16) weights: the kernel is compiled per dtype, so nothing is converted
+        on the hot path). With ``defer``, ``state`` must be such an array: the deferral edits it.
 
         Size: the reference's signature (positional on the per-layer hot path)."""
         p = self.planner
@@ -1027,15 +1135,18 @@ class CompiledPlanner:
             ids = _ints2(ids)
         T, K = ids.shape
         w = self._f1
-        if T > 1:
-            w = weights if type(weights) is np.ndarray and weights.dtype == np.float32 else \
+        if T > 1 or defer:
+            w = weights if type(weights) is np.ndarray and weights.dtype in _WEIGHT_DTYPES else \
                 np.asarray(weights, dtype=np.float32)
             w = w.reshape(T, K)
-        has_state = state is not None
-        if not has_state:
+        mode = NO_STATE if state is None else DEFER if defer else READ_STATE
+        if mode == NO_STATE:
             st = self._i1
         elif type(state) is np.ndarray and state.ndim == 2 and state.dtype.kind in "iu":
             st = state
+        elif defer:
+            raise MoelabError("plan_layer(defer=True) edits the slot states in place: pass them as a 2-D integer "
+                              f"array (got {type(state).__name__}).")
         else:
             st = _ints2(state).reshape(T, K)
         sc = self._f1
@@ -1063,7 +1174,7 @@ class CompiledPlanner:
             budget = -1 if b is None else int(b)
         if not 0 <= layer < p.num_layers:
             self.view.reference._check_layer(layer)
-        n, err, skipped, moved = run(self._h, layer, ids, w, st, has_state, sc, pf, pf_target, budget)
+        n, err, skipped, moved = run(self._h, layer, ids, w, st, mode, sc, pf, pf_target, budget)
         rec = self.out.rec[:n].copy()
         if err:
             self._raise(err, layer, ids, pf, pf_target)

@@ -249,6 +249,8 @@ class Planner:
         from moelab.hybrid._compiled import choose
 
         self.path_reason: str | None = None
+        self.deferral: tuple[list[int], int, bool] | None = None
+        """Expert Deferral handed to the planner (:meth:`defer_with`): D per layer, ``min_immediate``, union rule."""
         self._compiled = choose(self)
         self.path = "compiled" if self._compiled is not None else "reference"
         """Which per-layer path plans: ``compiled`` or ``reference`` (:attr:`path_reason`: why not compiled)."""
@@ -281,10 +283,36 @@ class Planner:
         return cls(config, num_experts=num_experts, top_k=top_k, expert_bytes=eb, cost=cost, cache=cache,
                    placement=placement)
 
+    def defer_with(self, deferred: Sequence[int], min_immediate: int, union: bool) -> None:
+        """Apply Expert Deferral in the plan calls that ask for it (``plan_layer(..., defer=True)``):
+        ``deferred`` D per MoE layer, its ``min_immediate`` and ``batch_rule == "union"``
+        (:class:`moelab.policies.deferral.DeferralConfig`). The hybrid run hands its own deferral
+        policy's edit to the planner this way, so the compiled path makes it in the same call as
+        the plan (:func:`moelab.policies.deferral.defer_rows` is the reference)."""
+        if len(deferred) != self.num_layers:
+            raise MoelabError(f"defer_with: {len(deferred)} deferred counts for {self.num_layers} MoE layers; "
+                              "give one per MoE layer.")
+        self.deferral = ([int(d) for d in deferred], int(min_immediate), bool(union))
+        if self._compiled is not None:
+            self._compiled.defer_with(*self.deferral)
+
+    def _defer(self, layer: int, ids: list[list[int]], weights: list[list[float]] | None, state: Any) -> None:
+        """The reference's deferral edit of ``state`` (lists, or an integer array written back)."""
+        from moelab.policies.deferral import defer_rows
+
+        if self.deferral is None or state is None or weights is None:
+            raise MoelabError("plan_layer(defer=True) needs defer_with() first, the slot states to edit and "
+                              "every token's weights (one token's too).")
+        deferred, mi, union = self.deferral
+        rows = state.tolist() if isinstance(state, np.ndarray) else state
+        defer_rows(rows, weights, deferred[layer], mi, ids if union else None)
+        if isinstance(state, np.ndarray):
+            state[...] = rows
+
     # ------------------------------------------------------------------ planning
     def plan_layer(self, forward: int, step: int, phase: str, layer: int, ids: list[list[int]],
                    weights: list[list[float]] | None, state: list[list[int]] | None = None, scores: Any = None,
-                   prefetch: list[int] | None = None) -> LayerPlan:
+                   prefetch: list[int] | None = None, defer: bool = False) -> LayerPlan:
         """The plan of MoE layer ``layer`` of one forward.
 
         Args:
@@ -300,17 +328,25 @@ class Planner:
             scores: (tokens, E) router scores of the real tokens (numpy), for score-aware caches.
             prefetch: the experts proposed for MoE layer ``layer + distance`` (most confident
                 first), or None for no prefetch.
+            defer: first apply the Expert Deferral given to :meth:`defer_with` to ``state``, in
+                place (then ``weights`` are needed for one token too; uint16 arrays of weights
+                are read as bfloat16 bit patterns).
 
         Size: one layer's routing as the model hands it (ids, weights, slot states, scores, the prefetch
         proposal) and where it sits (forward, step, phase, layer), positional on the per-layer hot path, where
         packing them into an object per call would cost a share of the planner's time.
         """
         if self._compiled is not None:
-            return self._compiled.plan_layer(forward, step, phase, layer, ids, weights, state, scores, prefetch)
+            return self._compiled.plan_layer(forward, step, phase, layer, ids, weights, state, scores, prefetch,
+                                             defer)
         if isinstance(ids, np.ndarray):  # the runtime's arrays, for the compiled path: the reference takes lists
             ids = ids.tolist()
-            weights = weights.tolist() if isinstance(weights, np.ndarray) else weights
-            state = state.tolist() if isinstance(state, np.ndarray) else state
+        if isinstance(weights, np.ndarray):  # (uint16: bfloat16 bit patterns)
+            weights = (weights.astype(np.uint32) << 16).view(np.float32).tolist() if weights.dtype == np.uint16 \
+                else weights.tolist()
+        if defer:
+            self._defer(layer, ids, weights, state)
+        state = state.tolist() if isinstance(state, np.ndarray) else state
         lp = LayerPlan(forward, step, phase, layer, len(ids))
         needed, tokens, lp.deferred, lp.skipped = slots_and_union(ids, weights, state)
         lp.accessed = needed

@@ -81,6 +81,16 @@ def _host_array(t: torch.Tensor) -> np.ndarray:
         return t.numpy(force=True)
 
 
+def _weights_array(weights: torch.Tensor, T: int) -> np.ndarray:
+    """(T, K) router weights as the compiled planner reads them: float32 as they are, bfloat16 as
+    their bit patterns (uint16: no conversion), any other dtype converted to float32."""
+    if weights.dtype == torch.bfloat16:
+        weights = weights.view(torch.uint16)
+    elif weights.dtype != torch.float32:
+        weights = weights.float()
+    return _host_array(weights.reshape(T, -1))
+
+
 def _as_config(config: HybridConfig | dict | str | Path | None) -> HybridConfig:
     if config is None:
         return HybridConfig()
@@ -168,7 +178,9 @@ class HybridRun:
             if self.cache is not None and self.cache.needs_scores:
                 self._handles.append(mgr.add("router", self._on_router_scores, order=Order.CACHE,
                                              name="hybrid cache scores"))
-            self._handles.append(mgr.add("plan", self._on_plan, order=Order.PLACEMENT, name="hybrid planner"))
+            planner = mgr.add("plan", self._on_plan, order=Order.PLACEMENT, name="hybrid planner")
+            self._handles.append(planner)
+            self._hand_over_deferral(planner)
             self._install_executor(mgr)
         except BaseException:
             self.remove()
@@ -271,6 +283,20 @@ class HybridRun:
         if (deferral := r.deferral()) is not None:
             self._policies.append(ExpertDeferral(self.model, config=deferral).apply())
 
+    def _hand_over_deferral(self, planner: Any) -> None:
+        """With the compiled planner, the run's own Expert Deferral is made in the planner's call
+        (:meth:`moelab.hybrid.planner.Planner.defer_with`) instead of by the policy runtime: the
+        same edit (``tests/test_planner_compiled.py``), without a Python pass over the slots per
+        MoE layer. The runtime hands it over only where nothing runs between the two handlers."""
+        from moelab.policies import ExpertDeferral
+        from moelab.policies.runtime import runtime_for
+
+        policy = next((p for p in self._policies if isinstance(p, ExpertDeferral)), None)
+        if policy is None or self.planner.path != "compiled":
+            return
+        self.planner.defer_with(policy.deferred_, policy.config.min_immediate, policy.config.batch_rule == "union")
+        runtime_for(self.model, create=False).hand_over(policy, planner)
+
     # ------------------------------------------------------------------ handlers
     def _on_router_scores(self, ctx: ForwardContext, layer, call: RouterCall) -> None:
         ctx.scratch[("hybrid-logits", layer.index)] = call.logits
@@ -311,6 +337,9 @@ class HybridRun:
         # compiled path, as Python lists for the reference (a decode step has a few values, for
         # which list code beats numpy's per-call cost)
         plan = call._plan
+        if call.pending is not None:  # handed over only to the compiled path; made here as the policy would
+            call.pending._plan(plan)
+            call.pending = None
         experts = call.experts
         K = experts.shape[-1]
         ids = (experts if experts.dim() == 2 else experts.reshape(-1, K)).tolist()
@@ -348,10 +377,16 @@ class HybridRun:
         rows = None if valid is None or valid.all() else valid
         if rows is not None:
             ids = ids[rows]
+        pending, defer = call.pending, False
+        if pending is not None:  # the deferral handed to the planner: made in its call on the plan's own state
+            call.pending = None
+            if rows is None and plan.state.is_cpu:
+                defer = True
+            else:  # a row selection or a device tensor would be a copy: the policy edits the plan itself
+                pending._plan(plan)
         w = None
-        if T > 1:  # the weights order only a union of several tokens' experts
-            wt = plan.weights if plan is not None else call.weights
-            w = _host_array(wt.reshape(T, -1).float())
+        if T > 1 or defer:  # the weights order only a union of several tokens' experts, and deferral
+            w = _weights_array(plan.weights if plan is not None else call.weights, T)
             if rows is not None:
                 w = w[rows]
         state = None
@@ -361,14 +396,15 @@ class HybridRun:
             if rows is not None:
                 state = state[rows]
         scores = self._scores(ctx, layer, valid) if self._needs_scores else None
-        self._plan_with(ctx, layer, ids, w, state, scores)
+        self._plan_with(ctx, layer, ids, w, state, scores, defer)
 
-    def _plan_with(self, ctx: ForwardContext, layer, ids, w, state, scores) -> None:
+    def _plan_with(self, ctx: ForwardContext, layer, ids, w, state, scores, defer: bool = False) -> None:
         """Plan the layer from its routing (lists or arrays) and the prefetch proposal waiting for it."""
         proposal = None
         if self.predictor is not None:
             proposal = ctx.scratch.pop(("hybrid-prefetch", layer.index + self.predictor.distance), None)
-        lp = self.planner.plan_layer(ctx.index, ctx.step, ctx.phase, layer.index, ids, w, state, scores, proposal)
+        lp = self.planner.plan_layer(ctx.index, ctx.step, ctx.phase, layer.index, ids, w, state, scores, proposal,
+                                     defer)
         self.plans.append(lp)
         ctx.scratch[("hybrid-plan", layer.index)] = lp
 

@@ -158,15 +158,31 @@ class ExpertDeferral(RoutingPolicy):
     def _plan_small(self, plan: SlotPlan, d: int) -> None:
         """:meth:`_plan` on lists for a decode-sized plan (:attr:`SlotPlan.small`): the same slots move."""
         state = plan.state.tolist()
-        mi = self.config.min_immediate
-        counts = [max(min(d, sum(s == IMMEDIATE for s in row) - mi), 0) for row in state]
-        demote_lowest_rows(state, plan.weights.float().tolist(), counts, IMMEDIATE, DEFERRED)
-        if self.config.batch_rule == "union":
-            experts = plan.experts.tolist()
-            union = {e for srow, erow, v in zip(state, experts, plan.valid.tolist(), strict=True) if v
-                     for s, e in zip(srow, erow, strict=True) if s == IMMEDIATE}
-            for srow, erow in zip(state, experts, strict=True):
-                for j, (s, e) in enumerate(zip(srow, erow, strict=True)):
-                    if s == DEFERRED and e in union:
-                        srow[j] = IMMEDIATE
+        union = self.config.batch_rule == "union"
+        defer_rows(state, plan.weights.float().tolist(), d, self.config.min_immediate,
+                   plan.experts.tolist() if union else None, plan.valid.tolist() if union else None)
         plan.state = small_tensor(state, plan.state.dtype)
+
+
+def defer_rows(state: list[list[int]], weights: list[list[float]], d: int, min_immediate: int,
+               union_ids: list[list[int]] | None = None, valid: list[bool] | None = None) -> None:
+    """Expert Deferral's edit of one layer's slot states on lists, in place (what
+    :meth:`ExpertDeferral._plan` does to a plan's tensors): per token, the ``min(d, n − min_immediate)``
+    lowest-weight of its ``n`` immediate slots become deferred; with ``union_ids`` (the rows' expert
+    ids: the ``union`` batch rule) a deferred slot whose expert is immediate for any real token
+    (``valid``; every row when None) runs immediately again. The hybrid planner's reference path
+    runs this where the run hands it the deferral (:meth:`moelab.hybrid.planner.Planner.defer_with`).
+    ``d = 0`` changes nothing (no union pass either), as the policy in a layer that does not defer."""
+    if d <= 0:
+        return
+    counts = [max(min(d, sum(s == IMMEDIATE for s in row) - min_immediate), 0) for row in state]
+    demote_lowest_rows(state, weights, counts, IMMEDIATE, DEFERRED)
+    if union_ids is None:
+        return
+    rows = valid if valid is not None else [True] * len(state)
+    union = {e for srow, erow, v in zip(state, union_ids, rows, strict=True) if v
+             for s, e in zip(srow, erow, strict=True) if s == IMMEDIATE}
+    for srow, erow in zip(state, union_ids, strict=True):
+        for j, (s, e) in enumerate(zip(srow, erow, strict=True)):
+            if s == DEFERRED and e in union:
+                srow[j] = IMMEDIATE

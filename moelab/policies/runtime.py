@@ -56,6 +56,20 @@ class PolicyRuntime:
         self.model = model
         self.policies: list[RoutingPolicy] = []
         self._handle: Handle | None = None
+        self._handed: tuple[RoutingPolicy, Handle] | None = None
+        self._order: tuple = ()  # the plan handlers' tuple the hand-over was checked against
+        self._adjacent = False
+
+    def hand_over(self, policy: RoutingPolicy, to: Handle | None) -> None:
+        """Let the ``plan`` handler ``to`` make ``policy``'s edit itself (None: take it back).
+
+        Whenever ``policy`` is the last policy acting on a plan and ``to`` is the very next ``plan``
+        handler (nothing in between could see the plan without the edit), this runtime does not
+        run the policy: it leaves it in :attr:`~moelab.forward.ExpertsCall.pending` for ``to``,
+        which must make the edit (or run ``pending._plan(call.plan)``). The hybrid run hands its
+        compiled planner its own Expert Deferral this way: one compiled call defers and plans."""
+        self._handed = (policy, to) if to is not None else None
+        self._order = ()
 
     def attach(self, policy: RoutingPolicy) -> None:
         if self._handle is None:
@@ -63,6 +77,8 @@ class PolicyRuntime:
         self.policies.append(policy)
 
     def detach(self, policy: RoutingPolicy) -> None:
+        if self._handed is not None and self._handed[0] is policy:
+            self._handed = None
         if policy in self.policies:
             self.policies.remove(policy)
         if not self.policies:
@@ -78,5 +94,20 @@ class PolicyRuntime:
         if not acting:
             return
         plan = call.plan
+        handed = self._handed
+        if handed is not None and acting[-1] is handed[0] and self._next_is(handed[1]):
+            for policy in acting[:-1]:
+                policy._plan(plan)
+            call.pending = handed[0]
+            return
         for policy in acting:
             policy._plan(plan)
+
+    def _next_is(self, handle: Handle) -> bool:
+        """Whether ``handle`` runs right after this runtime's handler at the ``plan`` point."""
+        order = self._handle.manager._fns["plan"] if self._handle is not None else ()
+        if order is not self._order:  # re-checked only when the handlers change
+            self._order = order
+            i = order.index(self._handle) if self._handle in order else -1
+            self._adjacent = 0 <= i < len(order) - 1 and order[i + 1] is handle
+        return self._adjacent
