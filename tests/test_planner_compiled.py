@@ -165,6 +165,7 @@ def test_deferral_made_in_the_plan_call_edits_the_states_as_the_policy_does(monk
 
     import moelab.forward.plan as plan_mod
     from moelab.forward.plan import SlotPlan
+    from moelab.forward.points import _split_plan
     from moelab.policies.deferral import DeferralConfig, ExpertDeferral
 
     E2, L2 = 12, 3
@@ -206,10 +207,37 @@ def test_deferral_made_in_the_plan_call_edits_the_states_as_the_policy_does(monk
             plans.append(p.plan_layer(f, f, "decode", layer, ids.numpy(), wa, st, None, None, True))
             got.append(st.tolist())
         assert got[0] == got[1] == want[0], (w.tolist(), st0.tolist(), d, mi, layer)
+        # the compacted routing the compiled call leaves for the seam: the seam's own compaction
+        sp = SlotPlan(SimpleNamespace(index=layer, top_k=K), ids, w, torch.tensor(want[0], dtype=torch.int8),
+                      torch.ones(T, dtype=torch.bool), "decode")
+        split = comp._compiled.split(layer, ids, w, dtype == "bfloat16")
+        assert (split is not None) == sp.changed
+        if split is not None:
+            for a, b in zip(_flat(split), _flat(_split_plan(ids, sp)), strict=True):
+                assert _same(a, b), (a, b)
         if not bool(w.isnan().any()):  # (a NaN weight has no place in the union's order by weight)
             assert asdict(plans[0]) == asdict(plans[1])
         moved += int((np.array(want[0]) != st0.numpy()).sum())
     assert moved > 0
+
+
+def _flat(split) -> list:
+    now, late = split
+    return [*now, *(late if late is not None else (None, None))]
+
+
+def _same(a, b) -> bool:
+    """Both None, or the same dtype, shape and bits."""
+    import torch
+
+    if a is None or b is None:
+        return a is b
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    if a.is_floating_point():
+        bits = {torch.bfloat16: torch.int16, torch.float32: torch.int32}[a.dtype]
+        return torch.equal(a.view(bits), b.view(bits))
+    return torch.equal(a, b)
 
 
 def test_plan_layer_with_defer_needs_what_it_edits(monkeypatch):
@@ -428,13 +456,14 @@ def test_a_hybrid_run_plans_the_same_on_both_paths(monkeypatch, tmp_path, model_
     assert [asdict(p) for p in offline] == [asdict(p) for p in run.plans]
 
 
-@pytest.mark.parametrize("between", [None, "observer", "policy"])
+@pytest.mark.parametrize("between", [None, "observer", "policy", "after"])
 def test_the_run_hands_its_deferral_to_the_compiled_planner_only_where_nothing_runs_between(monkeypatch, between):
     """With the compiled planner, the run's Expert Deferral is made in the planner's call (the
     policy's own ``_plan`` does not run on a real decode step; padded prefill rows go back to the
     policy) with the reference path's tokens, plan table and deferred slots; where another plan
     handler sits between the two (an observer of the states) or another policy acts after the
-    deferral, the policy edits the plan itself, so what runs in between sees its edit."""
+    deferral, the policy edits the plan itself, so what runs in between sees its edit. Either way
+    the compiled planner, the last plan handler, hands the seam the compacted routing."""
     import torch
 
     import moelab
@@ -452,6 +481,15 @@ def test_the_run_hands_its_deferral_to_the_compiled_planner_only_where_nothing_r
         return plan_of(self, plan)
 
     monkeypatch.setattr(ExpertDeferral, "_plan", counted)
+    import moelab.forward.points as points
+
+    split_of = points._split_plan
+
+    def counted_split(experts, plan):
+        calls["split-" + plan.phase] += 1
+        return split_of(experts, plan)
+
+    monkeypatch.setattr(points, "_split_plan", counted_split)
     ids = torch.randint(3, 250, (2, 7), generator=torch.Generator().manual_seed(1))
     mask = torch.ones_like(ids)
     mask[1, :3] = 0  # left padding: the prefill's padded rows
@@ -469,13 +507,24 @@ def test_the_run_hands_its_deferral_to_the_compiled_planner_only_where_nothing_r
                 stack.callback(h.remove)
             if between == "policy":
                 stack.enter_context(ExpertSkipping(model, skipped=1))
+            if between == "after":  # a handler after the planner takes layer 0's deferral back
+                def undefer(ctx, layer, call):
+                    if layer.index == 0:
+                        call.plan.state = torch.zeros_like(call.plan.state)
+
+                h = forward_hooks(model).add("plan", undefer, order=Order.BACKEND)
+                stack.callback(h.remove)
             out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=5, do_sample=False)
         got[path] = (out.tolist(), run.plan_table(), dict(calls), seen)
     ref, comp = got["reference"], got["compiled"]
     assert ref[0] == comp[0] and ref[1].equals(comp[1]) and ref[3] == comp[3]
     assert sum(len(d) for d in comp[1]["deferred"]) > 0
     assert ref[2]["decode"] > 0 and comp[2].get("prefill", 0) > 0
-    assert comp[2].get("decode", 0) == (0 if between is None else ref[2]["decode"])
+    assert comp[2].get("decode", 0) == (0 if between in (None, "after") else ref[2]["decode"])
+    # where the compiled planner is the last plan handler it compacts the decode steps' routing for
+    # the seam; where a handler follows it, the seam compacts the plan as that handler leaves it
+    assert ref[2]["split-decode"] > 0
+    assert comp[2].get("split-decode", 0) == (ref[2]["split-decode"] if between == "after" else 0)
     if between == "observer":
         assert any(seen)  # it saw the deferred slots
 

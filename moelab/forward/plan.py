@@ -53,6 +53,10 @@ class SlotPlan:
     """Phase of the forward in flight."""
     weights_changed: bool = False
     """Set by a policy that rescaled ``weights``."""
+    split: tuple | None = None
+    """The routing of the immediate slots and of the deferred ones (None: none deferred), as the
+    seam compacts them (``_split_plan``), precomputed by the last ``plan`` handler for the plan as
+    it leaves it (the hybrid run's compiled planner); None: the seam compacts the plan itself."""
 
     def rank(self, among: torch.Tensor) -> torch.Tensor:
         """(T, K) rank of each slot by descending weight among the slots where ``among`` is True

@@ -482,8 +482,9 @@ class ForwardHooks:
                 return backend(module, h2, i2, w2, expert_map=emap)
 
             plan = call._plan
-            if plan is not None and plan.changed:
-                now, late_routing = _split_plan(ids, plan)
+            split = plan.split if plan is not None else None
+            if split is not None or (plan is not None and plan.changed):
+                now, late_routing = split if split is not None else _split_plan(ids, plan)
                 out = _resolve(run(call.backend, *with_routing(args, kwargs, *now)))
                 if late_routing is not None:
                     late_backend = call.deferred_backend if call.deferred_backend is not None else call.backend

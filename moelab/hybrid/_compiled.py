@@ -79,6 +79,9 @@ NO_STATE, READ_STATE, DEFER = 0, 1, 2
 
 # cnt[] slots of the kernel's output
 N_NEEDED, N_DEFERRED, SKIPPED, N_EVICTED, N_PF_IN, N_PF_OUT, MOVED, ERROR = range(8)
+# ... and (not in the record) the widths of the layer's compacted immediate and deferred routing
+# (:func:`_compact`: -1 every slot is in that state, 0 none is, else the most slots a token has there)
+M_NOW, M_LATE = 8, 9
 # error codes
 OK, BAD_SCORES, BAD_EXPERT, BAD_PROPOSAL = 0, 1, 2, 3
 
@@ -141,7 +144,7 @@ class Out(NamedTuple):
     pf_out: np.ndarray
     """(NK,) keys the prefetch evicted (sorted)."""
     cnt: np.ndarray
-    """(8,) int64 the counts (``N_NEEDED`` …) and an error code."""
+    """(10,) int64 the counts (``N_NEEDED`` …), an error code, the compacted routing's widths."""
     scratch: np.ndarray
     """(E + 1,) float64 per-expert scratch (largest weight; zero between calls)."""
     seen: np.ndarray
@@ -166,6 +169,13 @@ class Out(NamedTuple):
     """(NK,) int64 scratch: the prefetch proposal's cache keys."""
     rec: np.ndarray
     """(8 + 6 E + 2 T·K + 3 NK,) int64: the last plan's record (:func:`pack`)."""
+    split_ids: np.ndarray
+    """(L, 2, T·K) int64 per MoE layer, the immediate [0] and deferred [1] slots' expert ids
+    compacted (:func:`_compact`; row-major (T, width)); a layer's stay valid until its next plan."""
+    split_w32: np.ndarray
+    """(L, 2, T·K) float32 their weights (float32 weights)."""
+    split_w16: np.ndarray
+    """(L, 2, T·K) uint16 their weights (bfloat16 bit patterns)."""
 
 
 # ---------------------------------------------------------------------- the kernel
@@ -255,6 +265,56 @@ def _defer(ids, w, st, d, min_immediate, union, mark):
         for j in range(K):
             if ids[t, j] >= 0:
                 mark[ids[t, j]] = 0
+
+
+def _split_weights(out, w):
+    """The compacted-weights buffer of ``w``'s dtype (float32, or uint16 bfloat16 bit patterns)."""
+    return out.split_w16 if w.dtype == np.uint16 else out.split_w32
+
+
+if HAVE_NUMBA:
+
+    @_overload(_split_weights)
+    def _split_weights_compiled(out, w):
+        if isinstance(w.dtype, _types.Integer):
+            return lambda out, w: out.split_w16
+        return lambda out, w: out.split_w32
+
+
+@njit(cache=True, nogil=True)
+def _compact(ids, w, st, which, cids, cw):
+    """The slots in state ``which`` of every token packed to the left in router order into the flat
+    ``cids`` / ``cw`` (row-major, (T, max(m, 1))), a token with fewer padded with its first packed
+    slot's expert (its first slot's, when it has none) at weight 0: the seam's compaction
+    (:func:`moelab.forward.plan.compact_rows`, the reference). Returns ``m``, the most such slots a
+    token has, or -1 when every slot is in that state (nothing written: the call's own routing)."""
+    T, K = st.shape
+    m = 0
+    every = True
+    for t in range(T):
+        c = 0
+        for j in range(K):
+            if st[t, j] == which:
+                c += 1
+        m = max(m, c)
+        every = every and c == K
+    if every:
+        return -1
+    width = max(m, 1)
+    for t in range(T):
+        pos = 0
+        first = ids[t, 0]
+        for j in range(K):
+            if st[t, j] == which:
+                if pos == 0:
+                    first = ids[t, j]
+                cids[t * width + pos] = ids[t, j]
+                cw[t * width + pos] = w[t, j]
+                pos += 1
+        for q in range(pos, width):
+            cids[t * width + q] = first
+            cw[t * width + q] = 0
+    return m
 
 
 @njit(cache=True, nogil=True)
@@ -657,6 +717,12 @@ def plan(cache, s, out, layer, ids, w, st, mode, scores, place, admit_all, pf, p
         _defer(ids, w, st, s.defer_d[layer], s.defer_min, s.defer_union, out.seen)
     n = _union(ids, w, st, mode, out)
     cnt[N_NEEDED] = n
+    if mode != NO_STATE and w.shape[0] == T and w.shape[1] == K and out.split_ids.shape[2] >= T * K:
+        cw = _split_weights(out, w)
+        cnt[M_NOW] = _compact(ids, w, st, 0, out.split_ids[layer, 0], cw[layer, 0])
+        cnt[M_LATE] = _compact(ids, w, st, 1, out.split_ids[layer, 1], cw[layer, 1])
+    else:
+        cnt[M_NOW] = cnt[M_LATE] = -2  # not compacted
     needed, hit, where, spec = out.needed, out.hit, out.where, out.spec
     keys = out.keys[:n]  # preallocated scratch: no allocation on the per-layer path
     nhit = 0
@@ -772,7 +838,7 @@ def pack(out):
     cnt = out.cnt
     n, nd, ne, ni, no = cnt[N_NEEDED], cnt[N_DEFERRED], cnt[N_EVICTED], cnt[N_PF_IN], cnt[N_PF_OUT]
     rec = out.rec
-    rec[:8] = cnt
+    rec[:8] = cnt[:8]
     if cnt[ERROR]:
         return 8
     o = 8
@@ -796,15 +862,16 @@ def pack(out):
     return o + no
 
 
-def _out(E: int, NK: int, N: int, slots: int) -> Out:
-    """Zeroed outputs and scratch for layers of up to ``E`` experts, ``NK`` cache keys, ``N - 1``
-    tokens and ``slots`` (token, expert) slots."""
+def _out(E: int, NK: int, N: int, slots: int, L: int = 1) -> Out:
+    """Zeroed outputs and scratch for ``L`` MoE layers of up to ``E`` experts, ``NK`` cache keys,
+    ``N - 1`` tokens and ``slots`` (token, expert) slots."""
     z = np.zeros
     return Out(z(E, np.int64), z(E, np.int64), z(E, np.uint8), z(E, np.int64), z(E, np.uint8), z(E, np.uint8),
-               z((slots, 2), np.int64), z(NK, np.int64), z(NK, np.int64), z(NK, np.int64), z(8, np.int64),
+               z((slots, 2), np.int64), z(NK, np.int64), z(NK, np.int64), z(NK, np.int64), z(10, np.int64),
                z(E + 1, np.float64), z(E + 1, np.int64), z(E, np.int64), z(E, np.uint8), z(E, np.uint8),
                z((N, E), np.float32), z((N, E), np.int32), np.arange(N, dtype=np.int64), z(1, np.int32),
-               z(2, np.int64), z(NK, np.int64), z(8 + 6 * E + 2 * slots + 3 * NK, np.int64))
+               z(2, np.int64), z(NK, np.int64), z(8 + 6 * E + 2 * slots + 3 * NK, np.int64),
+               z((L, 2, slots), np.int64), z((L, 2, slots), np.float32), z((L, 2, slots), np.uint16))
 
 
 def handle(*parts: tuple) -> np.ndarray:
@@ -904,7 +971,7 @@ if HAVE_NUMBA:
         plan(cache, s, out, layer, ids, w, st, mode, scores, s.place, s.admit_all, pf, pf_target,
              budget, s.impact)
         cnt = out.cnt
-        return pack(out), cnt[ERROR], cnt[SKIPPED], cnt[MOVED]
+        return pack(out), cnt[ERROR], cnt[SKIPPED], cnt[MOVED], cnt[M_NOW], cnt[M_LATE]
 
 
 # ---------------------------------------------------------------------- the Python side
@@ -1098,6 +1165,9 @@ class CompiledPlanner:
         self._i1 = np.zeros((1, 1), dtype=np.int64)
         self._pf0 = np.zeros(0, dtype=np.int64)
         self._defer = (np.zeros(L, dtype=np.int64), 0, False)  # (D per layer, min_immediate, union)
+        self._splits: dict[tuple, tuple] = {}  # torch views of the compacted routing buffers
+        self.widths = (-2, -2)
+        """The last plan's compacted immediate and deferred widths (:func:`_compact`; -2: none made)."""
         self._ntab = 0
         self._slots = 0
         self._grow(64, 64)
@@ -1119,7 +1189,8 @@ class CompiledPlanner:
                                  self.layer_hm, self.place, self.admit_all, self.impact, *self._defer)
         if slots > self._slots or more_tokens:
             self._slots = max(2 * self._slots, slots)
-            self.out = _out(self._emax, self._nk, self._ntab, self._slots)
+            self.out = _out(self._emax, self._nk, self._ntab, self._slots, self.planner.num_layers)
+            self._splits.clear()  # views of the previous buffers
         self._h = handle(self.state, self.static, self.out)
 
     def plan_layer(self, forward: int, step: int, phase: str, layer: int, ids: Any, weights: Any,
@@ -1174,13 +1245,45 @@ class CompiledPlanner:
             budget = -1 if b is None else int(b)
         if not 0 <= layer < p.num_layers:
             self.view.reference._check_layer(layer)
-        n, err, skipped, moved = run(self._h, layer, ids, w, st, mode, sc, pf, pf_target, budget)
+        n, err, skipped, moved, m_now, m_late = run(self._h, layer, ids, w, st, mode, sc, pf, pf_target, budget)
+        self.widths = (m_now, m_late)
         rec = self.out.rec[:n].copy()
         if err:
             self._raise(err, layer, ids, pf, pf_target)
         if pf_target >= 0 and p.budget_per_forward and p.budget is not None:
             p._budget_left -= moved
         return LazyPlan(forward, step, phase, layer, T, skipped, rec, pf_target, self)
+
+    def split(self, layer: int, experts: Any, weights: Any, bf16: bool) -> tuple | None:
+        """The seam's ``(immediate, deferred)`` routing of the last plan (MoE layer ``layer``, whose
+        ``experts`` (T, K) int64 and ``weights`` (float32, or bfloat16: ``bf16``) the plan read) from the
+        kernel's compacted buffers, as torch views kept per shape: what
+        :func:`moelab.forward.points._split_plan` computes (``tests/test_planner_compiled.py``).
+        The deferred part is None when no slot is deferred. None when the kernel made none or every
+        slot is immediate."""
+        m_now, m_late = self.widths
+        if m_now < 0:  # none made, or every slot immediate: the seam runs the call's own routing
+            return None
+        T = experts.shape[0]
+        key = (layer, T, m_now, m_late, bf16)
+        got = self._splits.get(key)
+        if got is None:
+            if len(self._splits) >= 1024:
+                self._splits.clear()
+            got = self._splits[key] = (self._split_part(layer, 0, T, m_now, bf16),
+                                       self._split_part(layer, 1, T, m_late, bf16))
+        now, late = got
+        return (now or (experts, weights)), ((late or (experts, weights)) if m_late else None)
+
+    def _split_part(self, layer: int, which: int, T: int, m: int, bf16: bool) -> tuple | None:
+        import torch
+
+        if m < 0:
+            return None
+        n = T * max(m, 1)
+        ids = torch.from_numpy(self.out.split_ids[layer, which, :n]).view(T, -1)
+        w = torch.from_numpy((self.out.split_w16 if bf16 else self.out.split_w32)[layer, which, :n]).view(T, -1)
+        return ids, (w.view(torch.bfloat16) if bf16 else w)
 
     def fill(self, lp: LazyPlan) -> None:
         """Decode ``lp``'s record into the :class:`~moelab.hybrid.planner.LayerPlan` fields (once)."""

@@ -180,6 +180,7 @@ class HybridRun:
                                              name="hybrid cache scores"))
             planner = mgr.add("plan", self._on_plan, order=Order.PLACEMENT, name="hybrid planner")
             self._handles.append(planner)
+            self._planner_handle, self._plan_order, self._planner_last = planner, (), False
             self._hand_over_deferral(planner)
             self._install_executor(mgr)
         except BaseException:
@@ -384,9 +385,15 @@ class HybridRun:
                 defer = True
             else:  # a row selection or a device tensor would be a copy: the policy edits the plan itself
                 pending._plan(plan)
+        wt = plan.weights if plan is not None else call.weights
+        # the planner compacts the plan's immediate and deferred routing for the seam (plan.split)
+        # where the plan is its own (all rows, CPU) and nothing edits it after the planner
+        split = plan is not None and rows is None and experts is call.experts and plan.state.is_cpu and \
+            experts.dtype == torch.int64 and (wt.dtype == torch.float32 or wt.dtype == torch.bfloat16) and \
+            self._last_plan_handler()
         w = None
-        if T > 1 or defer:  # the weights order only a union of several tokens' experts, and deferral
-            w = _weights_array(plan.weights if plan is not None else call.weights, T)
+        if T > 1 or defer or split:  # the weights order a union of several tokens' experts, deferral, the split
+            w = _weights_array(wt, T)
             if rows is not None:
                 w = w[rows]
         state = None
@@ -397,6 +404,16 @@ class HybridRun:
                 state = state[rows]
         scores = self._scores(ctx, layer, valid) if self._needs_scores else None
         self._plan_with(ctx, layer, ids, w, state, scores, defer)
+        if split:
+            plan.split = self.planner._compiled.split(layer.index, experts, wt, wt.dtype == torch.bfloat16)
+
+    def _last_plan_handler(self) -> bool:
+        """Whether the planner's hook is the last ``plan`` handler (re-checked when the handlers change)."""
+        order = self._planner_handle.manager._fns["plan"]
+        if order is not self._plan_order:
+            self._plan_order = order
+            self._planner_last = bool(order) and order[-1] is self._planner_handle
+        return self._planner_last
 
     def _plan_with(self, ctx: ForwardContext, layer, ids, w, state, scores, defer: bool = False) -> None:
         """Plan the layer from its routing (lists or arrays) and the prefetch proposal waiting for it."""
