@@ -559,3 +559,13 @@ def test_a_new_process_loads_the_compiled_planner_from_the_disk_cache(tmp_path):
     for mode in ("warm", "check"):
         r = subprocess.run([sys.executable, str(script), mode], capture_output=True, text=True, timeout=600)
         assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-3000:]
+
+
+def test_the_bench_replays_a_run_whose_deferral_the_planner_makes():
+    """``moelab bench hybrid``'s planner cost replays the run's recorded plan calls through a fresh
+    planner and checks it plans the same: with the deferral handed to the planner, the fresh one
+    gets it too (the replay raised before)."""
+    from moelab.hybrid.bench import planner_cost
+
+    r = planner_cost("moelab-tiny-mixtral", steps=4, repeats=1)
+    assert r["path"] == "compiled" and r["plans"] > 0 and r["planner_alone_us"] > 0

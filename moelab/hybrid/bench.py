@@ -137,6 +137,8 @@ def _replay(run, calls: list) -> list[int]:
     p = run.planner
     fresh = Planner(run.config, num_experts=p.num_experts, top_k=p.top_k, expert_bytes=p.expert_bytes, cost=p.cost,
                     cache=make_cache(run.config, p.num_experts, p.top_k, max(p.expert_bytes)))
+    if p.deferral is not None:  # the run's deferral, handed to its planner
+        fresh.defer_with(*p.deferral)
     out, dts = [], []
     for args in calls:
         t0 = time.perf_counter_ns()
