@@ -1246,7 +1246,8 @@ class CompiledPlanner:
         if not 0 <= layer < p.num_layers:
             self.view.reference._check_layer(layer)
         n, err, skipped, moved, m_now, m_late = run(self._h, layer, ids, w, st, mode, sc, pf, pf_target, budget)
-        self.widths = (m_now, m_late)
+        # (compacted from the weights given; a call that gave none, or failed, left no split)
+        self.widths = (m_now, m_late) if w is not self._f1 and not err else (-2, -2)
         rec = self.out.rec[:n].copy()
         if err:
             self._raise(err, layer, ids, pf, pf_target)

@@ -180,7 +180,7 @@ class HybridRun:
                                              name="hybrid cache scores"))
             planner = mgr.add("plan", self._on_plan, order=Order.PLACEMENT, name="hybrid planner")
             self._handles.append(planner)
-            self._planner_handle, self._plan_order, self._planner_last = planner, (), False
+            self._planner_handle, self._plan_order, self._planner_last = planner, None, False
             self._hand_over_deferral(planner)
             self._install_executor(mgr)
         except BaseException:

@@ -57,7 +57,7 @@ class PolicyRuntime:
         self.policies: list[RoutingPolicy] = []
         self._handle: Handle | None = None
         self._handed: tuple[RoutingPolicy, Handle] | None = None
-        self._order: tuple = ()  # the plan handlers' tuple the hand-over was checked against
+        self._order: tuple | None = None  # the plan handlers' tuple the hand-over was checked against
         self._adjacent = False
 
     def hand_over(self, policy: RoutingPolicy, to: Handle | None) -> None:
@@ -69,7 +69,7 @@ class PolicyRuntime:
         which must make the edit (or run ``pending._plan(call.plan)``). The hybrid run hands its
         compiled planner its own Expert Deferral this way: one compiled call defers and plans."""
         self._handed = (policy, to) if to is not None else None
-        self._order = ()
+        self._order = None
 
     def attach(self, policy: RoutingPolicy) -> None:
         if self._handle is None:
