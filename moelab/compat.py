@@ -259,7 +259,9 @@ def router_outputs(output) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(logits, weights, expert ids)`` of a router's output triple, in either order transformers
     5.x uses: ``(logits, weights, ids)`` (most families, granitemoe from 5.2x) or ``(ids, weights,
     logits)`` (granitemoe in earlier 5.x releases). The ids are the integer tensor."""
-    if not isinstance(output, tuple | list) or len(output) != 3 or not all(isinstance(t, torch.Tensor) for t in output):
+    # (no generator expressions on this per-layer path: each is a function call before Python 3.12)
+    if not (isinstance(output, tuple | list) and len(output) == 3 and isinstance(output[0], torch.Tensor)
+            and isinstance(output[1], torch.Tensor) and isinstance(output[2], torch.Tensor)):
         got = f"a {len(output)}-tuple" if isinstance(output, tuple | list) else type(output).__name__
         raise UnreadableForwardError(
             f"a router returned {got}; moelab reads (logits, weights, expert ids) (transformers "
@@ -280,9 +282,14 @@ def experts_call_arguments(args: tuple, kwargs: Mapping[str, Any]) -> tuple[torc
     """(hidden (T,H), expert ids (T,K), weights (T,K)) of an ``experts(...)`` call, positional or keyword."""
     values = list(args[:3])
     names = (("hidden_states",), EXPERTS_INDEX_NAMES, EXPERTS_WEIGHT_NAMES)
-    for i in range(len(values), 3):
-        values.append(next((kwargs[n] for n in names[i] if n in kwargs), None))
-    if any(v is None for v in values):
+    for i in range(len(values), 3):  # (loops, not generators: this runs per MoE layer)
+        value = None
+        for n in names[i]:
+            if n in kwargs:
+                value = kwargs[n]
+                break
+        values.append(value)
+    if values[0] is None or values[1] is None or values[2] is None:
         raise UnreadableForwardError(
             f"unexpected experts call: {len(args)} positional argument(s), keywords {sorted(kwargs)}; moelab reads "
             f"experts(hidden_states, top_k_index, top_k_weights) (transformers {transformers_version()}). Fix: "

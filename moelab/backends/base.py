@@ -140,7 +140,8 @@ def check_expert_map(expert_map: torch.Tensor, num_local: int) -> None:
     """``expert_map`` is a 1-D integer tensor with values in ``[-1, num_local)``."""
     check_map_type(expert_map)
     if expert_map.numel():
-        lo, hi = (int(v) for v in torch.aminmax(expert_map))
+        lo, hi = torch.aminmax(expert_map)  # (no generator: a function call per MoE layer)
+        lo, hi = int(lo), int(hi)
         if lo < -1 or hi >= num_local:
             raise MoelabError(
                 f"expert_map has values in [{lo}, {hi}]; expected -1 (not here) or a local expert index in "
@@ -178,7 +179,8 @@ def route(
             flat = top_k_index.reshape(-1).tolist()
             lo, hi = min(flat), max(flat)
         else:
-            lo, hi = (int(v) for v in torch.aminmax(top_k_index))
+            lo, hi = torch.aminmax(top_k_index)
+            lo, hi = int(lo), int(hi)
         if lo < 0 or hi >= n_ids:
             where = "the expert map's length" if expert_map is not None else "the module's expert count"
             raise MoelabError(

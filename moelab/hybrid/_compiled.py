@@ -1298,25 +1298,37 @@ class CompiledPlanner:
         o += 6 * n
         d = lp.__dict__
         d["accessed"] = needed
-        d["deferred"] = [(r[o + 2 * i], r[o + 2 * i + 1]) for i in range(nd)]
+        dfr = r[o : o + 2 * nd]
+        d["deferred"] = list(zip(dfr[::2], dfr[1::2]))
         o += 2 * nd
-        pairs = list(zip(needed, tokens))
-        d["hits"] = [e for e, h in zip(needed, hit) if h]
-        d["misses"] = [e for e, h in zip(needed, hit) if not h]
-        d["device"] = [q for q, x in zip(pairs, where) if x == DEVICE] + [q for q, x in zip(pairs, where) if x == FETCHED]
-        d["host"] = [q for q, x in zip(pairs, where) if x == HOSTED] + [q for q, x in zip(pairs, where) if x == STOLEN]
+        # one pass, no comprehension (each is a function call before Python 3.12, and this runs per
+        # MoE layer on the control thread): the lists in the order the reference builds them
         Tr = self._Transfer
         nbytes = self.planner.expert_bytes[layer]
-        d["transfers"] = [Tr(layer, e, nbytes, "demand" if x == FETCHED else "insert")
-                          for e, x, i in zip(needed, where, ins) if x == FETCHED or i]
-        d["prefetch_hits"] = [e for e, h, sp in zip(needed, hit, spec) if h and sp]
-        pair = self._key_pair
-        d["evictions"] = [pair[k] for k in r[o : o + ne]]
+        hits, misses, pf_hits, transfers = [], [], [], []
+        by_where: tuple[list, list, list, list] = ([], [], [], [])  # DEVICE, FETCHED, HOSTED, STOLEN
+        for e, c, h, x, sp, i in zip(needed, tokens, hit, where, spec, ins):
+            if h:
+                hits.append(e)
+                if sp:
+                    pf_hits.append(e)
+            else:
+                misses.append(e)
+            by_where[x].append((e, c))
+            if x == FETCHED or i:
+                transfers.append(Tr(layer, e, nbytes, "demand" if x == FETCHED else "insert"))
+        d["hits"], d["misses"], d["prefetch_hits"] = hits, misses, pf_hits
+        d["device"] = by_where[DEVICE] + by_where[FETCHED]
+        d["host"] = by_where[HOSTED] + by_where[STOLEN]
+        pair = self._key_pair.__getitem__
+        d["evictions"] = evictions = list(map(pair, r[o : o + ne]))
         o += ne
         if r[MOVED]:
             off, nb = self._offsets[target], self.planner.expert_bytes[target]
-            d["transfers"] += [Tr(target, k - off, nb, "prefetch") for k in r[o : o + ni]]
-            d["evictions"] += [pair[k] for k in r[o + ni : o + ni + no]]
+            for k in r[o : o + ni]:
+                transfers.append(Tr(target, k - off, nb, "prefetch"))
+            evictions += map(pair, r[o + ni : o + ni + no])
+        d["transfers"] = transfers
         del d["_rec"], d["_dec"]
 
     def _raise(self, code: int, layer: int, ids: np.ndarray, pf: np.ndarray, target: int) -> None:

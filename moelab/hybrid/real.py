@@ -176,8 +176,8 @@ class RealExecutor(LaneExecutor):
         return demand
 
     def _immediate(self, ctx, layer, lp):
-        device = sorted({e for e, _ in lp.device})
-        n_host = len({e for e, _ in lp.host})
+        device = _experts(lp.device)
+        n_host = len(_experts(lp.host))
         log = self.log
 
         def backend(module, hidden, ids, weights, expert_map=None):
@@ -229,9 +229,10 @@ class RealExecutor(LaneExecutor):
             # deferral is a host technique: the deferred slots of experts the device computes run on
             # the device now (their sum is still added at the next MoE layer), the host's overlap
             # the next layer (as the simulator models it)
-            on_dev = sorted({e for e, _ in lp.deferred} & {e for e, _ in lp.device})
+            deferred = _experts(lp.deferred)
+            on_dev = sorted(set(deferred).intersection(_experts(lp.device)))
             parts = self._submit_sides(ctx, layer, (module, hidden, ids, weights), on_dev,
-                                       len({e for e, _ in lp.deferred}) - len(on_dev),
+                                       len(deferred) - len(on_dev),
                                        device_event=("expert-device", "deferred"),
                                        host_event=("expert-deferred", "deferred"))
             if not parts:
@@ -239,6 +240,23 @@ class RealExecutor(LaneExecutor):
             return parts[0] if len(parts) == 1 else _Sum(parts)
 
         return backend
+
+
+def _experts(pairs: list[tuple[int, int]]) -> list[int]:
+    """The distinct experts of a plan's (expert, tokens) pairs, sorted. A loop, not a set
+    comprehension: each comprehension is a function call before Python 3.12, and these run per
+    MoE layer on the control thread, where every call costs microseconds."""
+    out: list[int] = []
+    for e, _ in pairs:
+        out.append(e)
+    out.sort()
+    i = 1
+    while i < len(out):  # (a plan's pairs name each expert once; kept exact all the same)
+        if out[i] == out[i - 1]:
+            del out[i]
+        else:
+            i += 1
+    return out
 
 
 #: Expert maps by (experts, device experts): a run's decode steps keep asking for the same few
