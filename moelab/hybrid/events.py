@@ -9,15 +9,18 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from moelab.events import COLUMNS, LANE_GROUPS, busy_spans, lane_group, length, summarize, union
 
 __all__ = ["COLUMNS", "LANE_GROUPS", "Event", "EventLog", "busy_spans", "lane_group", "length", "summarize", "union"]
 
 
-@dataclass
-class Event:
+class Event(NamedTuple):
+    """One event of the schema (:data:`COLUMNS`), read by attribute. A named tuple rather than a
+    dataclass: :meth:`EventLog.add` makes it with ``tuple.__new__`` (a C call), where a dataclass's
+    ``__init__`` is a Python frame, and the control thread records several events per MoE layer."""
+
     run: str
     step: int
     layer: int
@@ -58,7 +61,7 @@ class EventLog:
             expert: int = -1, tokens: int = 0, nbytes: int = 0, cause: str = "") -> None:
         """Size: one parameter per column of the event schema (moelab.events.COLUMNS).
         """
-        ev = Event(self.run, step, layer, lane, kind, expert, tokens, nbytes, t_start_us, t_end_us, cause)
+        ev = _new(Event, (self.run, step, layer, lane, kind, expert, tokens, nbytes, t_start_us, t_end_us, cause))
         with self._lock:
             self.events.append(ev)
 
@@ -83,7 +86,12 @@ def control_span(log: EventLog, marks: dict[int, float], step: int, layer: int, 
     merging their results), so no time of the control thread goes without a cause; returns now."""
     t = (time.perf_counter_ns() - log.t0) / 1e3  # log.now_us() inline: a call less, several per MoE layer
     start = marks.get(step, t)
-    if t > start:
-        log.add(step, layer, "control", kind, start, t, cause=cause)
+    if t > start:  # log.add inline too (runs between a forward's layers, where each call costs µs)
+        ev = _new(Event, (log.run, step, layer, "control", kind, -1, 0, 0, start, t, cause))
+        with log._lock:
+            log.events.append(ev)
     marks[step] = t
     return t
+
+
+_new = tuple.__new__  # Event's fields in order, without NamedTuple's Python-level __new__

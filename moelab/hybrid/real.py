@@ -46,6 +46,7 @@ from __future__ import annotations
 import logging
 import operator
 import threading
+import time
 from concurrent.futures import Future
 from typing import Any
 
@@ -190,9 +191,10 @@ class RealExecutor(LaneExecutor):
                                       after=list(demand.values()))  # a fetched expert runs after its copy
             if not futs:
                 return torch.zeros_like(hidden)
-            parts = [f.result() for f in futs]
-            log.add(ctx.index, layer.index, "control", "wait", t_wait, log.now_us(), cause="lanes")
-            self._last_mark[ctx.index] = log.now_us()
+            parts = list(map(_RESULT, futs))  # no comprehension: a call less per layer before Python 3.12
+            t_done = (time.perf_counter_ns() - log.t0) / 1e3  # log.now_us() inline (one call less per layer)
+            log.add(ctx.index, layer.index, "control", "wait", t_wait, t_done, cause="lanes")
+            self._last_mark[ctx.index] = t_done
             out = parts[0]
             for p in parts[1:]:
                 out = out + p
@@ -251,6 +253,7 @@ def _experts(pairs: list[tuple[int, int]]) -> list[int]:
 
 
 _FIRST = operator.itemgetter(0)
+_RESULT = operator.methodcaller("result")
 
 
 #: Expert maps by (experts, device experts): a run's decode steps keep asking for the same few
