@@ -218,3 +218,40 @@ def test_a_backends_repeated_submits_reuse_the_prepared_call_and_follow_changes(
     with pytest.raises(MoelabError, match="top_k_index"):
         be.submit(mod, x, ids[:2], w, emap)
     assert be.forget(mod) and mod not in be._calls
+
+
+def test_a_prepared_call_follows_the_settings_its_path_and_threads_come_from(monkeypatch):
+    """A prepared call compares the raw settings (config_token: forced path, both environment
+    settings, torch's threads) instead of deriving path and threads on every call: a changed
+    setting is seen at the next call; one that leaves path and threads as they were keeps the
+    prepared call; a bad one is refused by name, as the full derivation refuses it."""
+    from moelab.kernels.backend import KernelBackend
+    from moelab.kernels.build import ISA_ENV, force_isa
+    from moelab.kernels.op import THREADS_ENV, config_token
+
+    monkeypatch.delenv(THREADS_ENV, raising=False)
+    monkeypatch.delenv(ISA_ENV, raising=False)
+    be = KernelBackend(KernelSpec("fp32"))
+    mod = _experts_module()
+    ids, w = _routing(3, 8, 2, seed=2)
+    x = torch.randn(3, 32)
+    first = be.submit(mod, x, ids, w, None).result()
+    entry = be._calls[mod]
+    assert entry[4] == config_token()
+
+    monkeypatch.setenv(THREADS_ENV, str(torch.get_num_threads() + 1))
+    got = be.submit(mod, x, ids, w, None).result()
+    assert be._calls[mod][1] == (entry[1][0], torch.get_num_threads() + 1)
+    assert be._calls[mod][2] is not entry[2]  # prepared again for the new thread count
+    torch.testing.assert_close(got, first, rtol=1e-6, atol=1e-7)
+
+    monkeypatch.delenv(THREADS_ENV)
+    be.submit(mod, x, ids, w, None).result()
+    back = be._calls[mod]
+    assert back[1] == entry[1]
+    with force_isa(back[1][0]):  # the path it runs on anyway: another token, the same path and threads
+        torch.testing.assert_close(be.submit(mod, x, ids, w, None).result(), first, rtol=0, atol=0)
+        assert be._calls[mod][2] is back[2] and be._calls[mod][4] != back[4]
+    monkeypatch.setenv(ISA_ENV, "no-such-path")
+    with pytest.raises(MoelabError, match=ISA_ENV):
+        be.submit(mod, x, ids, w, None)

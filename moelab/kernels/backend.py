@@ -46,6 +46,7 @@ from moelab.kernels.op import (
     NativeCall,
     _checked_input,
     call_config,
+    config_token,
     moe_experts,
     prepared_call,
 )
@@ -67,8 +68,10 @@ class KernelBackend(ExpertsBackend):
         self._packs: weakref.WeakKeyDictionary[torch.nn.Module, dict[KernelSpec, tuple[tuple, PackedExperts]]]
         self._packs = weakref.WeakKeyDictionary()
         self._calls: weakref.WeakKeyDictionary[torch.nn.Module, tuple] = weakref.WeakKeyDictionary()
-        """module → (pack key, (isa, threads), the extension's prepared call, hidden size): its last
-        call's, reused while the key, path and threads stay the same (:meth:`_call_args`)."""
+        """module → (pack key, (isa, threads), the extension's prepared call, hidden size, config
+        token): its last call's, reused while the key, path and threads stay the same
+        (:meth:`_call_args`; the token, :func:`~moelab.kernels.op.config_token`, what they were
+        derived from)."""
         self._lock = threading.Lock()
         _ALL.add(self)
 
@@ -172,8 +175,9 @@ class KernelBackend(ExpertsBackend):
         row on the current path and threads, held by the extension (:func:`prepared_call`), under the
         module's pack key."""
         config = call_config()
+        token = config_token()  # after call_config(): it detects the CPU's features on a first call
         with self._lock:
-            self._calls[module] = (cache_key(module), config, prepared_call(packed, *config), packed.hidden)
+            self._calls[module] = (cache_key(module), config, prepared_call(packed, *config), packed.hidden, token)
 
     def _call_args(self, module: torch.nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                    top_k_weights: torch.Tensor, expert_map: torch.Tensor | None) -> tuple | None:
@@ -193,8 +197,15 @@ class KernelBackend(ExpertsBackend):
         x, w = hidden_states, top_k_weights
         if not (x.is_cpu and top_k_index.is_cpu and w.is_cpu and (expert_map is None or expert_map.is_cpu)):
             return None
-        if hit[0] != cache_key(module) or hit[1] != call_config():
+        if hit[0] != cache_key(module):
             return None
+        token = config_token()
+        if token != hit[4]:  # a setting changed since the call was prepared: the same path and threads?
+            if hit[1] != call_config():
+                return None
+            hit = (*hit[:4], token)
+            with self._lock:
+                self._calls[module] = hit
         if x.requires_grad:  # the kernel is forward only: its output has no graph either way
             x = x.detach()
         if x.dtype not in KERNEL_INPUT_DTYPES:

@@ -2,10 +2,21 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from moelab.errors import MoelabError
-from moelab.kernels.build import ISA_CODES, Isa, _validate, active_isa, env_value, load_extension
+from moelab.kernels import build as _build
+from moelab.kernels.build import (
+    ISA_CODES,
+    ISA_ENV,
+    Isa,
+    _validate,
+    active_isa,
+    env_value,
+    load_extension,
+)
 from moelab.kernels.packing import PackedExperts
 
 #: Environment variable: the kernels' OpenMP threads per call when a call names none (default: torch's
@@ -61,6 +72,27 @@ LANES = 8
 def call_config() -> tuple[Isa, int]:
     """(path, threads) of a call that names neither: :func:`active_isa`, :func:`default_threads`."""
     return active_isa(), default_threads()
+
+
+def config_token() -> tuple:
+    """What :func:`call_config` is a function of, read as it stands and unvalidated: the path
+    :func:`~moelab.kernels.build.force_isa` forces, the detected CPU features, both settings as the
+    environment holds them, torch's threads. Equal tokens give the same ``call_config()``, so a
+    prepared call (:meth:`moelab.kernels.backend.KernelBackend.submit`) compares this, one call,
+    instead of deriving the config again, six calls, on every experts call between a forward's
+    layers; a different token re-derives it (and raises for a bad setting, as before)."""
+    forced = _build._forced
+    data = getattr(os.environ, "_data", None)
+    if data is None:  # another Python's os.environ
+        return (forced[-1] if forced else None, _build._features, os.environ.get(ISA_ENV),
+                os.environ.get(THREADS_ENV), torch.get_num_threads())
+    return (forced[-1] if forced else None, _build._features, data.get(_ENV_KEYS[0]), data.get(_ENV_KEYS[1]),
+            torch.get_num_threads())
+
+
+#: The two settings' keys in ``os.environ``'s underlying mapping (:func:`config_token`).
+_ENV_KEYS = (os.environ.encodekey(ISA_ENV), os.environ.encodekey(THREADS_ENV)) \
+    if hasattr(os.environ, "encodekey") else (ISA_ENV, THREADS_ENV)
 
 
 def prepared_call(packed: PackedExperts, isa: Isa, num_threads: int):
