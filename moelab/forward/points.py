@@ -475,24 +475,31 @@ class ForwardHooks:
                         h.fn(ctx, layer, call)
             emap = call.expert_map
 
-            def run(backend, a: tuple, k: dict) -> Any:
+            def run(backend, routing: tuple | None) -> Any:
+                # routing: (ids, weights) replacing the call's own (None: as called). A backend takes
+                # them as they are (the hidden states are the call's own either way); the original
+                # forward gets them in the call's own argument layout.
                 if backend is None:
+                    if routing is None:
+                        return original(*args, **kwargs)
+                    a, k = with_routing(args, kwargs, *routing)
                     return original(*a, **k)
-                h2, i2, w2 = experts_call_arguments(a, k)
-                return backend(module, h2, i2, w2, expert_map=emap)
+                if routing is None:
+                    return backend(module, hidden, ids, weights, expert_map=emap)
+                return backend(module, hidden, routing[0], routing[1], expert_map=emap)
 
             plan = call._plan
             split = plan.split if plan is not None else None
             if split is not None or (plan is not None and plan.changed):
                 now, late_routing = split if split is not None else _split_plan(ids, plan)
-                out = _resolve(run(call.backend, *with_routing(args, kwargs, *now)))
+                out = _resolve(run(call.backend, now))
                 if late_routing is not None:
                     late_backend = call.deferred_backend if call.deferred_backend is not None else call.backend
-                    late = run(late_backend, *with_routing(args, kwargs, *late_routing))
+                    late = run(late_backend, late_routing)
                     nxt = index + 1
                     ctx.carry[nxt] = _resolve(ctx.carry[nxt]) + _resolve(late) if nxt in ctx.carry else late
             else:
-                out = _resolve(run(call.backend, args, kwargs))
+                out = _resolve(run(call.backend, None))
             incoming = ctx.carry.pop(index, None)
             if incoming is not None:
                 incoming = _resolve(incoming).to(out.dtype)
