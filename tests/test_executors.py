@@ -116,23 +116,26 @@ def _lane_threads() -> set[threading.Thread]:
     return {t for t in threading.enumerate() if t.name.startswith("moelab-")}
 
 
-@pytest.mark.parametrize("host_backend", ["reference", "moelab"])
-def test_the_real_executor_starts_only_the_lanes_it_uses_and_joins_them(host_backend):
-    """A native host backend runs on the kernels extension's C++ worker: no Python host thread is
-    started for it; any other backend gets its Python host lane. Every started thread is joined
-    when the run is removed."""
-    if host_backend == "moelab":
+@pytest.mark.parametrize("host_backend,device_backend", [("reference", "reference"), ("moelab", "reference"),
+                                                          ("moelab", "moelab"), ("reference", "moelab")])
+def test_the_real_executor_starts_only_the_lanes_it_uses_and_joins_them(host_backend, device_backend):
+    """A native backend runs on a C++ worker of the kernels extension (the host side on lane 0, the
+    device side on lane 1): no Python thread is started for its side; any other backend gets its
+    side's Python lane. Every started thread is joined when the run is removed."""
+    if "moelab" in (host_backend, device_backend):
         pytest.importorskip("moelab.kernels.op")
     model, _ = moelab.load("tiny-random-mixtral")
     ids = torch.randint(3, 200, (1, 6), generator=torch.Generator().manual_seed(0))
     cfg = {"executor": "real", "device": "cpu", "planner": "reference", "host_backend": host_backend,
-           "cache": {"capacity": 0.25}, "placement": "host-misses"}
+           "device_backend": device_backend, "cache": {"capacity": 0.25}, "placement": "host-misses"}
     before = _lane_threads()
     with moelab.hybrid(model, cfg) as run:
         started = _lane_threads() - before
         model.generate(ids, max_new_tokens=2, do_sample=False, pad_token_id=0)
-    want = {"moelab-device", "moelab-copy"} | ({"moelab-host"} if host_backend == "reference" else set())
+    want = {"moelab-copy"} | ({"moelab-host"} if host_backend == "reference" else set()) | \
+        ({"moelab-device"} if device_backend == "reference" else set())
     assert sorted(t.name for t in started) == sorted(want)
     assert not any(t.is_alive() for t in started)
-    # either way the host side ran: host-misses computes a cold cache's misses on the host
+    # either way the host side ran: host-misses computes a cold cache's misses on the host (the
+    # device side's native lane: tests/test_hybrid.py::test_real_executor_equals_functional_and_its_events_are_consistent)
     assert (run.events_table()["lane"] == "host").any()

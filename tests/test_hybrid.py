@@ -154,9 +154,11 @@ def test_plans_are_saved_atomically(mixtral, tmp_path):
         run.save(tmp_path / "run")
 
 
-@pytest.mark.parametrize("host_backend", ["reference", "moelab"])
-def test_real_executor_equals_functional_and_its_events_are_consistent(mixtral, host_backend, tmp_path):
-    if host_backend == "moelab":
+@pytest.mark.parametrize("host_backend,device_backend", [("reference", "reference"), ("moelab", "reference"),
+                                                          ("moelab", "moelab")])
+def test_real_executor_equals_functional_and_its_events_are_consistent(mixtral, host_backend, device_backend,
+                                                                       tmp_path):
+    if "moelab" in (host_backend, device_backend):
         pytest.importorskip("moelab.kernels.op")
     ids, mask = _inputs(3)
     cfg = {"cache": {"capacity": 0.25, "policy": "lru"}, "placement": "fetch-misses",
@@ -164,7 +166,8 @@ def test_real_executor_equals_functional_and_its_events_are_consistent(mixtral, 
     with moelab.hybrid(mixtral, cfg) as f:
         want = _gen(mixtral, ids, mask, n=4)
     before = snapshot(mixtral)
-    with moelab.hybrid(mixtral, {**cfg, "executor": "real", "host_backend": host_backend, "device": "cpu"}) as run:
+    with moelab.hybrid(mixtral, {**cfg, "executor": "real", "host_backend": host_backend,
+                                 "device_backend": device_backend, "device": "cpu"}) as run:
         got = _gen(mixtral, ids, mask, n=4)
     assert_same_state(before, snapshot(mixtral))
     assert torch.equal(want[0], got[0])

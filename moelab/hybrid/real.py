@@ -134,11 +134,14 @@ class RealExecutor(LaneExecutor):
         cfg = run.config
         self.device_backend = get_backend(cfg.device_backend or "reference")
         self.host_backend = get_backend(cfg.host_backend or "reference")
-        # a native host backend runs on a C++ worker of the kernels extension: no Python thread
-        # between the control thread and the kernel (issue #26: host lanes without the GIL), so
-        # the Python host lane is started only for another backend (it would sit idle)
+        # a native backend runs on a C++ worker of the kernels extension: no Python thread between
+        # the control thread and the kernel (issue #26: lanes without the GIL), so a side's Python
+        # lane is started only for another backend (it would sit idle). The device side's worker is
+        # its own (lane 1): both sides run side by side, as they do on a GPU box
         self.native_host = NativeLane("host", self.log, lane=0) if native_lane_ok(self.host_backend) else None
-        names = ("device", "copy") if self.native_host is not None else ("device", "host", "copy")
+        self.native_device = NativeLane("device", self.log, lane=1) if native_lane_ok(self.device_backend) else None
+        names = tuple(name for name, native in (("device", self.native_device), ("host", self.native_host))
+                      if native is None) + ("copy",)
         #: the Python lanes this executor started (their threads are joined by :meth:`close`)
         self.lanes: dict[str, Lane] = {}
         try:
@@ -212,7 +215,8 @@ class RealExecutor(LaneExecutor):
         ebytes = self.run.expert_bytes[layer.index]
         dev_backend, host_backend = self.device_backend, self.host_backend
         futs = []
-        if dev_pairs:
+        native_dev = dev_pairs and self.native_device is not None
+        if dev_pairs and not native_dev:
             futs.append(self.lanes["device"].submit(
                 lambda: dev_backend(module, hidden, ids, weights, expert_map=dmap), step=ctx.index, layer=layer.index,
                 kind=device_event[0], tokens=dev_pairs, nbytes=ebytes * len(device), cause=device_event[1],
@@ -225,6 +229,15 @@ class RealExecutor(LaneExecutor):
             futs.append(self.lanes["host"].submit(
                 lambda: host_backend(module, hidden, ids, weights, expert_map=hmap), step=ctx.index, layer=layer.index,
                 kind=host_event[0], tokens=host_pairs, nbytes=ebytes * n_host, cause=host_event[1]))
+        if native_dev:  # after the host side is queued: it runs while this thread waits for the copies
+            # a fetched expert runs after its copy: the device side is queued once the copies are
+            # done (this thread's wait is inside its "wait" event; the C++ worker itself never
+            # waits, so its lane records only its compute, as the native host lane does)
+            for f in after or ():
+                f.result()
+            futs.insert(0, self.native_device.submit_experts(
+                dev_backend, module, hidden, ids, weights, dmap, step=ctx.index, layer=layer.index,
+                kind=device_event[0], tokens=dev_pairs, nbytes=ebytes * len(device), cause=device_event[1]))
         return futs
 
     def _deferred(self, ctx, layer, lp):
