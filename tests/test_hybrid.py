@@ -184,6 +184,14 @@ def test_real_executor_equals_functional_and_its_events_are_consistent(mixtral, 
     for _, t in ev[ev["kind"] == "transfer-demand"].iterrows():
         if (t["step"], t["layer"]) in dev.index:
             assert dev.loc[(t["step"], t["layer"]), "t_start_us"] >= t["t_end_us"]
+    # the wait for those copies is recorded where it happens: on a Python device lane, or on the
+    # control thread that queues a native one (a copy stall either way)
+    waiter = "device" if device_backend == "reference" else "control"
+    copy_waits = ev[(ev["lane"] == waiter) & (ev["kind"] == "wait") & (ev["cause"] == "copy")]
+    fetched = {(s, ly) for s, ly in zip(ev.loc[ev["kind"] == "transfer-demand", "step"],
+                                        ev.loc[ev["kind"] == "transfer-demand", "layer"], strict=True)}
+    assert set(zip(copy_waits["step"], copy_waits["layer"], strict=True)) == fetched & set(dev.index)
+    assert fetched & set(dev.index)  # the check saw some
     # a deferred expert's sum is merged after its host compute: the layer after next starts later
     dense = ev[ev["kind"] == "dense"].set_index(["step", "layer"])
     deferred = ev[ev["kind"] == "expert-deferred"]

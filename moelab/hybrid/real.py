@@ -10,7 +10,9 @@ Lanes (one worker thread each, a priority queue in front):
   control thread, which would only block until the device lane has computed the layer's
   experts, runs them itself when the lane is idle (still one device-lane task at a time, its
   event the device lane's); a layer's deferred device work and everything queued behind a
-  running task stay on the worker;
+  running task stay on the worker. A native kernels device backend runs on a C++ worker of the
+  extension instead (lane 1, as the host side below on lane 0): the control thread queues it once
+  the layer's demand copies are done, and records that wait as its own (cause ``copy``);
 * ``host`` — computes host-placed misses and the deferred slots of host experts with the host
   backend. A native kernels backend (``moelab``, ``moelab_bf16`` ...) runs on a C++ worker thread
   of the extension (:class:`~moelab.hybrid.lanes.NativeLane`: the call is checked and queued on
@@ -157,7 +159,7 @@ class RealExecutor(LaneExecutor):
             raise
 
     def close(self) -> None:
-        """Join the Python lanes' threads (the native host lane's worker belongs to the extension)."""
+        """Join the Python lanes' threads (the native lanes' workers belong to the extension)."""
         while self.lanes:
             self.lanes.popitem()[1].close()
 
@@ -189,13 +191,17 @@ class RealExecutor(LaneExecutor):
             demand = self._submit_transfers(ctx, lp)
             t_wait = control_span(log, self._last_mark, ctx.index, layer.index, "dispatch", "submit")
             # everything not on the device runs on the host: its misses, and padding rows' experts
-            futs = self._submit_sides(ctx, layer, (module, hidden, ids, weights), device, n_host,
-                                      device_event=("expert-device", "hit+fetch"), host_event=("expert-host", "miss"),
-                                      after=list(demand.values()))  # a fetched expert runs after its copy
+            futs, t_copied = self._submit_sides(ctx, layer, (module, hidden, ids, weights), device, n_host,
+                                                device_event=("expert-device", "hit+fetch"),
+                                                host_event=("expert-host", "miss"),
+                                                after=list(demand.values()))  # a fetched expert runs after its copy
             if not futs:
                 return torch.zeros_like(hidden)
             parts = list(map(_RESULT, futs))  # no comprehension: a call less per layer before Python 3.12
             t_done = (time.perf_counter_ns() - log.t0) / 1e3  # log.now_us() inline (one call less per layer)
+            if t_copied is not None:  # this thread waited for the copies (a native device lane): a copy stall
+                log.add(ctx.index, layer.index, "control", "wait", t_wait, t_copied, cause="copy")
+                t_wait = t_copied
             log.add(ctx.index, layer.index, "control", "wait", t_wait, t_done, cause="lanes")
             self._last_mark[ctx.index] = t_done
             out = parts[0]
@@ -209,12 +215,14 @@ class RealExecutor(LaneExecutor):
                       device_event: tuple[str, str], host_event: tuple[str, str], after: list | None = None) -> list:
         """Submit one experts call ``(module, hidden, ids, weights)`` split in two: ``device`` experts
         on the device lane, every other one (``n_host`` distinct) on the host lane; each side only if
-        it has a slot with a non-zero weight. Returns the futures; events are (kind, cause)."""
+        it has a slot with a non-zero weight. Returns the futures and when this thread finished
+        waiting for ``after`` (None: it did not wait; only a native device lane makes it wait);
+        events are (kind, cause)."""
         module, hidden, ids, weights = call
         dmap, hmap, dev_pairs, host_pairs = _split(layer.num_experts, device, ids, weights)
         ebytes = self.run.expert_bytes[layer.index]
         dev_backend, host_backend = self.device_backend, self.host_backend
-        futs = []
+        futs, t_copied = [], None
         native_dev = dev_pairs and self.native_device is not None
         if dev_pairs and not native_dev:
             futs.append(self.lanes["device"].submit(
@@ -233,12 +241,14 @@ class RealExecutor(LaneExecutor):
             # a fetched expert runs after its copy: the device side is queued once the copies are
             # done (this thread's wait is inside its "wait" event; the C++ worker itself never
             # waits, so its lane records only its compute, as the native host lane does)
-            for f in after or ():
-                f.result()
+            if after:
+                for f in after:
+                    f.result()
+                t_copied = (time.perf_counter_ns() - self.log.t0) / 1e3
             futs.insert(0, self.native_device.submit_experts(
                 dev_backend, module, hidden, ids, weights, dmap, step=ctx.index, layer=layer.index,
                 kind=device_event[0], tokens=dev_pairs, nbytes=ebytes * len(device), cause=device_event[1]))
-        return futs
+        return futs, t_copied
 
     def _deferred(self, ctx, layer, lp):
         def backend(module, hidden, ids, weights, expert_map=None):
@@ -247,10 +257,10 @@ class RealExecutor(LaneExecutor):
             # the next layer (as the simulator models it)
             deferred = _experts(lp.deferred)
             on_dev = sorted(set(deferred).intersection(_experts(lp.device)))
-            parts = self._submit_sides(ctx, layer, (module, hidden, ids, weights), on_dev,
-                                       len(deferred) - len(on_dev),
-                                       device_event=("expert-device", "deferred"),
-                                       host_event=("expert-deferred", "deferred"))
+            parts, _ = self._submit_sides(ctx, layer, (module, hidden, ids, weights), on_dev,
+                                          len(deferred) - len(on_dev),
+                                          device_event=("expert-device", "deferred"),
+                                          host_event=("expert-deferred", "deferred"))
             if not parts:
                 return torch.zeros_like(hidden)
             return parts[0] if len(parts) == 1 else _Sum(parts)

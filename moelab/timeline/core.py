@@ -13,7 +13,8 @@ Every figure here is computed from the events table alone, so a real run and a s
   cause (``copy``, ``deferred``, ``host``, ``device``) counts as that cause; every other instant
   is attributed to the first of these that holds at that instant:
 
-  1. ``copy`` — a demand copy (``transfer-demand``) runs, or a device lane waits for a copy;
+  1. ``copy`` — a demand copy (``transfer-demand``) runs, or a device lane waits for a copy (a
+     native device lane's wait is the control thread's own, a ``wait`` of cause ``copy``);
   2. ``deferred`` — deferred host work (``expert-deferred``) runs: the control thread is waiting
      to merge a deferred result (or for the host lane it occupies);
   3. ``host`` — other host-lane work (misses computed on the host) runs;
