@@ -212,7 +212,8 @@ class RealExecutor(LaneExecutor):
         return backend
 
     def _submit_sides(self, ctx, layer, call: tuple, device: list[int], n_host: int, *,
-                      device_event: tuple[str, str], host_event: tuple[str, str], after: list | None = None) -> list:
+                      device_event: tuple[str, str], host_event: tuple[str, str],
+                      after: list | None = None) -> tuple[list, float | None]:
         """Submit one experts call ``(module, hidden, ids, weights)`` split in two: ``device`` experts
         on the device lane, every other one (``n_host`` distinct) on the host lane; each side only if
         it has a slot with a non-zero weight. Returns the futures and when this thread finished
@@ -239,8 +240,8 @@ class RealExecutor(LaneExecutor):
                 kind=host_event[0], tokens=host_pairs, nbytes=ebytes * n_host, cause=host_event[1]))
         if native_dev:  # after the host side is queued: it runs while this thread waits for the copies
             # a fetched expert runs after its copy: the device side is queued once the copies are
-            # done (this thread's wait is inside its "wait" event; the C++ worker itself never
-            # waits, so its lane records only its compute, as the native host lane does)
+            # done (the caller records this thread's wait as a wait of cause copy; the C++ worker
+            # itself never waits, so its lane records only its compute, as the native host lane does)
             if after:
                 for f in after:
                     f.result()
