@@ -1171,13 +1171,22 @@ class CompiledPlanner:
         self._ntab = 0
         self._slots = 0
         self._grow(64, 64)
+        from moelab.hybrid._entry import native_entry
+
+        self._native = native_entry()
+        """The native per-layer entry (:mod:`moelab.hybrid._entry`), or None: :meth:`plan_tensors` is
+        then :meth:`plan_layer`."""
 
     def defer_with(self, deferred: list[int], min_immediate: int, union: bool) -> None:
         """:meth:`moelab.hybrid.planner.Planner.defer_with`: the deferral settings into the handle."""
         self._defer = (np.asarray(deferred, dtype=np.int64), int(min_immediate), bool(union))
         self.static = self.static._replace(defer_d=self._defer[0], defer_min=self._defer[1],
                                            defer_union=self._defer[2])
+        self._set_handle()
+
+    def _set_handle(self) -> None:
         self._h = handle(self.state, self.static, self.out)
+        self._h_addr = int(self._h.ctypes.data)  # what the native entry is given
 
     def _grow(self, tokens: int, slots: int) -> None:
         """(Re)build the static tables for ``tokens`` real tokens and the outputs for ``slots`` slots."""
@@ -1191,7 +1200,7 @@ class CompiledPlanner:
             self._slots = max(2 * self._slots, slots)
             self.out = _out(self._emax, self._nk, self._ntab, self._slots, self.planner.num_layers)
             self._splits.clear()  # views of the previous buffers
-        self._h = handle(self.state, self.static, self.out)
+        self._set_handle()
 
     def plan_layer(self, forward: int, step: int, phase: str, layer: int, ids: Any, weights: Any,
                    state: Any = None, scores: Any = None, prefetch: Any = None, defer: bool = False):
@@ -1251,6 +1260,48 @@ class CompiledPlanner:
         rec = self.out.rec[:n].copy()
         if err:
             self._raise(err, layer, ids, pf, pf_target)
+        if pf_target >= 0 and p.budget_per_forward and p.budget is not None:
+            p._budget_left -= moved
+        return LazyPlan(forward, step, phase, layer, T, skipped, rec, pf_target, self)
+
+    def plan_tensors(self, forward: int, step: int, phase: str, layer: int, ids: Any, weights: Any,
+                     state: Any = None, scores: Any = None, prefetch: Any = None, defer: bool = False):
+        """:meth:`plan_layer` for the hybrid runtime's CPU tensors, through the native entry
+        (:mod:`moelab.hybrid._entry`) where it takes them as they are: ``ids`` (T, K) int64,
+        ``weights`` float32 or bfloat16 (or None where :meth:`plan_layer` needs none), ``state``
+        int8, ``scores`` float32 (tensors or numpy arrays), ``prefetch`` an int64 array; all
+        C-contiguous. None, with nothing changed, for anything else, for plans larger than the
+        buffers, and where the entry is unavailable: the caller then plans through
+        :meth:`plan_layer` (which converts, grows and raises).
+
+        Size: the reference's signature (positional on the per-layer hot path)."""
+        native = self._native
+        p = self.planner
+        if native is None or (self.is_mrs and scores is None):
+            return None
+        target = layer + p.distance
+        pf_target = budget = -1
+        if prefetch is not None and target < p.num_layers:
+            pf_target = target
+            b = p.budget
+            if p.budget_per_forward and b is not None:
+                if p._budget_forward != forward:
+                    p._budget_forward, p._budget_left = forward, b
+                b = p._budget_left
+            budget = -1 if b is None else int(b)
+        else:
+            prefetch = None
+        r = native(self._h_addr, self._h.shape[0], self._ntab, self._slots, p.num_layers, layer,
+                   NO_STATE if state is None else DEFER if defer else READ_STATE, pf_target, budget, ids, weights,
+                   state, scores if self.is_mrs else None, prefetch)
+        if r is None:  # not as the entry takes them: the caller's dispatcher path
+            return None
+        n, err, skipped, moved, m_now, m_late, T = r
+        # (the entry read the weights given for several tokens or a deferral, as plan_layer does)
+        self.widths = (m_now, m_late) if (T > 1 or defer) and not err else (-2, -2)
+        rec = self.out.rec[:n].copy()
+        if err:
+            self._raise(err, layer, ids, prefetch, pf_target)
         if pf_target >= 0 and p.budget_per_forward and p.budget is not None:
             p._budget_left -= moved
         return LazyPlan(forward, step, phase, layer, T, skipped, rec, pf_target, self)

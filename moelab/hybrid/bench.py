@@ -91,6 +91,9 @@ def planner_cost(model_name: str, steps: int = 64, repeats: int = 3) -> dict[str
                 if fast:
                     replay += _replay(run, calls)
                     path = run.planner.path
+                    compiled = run.planner._compiled
+                    entry = "native entry" if compiled is not None and compiled._native is not None else \
+                        "numba dispatcher" if compiled is not None else "python"
     finally:
         ExpertCache.fast = True
     med = {f: statistics.median(samples[f]) / 1e3 for f in (True, False)}
@@ -102,34 +105,63 @@ def planner_cost(model_name: str, steps: int = 64, repeats: int = 3) -> dict[str
         "planner_mean_us": timing[True]["planner_ns"] / n / 1e3,
         "planner_alone_us": statistics.median(replay) / 1e3,
         "predictor_us_per_layer": timing[True]["predictor_ns"] / n / 1e3,
-        "plans": len(samples[True]), "path": path,
+        "plans": len(samples[True]), "path": path, "entry": entry,
     }
 
 
 def _record_calls(planner, calls: list, copy_ns: list[int]) -> None:
-    """Keep the arguments of every ``plan_layer`` call of ``planner``: copies of its arrays (the
-    runtime hands the compiled planner views of the model's tensors, which later layers and
-    steps may reuse), the lists as they are (the adapter makes them afresh for the call).
-    ``copy_ns`` gets the ns each decode-step call spent recording (inside the timed plan: the
-    caller subtracts it)."""
+    """Keep the arguments of every plan call of ``planner`` (``plan_layer``, and the compiled
+    path's native entry ``plan_tensors`` where it planned): copies of its arrays and tensors (the
+    runtime hands the planner the model's own tensors, which later layers and steps may reuse, and
+    a deferral edits the slot states in place), the lists as they are (the adapter makes them
+    afresh for the call). ``calls`` gets ``(native, args)``; ``copy_ns`` the ns each decode-step
+    plan spent recording (inside the timed plan: the caller subtracts it)."""
     import time
 
-    plan_layer = planner.plan_layer
+    import torch
+
+    def kept(args: tuple) -> tuple:
+        return tuple(a.copy() if isinstance(a, np.ndarray) else a.clone() if isinstance(a, torch.Tensor) else a
+                     for a in args)
+
+    plan_layer, carry = planner.plan_layer, [0]  # carry: a native try's recording, when it did not plan
 
     def recorded(*args):
         t0 = time.perf_counter_ns()
-        calls.append(tuple(a.copy() if isinstance(a, np.ndarray) else a for a in args))
+        calls.append((False, kept(args)))
         if args[2] == "decode":
-            copy_ns.append(time.perf_counter_ns() - t0)
+            copy_ns.append(time.perf_counter_ns() - t0 + carry[0])
+            carry[0] = 0
         return plan_layer(*args)
 
     planner.plan_layer = recorded
+    compiled = getattr(planner, "_compiled", None)
+    if compiled is None:
+        return
+    plan_tensors = compiled.plan_tensors
+
+    def recorded_tensors(*args):
+        t0 = time.perf_counter_ns()
+        got = kept(args)
+        dt = time.perf_counter_ns() - t0
+        lp = plan_tensors(*args)
+        if lp is not None:
+            calls.append((True, got))
+        if args[2] == "decode":
+            if lp is not None:
+                copy_ns.append(dt)
+            else:
+                carry[0] += dt
+        return lp
+
+    compiled.plan_tensors = recorded_tensors
 
 
 def _replay(run, calls: list) -> list[int]:
     """ns of each decode-step plan when ``calls`` are replayed through a fresh planner of the
     same configuration outside the model (the planner alone: no tensors, no forward around
-    it); checks that it plans exactly what the run planned."""
+    it), each through the entry the run planned it with; checks that it plans exactly what
+    the run planned."""
     import time
 
     from moelab.hybrid.planner import Planner, make_cache
@@ -140,9 +172,9 @@ def _replay(run, calls: list) -> list[int]:
     if p.deferral is not None:  # the run's deferral, handed to its planner
         fresh.defer_with(*p.deferral)
     out, dts = [], []
-    for args in calls:
+    for native, args in calls:
         t0 = time.perf_counter_ns()
-        out.append(fresh.plan_layer(*args))
+        out.append(fresh._compiled.plan_tensors(*args) if native else fresh.plan_layer(*args))
         if args[2] == "decode":
             dts.append(time.perf_counter_ns() - t0)
     if out != run.plans:
@@ -331,7 +363,7 @@ def _planner_tables(out, models, flagged: list) -> None:  # pragma: no cover - p
     for m in models:
         r = planner_cost(m)
         flagged.append(r["measurement"])
-        out(f"  {m}: planner ({r['path']}) {r['planner_us_per_layer']:.1f} µs [{_stat(r['measurement'])}] (reference "
+        out(f"  {m}: planner ({r['path']}, {r['entry']}) {r['planner_us_per_layer']:.1f} µs [{_stat(r['measurement'])}] (reference "
             f"{r['planner_us_reference']:.1f} µs, x{r['planner_us_reference'] / r['planner_us_per_layer']:.2f}; "
             f"mean {r['planner_mean_us']:.1f} µs; the planner alone, replayed outside the model: "
             f"{r['planner_alone_us']:.1f} µs), predictor {r['predictor_us_per_layer']:.1f} µs "

@@ -322,7 +322,8 @@ class HybridRun:
         t0 = time.perf_counter_ns()
         try:
             if self.planner.path == "compiled":
-                self._plan_layer_arrays(ctx, layer, call)
+                if not self._plan_layer_native(ctx, layer, call):
+                    self._plan_layer_arrays(ctx, layer, call)
             else:
                 self._plan_layer(ctx, layer, call)
         finally:
@@ -360,6 +361,44 @@ class HybridRun:
             state = [r for r, k in zip(state, keep, strict=True) if k] if state is not None else None
         scores = self._scores(ctx, layer, valid) if self.cache is not None else None
         self._plan_with(ctx, layer, ids, w, state, scores)
+
+    def _plan_layer_native(self, ctx: ForwardContext, layer, call: ExpertsCall) -> bool:
+        """:meth:`_plan_layer_arrays` through the compiled planner's native entry
+        (:mod:`moelab.hybrid._entry`), which reads the call's own tensors: no numpy views, no
+        dispatcher. False, with nothing changed, where it does not take them as they are (padding
+        rows, another dtype or device, a plan larger than the planner's buffers, no entry): the
+        caller then plans through :meth:`_plan_layer_arrays`."""
+        compiled = self.planner._compiled
+        if compiled._native is None or ctx.mask_cpu is not None:
+            return False
+        plan, experts, scratch = call._plan, call.experts, ctx.scratch
+        if plan is None:
+            wt, state, defer = call.weights, None, False
+        else:
+            wt, state, defer = plan.weights, plan.state, call.pending is not None
+        scores = None
+        if self._needs_scores:
+            logits = scratch.get(("hybrid-logits", layer.index))
+            scores = None if logits is None else self._softmax(layer, logits, host=False)
+        key = None
+        proposal = None
+        if self.predictor is not None:
+            key = ("hybrid-prefetch", layer.index + self.predictor.distance)
+            proposal = scratch.get(key)
+        lp = compiled.plan_tensors(ctx.index, ctx.step, ctx.phase, layer.index, experts, wt, state, scores, proposal,
+                                   defer)
+        if lp is None:
+            return False
+        if defer:  # made in the planner's call, on the plan's own state
+            call.pending = None
+        scratch.pop(("hybrid-logits", layer.index), None)
+        if key is not None:
+            scratch.pop(key, None)
+        self.plans.append(lp)
+        scratch[("hybrid-plan", layer.index)] = lp
+        if plan is not None and self._last_plan_handler():  # the compacted routing for the seam (plan.split)
+            plan.split = compiled.split(layer.index, experts, wt, wt.dtype == torch.bfloat16)
+        return True
 
     def _plan_layer_arrays(self, ctx: ForwardContext, layer, call: ExpertsCall) -> None:
         """:meth:`_plan_layer` for the compiled planner: the routing as numpy views of the call's
@@ -433,11 +472,18 @@ class HybridRun:
             logits = logits.reshape(-1, logits.shape[-1])
         if valid is not None and logits.shape[0] == valid.size and not valid.all():
             logits = logits[torch.from_numpy(valid).to(logits.device)]
-        if logits.dtype != torch.float32:
-            logits = logits.float()
-        # few torch calls: each costs microseconds on a decode step's tiny tensors
-        s = torch.softmax(logits, -1) if layer.spec.scoring == "softmax" else torch.sigmoid(logits)
-        return _host_array(s)
+        return self._softmax(layer, logits)
+
+    @staticmethod
+    def _softmax(layer, logits: torch.Tensor, host: bool = True):
+        """(tokens, E) float32 router scores of ``logits`` (numpy with ``host``, else the tensor)."""
+        if logits.dim() != 2:
+            logits = logits.reshape(-1, logits.shape[-1])
+        # few torch calls: each costs microseconds on a decode step's tiny tensors (softmax's dtype
+        # converts first: the same values as .float() then softmax)
+        s = torch.softmax(logits, -1, dtype=torch.float32) if layer.spec.scoring == "softmax" else \
+            torch.sigmoid(logits if logits.dtype == torch.float32 else logits.float())
+        return _host_array(s) if host else s
 
     # ------------------------------------------------------------------ results
     def plan_table(self):

@@ -1,0 +1,142 @@
+// The compiled planner's per-layer entry (moelab/hybrid/_entry.py): one CPython call from the
+// hybrid runtime's plan handler to the numba-compiled planner, with the layer's routing passed as
+// the model's own tensors.
+//
+// Why in C: between a forward's layers every Python-level step costs microseconds (cold caches),
+// and the numba dispatcher's boxing of ten arguments (numpy views made of the tensors first) cost
+// 35 µs a layer on the development VM, against about 1 µs for this METH_FASTCALL function. It reads
+// each tensor's data pointer and shape, writes them into the word block the numba entry
+// (a cfunc: moelab.hybrid._entry.entry_address) reads, and calls it; the planner's state lives in
+// the handle (moelab.hybrid._compiled.handle) the caller passes by address.
+//
+// Anything it does not take as is — a tensor of another dtype or device, non-contiguous, of the
+// wrong rank, or a plan larger than the planner's buffers — returns None before anything changed,
+// and the caller plans through the numba dispatcher path (which converts, grows and checks).
+#include <torch/extension.h>
+#include <torch/csrc/autograd/python_variable.h>
+
+#include <cstdint>
+
+namespace moelab {
+namespace {
+
+// word layout of the block the numba entry reads (keep in step with moelab/hybrid/_entry.py)
+enum : int {
+  W_HANDLE, W_HANDLE_LEN, W_LAYER, W_MODE, W_PF_TARGET, W_BUDGET,
+  W_IDS, W_IDS_T, W_IDS_K, W_W, W_W_T, W_W_K, W_ST, W_ST_T, W_ST_K,
+  W_SC, W_SC_R, W_SC_E, W_PF, W_PF_N,
+  W_RESULT,  // then: record length, error, skipped, moved, immediate width, deferred width
+  W_WORDS = W_RESULT + 6,
+};
+
+enum Kind { I64, F32, U16, I8 };
+
+using entry_fn = int64_t (*)(int64_t*);
+
+float zero_f32 = 0.f;
+int8_t zero_i8 = 0;
+int64_t zero_i64 = 0;
+
+// A tensor's (or, for a numpy array, a buffer's) data pointer and shape into w[0..dims]; false
+// where it is not a C-contiguous CPU array of that kind and rank. bf16 tensors are read as U16
+// (their bit patterns).
+bool view(PyObject* o, Kind kind, int dims, int64_t* w) {
+  if (THPVariable_Check(o)) {
+    const at::Tensor& t = THPVariable_Unpack(o);
+    const auto st = t.scalar_type();
+    const bool ok = kind == I64 ? st == at::kLong : kind == F32 ? st == at::kFloat
+                  : kind == U16 ? st == at::kBFloat16 : st == at::kChar;
+    if (!ok || t.dim() != dims || !t.device().is_cpu() || !t.is_contiguous()) return false;
+    w[0] = reinterpret_cast<int64_t>(t.data_ptr());
+    for (int d = 0; d < dims; ++d) w[1 + d] = t.size(d);
+    return true;
+  }
+  if (!PyObject_CheckBuffer(o)) return false;
+  Py_buffer b;
+  if (PyObject_GetBuffer(o, &b, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) != 0) {
+    PyErr_Clear();
+    return false;
+  }
+  const char f = b.format ? b.format[b.format[0] == '<' || b.format[0] == '=' || b.format[0] == '@'] : 'B';
+  const bool ok = b.ndim == dims && (kind == I64 ? b.itemsize == 8 && (f == 'q' || f == 'l')
+                                    : kind == F32 ? b.itemsize == 4 && f == 'f'
+                                    : kind == I8 ? b.itemsize == 1 && f == 'b' : false);
+  if (ok) {
+    w[0] = reinterpret_cast<int64_t>(b.buf);
+    for (int d = 0; d < dims; ++d) w[1 + d] = b.shape[d];
+  }
+  PyBuffer_Release(&b);  // the caller holds the object for the call
+  return ok;
+}
+
+bool as_int(PyObject* o, int64_t* v) {
+  *v = PyLong_AsLongLong(o);
+  if (*v == -1 && PyErr_Occurred()) {
+    PyErr_Clear();
+    return false;
+  }
+  return true;
+}
+
+// plan_entry(fn_f32, fn_u16, handle, handle_len, tables, slots, layers, layer, mode, pf_target, budget,
+//            ids, weights, state, scores, prefetch) -> (record length, error, skipped, moved,
+//            immediate width, deferred width, tokens) or None (plan through the dispatcher path)
+PyObject* plan_entry(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 16) {
+    PyErr_SetString(PyExc_TypeError, "plan_entry takes 16 positional arguments");
+    return nullptr;
+  }
+  int64_t fn32, fn16, tables, slots, layers, blk[W_WORDS];
+  if (!as_int(args[0], &fn32) || !as_int(args[1], &fn16) || !as_int(args[2], &blk[W_HANDLE]) ||
+      !as_int(args[3], &blk[W_HANDLE_LEN]) || !as_int(args[4], &tables) || !as_int(args[5], &slots) ||
+      !as_int(args[6], &layers) || !as_int(args[7], &blk[W_LAYER]) || !as_int(args[8], &blk[W_MODE]) ||
+      !as_int(args[9], &blk[W_PF_TARGET]) || !as_int(args[10], &blk[W_BUDGET]))
+    Py_RETURN_NONE;
+  if (blk[W_LAYER] < 0 || blk[W_LAYER] >= layers || !view(args[11], I64, 2, &blk[W_IDS])) Py_RETURN_NONE;
+  const int64_t T = blk[W_IDS_T], K = blk[W_IDS_K];
+  int64_t fn = fn32;
+  // as the dispatcher path: the weights are read for several tokens or a deferral (they order a
+  // union, rank the slots to defer, and compact the routing), else a (1, 1) zero stands in
+  const bool weights = T > 1 || blk[W_MODE] == 2;
+  if (!weights || args[12] == Py_None) {
+    if (weights) Py_RETURN_NONE;
+    blk[W_W] = reinterpret_cast<int64_t>(&zero_f32), blk[W_W_T] = 1, blk[W_W_K] = 1;
+  } else if (!view(args[12], F32, 2, &blk[W_W])) {
+    if (!view(args[12], U16, 2, &blk[W_W])) Py_RETURN_NONE;
+    fn = fn16;
+  }
+  if (weights && (blk[W_W_T] != T || blk[W_W_K] != K)) Py_RETURN_NONE;
+  if (args[13] == Py_None) {
+    blk[W_ST] = reinterpret_cast<int64_t>(&zero_i8), blk[W_ST_T] = 1, blk[W_ST_K] = 1;
+  } else if (!view(args[13], I8, 2, &blk[W_ST]) || blk[W_ST_T] != T || blk[W_ST_K] != K) {
+    Py_RETURN_NONE;
+  }
+  if (args[14] == Py_None) {
+    blk[W_SC] = reinterpret_cast<int64_t>(&zero_f32), blk[W_SC_R] = 1, blk[W_SC_E] = 1;
+  } else if (!view(args[14], F32, 2, &blk[W_SC])) {
+    Py_RETURN_NONE;
+  }
+  if (args[15] == Py_None) {
+    blk[W_PF] = reinterpret_cast<int64_t>(&zero_i64), blk[W_PF_N] = 0;
+  } else if (!view(args[15], I64, 1, &blk[W_PF])) {
+    Py_RETURN_NONE;
+  }
+  const int64_t rows = T > blk[W_SC_R] ? T : blk[W_SC_R];
+  if (rows >= tables || T * K > slots || fn == 0) Py_RETURN_NONE;  // the dispatcher path grows the buffers
+  reinterpret_cast<entry_fn>(fn)(blk);
+  const int64_t* r = blk + W_RESULT;
+  return Py_BuildValue("(LLLLLLL)", static_cast<long long>(r[0]), static_cast<long long>(r[1]),
+                       static_cast<long long>(r[2]), static_cast<long long>(r[3]), static_cast<long long>(r[4]),
+                       static_cast<long long>(r[5]), static_cast<long long>(T));
+}
+
+PyMethodDef methods[] = {
+    {"plan_entry", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(plan_entry)), METH_FASTCALL,
+     "the compiled planner's per-layer entry (moelab.hybrid._entry): None where it cannot take the call"},
+    {nullptr, nullptr, 0, nullptr}};
+
+}  // namespace
+
+void register_plan_entry(PyObject* module) { PyModule_AddFunctions(module, methods); }
+
+}  // namespace moelab
