@@ -812,7 +812,7 @@ std::vector<std::string> cpu_features() {
   return f;
 }
 
-void register_plan_entry(PyObject* module);  // plan_entry.cpp
+void register_fastcalls(PyObject* module);  // fastcall.cpp
 
 }  // namespace moelab
 
@@ -851,7 +851,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("cpu_features", &moelab::cpu_features, "x86 features detected at run time");
   m.def("_raise_probe", &moelab::raise_probe, "throw one kind of C++ exception (0 c10::Error, 1 runtime_error, "
         "2 pybind11 value_error, 3 runtime_error formatted by an ostringstream): which survive this torch");
-  moelab::register_plan_entry(m.ptr());  // plan_entry: a METH_FASTCALL function, not a pybind11 one
+  moelab::register_fastcalls(m.ptr());  // plan_entry, params_key: METH_FASTCALL functions, not pybind11 ones
   m.attr("ABI_VERSION") = 7;  // 4: expert_map, moe_submit/Ticket (C++ lane workers); 5: errors as returned
                              // strings; 6: Prepared (a layer's call tail kept in C++); 7: plan_entry
 }

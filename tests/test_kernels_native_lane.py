@@ -205,6 +205,16 @@ def test_a_backends_repeated_submits_reuse_the_prepared_call_and_follow_changes(
     assert be._calls[mod] is not entry
     torch.testing.assert_close(changed, expected(), rtol=0, atol=0)
     assert not torch.equal(changed, first)
+    for change in ("data", "parameter"):  # new storage under the same parameter; a new parameter
+        entry = be._calls[mod]
+        with torch.no_grad():
+            if change == "data":
+                mod.down_proj.data = mod.down_proj.data * 0.5
+            else:
+                mod.down_proj = torch.nn.Parameter(mod.down_proj.detach() * 3.0)
+        got = be.submit(mod, x, ids, w, emap).result()
+        assert be._calls[mod] is not entry, change
+        torch.testing.assert_close(got, expected(), rtol=0, atol=0)
 
     other = [i for i in supported_isas() if i != be._calls[mod][1][0]]
     if other:

@@ -1,4 +1,4 @@
-"""The compiled planner's native entry (moelab.hybrid._entry, kernels/plan_entry.cpp) plans exactly
+"""The compiled planner's native entry (moelab.hybrid._entry, kernels/fastcall.cpp) plans exactly
 what the numba dispatcher path plans from the same routing: the model's tensors handed over as they
 are (int64 ids, float32 or bfloat16 weights, int8 slot states, float32 scores, an int64 proposal)
 against the numpy views the runtime makes for the dispatcher path. Every cache policy, one token and

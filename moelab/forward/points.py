@@ -148,13 +148,13 @@ class ExpertsCall:
     def plan(self) -> SlotPlan:
         """The layer's :class:`SlotPlan`, made on first use (every slot immediate)."""
         if self._plan is None:
-            T, K = self.experts.shape
-            dev = self.experts.device
-            # on the CPU through numpy: half of torch.zeros' cost, paid per MoE layer
-            state = torch.from_numpy(np.zeros((T, K), dtype=np.int8)) if dev.type == "cpu" else \
-                torch.zeros((T, K), dtype=torch.int8, device=dev)
-            self._plan = SlotPlan(self.layer, self.experts, self.weights, state, self.ctx.valid_or_ones(T, dev),
-                                  self.ctx.phase)
+            experts = self.experts
+            # zeros_like: the model's own ops keep torch's allocation path warm between layers, where
+            # numpy's (np.zeros + torch.from_numpy: half the cost in a loop) costs twice torch's
+            # (35-40 µs against 14-23 µs per MoE layer in a decode step on the development VM)
+            state = torch.zeros_like(experts, dtype=torch.int8, memory_format=torch.contiguous_format)
+            self._plan = SlotPlan(self.layer, experts, self.weights, state,
+                                  self.ctx.valid_or_ones(experts.shape[0], experts.device), self.ctx.phase)
         return self._plan
 
 

@@ -6,7 +6,7 @@ of the model's tensors. Between a forward's layers each of those Python-level st
 the development VM the views and the dispatcher's boxing of ten arguments cost about 35 µs a
 layer, the kernel's own work about 10 µs (``moelab bench hybrid``'s planner figure).
 
-This module is the other way in. The kernels extension's ``plan_entry`` (``kernels/plan_entry.cpp``,
+This module is the other way in. The kernels extension's ``plan_entry`` (``kernels/fastcall.cpp``,
 a ``METH_FASTCALL`` function: about 1 µs a call) reads the tensors' data pointers and shapes
 itself, writes them into a block of int64 words and calls a numba **cfunc** compiled here
 (:func:`entry_addresses`), which makes array views of those words and runs the same
@@ -14,7 +14,7 @@ itself, writes them into a block of int64 words and calls a numba **cfunc** comp
 path: the same decisions by construction (``tests/test_planner_entry.py`` checks it on recorded
 and synthetic routings).
 
-The block's words (keep in step with ``kernels/plan_entry.cpp``): the planner's handle
+The block's words (keep in step with ``kernels/fastcall.cpp``): the planner's handle
 (:func:`~moelab.hybrid._compiled.handle`: address and length), the layer, the state mode, the
 prefetch target and budget, then per array its address and shape (ids int64 (T, K); weights
 float32 or bfloat16 bits (T, K); slot states int8 (T, K); router scores float32 (R, E); the
@@ -43,7 +43,7 @@ log = logging.getLogger(__name__)
 #: The environment variable choosing the way in: ``auto`` (default), ``native`` or ``numba``.
 ENV = "MOELAB_PLANNER_ENTRY"
 
-# the block's words (kernels/plan_entry.cpp)
+# the block's words (kernels/fastcall.cpp)
 (W_HANDLE, W_HANDLE_LEN, W_LAYER, W_MODE, W_PF_TARGET, W_BUDGET, W_IDS, W_IDS_T, W_IDS_K, W_W, W_W_T, W_W_K,
  W_ST, W_ST_T, W_ST_K, W_SC, W_SC_R, W_SC_E, W_PF, W_PF_N, W_RESULT) = range(21)
 WORDS = W_RESULT + 6

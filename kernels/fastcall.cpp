@@ -1,21 +1,27 @@
-// The compiled planner's per-layer entry (moelab/hybrid/_entry.py): one CPython call from the
+// The extension's METH_FASTCALL functions: per-layer calls from Python that skip pybind11, whose
+// argument conversion and overload dispatch cost several µs a call, and tens between a forward's
+// layers (cold caches), against about 1 µs for a CPython fast call.
+//
+// plan_entry: the compiled planner's per-layer entry (moelab/hybrid/_entry.py): one call from the
 // hybrid runtime's plan handler to the numba-compiled planner, with the layer's routing passed as
-// the model's own tensors.
+// the model's own tensors. The numba dispatcher's boxing of ten arguments (numpy views made of
+// the tensors first) cost 35 µs a layer on the development VM. This function reads each tensor's
+// data pointer and shape, writes them into the word block the numba entry (a cfunc:
+// moelab.hybrid._entry.entry_addresses) reads, and calls it; the planner's state lives in the
+// handle (moelab.hybrid._compiled.handle) the caller passes by address. Anything it does not take
+// as is — a tensor of another dtype or device, non-contiguous, of the wrong rank, or a plan larger
+// than the planner's buffers — returns None before anything changed, and the caller plans through
+// the numba dispatcher path (which converts, grows and checks).
 //
-// Why in C: between a forward's layers every Python-level step costs microseconds (cold caches),
-// and the numba dispatcher's boxing of ten arguments (numpy views made of the tensors first) cost
-// 35 µs a layer on the development VM, against about 1 µs for this METH_FASTCALL function. It reads
-// each tensor's data pointer and shape, writes them into the word block the numba entry
-// (a cfunc: moelab.hybrid._entry.entry_address) reads, and calls it; the planner's state lives in
-// the handle (moelab.hybrid._compiled.handle) the caller passes by address.
-//
-// Anything it does not take as is — a tensor of another dtype or device, non-contiguous, of the
-// wrong rank, or a plan larger than the planner's buffers — returns None before anything changed,
-// and the caller plans through the numba dispatcher path (which converts, grows and checks).
+// params_key: what a prepared kernels call depends on (moelab.kernels.backend: each parameter's
+// data pointer, version, dtype and shape) as one bytes object, read in C++ rather than through
+// four Python getters per parameter.
 #include <torch/extension.h>
 #include <torch/csrc/autograd/python_variable.h>
 
+#include <algorithm>
 #include <cstdint>
+#include <vector>
 
 namespace moelab {
 namespace {
@@ -130,13 +136,49 @@ PyObject* plan_entry(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
                        static_cast<long long>(r[5]), static_cast<long long>(T));
 }
 
+// params_key(params) -> bytes: per tensor of the sequence ``params`` (None entries and repeats
+// skipped), its data pointer, version counter, dtype and shape, as int64 words.
+PyObject* params_key(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 1) {
+    PyErr_SetString(PyExc_TypeError, "params_key takes one sequence of tensors");
+    return nullptr;
+  }
+  PyObject* seq = PySequence_Fast(args[0], "params_key: expected a sequence of tensors");
+  if (seq == nullptr) return nullptr;
+  const Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+  PyObject** items = PySequence_Fast_ITEMS(seq);
+  std::vector<int64_t> words;
+  words.reserve(8 * n);
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    PyObject* o = items[i];
+    if (o == Py_None || std::find(items, items + i, o) != items + i) continue;
+    if (!THPVariable_Check(o)) {
+      Py_DECREF(seq);
+      PyErr_Format(PyExc_TypeError, "params_key: item %zd is a %s, expected a tensor or None", i, Py_TYPE(o)->tp_name);
+      return nullptr;
+    }
+    const at::Tensor& t = THPVariable_Unpack(o);
+    words.push_back(reinterpret_cast<int64_t>(t.defined() ? t.data_ptr() : nullptr));
+    words.push_back(t.defined() ? static_cast<int64_t>(t._version()) : -1);
+    words.push_back(t.defined() ? static_cast<int64_t>(t.scalar_type()) : -1);
+    words.push_back(t.defined() ? t.dim() : -1);
+    if (t.defined())
+      for (int64_t d : t.sizes()) words.push_back(d);
+  }
+  Py_DECREF(seq);
+  return PyBytes_FromStringAndSize(reinterpret_cast<const char*>(words.data()),
+                                   static_cast<Py_ssize_t>(words.size() * sizeof(int64_t)));
+}
+
 PyMethodDef methods[] = {
     {"plan_entry", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(plan_entry)), METH_FASTCALL,
      "the compiled planner's per-layer entry (moelab.hybrid._entry): None where it cannot take the call"},
+    {"params_key", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(params_key)), METH_FASTCALL,
+     "what a prepared kernels call depends on: each tensor's data pointer, version, dtype and shape (bytes)"},
     {nullptr, nullptr, 0, nullptr}};
 
 }  // namespace
 
-void register_plan_entry(PyObject* module) { PyModule_AddFunctions(module, methods); }
+void register_fastcalls(PyObject* module) { PyModule_AddFunctions(module, methods); }
 
 }  // namespace moelab
