@@ -24,6 +24,38 @@
 #include <vector>
 
 namespace moelab {
+
+// The words of params_key: per tensor of the sequence ``params`` (None entries and repeats
+// skipped), its data pointer, version counter, dtype and shape, as int64 words in a bytes object
+// (a new reference; nullptr with a Python error set for a bad sequence).
+PyObject* params_key_of(PyObject* params) {
+  PyObject* seq = PySequence_Fast(params, "params_key: expected a sequence of tensors");
+  if (seq == nullptr) return nullptr;
+  const Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+  PyObject** items = PySequence_Fast_ITEMS(seq);
+  std::vector<int64_t> words;
+  words.reserve(8 * n);
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    PyObject* o = items[i];
+    if (o == Py_None || std::find(items, items + i, o) != items + i) continue;
+    if (!THPVariable_Check(o)) {
+      Py_DECREF(seq);
+      PyErr_Format(PyExc_TypeError, "params_key: item %zd is a %s, expected a tensor or None", i, Py_TYPE(o)->tp_name);
+      return nullptr;
+    }
+    const at::Tensor& t = THPVariable_Unpack(o);
+    words.push_back(reinterpret_cast<int64_t>(t.defined() ? t.data_ptr() : nullptr));
+    words.push_back(t.defined() ? static_cast<int64_t>(t._version()) : -1);
+    words.push_back(t.defined() ? static_cast<int64_t>(t.scalar_type()) : -1);
+    words.push_back(t.defined() ? t.dim() : -1);
+    if (t.defined())
+      for (int64_t d : t.sizes()) words.push_back(d);
+  }
+  Py_DECREF(seq);
+  return PyBytes_FromStringAndSize(reinterpret_cast<const char*>(words.data()),
+                                   static_cast<Py_ssize_t>(words.size() * sizeof(int64_t)));
+}
+
 namespace {
 
 // word layout of the block the numba entry reads (keep in step with moelab/hybrid/_entry.py)
@@ -136,38 +168,12 @@ PyObject* plan_entry(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
                        static_cast<long long>(r[5]), static_cast<long long>(T));
 }
 
-// params_key(params) -> bytes: per tensor of the sequence ``params`` (None entries and repeats
-// skipped), its data pointer, version counter, dtype and shape, as int64 words.
 PyObject* params_key(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   if (nargs != 1) {
     PyErr_SetString(PyExc_TypeError, "params_key takes one sequence of tensors");
     return nullptr;
   }
-  PyObject* seq = PySequence_Fast(args[0], "params_key: expected a sequence of tensors");
-  if (seq == nullptr) return nullptr;
-  const Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
-  PyObject** items = PySequence_Fast_ITEMS(seq);
-  std::vector<int64_t> words;
-  words.reserve(8 * n);
-  for (Py_ssize_t i = 0; i < n; ++i) {
-    PyObject* o = items[i];
-    if (o == Py_None || std::find(items, items + i, o) != items + i) continue;
-    if (!THPVariable_Check(o)) {
-      Py_DECREF(seq);
-      PyErr_Format(PyExc_TypeError, "params_key: item %zd is a %s, expected a tensor or None", i, Py_TYPE(o)->tp_name);
-      return nullptr;
-    }
-    const at::Tensor& t = THPVariable_Unpack(o);
-    words.push_back(reinterpret_cast<int64_t>(t.defined() ? t.data_ptr() : nullptr));
-    words.push_back(t.defined() ? static_cast<int64_t>(t._version()) : -1);
-    words.push_back(t.defined() ? static_cast<int64_t>(t.scalar_type()) : -1);
-    words.push_back(t.defined() ? t.dim() : -1);
-    if (t.defined())
-      for (int64_t d : t.sizes()) words.push_back(d);
-  }
-  Py_DECREF(seq);
-  return PyBytes_FromStringAndSize(reinterpret_cast<const char*>(words.data()),
-                                   static_cast<Py_ssize_t>(words.size() * sizeof(int64_t)));
+  return params_key_of(args[0]);
 }
 
 PyMethodDef methods[] = {

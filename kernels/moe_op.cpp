@@ -16,6 +16,7 @@
 // benchmark's imbalance figure (last_call_stats).
 #include <omp.h>
 #include <torch/extension.h>
+#include <torch/csrc/autograd/python_variable.h>
 
 #include <algorithm>
 #include <charconv>
@@ -249,7 +250,9 @@ std::shared_ptr<Job> prepare_job(const at::Tensor& x, const at::Tensor& ids, con
     MOELAB_REQUIRE(expert_map->dim() == 1, "moelab: expert_map must be one-dimensional");
     MOELAB_REQUIRE(at::isIntegralType(expert_map->scalar_type(), /*includeBool=*/false),
                    "moelab: expert_map must hold integers");
-    const at::Tensor m = expert_map->to(at::kLong).contiguous();
+    // (a long contiguous map, the executors' own, is read as it is: no dispatch of .to())
+    const bool as_is = expert_map->scalar_type() == at::kLong && expert_map->is_contiguous();
+    const at::Tensor m = as_is ? *expert_map : expert_map->to(at::kLong).contiguous();
     const int64_t* mp = m.data_ptr<int64_t>();
     job->emap.assign(mp, mp + m.numel());
     for (int64_t v : job->emap)
@@ -813,6 +816,60 @@ std::vector<std::string> cpu_features() {
 }
 
 void register_fastcalls(PyObject* module);  // fastcall.cpp
+PyObject* params_key_of(PyObject* params);   // fastcall.cpp
+
+namespace {
+
+// submit_prepared(prepared, key, params, x, ids, wts, expert_map, lane) -> Ticket | str | None:
+// Prepared.submit as a METH_FASTCALL function (moelab.kernels.backend.KernelBackend.submit's
+// per-layer path), with the checks the Python side made before each call: the module's
+// parameters still have the prepared call's key (params_key), every tensor is on the CPU and the
+// hidden states are float32 or bfloat16. None where one fails, before anything was queued (the
+// caller then prepares the call again, or runs the full checks); a str where the extension's own
+// checks refuse the call (as Prepared.submit).
+PyObject* submit_prepared(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 8) {
+    PyErr_SetString(PyExc_TypeError, "submit_prepared takes 8 positional arguments");
+    return nullptr;
+  }
+  PyObject* now = params_key_of(args[2]);
+  if (now == nullptr) return nullptr;
+  const int same = PyObject_RichCompareBool(now, args[1], Py_EQ);
+  Py_DECREF(now);
+  if (same != 1) {
+    if (same < 0) PyErr_Clear();
+    Py_RETURN_NONE;
+  }
+  for (int i = 3; i < 6; ++i)
+    if (!THPVariable_Check(args[i]) || !THPVariable_Unpack(args[i]).device().is_cpu()) Py_RETURN_NONE;
+  std::optional<at::Tensor> expert_map;
+  if (args[6] != Py_None) {
+    if (!THPVariable_Check(args[6]) || !THPVariable_Unpack(args[6]).device().is_cpu()) Py_RETURN_NONE;
+    expert_map = THPVariable_Unpack(args[6]);
+  }
+  const at::Tensor& x = THPVariable_Unpack(args[3]);
+  if (x.scalar_type() != at::kFloat && x.scalar_type() != at::kBFloat16) Py_RETURN_NONE;
+  const int64_t lane = PyLong_AsLongLong(args[7]);
+  if (lane == -1 && PyErr_Occurred()) return nullptr;
+  const Prepared* prepared = nullptr;
+  try {
+    prepared = &pybind11::handle(args[0]).cast<const Prepared&>();
+  } catch (const pybind11::cast_error&) {
+    PyErr_SetString(PyExc_TypeError, "submit_prepared: the first argument is not a Prepared call");
+    return nullptr;
+  }
+  auto r = prepared->submit(x, THPVariable_Unpack(args[4]), THPVariable_Unpack(args[5]), expert_map, lane);
+  if (auto* err = std::get_if<std::string>(&r))
+    return PyUnicode_FromStringAndSize(err->data(), static_cast<Py_ssize_t>(err->size()));
+  return pybind11::cast(std::get<std::shared_ptr<Ticket>>(r)).release().ptr();
+}
+
+PyMethodDef submit_methods[] = {
+    {"submit_prepared", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(submit_prepared)),
+     METH_FASTCALL, "Prepared.submit with the per-call checks, as a fast call: a Ticket, an error's message, or None"},
+    {nullptr, nullptr, 0, nullptr}};
+
+}  // namespace
 
 }  // namespace moelab
 
@@ -852,6 +909,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("_raise_probe", &moelab::raise_probe, "throw one kind of C++ exception (0 c10::Error, 1 runtime_error, "
         "2 pybind11 value_error, 3 runtime_error formatted by an ostringstream): which survive this torch");
   moelab::register_fastcalls(m.ptr());  // plan_entry, params_key: METH_FASTCALL functions, not pybind11 ones
+  PyModule_AddFunctions(m.ptr(), moelab::submit_methods);  // submit_prepared (after Ticket's registration)
   m.attr("ABI_VERSION") = 7;  // 4: expert_map, moe_submit/Ticket (C++ lane workers); 5: errors as returned
                              // strings; 6: Prepared (a layer's call tail kept in C++); 7: plan_entry
 }

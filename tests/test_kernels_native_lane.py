@@ -230,6 +230,43 @@ def test_a_backends_repeated_submits_reuse_the_prepared_call_and_follow_changes(
     assert be.forget(mod) and mod not in be._calls
 
 
+def test_the_fast_submit_takes_a_prepared_call_only_as_the_python_checks_would():
+    """``submit_prepared`` (kernels/moe_op.cpp; KernelBackend.submit's per-layer path) queues the
+    prepared call where the parameters still have its key, every tensor is on the CPU and the
+    hidden states are float32 or bfloat16; else None before anything was queued (the backend then
+    prepares again or runs the full checks), and the extension's own refusal as a message."""
+    from moelab.kernels import backend as kb
+    from moelab.kernels.backend import KernelBackend
+    from moelab.kernels.build import load_extension
+
+    be = KernelBackend(KernelSpec("fp32"))
+    mod = _experts_module()
+    ids, w = _routing(3, 8, 2, seed=2)
+    x = torch.randn(3, 32)
+    be.submit(mod, x, ids, w).result()  # prepared
+    key, _, prepared, _, _ = be._calls[mod]
+    assert key == kb.call_key(mod)
+    submit = load_extension().submit_prepared
+    params = tuple(mod._parameters.values())
+    got = submit(prepared, key, params, x, ids, w, None, 0)
+    assert not isinstance(got, (str, type(None)))
+    torch.testing.assert_close(kb.NativeCall(got, x.dtype).result(), be(mod, x, ids, w), rtol=0, atol=0)
+    meta = torch.empty(3, 32, device="meta")
+    for name, call in {
+        "another key": (prepared, key + b"x", params, x, ids, w, None, 0),
+        "hidden states off the CPU": (prepared, key, params, meta, ids, w, None, 0),
+        "a map off the CPU": (prepared, key, params, x, ids, w, torch.empty(8, device="meta", dtype=torch.long), 0),
+        "float64 hidden states": (prepared, key, params, x.double(), ids, w, None, 0),
+        "ids that are no tensor": (prepared, key, params, x, ids.tolist(), w, None, 0),
+    }.items():
+        assert submit(*call) is None, name
+    assert "out of range" in submit(prepared, key, params, x, ids + 8, w, None, 0)
+    with pytest.raises(TypeError, match="not a Prepared"):
+        submit(object(), key, params, x, ids, w, None, 0)
+    with pytest.raises(TypeError, match="8 positional"):
+        submit(prepared, key)
+
+
 def test_a_prepared_call_follows_the_settings_its_path_and_threads_come_from(monkeypatch):
     """A prepared call compares the raw settings (config_token: forced path, both environment
     settings, torch's threads) instead of deriving path and threads on every call: a changed

@@ -33,6 +33,7 @@ import threading
 import weakref
 from collections.abc import Callable
 from types import SimpleNamespace
+from typing import Any
 
 import torch
 
@@ -137,6 +138,14 @@ class KernelBackend(ExpertsBackend):
         """This backend's call queued on the extension's C++ lane worker ``lane`` (the real
         executor's host lane without a Python thread): the expert map is applied by the kernel
         (experts not here add 0 and are not computed). ``result()`` of the returned call waits."""
+        hit = self._calls.get(module)
+        if hit is not None and 0 <= lane < LANES and config_token() == hit[4]:
+            # the prepared call, its checks made by the extension (one fast call, no Python getters)
+            ticket = _submit_prepared(hit[2], hit[0], tuple(module._parameters.values()), hidden_states,
+                                      top_k_index, top_k_weights, expert_map, lane)
+            if ticket is not None and not isinstance(ticket, str):
+                return NativeCall(ticket, hidden_states.dtype)
+            # None: stale, or not as the extension takes it; a refusal: named below by the full path
         args = self._call_args(module, hidden_states, top_k_index, top_k_weights, expert_map)
         if args is None:
             self.check_devices(module, {"hidden_states": hidden_states, "top_k_index": top_k_index,
@@ -221,13 +230,15 @@ def call_key(module: torch.nn.Module) -> bytes:
     read by the extension in one call (``params_key``, kernels/fastcall.cpp) where the four Python
     getters per parameter cost 17 µs a call between a forward's layers on the development VM.
     Needs the extension (a prepared call has it loaded)."""
-    global _params_key
+    global _params_key, _submit_prepared
     if _params_key is None:
-        _params_key = load_extension().params_key
+        ext = load_extension()
+        _params_key, _submit_prepared = ext.params_key, ext.submit_prepared
     return _params_key(tuple(module._parameters.values()))
 
 
 _params_key: Callable[[tuple], bytes] | None = None
+_submit_prepared: Callable[..., Any] | None = None
 
 
 def all_kernel_backends() -> list[KernelBackend]:
