@@ -63,8 +63,8 @@ enum : int {
   W_HANDLE, W_HANDLE_LEN, W_LAYER, W_MODE, W_PF_TARGET, W_BUDGET,
   W_IDS, W_IDS_T, W_IDS_K, W_W, W_W_T, W_W_K, W_ST, W_ST_T, W_ST_K,
   W_SC, W_SC_R, W_SC_E, W_PF, W_PF_N,
-  W_RESULT,  // then: record length, error, skipped, moved, immediate width, deferred width
-  W_WORDS = W_RESULT + 6,
+  W_RESULT,  // then: record length, error, skipped, moved, immediate width, deferred width, record address
+  W_WORDS = W_RESULT + 7,
 };
 
 enum Kind { I64, F32, U16, I8 };
@@ -117,7 +117,7 @@ bool as_int(PyObject* o, int64_t* v) {
 }
 
 // plan_entry(fn_f32, fn_u16, handle, handle_len, tables, slots, layers, layer, mode, pf_target, budget,
-//            ids, weights, state, scores, prefetch) -> (record length, error, skipped, moved,
+//            ids, weights, state, scores, prefetch) -> (record (a list of ints), error, skipped, moved,
 //            immediate width, deferred width, tokens) or None (plan through the dispatcher path)
 PyObject* plan_entry(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   if (nargs != 16) {
@@ -163,9 +163,21 @@ PyObject* plan_entry(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   if (rows >= tables || T * K > slots || fn == 0) Py_RETURN_NONE;  // the dispatcher path grows the buffers
   reinterpret_cast<entry_fn>(fn)(blk);
   const int64_t* r = blk + W_RESULT;
-  return Py_BuildValue("(LLLLLLL)", static_cast<long long>(r[0]), static_cast<long long>(r[1]),
-                       static_cast<long long>(r[2]), static_cast<long long>(r[3]), static_cast<long long>(r[4]),
-                       static_cast<long long>(r[5]), static_cast<long long>(T));
+  // the record as a list of ints (what a lazy plan decodes and the simulator's columns read)
+  const int64_t* rec = reinterpret_cast<const int64_t*>(r[6]);
+  PyObject* list = PyList_New(r[0]);
+  if (list == nullptr) return nullptr;
+  for (int64_t i = 0; i < r[0]; ++i) {
+    PyObject* v = PyLong_FromLongLong(rec[i]);
+    if (v == nullptr) {
+      Py_DECREF(list);
+      return nullptr;
+    }
+    PyList_SET_ITEM(list, i, v);
+  }
+  return Py_BuildValue("(NLLLLLL)", list, static_cast<long long>(r[1]), static_cast<long long>(r[2]),
+                       static_cast<long long>(r[3]), static_cast<long long>(r[4]), static_cast<long long>(r[5]),
+                       static_cast<long long>(T));
 }
 
 PyObject* params_key(PyObject*, PyObject* const* args, Py_ssize_t nargs) {

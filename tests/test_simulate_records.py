@@ -85,7 +85,7 @@ def test_a_record_by_hand():
     needed, tokens = [5, 3, 7, 1], [1, 2, 1, 1]
     hit, where, spec, ins = [1, 0, 0, 1], [DEVICE, FETCHED, HOSTED, STOLEN], [1, 0, 0, 0], [0, 0, 1, 0]
     counts = [4, 1, 0, 0, 2, 0, 2, 0]  # needed, deferred, skipped, evicted, pf in, pf out, moved, error
-    rec = np.array(counts + needed + tokens + hit + where + spec + ins + [7, 1] + [18, 20], dtype=np.int64)
+    rec = counts + needed + tokens + hit + where + spec + ins + [7, 1] + [18, 20]  # (a list, as a lazy plan keeps it)
     dec = SimpleNamespace(planner=SimpleNamespace(expert_bytes=[100, 200]), _offsets=[0, 16, 32])
     plan = SimpleNamespace(_rec=rec, _target=1, _dec=dec, forward=0, step=0, layer=0, tokens=2, phase="decode")
     c = plan_columns([plan])

@@ -831,8 +831,8 @@ def _ints2(x: Any) -> np.ndarray:
 
 @njit(cache=True, nogil=True)
 def pack(out):
-    """One plan's outputs as one int64 record in ``out.rec`` (the caller copies what a
-    :class:`LazyPlan` keeps); returns its length: the 8 counts (``cnt``), then needed, tokens, hit,
+    """One plan's outputs as one int64 record in ``out.rec`` (a :class:`LazyPlan` keeps it as a
+    list of ints); returns its length: the 8 counts (``cnt``), then needed, tokens, hit,
     where, spec, inserted_host (n each), the deferred pairs (2 per pair), the access's evictions,
     the prefetch's insertions and evictions (an error: the counts only)."""
     cnt = out.cnt
@@ -1257,7 +1257,7 @@ class CompiledPlanner:
         n, err, skipped, moved, m_now, m_late = run(self._h, layer, ids, w, st, mode, sc, pf, pf_target, budget)
         # (compacted from the weights given; a call that gave none, or failed, left no split)
         self.widths = (m_now, m_late) if w is not self._f1 and not err else (-2, -2)
-        rec = self.out.rec[:n].copy()
+        rec = self.out.rec[:n].tolist()
         if err:
             self._raise(err, layer, ids, pf, pf_target)
         if pf_target >= 0 and p.budget_per_forward and p.budget is not None:
@@ -1296,10 +1296,9 @@ class CompiledPlanner:
                    state, scores if self.is_mrs else None, prefetch)
         if r is None:  # not as the entry takes them: the caller's dispatcher path
             return None
-        n, err, skipped, moved, m_now, m_late, T = r
+        rec, err, skipped, moved, m_now, m_late, T = r
         # (the entry read the weights given for several tokens or a deferral, as plan_layer does)
         self.widths = (m_now, m_late) if (T > 1 or defer) and not err else (-2, -2)
-        rec = self.out.rec[:n].copy()
         if err:
             self._raise(err, layer, ids, prefetch, pf_target)
         if pf_target >= 0 and p.budget_per_forward and p.budget is not None:
@@ -1339,7 +1338,7 @@ class CompiledPlanner:
 
     def fill(self, lp: LazyPlan) -> None:
         """Decode ``lp``'s record into the :class:`~moelab.hybrid.planner.LayerPlan` fields (once)."""
-        r = lp._rec.tolist()
+        r = lp._rec
         n, nd, ne, ni, no = r[N_NEEDED], r[N_DEFERRED], r[N_EVICTED], r[N_PF_IN], r[N_PF_OUT]
         layer, target = lp.layer, lp._target
         o = 8

@@ -18,8 +18,9 @@ The block's words (keep in step with ``kernels/fastcall.cpp``): the planner's ha
 (:func:`~moelab.hybrid._compiled.handle`: address and length), the layer, the state mode, the
 prefetch target and budget, then per array its address and shape (ids int64 (T, K); weights
 float32 or bfloat16 bits (T, K); slot states int8 (T, K); router scores float32 (R, E); the
-prefetch proposal int64 (n,)), then six result words the entry writes (the record's length in
-``out.rec``, the error code, skipped slots, prefetched experts, the compacted widths).
+prefetch proposal int64 (n,)), then seven result words the entry writes (the record's length in
+``out.rec``, the error code, skipped slots, prefetched experts, the compacted widths, the
+record's address: the C side returns the record as a list of ints, so no numpy runs on this path).
 
 The entry is used when the extension loads (``MOELAB_PLANNER_ENTRY``: ``auto``, the default, or
 ``native`` (an error if it cannot) or ``numba`` (never)); anything it does not take as is
@@ -46,7 +47,7 @@ ENV = "MOELAB_PLANNER_ENTRY"
 # the block's words (kernels/fastcall.cpp)
 (W_HANDLE, W_HANDLE_LEN, W_LAYER, W_MODE, W_PF_TARGET, W_BUDGET, W_IDS, W_IDS_T, W_IDS_K, W_W, W_W_T, W_W_K,
  W_ST, W_ST_T, W_ST_K, W_SC, W_SC_R, W_SC_E, W_PF, W_PF_N, W_RESULT) = range(21)
-WORDS = W_RESULT + 6
+WORDS = W_RESULT + 7
 
 
 if HAVE_NUMBA:
@@ -86,6 +87,7 @@ if HAVE_NUMBA:
         b[W_RESULT + 3] = cnt[MOVED]
         b[W_RESULT + 4] = cnt[M_NOW]
         b[W_RESULT + 5] = cnt[M_LATE]
+        b[W_RESULT + 6] = out.rec.ctypes.data  # where the caller reads the record from
 
     def _entry_f32(blk):
         b = carray(blk, (WORDS,))
