@@ -1246,12 +1246,7 @@ class CompiledPlanner:
             pf, pf_target = prefetch, target
             if type(pf) is not np.ndarray or pf.ndim != 1 or pf.dtype.kind not in "iu":
                 pf = np.asarray(prefetch, dtype=np.int64).reshape(-1)
-            b = p.budget
-            if p.budget_per_forward and b is not None:
-                if p._budget_forward != forward:
-                    p._budget_forward, p._budget_left = forward, b
-                b = p._budget_left
-            budget = -1 if b is None else int(b)
+            budget = self._budget(forward)
         if not 0 <= layer < p.num_layers:
             self.view.reference._check_layer(layer)
         n, err, skipped, moved, m_now, m_late = run(self._h, layer, ids, w, st, mode, sc, pf, pf_target, budget)
@@ -1263,6 +1258,17 @@ class CompiledPlanner:
         if pf_target >= 0 and p.budget_per_forward and p.budget is not None:
             p._budget_left -= moved
         return LazyPlan(forward, step, phase, layer, T, skipped, rec, pf_target, self)
+
+    def _budget(self, forward: int) -> int:
+        """The prefetch budget this call may spend (-1: unbounded); a per-forward budget starts
+        afresh on a new forward (the caller takes what the kernel moved off it)."""
+        p = self.planner
+        b = p.budget
+        if p.budget_per_forward and b is not None:
+            if p._budget_forward != forward:
+                p._budget_forward, p._budget_left = forward, b
+            b = p._budget_left
+        return -1 if b is None else int(b)
 
     def plan_tensors(self, forward: int, step: int, phase: str, layer: int, ids: Any, weights: Any,
                      state: Any = None, scores: Any = None, prefetch: Any = None, defer: bool = False):
@@ -1282,13 +1288,7 @@ class CompiledPlanner:
         target = layer + p.distance
         pf_target = budget = -1
         if prefetch is not None and target < p.num_layers:
-            pf_target = target
-            b = p.budget
-            if p.budget_per_forward and b is not None:
-                if p._budget_forward != forward:
-                    p._budget_forward, p._budget_left = forward, b
-                b = p._budget_left
-            budget = -1 if b is None else int(b)
+            pf_target, budget = target, self._budget(forward)
         else:
             prefetch = None
         r = native(self._h_addr, self._h.shape[0], self._ntab, self._slots, p.num_layers, layer,
