@@ -17,6 +17,7 @@
 // data pointer, version, dtype and shape) as one bytes object, read in C++ rather than through
 // four Python getters per parameter.
 #include <torch/extension.h>
+#include <torch/csrc/Exceptions.h>
 #include <torch/csrc/autograd/python_variable.h>
 
 #include <algorithm>
@@ -29,6 +30,7 @@ namespace moelab {
 // skipped), its data pointer, version counter, dtype and shape, as int64 words in a bytes object
 // (a new reference; nullptr with a Python error set for a bad sequence).
 PyObject* params_key_of(PyObject* params) {
+  HANDLE_TH_ERRORS
   PyObject* seq = PySequence_Fast(params, "params_key: expected a sequence of tensors");
   if (seq == nullptr) return nullptr;
   const Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
@@ -45,7 +47,9 @@ PyObject* params_key_of(PyObject* params) {
     }
     const at::Tensor& t = THPVariable_Unpack(o);
     words.push_back(reinterpret_cast<int64_t>(t.defined() ? t.data_ptr() : nullptr));
-    words.push_back(t.defined() ? static_cast<int64_t>(t._version()) : -1);
+    // (an inference tensor has no version counter: it cannot be modified in place outside
+    // inference mode, so its pointer, dtype and shape are its key)
+    words.push_back(t.defined() && !t.is_inference() ? static_cast<int64_t>(t._version()) : -1);
     words.push_back(t.defined() ? static_cast<int64_t>(t.scalar_type()) : -1);
     words.push_back(t.defined() ? t.dim() : -1);
     if (t.defined())
@@ -54,6 +58,7 @@ PyObject* params_key_of(PyObject* params) {
   Py_DECREF(seq);
   return PyBytes_FromStringAndSize(reinterpret_cast<const char*>(words.data()),
                                    static_cast<Py_ssize_t>(words.size() * sizeof(int64_t)));
+  END_HANDLE_TH_ERRORS
 }
 
 namespace {
@@ -78,7 +83,7 @@ int64_t zero_i64 = 0;
 // A tensor's (or, for a numpy array, a buffer's) data pointer and shape into w[0..dims]; false
 // where it is not a C-contiguous CPU array of that kind and rank. bf16 tensors are read as U16
 // (their bit patterns).
-bool view(PyObject* o, Kind kind, int dims, int64_t* w) {
+bool view(PyObject* o, Kind kind, int dims, int64_t* w, bool writable = false) {
   if (THPVariable_Check(o)) {
     const at::Tensor& t = THPVariable_Unpack(o);
     const auto st = t.scalar_type();
@@ -91,7 +96,7 @@ bool view(PyObject* o, Kind kind, int dims, int64_t* w) {
   }
   if (!PyObject_CheckBuffer(o)) return false;
   Py_buffer b;
-  if (PyObject_GetBuffer(o, &b, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) != 0) {
+  if (PyObject_GetBuffer(o, &b, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | (writable ? PyBUF_WRITABLE : 0)) != 0) {
     PyErr_Clear();
     return false;
   }
@@ -120,6 +125,7 @@ bool as_int(PyObject* o, int64_t* v) {
 //            ids, weights, state, scores, prefetch) -> (record (a list of ints), error, skipped, moved,
 //            immediate width, deferred width, tokens) or None (plan through the dispatcher path)
 PyObject* plan_entry(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  HANDLE_TH_ERRORS
   if (nargs != 16) {
     PyErr_SetString(PyExc_TypeError, "plan_entry takes 16 positional arguments");
     return nullptr;
@@ -146,7 +152,7 @@ PyObject* plan_entry(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   if (weights && (blk[W_W_T] != T || blk[W_W_K] != K)) Py_RETURN_NONE;
   if (args[13] == Py_None) {
     blk[W_ST] = reinterpret_cast<int64_t>(&zero_i8), blk[W_ST_T] = 1, blk[W_ST_K] = 1;
-  } else if (!view(args[13], I8, 2, &blk[W_ST]) || blk[W_ST_T] != T || blk[W_ST_K] != K) {
+  } else if (!view(args[13], I8, 2, &blk[W_ST], blk[W_MODE] == 2) || blk[W_ST_T] != T || blk[W_ST_K] != K) {
     Py_RETURN_NONE;
   }
   if (args[14] == Py_None) {
@@ -161,7 +167,14 @@ PyObject* plan_entry(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   }
   const int64_t rows = T > blk[W_SC_R] ? T : blk[W_SC_R];
   if (rows >= tables || T * K > slots || fn == 0) Py_RETURN_NONE;  // the dispatcher path grows the buffers
-  reinterpret_cast<entry_fn>(fn)(blk);
+  for (int i = W_RESULT; i < W_WORDS; ++i) blk[i] = 0;
+  // the entry returns 1 once it wrote its results (a numba cfunc reports an exception it caught
+  // only by not getting there)
+  if (reinterpret_cast<entry_fn>(fn)(blk) != 1 || blk[W_RESULT + 6] == 0) {
+    PyErr_SetString(PyExc_RuntimeError, "moelab: the compiled planner's native entry failed (its message, if any, "
+                                        "is on stderr); set MOELAB_PLANNER_ENTRY=numba to plan through the dispatcher");
+    return nullptr;
+  }
   const int64_t* r = blk + W_RESULT;
   // the record as a list of ints (what a lazy plan decodes and the simulator's columns read)
   const int64_t* rec = reinterpret_cast<const int64_t*>(r[6]);
@@ -178,6 +191,7 @@ PyObject* plan_entry(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   return Py_BuildValue("(NLLLLLL)", list, static_cast<long long>(r[1]), static_cast<long long>(r[2]),
                        static_cast<long long>(r[3]), static_cast<long long>(r[4]), static_cast<long long>(r[5]),
                        static_cast<long long>(T));
+  END_HANDLE_TH_ERRORS
 }
 
 PyObject* params_key(PyObject*, PyObject* const* args, Py_ssize_t nargs) {

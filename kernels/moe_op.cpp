@@ -16,6 +16,7 @@
 // benchmark's imbalance figure (last_call_stats).
 #include <omp.h>
 #include <torch/extension.h>
+#include <torch/csrc/Exceptions.h>
 #include <torch/csrc/autograd/python_variable.h>
 
 #include <algorithm>
@@ -828,6 +829,7 @@ namespace {
 // caller then prepares the call again, or runs the full checks); a str where the extension's own
 // checks refuse the call (as Prepared.submit).
 PyObject* submit_prepared(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  HANDLE_TH_ERRORS  // (a C++ exception here becomes a Python error, as through pybind11)
   if (nargs != 8) {
     PyErr_SetString(PyExc_TypeError, "submit_prepared takes 8 positional arguments");
     return nullptr;
@@ -862,6 +864,7 @@ PyObject* submit_prepared(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   if (auto* err = std::get_if<std::string>(&r))
     return PyUnicode_FromStringAndSize(err->data(), static_cast<Py_ssize_t>(err->size()));
   return pybind11::cast(std::get<std::shared_ptr<Ticket>>(r)).release().ptr();
+  END_HANDLE_TH_ERRORS
 }
 
 PyMethodDef submit_methods[] = {

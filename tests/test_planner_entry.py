@@ -43,10 +43,11 @@ def _pair(monkeypatch, cfg: dict, K: int, deferral=None):
               shape=get_shape("mixtral-8x7b") if cfg.get("hardware") else None)
     monkeypatch.setenv(_compiled.ENV, "compiled")
     native = Planner.build(config, **kw)
+    assert native._compiled.entry() is not None
     monkeypatch.setenv(_entry.ENV, "numba")
     numba = Planner.build(config, **kw)
+    assert numba._compiled.entry() is None  # (resolved on first use: here, while the setting holds)
     monkeypatch.delenv(_entry.ENV)
-    assert native._compiled._native is not None and numba._compiled._native is None
     if deferral is not None:
         for p in (native, numba):
             p.defer_with(*deferral)
@@ -79,11 +80,12 @@ def _drive(native, numba, K: int, seed: int, steps: int = 30, dtype=torch.float3
             pf = np.array(rng.sample(range(E), rng.choice([0, 1, 2, 3])), dtype=np.int64) if prefetch else None
             st2 = None if st is None else st.clone()
             ia, wa, sa, ca = _as_dispatched(ids, w, st2, sc)
-            wn = w if T > 1 or defer else None
-            a = native._compiled.plan_tensors(f, f, "decode", layer, ids, wn, st, sc, pf, defer)
+            # the weights as the runtime passes them (one token's, too: neither entry reads them then,
+            # without a deferral)
+            a = native._compiled.plan_tensors(f, f, "decode", layer, ids, w, st, sc, pf, defer)
             assert a is not None, (f, layer)
             taken += 1
-            b = numba.plan_layer(f, f, "decode", layer, ia, wa if T > 1 or defer else None, sa, ca, pf, defer)
+            b = numba.plan_layer(f, f, "decode", layer, ia, wa, sa, ca, pf, defer)
             assert a == b, (f, layer)
             if st is not None:  # the deferral's edit, made in place on the tensor and on the array
                 assert st.tolist() == sa.tolist(), (f, layer)
@@ -107,9 +109,11 @@ POLICIES = [("lru", {}), ("lfu", {"reset_on_evict": True}), ("fifo", {}), ("mrs"
             ("static", {"pinned": [0, 3, 9, 12, 17, 30]}), ("lru", {"insertion": "protect-step"})]
 
 
+@pytest.mark.parametrize("states", [True, False], ids=["states", "no-states"])
 @pytest.mark.parametrize("policy,options", POLICIES)
 @pytest.mark.parametrize("placement", ["host-misses", "greedy-hss"])
-def test_the_native_entry_plans_what_the_dispatcher_path_plans(monkeypatch, entry, policy, options, placement):
+def test_the_native_entry_plans_what_the_dispatcher_path_plans(monkeypatch, entry, policy, options, placement,
+                                                               states):
     # greedy-hss weighs copies with a cost model (whose mixtral-sized experts copy too slowly to
     # prefetch); host-misses, without one, prefetches within its budget of 2 experts a forward
     cfg = {"cache": {"capacity": 0.25, "policy": policy, "options": options}, "placement": placement,
@@ -117,7 +121,7 @@ def test_the_native_entry_plans_what_the_dispatcher_path_plans(monkeypatch, entr
     if placement == "greedy-hss":
         cfg["hardware"] = "pcie4-x16"
     native, numba = _pair(monkeypatch, cfg, K=2)
-    assert _drive(native, numba, K=2, seed=hash((policy, placement)) % 1000) == 30 * L
+    assert _drive(native, numba, K=2, seed=hash((policy, placement)) % 1000, states=states) == 30 * L
     if placement == "host-misses" and policy != "static":  # not vacuous: the budget bounds what moved
         assert 0 < native.cache.prefetched <= 2 * 30
 
@@ -167,7 +171,41 @@ def test_what_the_entry_does_not_take_returns_none_and_changes_nothing(monkeypat
         assert _snapshot(native) == before, name
     # a layer out of range is the dispatcher path's error to raise
     assert c.plan_tensors(0, 1, "decode", L, ids, w, None, sc, None) is None
+    # a deferral writes the slot states: a read-only array of them is refused
+    frozen = np.zeros((2, 2), dtype=np.int8)
+    frozen.flags.writeable = False
+    assert c.plan_tensors(0, 1, "decode", 0, ids, w, frozen, sc, None, True) is None
     assert _snapshot(native) == before
+
+
+def test_the_fast_calls_raise_instead_of_aborting(entry):
+    """A C++ exception inside the extension's fast calls (plan_entry, params_key; not pybind11
+    functions) becomes a Python error, not std::terminate: run in a subprocess, so an abort fails
+    this test instead of losing a worker. An inference-mode parameter (no version counter) has a key."""
+    import subprocess
+    import sys
+
+    code = '''
+import warnings
+import torch
+warnings.simplefilter("ignore")
+from moelab.kernels.build import load_extension
+ext = load_extension()
+with torch.inference_mode():
+    p = torch.nn.Parameter(torch.zeros(3))
+assert len(ext.params_key((p,))) == 5 * 8
+sp = torch.sparse_coo_tensor(torch.tensor([[0], [1]]), torch.tensor([1]), (2, 2))
+try:
+    ext.params_key((sp,))
+except RuntimeError:
+    pass
+else:
+    raise SystemExit("params_key of a sparse tensor did not raise")
+assert ext.plan_entry(0, 0, 0, 0, 64, 64, 4, 0, 0, -1, -1, sp, None, None, None, None) is None
+print("ok")
+'''
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0 and "ok" in r.stdout, (r.returncode, r.stderr[-2000:])
 
 
 def test_an_expert_out_of_range_is_the_same_error_on_either_entry(monkeypatch, entry):
@@ -240,6 +278,6 @@ def test_a_hybrid_run_plans_through_the_native_entry_as_through_the_dispatcher(m
         plans[mode] = [p.plain() if hasattr(p, "plain") else p for p in run.plans]
         if mode == "auto":
             assert taken and all(taken[-6 * 4:])  # every decode layer (prefill may grow the buffers first)
-        else:  # the runtime does not try an entry the planner lacks
-            assert taken == []
+        else:  # the planner finds it has no entry on its first try; the runtime tries no more
+            assert taken == [False]
     assert plans["auto"] == plans["numba"]

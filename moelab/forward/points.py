@@ -149,12 +149,13 @@ class ExpertsCall:
         """The layer's :class:`SlotPlan`, made on first use (every slot immediate)."""
         if self._plan is None:
             experts = self.experts
+            T, _ = experts.shape  # (T, K) routing: a call of other rank is refused here
             # zeros_like: the model's own ops keep torch's allocation path warm between layers, where
             # numpy's (np.zeros + torch.from_numpy: half the cost in a loop) costs twice torch's
             # (35-40 µs against 14-23 µs per MoE layer in a decode step on the development VM)
             state = torch.zeros_like(experts, dtype=torch.int8, memory_format=torch.contiguous_format)
             self._plan = SlotPlan(self.layer, experts, self.weights, state,
-                                  self.ctx.valid_or_ones(experts.shape[0], experts.device), self.ctx.phase)
+                                  self.ctx.valid_or_ones(T, experts.device), self.ctx.phase)
         return self._plan
 
 

@@ -1072,6 +1072,9 @@ class CompiledCache:
         return f"CompiledCache({self.name}, {self.capacity}, {self.scope}; {self.hits} hits, {self.misses} misses)"
 
 
+#: :attr:`CompiledPlanner._native` before :meth:`CompiledPlanner.entry` resolved it.
+_UNRESOLVED = object()
+
 LazyPlan: Any = None
 """The lazy plan class (built on first use: :mod:`moelab.hybrid.planner` imports this module)."""
 _LAZY = frozenset({"device", "host", "deferred", "accessed", "hits", "misses", "transfers", "evictions",
@@ -1171,11 +1174,18 @@ class CompiledPlanner:
         self._ntab = 0
         self._slots = 0
         self._grow(64, 64)
-        from moelab.hybrid._entry import native_entry
+        self._native: Any = _UNRESOLVED
+        """The native per-layer entry (:mod:`moelab.hybrid._entry`; :meth:`entry`), or None."""
 
-        self._native = native_entry()
-        """The native per-layer entry (:mod:`moelab.hybrid._entry`), or None: :meth:`plan_tensors` is
-        then :meth:`plan_layer`."""
+    def entry(self) -> Any | None:
+        """The native per-layer entry :meth:`plan_tensors` calls, or None (it then returns None):
+        resolved on first use, so a planner that never plans a running model's tensors (offline
+        planning, a replay) loads no extension."""
+        if self._native is _UNRESOLVED:
+            from moelab.hybrid._entry import native_entry
+
+            self._native = native_entry()
+        return self._native
 
     def defer_with(self, deferred: list[int], min_immediate: int, union: bool) -> None:
         """:meth:`moelab.hybrid.planner.Planner.defer_with`: the deferral settings into the handle."""
@@ -1276,12 +1286,15 @@ class CompiledPlanner:
         (:mod:`moelab.hybrid._entry`) where it takes them as they are: ``ids`` (T, K) int64,
         ``weights`` float32 or bfloat16 (or None where :meth:`plan_layer` needs none), ``state``
         int8, ``scores`` float32 (tensors or numpy arrays), ``prefetch`` an int64 array; all
-        C-contiguous. None, with nothing changed, for anything else, for plans larger than the
-        buffers, and where the entry is unavailable: the caller then plans through
+        C-contiguous. None for anything else, for plans larger than the buffers, and where the entry
+        is unavailable, with nothing changed but a per-forward prefetch budget's start on a new
+        forward, which :meth:`plan_layer` makes alike: the caller then plans through
         :meth:`plan_layer` (which converts, grows and raises).
 
         Size: the reference's signature (positional on the per-layer hot path)."""
         native = self._native
+        if native is _UNRESOLVED:
+            native = self.entry()
         p = self.planner
         if native is None or (self.is_mrs and scores is None):
             return None

@@ -89,15 +89,17 @@ if HAVE_NUMBA:
         b[W_RESULT + 5] = cnt[M_LATE]
         b[W_RESULT + 6] = out.rec.ctypes.data  # where the caller reads the record from
 
+    # each returns 1 once its results are written (the C side checks: a cfunc that raised returns
+    # without them, having printed the exception)
     def _entry_f32(blk):
         b = carray(blk, (WORDS,))
         _body(b, carray(_ptr(b[W_W], np.float32(0)), (b[W_W_T], b[W_W_K])))
-        return 0
+        return 1
 
     def _entry_u16(blk):
         b = carray(blk, (WORDS,))
         _body(b, carray(_ptr(b[W_W], np.uint16(0)), (b[W_W_T], b[W_W_K])))
-        return 0
+        return 1
 
 
 @functools.cache

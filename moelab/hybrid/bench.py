@@ -92,7 +92,7 @@ def planner_cost(model_name: str, steps: int = 64, repeats: int = 3) -> dict[str
                     replay += _replay(run, calls)
                     path = run.planner.path
                     compiled = run.planner._compiled
-                    entry = "native entry" if compiled is not None and compiled._native is not None else \
+                    entry = "native entry" if compiled is not None and compiled.entry() is not None else \
                         "numba dispatcher" if compiled is not None else "python"
     finally:
         ExpertCache.fast = True

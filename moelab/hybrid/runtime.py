@@ -369,9 +369,11 @@ class HybridRun:
         rows, another dtype or device, a plan larger than the planner's buffers, no entry): the
         caller then plans through :meth:`_plan_layer_arrays`."""
         compiled = self.planner._compiled
-        if compiled._native is None or ctx.mask_cpu is not None:
+        experts = call.experts
+        # (routing on a device: the entry reads host memory only, and nothing is computed first)
+        if compiled._native is None or ctx.mask_cpu is not None or not experts.is_cpu:
             return False
-        plan, experts, scratch = call._plan, call.experts, ctx.scratch
+        plan, scratch = call._plan, ctx.scratch
         if plan is None:
             wt, state, defer = call.weights, None, False
         else:

@@ -1,9 +1,10 @@
-"""The compiled planner's packed records as the simulator's flat plan columns (no Python lists).
+"""The compiled planner's packed records as the simulator's flat plan columns (no per-plan lists).
 
 :class:`moelab.hybrid._compiled.CompiledPlanner` returns each layer's plan as a lazy
-:class:`~moelab.hybrid.planner.LayerPlan` that keeps one int64 record (:func:`moelab.hybrid._compiled.pack`)
-and builds its lists only when one is read. The simulator's encoder
-(:func:`moelab.simulate.executor.encode`) needs flat arrays, not lists: :func:`plan_columns`
+:class:`~moelab.hybrid.planner.LayerPlan` that keeps one record of int64 values
+(:func:`moelab.hybrid._compiled.pack`, kept as a list of ints) and builds its lists only when one
+is read. The simulator's encoder (:func:`moelab.simulate.executor.encode`) needs flat arrays, not
+the plans' lists: :func:`plan_columns`
 concatenates the records of every plan and decodes them with numpy, field by field as
 :meth:`~moelab.hybrid._compiled.CompiledPlanner.fill` decodes one record into lists, so the columns
 equal those the encoder reads from the decoded plans (``tests/test_simulate_records.py``):
