@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from moelab import measure as M
+from moelab.errors import MoelabError
 from moelab.simulate import bounds as B
 from moelab.simulate.calibrate import fit_fixed_per_byte
 
@@ -96,6 +97,33 @@ def test_a_negative_intercept_or_a_flat_slope_or_a_poor_r2_is_flagged():
     noisy = fit_fixed_per_byte(_points(lambda x: 100 + x / 1e4 * rng.uniform(0.1, 3.0)))
     assert B.fit_r2(noisy) < B.MIN_R2
     assert "fit host_call: R²" in [v.what for v in B.check_fit("host_call", noisy)]
+
+
+def test_a_negative_term_within_the_noise_is_a_zero_not_a_refusal():
+    # calls of 6 and 24 experts, one row each: 100 µs + bytes, and per expert -0.05 µs (a zero, measured):
+    # it takes at most 1.2 µs off a 100+ µs call, under NEGLIGIBLE_PCT
+    pts = [{"bytes": x, "distinct": d, "us": 100 + x / 1e4 - 0.05 * d} for x in (1e5, 1e6, 4e6) for d in (6, 24)]
+    fit = fit_fixed_per_byte(pts, extra="distinct")
+    assert fit["dropped"] == ["per_extra"] and fit["raw_per_extra"] < 0
+    assert 0 < fit["raw_per_extra_max_pct"] <= B.NEGLIGIBLE_PCT
+    assert B.check_fit("host_call", fit) == []
+    # the same term at -5 µs per expert takes ~50 % off the smallest call: refused, with its value
+    big = fit_fixed_per_byte([{**p, "us": p["us"] - 4.95 * p["distinct"]} for p in pts], extra="distinct")
+    assert big["raw_per_extra_max_pct"] > B.NEGLIGIBLE_PCT
+    assert "fit host_call: per_extra term" in [v.what for v in B.check_fit("host_call", big)]
+
+
+def test_per_call_routing_gives_every_expert_one_token_as_a_decode_call():
+    from moelab.simulate.calibrate import _Routing
+
+    r = _Routing(4, 24, 6, seed=3, one_row=True)
+    for _ in range(5):
+        assert r.ids.shape == (4, 6) and r.ids.unique().numel() == 24
+        r.redraw()
+    shared = _Routing(4, 16, 6, seed=3)  # the kernel table's routing: tokens share experts
+    assert shared.ids.unique().numel() < 24
+    with pytest.raises(MoelabError, match="need ≥ 24 experts, got 16"):
+        _Routing(4, 16, 6, one_row=True)
 
 
 # ---------------------------------------------------------------------- a busy machine

@@ -117,7 +117,7 @@ class CalibrateConfig:
     device_call_sizes: tuple[tuple[int, int], ...] = CALL_SIZES
     """Expert shapes of the device per-call fit (the torch reference backend is slow at full size)."""
     call_tokens: tuple[int, ...] = (1, 4)
-    """Batches of the per-call fits (more tokens: more distinct experts per call)."""
+    """Batches of the per-call fits (more tokens: more distinct experts per call, one token each)."""
     dense_sizes: tuple[int, ...] = (64, 256, 1024)
     """Hidden sizes of the dense-work fit (a transformers decoder layer at decode)."""
     dense_contexts: tuple[int, ...] = (16, 256)
@@ -188,7 +188,8 @@ def fit_fixed_per_byte(points: list[dict], x: str = "bytes", y: str = "us",
     """Least squares ``y = fixed + us_per_byte × x [+ per_extra × extra]`` over ``points``,
     weighted by ``1 / y`` (the relative error of every point counts alike, so microsecond calls pin
     the fixed cost and the large ones the bandwidth), with no negative coefficient (a term that would
-    come out negative is dropped and the rest refitted). Returns the coefficients (``fixed_us``,
+    come out negative is dropped and the rest refitted; ``raw_TERM`` keeps its value and
+    ``raw_TERM_max_pct`` the most it took off a point, in % of that point's time). Returns the coefficients (``fixed_us``,
     ``bytes_per_us``, ``per_extra_us``) and each point's residual (µs and % of the measured time)."""
     import numpy as np
 
@@ -210,8 +211,11 @@ def fit_fixed_per_byte(points: list[dict], x: str = "bytes", y: str = "us",
             coef[keep] = c
             break
         worst = int(np.argmin(c))
-        dropped.append(names[keep[worst]])  # negative: dropped (bounds.check_fit flags it)
-        raw[f"raw_{names[keep[worst]]}"] = float(c[worst])
+        term = names[keep[worst]]
+        dropped.append(term)  # negative: dropped (bounds.check_fit flags it unless negligible)
+        raw[f"raw_{term}"] = float(c[worst])
+        # the most it took off any point, in % of that point's time (what check_fit weighs)
+        raw[f"raw_{term}_max_pct"] = float(np.max(np.abs(c[worst] * A[:, keep[worst]]) / np.maximum(b, 1e-9)) * 100)
         keep.pop(worst)
     pred = A @ coef
     slope = float(coef[1])
@@ -244,17 +248,30 @@ def _experts(dtype, experts: int, hidden: int = HIDDEN, inter: int = INTER):
 
 
 class _Routing:
-    def __init__(self, tokens: int, experts: int, k: int, seed: int = 0) -> None:
+    """``tokens`` × ``k`` expert ids of ``experts`` and their weights, redrawn per timed call. With
+    ``one_row``, every expert of a call gets one token (the tokens' experts are disjoint; needs
+    ``experts ≥ tokens × k``), as in a decode step's call, where the per-call fits read their
+    per-expert term: CPU BLAS prices a second row very differently from the first (torch's bf16
+    matmul of a 64×64 expert on an AVX-512 CPU without BF16: 7 µs for one row, 50 µs for two),
+    so calls mixing one- and two-row experts fit no ``fixed + per expert`` line."""
+
+    def __init__(self, tokens: int, experts: int, k: int, seed: int = 0, *, one_row: bool = False) -> None:
         import torch
 
-        self.t, self.e, self.k = tokens, experts, k
+        if one_row and experts < tokens * k:
+            raise MoelabError(f"calibrate: {tokens} tokens × top-{k} with one row per expert need ≥ {tokens * k} "
+                              f"experts, got {experts}; raise CalibrateConfig.experts or lower call_tokens.")
+        self.t, self.e, self.k, self.one_row = tokens, experts, k, one_row
         self.gen = torch.Generator().manual_seed(seed)
         self.redraw()
 
     def redraw(self) -> None:
         import torch
 
-        self.ids = torch.stack([torch.randperm(self.e, generator=self.gen)[: self.k] for _ in range(self.t)])
+        if self.one_row:
+            self.ids = torch.randperm(self.e, generator=self.gen)[: self.t * self.k].view(self.t, self.k)
+        else:
+            self.ids = torch.stack([torch.randperm(self.e, generator=self.gen)[: self.k] for _ in range(self.t)])
         self.w = torch.rand(self.t, self.k, generator=self.gen).softmax(-1)
 
 
@@ -294,20 +311,22 @@ def _kernel_points(backend_name: str, cfg: CalibrateConfig, tick, batches: tuple
 
 def _call_points(backend_name: str, sizes, tokens: tuple[int, ...], repeat: int, experts: int,
                  tick=lambda: None) -> list[dict]:
-    """One experts-backend call (bf16, ``TOP_K`` of ``experts`` experts per token) per size and
-    batch, timed on a lane thread as the real executor's device/host lanes call it: µs, distinct
-    experts read and their bytes."""
+    """One experts-backend call (bf16, ``TOP_K`` of ``experts`` experts per token, every expert one
+    token as at decode: at least ``tokens × TOP_K`` experts) per size and batch, timed on a lane
+    thread as the real executor's device/host lanes call it: µs, distinct experts read and their
+    bytes."""
     import torch
 
     from moelab.backends import get_backend
 
     backend = get_backend(backend_name)
+    experts = max(experts, max(tokens, default=1) * TOP_K)  # one row per expert (_Routing)
     out = []
     for h, i in sizes:
         mod = _experts(torch.bfloat16, experts, h, i)
         ebytes = sum(p.numel() * p.element_size() for p in mod.parameters()) // experts
         for t in tokens:
-            r = _Routing(t, experts, TOP_K, seed=17 * t + h)
+            r = _Routing(t, experts, TOP_K, seed=17 * t + h, one_row=True)
             x = (torch.randn(t, h, generator=torch.Generator().manual_seed(1)) * 0.5).to(torch.bfloat16)
 
             def measure(r=r, x=x, mod=mod):
