@@ -100,17 +100,36 @@ def test_a_negative_intercept_or_a_flat_slope_or_a_poor_r2_is_flagged():
 
 
 def test_a_negative_term_within_the_noise_is_a_zero_not_a_refusal():
-    # calls of 6 and 24 experts, one row each: 100 µs + bytes, and per expert -0.05 µs (a zero, measured):
-    # it takes at most 1.2 µs off a 100+ µs call, under NEGLIGIBLE_PCT
-    pts = [{"bytes": x, "distinct": d, "us": 100 + x / 1e4 - 0.05 * d} for x in (1e5, 1e6, 4e6) for d in (6, 24)]
+    # calls of 6 and 24 experts, one row each: 1000 µs + bytes, and per expert -0.05 µs (a zero, measured):
+    # it takes at most 1.2 µs off a 1000+ µs call, under NEGLIGIBLE_PCT
+    pts = [{"bytes": x, "distinct": d, "us": 1000 + x / 1e4 - 0.05 * d} for x in (1e5, 1e6, 4e6) for d in (6, 24)]
     fit = fit_fixed_per_byte(pts, extra="distinct")
     assert fit["dropped"] == ["per_extra"] and fit["raw_per_extra"] < 0
     assert 0 < fit["raw_per_extra_max_pct"] <= B.NEGLIGIBLE_PCT
     assert B.check_fit("host_call", fit) == []
-    # the same term at -5 µs per expert takes ~50 % off the smallest call: refused, with its value
-    big = fit_fixed_per_byte([{**p, "us": p["us"] - 4.95 * p["distinct"]} for p in pts], extra="distinct")
-    assert big["raw_per_extra_max_pct"] > B.NEGLIGIBLE_PCT
+    # -20 µs per expert on the same calls, measured exactly (standard error 0): refused, with its value
+    big = fit_fixed_per_byte([{**p, "us": p["us"] - 20 * p["distinct"]} for p in pts], extra="distinct")
+    assert big["raw_per_extra_max_pct"] > B.NEGLIGIBLE_PCT and big["raw_per_extra_se"] < 1e-6
     assert "fit host_call: per_extra term" in [v.what for v in B.check_fit("host_call", big)]
+
+
+def test_a_negative_term_the_points_cannot_tell_from_zero_is_not_a_refusal():
+    # no per-expert cost, ±15 % noise: the fit's per-expert term comes out -0.72 ± 0.83 µs (8.6 % of a
+    # point): more than negligible, but within two standard errors of zero
+    pts = [{"bytes": x, "distinct": d, "us": 200 + x / 1e4} for x in (1e5, 1e6, 4e6, 1e7) for d in (6, 24)]
+    rng = np.random.default_rng(6)
+    fit = fit_fixed_per_byte([{**p, "us": p["us"] * rng.uniform(0.85, 1.15)} for p in pts], extra="distinct")
+    assert fit["dropped"] == ["per_extra"] and fit["raw_per_extra_max_pct"] > B.NEGLIGIBLE_PCT
+    assert fit["raw_per_extra"] + B.ZERO_SE * fit["raw_per_extra_se"] >= 0
+    assert B.check_fit("host_call", fit) == []
+    # the device fit stop 57 refused (tiny reference calls of 1 and 4 tokens sharing 16 experts): fixed
+    # -1610 µs, 4 standard errors below zero, stays refused
+    seen = [(147456, 6, 2412.6), (331460.9, 13.5, 7623.2), (1622016, 6, 2696.3), (3649536, 13.5, 7811.0),
+            (6488064, 6, 3399.3), (14909440, 13.8, 9097.5), (25952256, 6, 6200.9), (60014592, 13.9, 19150.2),
+            (103809024, 6, 14914.9), (233570304, 13.5, 41017.7)]
+    dev = fit_fixed_per_byte([{"bytes": x, "distinct": d, "us": u} for x, d, u in seen], extra="distinct")
+    assert dev["dropped"] == ["fixed"] and dev["raw_fixed"] + B.ZERO_SE * dev["raw_fixed_se"] < 0
+    assert [v.what for v in B.check_fit("device_call", dev)] == ["fit device_call: fixed term"]
 
 
 def test_per_call_routing_gives_every_expert_one_token_as_a_decode_call():

@@ -33,6 +33,8 @@ MIN_R2 = 0.8
 #: A negative fitted term that takes at most this % off every point's time is a zero measured
 #: with noise (dropped, not refused): far below the run-to-run spread calibration tolerates.
 NEGLIGIBLE_PCT = 2.0
+#: ...and one within this many standard errors of zero is one the points cannot tell from zero.
+ZERO_SE = 2.0
 
 
 class OutOfBoundsError(MoelabError):
@@ -152,11 +154,19 @@ def fit_r2(fit: dict) -> float:
     return 1.0 if ss_tot <= 0 else 1.0 - ss_res / ss_tot
 
 
+def zero_within_noise(fit: dict, term: str) -> bool:
+    """Whether the negative ``term`` a fit dropped is a zero measured with noise: it took at most
+    :data:`NEGLIGIBLE_PCT` off every point's time (e.g. -0.04 µs per expert on 100 µs calls), or it
+    is within :data:`ZERO_SE` standard errors of zero (the points cannot tell it from zero)."""
+    raw = fit.get(f"raw_{term}", float("-inf"))
+    return (fit.get(f"raw_{term}_max_pct", float("inf")) <= NEGLIGIBLE_PCT
+            or raw + ZERO_SE * fit.get(f"raw_{term}_se", 0.0) >= 0)
+
+
 def check_fit(name: str, fit: dict, *, min_r2: float = MIN_R2, need_slope: bool = True) -> list[Violation]:
     """A fit's problems: a slope (per-byte term) that came out ≤ 0 (no bandwidth can be read off it),
-    an intercept or per-expert term the fit dropped because it came out negative by more than
-    :data:`NEGLIGIBLE_PCT` of some point's time (less is a zero term measured with noise), an R²
-    below ``min_r2``. ``fit``: what :func:`~moelab.simulate.calibrate.fit_fixed_per_byte` returns."""
+    an intercept or per-expert term the fit dropped because it came out negative, unless that is a
+    zero measured with noise (:func:`zero_within_noise`), an R² below ``min_r2``. ``fit``: what :func:`~moelab.simulate.calibrate.fit_fixed_per_byte` returns."""
     out = []
     dropped = fit.get("dropped", [])
     if need_slope and fit.get("us_per_byte", 0.0) <= 0:
@@ -165,8 +175,8 @@ def check_fit(name: str, fit: dict, *, min_r2: float = MIN_R2, need_slope: bool 
     for term in dropped:
         if term == "bytes":
             continue  # reported as the slope above
-        if fit.get(f"raw_{term}_max_pct", float("inf")) <= NEGLIGIBLE_PCT:
-            continue  # a zero within the points' noise (e.g. -0.04 µs per expert on 100 µs calls)
+        if zero_within_noise(fit, term):
+            continue
         out.append(Violation(f"fit {name}: {term} term", fit.get(f"raw_{term}", float("nan")), "≥ 0",
                              f"the least-squares {term} came out negative and was dropped: a call cannot take "
                              "negative time", _FIT))

@@ -183,13 +183,30 @@ def _on_lane(measure: Callable[[], object], name: str = "calibrate"):
         lane.close()
 
 
+def _coef_se(A, b, c) -> list[float]:
+    """Standard errors of least-squares coefficients ``c`` of ``A c ≈ b``: σ² (AᵀA)⁻¹ with σ² the
+    residual sum of squares over n - p (inf where there are no spare points or AᵀA is singular)."""
+    import numpy as np
+
+    n, p = A.shape
+    if n <= p:
+        return [float("inf")] * p
+    sigma2 = float(np.sum((A @ c - b) ** 2)) / (n - p)
+    try:
+        cov = sigma2 * np.linalg.inv(A.T @ A)
+    except np.linalg.LinAlgError:
+        return [float("inf")] * p
+    return [float(np.sqrt(max(v, 0.0))) for v in np.diag(cov)]
+
+
 def fit_fixed_per_byte(points: list[dict], x: str = "bytes", y: str = "us",
                        extra: str | None = None) -> dict:
     """Least squares ``y = fixed + us_per_byte × x [+ per_extra × extra]`` over ``points``,
     weighted by ``1 / y`` (the relative error of every point counts alike, so microsecond calls pin
     the fixed cost and the large ones the bandwidth), with no negative coefficient (a term that would
-    come out negative is dropped and the rest refitted; ``raw_TERM`` keeps its value and
-    ``raw_TERM_max_pct`` the most it took off a point, in % of that point's time). Returns the coefficients (``fixed_us``,
+    come out negative is dropped and the rest refitted; ``raw_TERM`` keeps its value,
+    ``raw_TERM_se`` its standard error and ``raw_TERM_max_pct`` the most it took off a point, in %
+    of that point's time). Returns the coefficients (``fixed_us``,
     ``bytes_per_us``, ``per_extra_us``) and each point's residual (µs and % of the measured time)."""
     import numpy as np
 
@@ -214,8 +231,10 @@ def fit_fixed_per_byte(points: list[dict], x: str = "bytes", y: str = "us",
         term = names[keep[worst]]
         dropped.append(term)  # negative: dropped (bounds.check_fit flags it unless negligible)
         raw[f"raw_{term}"] = float(c[worst])
-        # the most it took off any point, in % of that point's time (what check_fit weighs)
+        # what check_fit weighs: the most it took off any point, in % of that point's time, and its
+        # standard error (weighted residuals over n - p degrees of freedom)
         raw[f"raw_{term}_max_pct"] = float(np.max(np.abs(c[worst] * A[:, keep[worst]]) / np.maximum(b, 1e-9)) * 100)
+        raw[f"raw_{term}_se"] = _coef_se(A[:, keep] * w[:, None], b * w, c)[worst]
         keep.pop(worst)
     pred = A @ coef
     slope = float(coef[1])
