@@ -184,7 +184,7 @@ inline __m256 fp8_lane_top(__m256i top) {  // byte in bits 31..24 of each lane -
 // up, two shifts right, two masks and four unpacks (the unpacks on the shuffle port) where the
 // fp32-lane decode took three shifts up, four shifts right and four masks, all but the masks on
 // the two ports the FMAs need; and two broadcasts instead of four. Each row's accumulators double,
-// so calls of 3 and 4 tokens keep the fp32-lane decode (mk_fp8_lanes), whose accumulators fit the
+// so calls of 3 and 4 tokens keep the fp32-lane decode (mk_fp8_halves), whose accumulators fit the
 // 16 registers. In-process A/B on the development VM (scripts/kernels_ab.py --isa avx2, 2026-11-28,
 // 12-20 alternating pairs per point, both default shapes): 1-8 tokens +9-13 %, 16 tokens +5-8 %
 // (int8, unchanged, 1.00); all 4 tokens per call on the pair decode: -23 % at 16 tokens (spills).
@@ -301,57 +301,48 @@ void mk_fp8_pairs_one(const MatView& m, int tile, const TilePtrs& p, float* out)
     for (int i = 0; i < 4; ++i) _mm256_storeu_ps(out + i * 8, _mm256_setzero_ps());
 }
 
-template <int MT, int NT>
-void mk_fp8_lanes(const MatView& m, int tile, const TilePtrs& p, float* out, size_t ldo) {
-  constexpr int CH = NT == 1 ? 2 : 1;  // one token: (k, k+1) and (k+2, k+3) in two chains (FMA latency)
-  const uint8_t* w[MT];
-  const float* sc[MT];
-  for (int i = 0; i < MT; ++i) {
-    w[i] = m.w + size_t(tile + i) * m.tile_bytes;
-    sc[i] = m.scales + size_t(tile + i) * m.scale_tile;
-  }
+// fp8 weights, 3 or 4 tokens, one row tile, its half-lines in two passes per block: rows 0-7 over
+// the block's lines, then rows 8-15 over the same lines (a 128-k block of one tile is 2 KiB: the
+// second pass reads L1). Only one half's accumulators are live, so each token keeps two chains
+// ((k, k+1) and (k+2, k+3): FMA latency) in 2 NT registers, and the four weights of a half-line
+// are decoded one at a time: nothing spills. Both halves in one pass (2 NT accumulators plus four
+// decoded weights) left GCC storing and reloading accumulators every line. In-process A/B
+// (scripts/kernels_ab.py --isa avx2, 2026-11-29): 16 tokens on 4096x14336x8x2 (4 rows an expert)
+// 1.08x [1.04-1.11], on 2048x1408x64x6 1.02x [0.99-1.04]; 4 rows on 2048x1408x2x2 1.05x.
+template <int NT>
+void mk_fp8_halves(const MatView& m, int tile, const TilePtrs& p, float* out, size_t ldo) {
+  const uint8_t* w = m.w + size_t(tile) * m.tile_bytes;
+  const float* sc = m.scales + size_t(tile) * m.scale_tile;
   const int groups = m.kd / m.group;
   for (int g = 0; g < groups; ++g) {
-    __m256 acc[MT][2][NT][CH];  // [tile][rows 0-7, rows 8-15][token][chain]
-    for (int i = 0; i < MT; ++i)
-      for (int h = 0; h < 2; ++h)
-        for (int t = 0; t < NT; ++t)
-          for (int c = 0; c < CH; ++c) acc[i][h][t][c] = _mm256_setzero_ps();
-    const int k_end = (g + 1) * m.group;
-    for (int k = g * m.group; k < k_end; k += 4) {
-      const size_t off = size_t(k / 4) * 64;
-      for (int i = 0; i < MT; ++i) _mm_prefetch(reinterpret_cast<const char*>(w[i] + ahead<MT>(i, off, m.tile_bytes)), _MM_HINT_T0);
-      for (int hl = 0; hl < 2; ++hl)
-        for (int i = 0; i < MT; ++i) {
-          const __m256i v = _mm256_load_si256(reinterpret_cast<const __m256i*>(w[i] + off + 32 * hl));
-          const __m256 w0 = fp8_lane_top(_mm256_slli_epi32(v, 16));  // k
-          const __m256 w1 = fp8_lane_top(v);                         // k + 1
-          const __m256 w2 = fp8_lane_top(_mm256_slli_epi32(v, 24));  // k + 2
-          const __m256 w3 = fp8_lane_top(_mm256_slli_epi32(v, 8));   // k + 3
-          for (int t = 0; t < NT; ++t) {
-            const float* xk = p.xf[t] + k;
-            __m256& a0 = acc[i][hl][t][0];
-            __m256& a1 = acc[i][hl][t][CH - 1];
-            a0 = _mm256_fmadd_ps(w0, _mm256_broadcast_ss(xk), a0);
-            a1 = _mm256_fmadd_ps(w2, _mm256_broadcast_ss(xk + 2), a1);
-            a0 = _mm256_fmadd_ps(w1, _mm256_broadcast_ss(xk + 1), a0);
-            a1 = _mm256_fmadd_ps(w3, _mm256_broadcast_ss(xk + 3), a1);
-          }
-        }
-    }
-    for (int i = 0; i < MT; ++i) {
-      const __m256 s = _mm256_set1_ps(sc[i][g] * kFp8Unscale);  // once per (tile, block)
-      for (int t = 0; t < NT; ++t)
-        for (int h = 0; h < 2; ++h) {
-          const __m256 r = CH == 2 ? _mm256_add_ps(acc[i][h][t][0], acc[i][h][t][CH - 1]) : acc[i][h][t][0];
-          float* o = out + size_t(t) * ldo + i * 16 + h * 8;
-          _mm256_storeu_ps(o, g ? _mm256_fmadd_ps(r, s, _mm256_loadu_ps(o)) : _mm256_mul_ps(r, s));
-        }
+    const __m256 s = _mm256_set1_ps(sc[g] * kFp8Unscale);  // once per (tile, block)
+    const int k0 = g * m.group, k1 = k0 + m.group;
+    for (int hl = 0; hl < 2; ++hl) {
+      __m256 a[NT][2];
+      for (int t = 0; t < NT; ++t) a[t][0] = a[t][1] = _mm256_setzero_ps();
+      for (int k = k0; k < k1; k += 4) {
+        const size_t off = size_t(k / 4) * 64;
+        if (hl == 0) _mm_prefetch(reinterpret_cast<const char*>(w + ahead<1>(0, off, m.tile_bytes)), _MM_HINT_T0);
+        const __m256i v = _mm256_load_si256(reinterpret_cast<const __m256i*>(w + off + 32 * hl));
+        __m256 wk = fp8_lane_top(_mm256_slli_epi32(v, 16));  // k
+        for (int t = 0; t < NT; ++t) a[t][0] = _mm256_fmadd_ps(wk, _mm256_broadcast_ss(p.xf[t] + k), a[t][0]);
+        wk = fp8_lane_top(_mm256_slli_epi32(v, 24));  // k + 2
+        for (int t = 0; t < NT; ++t) a[t][1] = _mm256_fmadd_ps(wk, _mm256_broadcast_ss(p.xf[t] + k + 2), a[t][1]);
+        wk = fp8_lane_top(v);  // k + 1
+        for (int t = 0; t < NT; ++t) a[t][0] = _mm256_fmadd_ps(wk, _mm256_broadcast_ss(p.xf[t] + k + 1), a[t][0]);
+        wk = fp8_lane_top(_mm256_slli_epi32(v, 8));  // k + 3
+        for (int t = 0; t < NT; ++t) a[t][1] = _mm256_fmadd_ps(wk, _mm256_broadcast_ss(p.xf[t] + k + 3), a[t][1]);
+      }
+      for (int t = 0; t < NT; ++t) {
+        const __m256 r = _mm256_add_ps(a[t][0], a[t][1]);
+        float* o = out + size_t(t) * ldo + hl * 8;
+        _mm256_storeu_ps(o, g ? _mm256_fmadd_ps(r, s, _mm256_loadu_ps(o)) : _mm256_mul_ps(r, s));
+      }
     }
   }
   if (groups == 0)
     for (int t = 0; t < NT; ++t)
-      for (int i = 0; i < 2 * MT; ++i) _mm256_storeu_ps(out + size_t(t) * ldo + i * 8, _mm256_setzero_ps());
+      for (int h = 0; h < 2; ++h) _mm256_storeu_ps(out + size_t(t) * ldo + h * 8, _mm256_setzero_ps());
 }
 
 template <int MT, int NT>
@@ -363,7 +354,8 @@ void mk_dispatch(const MatView& m, int tile, const TilePtrs& p, float* out, size
     case W_FP8:  // the pair decode doubles the accumulators: from 3 tokens they would spill
       if constexpr (MT == 2 && NT == 1) mk_fp8_pairs_one(m, tile, p, out);
       else if constexpr (NT <= 2) mk_fp8_pairs<MT, NT>(m, tile, p, out, ldo);
-      else mk_fp8_lanes<MT, NT>(m, tile, p, out, ldo);
+      else  // (gemm_avx2 gives fp8 weights one tile at a time from 2 tokens: MT is 1 here)
+        for (int i = 0; i < MT; ++i) mk_fp8_halves<NT>(m, tile + i, p, out + i * 16, ldo);
       break;
     default: mk_int<true, MT, NT>(m, tile, p, out, ldo); break;
   }
