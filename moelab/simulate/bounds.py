@@ -166,7 +166,8 @@ def zero_within_noise(fit: dict, term: str) -> bool:
 def check_fit(name: str, fit: dict, *, min_r2: float = MIN_R2, need_slope: bool = True) -> list[Violation]:
     """A fit's problems: a slope (per-byte term) that came out ≤ 0 (no bandwidth can be read off it),
     an intercept or per-expert term the fit dropped because it came out negative, unless that is a
-    zero measured with noise (:func:`zero_within_noise`), an R² below ``min_r2``. ``fit``: what :func:`~moelab.simulate.calibrate.fit_fixed_per_byte` returns."""
+    zero measured with noise (:func:`zero_within_noise`), an R² below ``min_r2``. ``fit``: what
+    :func:`~moelab.simulate.calibrate.fit_fixed_per_byte` returns."""
     out = []
     dropped = fit.get("dropped", [])
     if need_slope and fit.get("us_per_byte", 0.0) <= 0:

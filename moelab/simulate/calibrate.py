@@ -229,7 +229,7 @@ def fit_fixed_per_byte(points: list[dict], x: str = "bytes", y: str = "us",
             break
         worst = int(np.argmin(c))
         term = names[keep[worst]]
-        dropped.append(term)  # negative: dropped (bounds.check_fit flags it unless negligible)
+        dropped.append(term)  # negative: dropped (bounds.check_fit flags it unless a zero within noise)
         raw[f"raw_{term}"] = float(c[worst])
         # what check_fit weighs: the most it took off any point, in % of that point's time, and its
         # standard error (weighted residuals over n - p degrees of freedom)
