@@ -564,8 +564,10 @@ def test_a_new_process_loads_the_compiled_planner_from_the_disk_cache(tmp_path):
 def test_the_bench_replays_a_run_whose_deferral_the_planner_makes():
     """``moelab bench hybrid``'s planner cost replays the run's recorded plan calls through a fresh
     planner and checks it plans the same: with the deferral handed to the planner, the fresh one
-    gets it too (the replay raised before)."""
+    gets it too (the replay raised before); so does its replay with the caches evicted before each
+    plan."""
     from moelab.hybrid.bench import planner_cost
 
     r = planner_cost("moelab-tiny-mixtral", steps=4, repeats=1)
     assert r["path"] == "compiled" and r["plans"] > 0 and r["planner_alone_us"] > 0
+    assert r["planner_alone_cold_us"] > 0 and 8 <= r["evict_mib"] <= 256

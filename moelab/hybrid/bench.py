@@ -68,6 +68,8 @@ def planner_cost(model_name: str, steps: int = 64, repeats: int = 3) -> dict[str
     per_repeat: dict[bool, list[float]] = {True: [], False: []}  # each repeat's median plan (s): the spread
     timing: dict[bool, dict[str, int]] = {True: {}, False: {}}
     replay: list[int] = []
+    cold: list[int] = []
+    evict = _evictor()
     try:
         for _ in range(repeats):
             for fast in (True, False):
@@ -90,6 +92,7 @@ def planner_cost(model_name: str, steps: int = 64, repeats: int = 3) -> dict[str
                     timing[fast][key] = timing[fast].get(key, 0) + v
                 if fast:
                     replay += _replay(run, calls)
+                    cold += _replay(run, calls, evict)
                     path = run.planner.path
                     compiled = run.planner._compiled
                     entry = "native entry" if compiled is not None and compiled.entry() is not None else \
@@ -104,9 +107,16 @@ def planner_cost(model_name: str, steps: int = 64, repeats: int = 3) -> dict[str
         "planner_us_per_layer": med[True], "planner_us_reference": med[False], "measurement": m,
         "planner_mean_us": timing[True]["planner_ns"] / n / 1e3,
         "planner_alone_us": statistics.median(replay) / 1e3,
+        "planner_alone_cold_us": statistics.median(cold) / 1e3, "evict_mib": evict.nbytes / 2**20,
         "predictor_us_per_layer": timing[True]["predictor_ns"] / n / 1e3,
         "plans": len(samples[True]), "path": path, "entry": entry,
     }
+
+
+def _kept(args: tuple) -> tuple:
+    """``args`` with copies of its arrays and tensors (the planner edits a deferral's slot states in place)."""
+    return tuple(a.copy() if isinstance(a, np.ndarray) else a.clone() if isinstance(a, torch.Tensor) else a
+                 for a in args)
 
 
 def _record_calls(planner, calls: list, copy_ns: list[int]) -> None:
@@ -118,12 +128,7 @@ def _record_calls(planner, calls: list, copy_ns: list[int]) -> None:
     plan spent recording (inside the timed plan: the caller subtracts it)."""
     import time
 
-    import torch
-
-    def kept(args: tuple) -> tuple:
-        return tuple(a.copy() if isinstance(a, np.ndarray) else a.clone() if isinstance(a, torch.Tensor) else a
-                     for a in args)
-
+    kept = _kept
     plan_layer, carry = planner.plan_layer, [0]  # carry: a native try's recording, when it did not plan
 
     def recorded(*args):
@@ -157,11 +162,31 @@ def _record_calls(planner, calls: list, copy_ns: list[int]) -> None:
     compiled.plan_tensors = recorded_tensors
 
 
-def _replay(run, calls: list) -> list[int]:
+def _evictor() -> np.ndarray:
+    """A buffer twice this machine's largest CPU cache (at least 8 MiB, at most 256 MiB; Linux's
+    sysfs says the size, 32 MiB assumed where it does not): reading it evicts what the planner's
+    code and state left in the caches, as a forward's dense layers do between two plans."""
+    sizes = []
+    for f in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
+        try:
+            text = f.read_text().strip().upper()
+            sizes.append(int(text[:-1]) * {"K": 2**10, "M": 2**20, "G": 2**30}[text[-1]] if text[-1] in "KMG"
+                         else int(text))
+        except (OSError, ValueError, KeyError):
+            continue
+    n = min(max(2 * max(sizes, default=16 * 2**20), 8 * 2**20), 256 * 2**20)
+    return np.ones(n, dtype=np.uint8)
+
+
+def _replay(run, calls: list, evict: np.ndarray | None = None) -> list[int]:
     """ns of each decode-step plan when ``calls`` are replayed through a fresh planner of the
     same configuration outside the model (the planner alone: no tensors, no forward around
     it), each through the entry the run planned it with; checks that it plans exactly what
-    the run planned."""
+    the run planned. Each call gets copies of the recorded arguments (a deferral made in the
+    planner's call edits the slot states in place), made outside its time. With ``evict`` (:func:`_evictor`), every line of that buffer is read before
+    each decode-step plan, outside its time: the planner alone with cold caches, which is how a
+    forward's layers leave them (on the development VM the same calls took 13-14 µs one after
+    another and 60-85 µs each after 4 MiB were read, 2026-11-29)."""
     import time
 
     from moelab.hybrid.planner import Planner, make_cache
@@ -172,7 +197,10 @@ def _replay(run, calls: list) -> list[int]:
     if p.deferral is not None:  # the run's deferral, handed to its planner
         fresh.defer_with(*p.deferral)
     out, dts = [], []
-    for native, args in calls:
+    for native, recorded in calls:
+        args = _kept(recorded)
+        if evict is not None and args[2] == "decode":
+            evict[::64].sum()  # one byte a cache line: the lines are read, nothing is written
         t0 = time.perf_counter_ns()
         out.append(fresh._compiled.plan_tensors(*args) if native else fresh.plan_layer(*args))
         if args[2] == "decode":
@@ -366,7 +394,8 @@ def _planner_tables(out, models, flagged: list) -> None:  # pragma: no cover - p
         out(f"  {m}: planner ({r['path']}, {r['entry']}) {r['planner_us_per_layer']:.1f} µs [{_stat(r['measurement'])}] (reference "
             f"{r['planner_us_reference']:.1f} µs, x{r['planner_us_reference'] / r['planner_us_per_layer']:.2f}; "
             f"mean {r['planner_mean_us']:.1f} µs; the planner alone, replayed outside the model: "
-            f"{r['planner_alone_us']:.1f} µs), predictor {r['predictor_us_per_layer']:.1f} µs "
+            f"{r['planner_alone_us']:.1f} µs, {r['planner_alone_cold_us']:.1f} µs with {r['evict_mib']:.0f} MiB read "
+            f"before each plan to evict the caches), predictor {r['predictor_us_per_layer']:.1f} µs "
             f"({r['plans']} layer plans; prefetch {r['prefetch']})")
     r = control_overhead()
     flagged.append(r["measurement"])
