@@ -571,3 +571,23 @@ def test_the_bench_replays_a_run_whose_deferral_the_planner_makes():
     r = planner_cost("moelab-tiny-mixtral", steps=4, repeats=1)
     assert r["path"] == "compiled" and r["plans"] > 0 and r["planner_alone_us"] > 0
     assert r["planner_alone_cold_us"] > 0 and 8 <= r["evict_mib"] <= 256
+
+
+def test_the_cold_replay_evicts_twice_the_largest_cache_within_bounds(tmp_path):
+    """The bench's cold replay reads a buffer twice the largest cache sysfs reports, at least 8 MiB
+    and at most 256 MiB; unreadable sizes are skipped and no sizes at all assume a 16 MiB cache."""
+    from moelab.hybrid.bench import _evictor
+
+    def cache_dir(name: str, **sizes: str):
+        d = tmp_path / name
+        for index, size in sizes.items():
+            (d / index).mkdir(parents=True)
+            (d / index / "size").write_text(size + "\n")
+        return d
+
+    mib = 2**20
+    assert _evictor(cache_dir("l3", index0="32K", index2="1024K", index3="36608K")).nbytes == 2 * 36608 * 1024
+    assert _evictor(cache_dir("small", index0="32K", index1="1M")).nbytes == 8 * mib
+    assert _evictor(cache_dir("huge", index3="1G")).nbytes == 256 * mib
+    assert _evictor(cache_dir("bytes", index3="12582912", index4="n/a")).nbytes == 24 * mib
+    assert _evictor(tmp_path / "none").nbytes == 32 * mib

@@ -162,12 +162,13 @@ def _record_calls(planner, calls: list, copy_ns: list[int]) -> None:
     compiled.plan_tensors = recorded_tensors
 
 
-def _evictor() -> np.ndarray:
+def _evictor(cache_dir: str | Path = "/sys/devices/system/cpu/cpu0/cache") -> np.ndarray:
     """A buffer twice this machine's largest CPU cache (at least 8 MiB, at most 256 MiB; Linux's
-    sysfs says the size, 32 MiB assumed where it does not): reading it evicts what the planner's
-    code and state left in the caches, as a forward's dense layers do between two plans."""
+    sysfs says the size (``cache_dir``), 16 MiB assumed where it does not): reading it evicts what
+    the planner's code and state left in the caches, as a forward's dense layers do between two
+    plans."""
     sizes = []
-    for f in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
+    for f in Path(cache_dir).glob("index*/size"):
         try:
             text = f.read_text().strip().upper()
             sizes.append(int(text[:-1]) * {"K": 2**10, "M": 2**20, "G": 2**30}[text[-1]] if text[-1] in "KMG"
