@@ -119,3 +119,43 @@ def test_the_device_lanes_backend_is_a_choice_and_a_bad_name_is_named(tiny, monk
     assert runs["nothing enabled"]["device_pct"] == 100.0
     with pytest.raises(MoelabError, match="grouped_mn"):
         side_by_side(repeats=1, profile="pcie4-x16", model=tiny, device_backend="grouped_mn")
+
+
+def test_auto_probes_the_plain_implementations_and_takes_the_fastest(tiny, monkeypatch):
+    """``fastest_plain`` times every plain implementation in interleaved rounds (a warm-up loop each
+    first) and picks the lowest median; the model's implementation is left as it was."""
+    import torch
+
+    from moelab.simulate import side_by_side as sbs
+
+    fake = {"eager": [3.0, 3.1, 2.9], "batched_mm": [1.2, 0.9, 5.0], "grouped_mm": [1.0, 4.0, 4.0]}
+    seen = []
+
+    def timed(model, ids, steps):
+        impl = model.config._experts_implementation
+        seen.append((impl, steps))
+        done = sum(1 for i, s in seen if i == impl and s == steps)
+        return fake[impl][done - 1] if steps == 5 else 0.0
+
+    before = getattr(tiny.config, "_experts_implementation", None)
+    monkeypatch.setattr(sbs, "_decode", timed)
+    best, med = sbs.fastest_plain(tiny, torch.ones(1, 4, dtype=torch.long), steps=5)
+    assert best == "batched_mm"  # medians 3.0 / 1.2 / 4.0: one fast loop does not make grouped_mm the best
+    assert med == {"eager": 3.0, "batched_mm": 1.2, "grouped_mm": 4.0}
+    assert [i for i, s in seen if s == 2] == list(PLAIN_EXPERTS)  # warm-ups
+    assert [i for i, s in seen if s == 5] == list(PLAIN_EXPERTS) * 3  # interleaved rounds
+    assert getattr(tiny.config, "_experts_implementation", None) == before
+
+
+def test_auto_is_the_default_and_runs_the_device_lane_on_the_probes_choice(tiny, monkeypatch):
+    from moelab.simulate import side_by_side as sbs
+
+    monkeypatch.setenv("MOELAB_PLANNER", "reference")
+    monkeypatch.setattr(sbs, "fastest_plain", lambda model, ids, steps: ("eager", {"eager": 0.001}))
+    r = sbs.side_by_side(steps=2, repeats=1, profile="pcie4-x16", model=tiny)
+    runs = {row["kind"]: row for row in r["rows"] if row["kind"] != "plain"}
+    assert r["device_backend"] == "eager" and r["device_backend_probe"] == {"eager": 0.001}
+    assert {row["device_backend"] for row in runs.values()} == {"eager"}
+    assert runs["nothing enabled"]["device_pct"] == 100.0
+    named = sbs.side_by_side(steps=2, repeats=1, profile="pcie4-x16", model=tiny, device_backend="reference")
+    assert named["device_backend"] == "reference" and named["device_backend_probe"] is None

@@ -218,7 +218,7 @@ def test_both_benches_calibrate_through_one_helper_and_only_the_throughput_bench
     with pytest.raises(_Calibrating):
         run_bench(["tiny-random-mixtral"], profile=None, progress=said.append)
     with pytest.raises(_Calibrating):
-        side_by_side(profile=None, allow_busy=True)
+        side_by_side(profile=None, allow_busy=True, device_backend="reference")  # (auto would probe first)
     # moelab calibrate --quick's settings, each bench's allow_busy (and the side-by-side's device backend) passed on
     assert calls == [{"quick": True, "allow_busy": False, "device_backend": "reference"},
                      {"quick": True, "allow_busy": True, "device_backend": "reference"}]

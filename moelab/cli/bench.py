@@ -88,11 +88,12 @@ def register(subparsers) -> None:
     h.add_argument("--profile", metavar="PROFILE", default=None,
                    help="calibrated profile of this machine for the simulator's prediction (moelab calibrate --out); "
                    "default: calibrate now with --quick settings")
-    h.add_argument("--device-backend", metavar="BACKEND", default="reference",
-                   help="experts backend of the side-by-side's device lane (default: reference, eager maths in "
-                   "torch; e.g. grouped_mm to compute resident experts as that plain row does); a profile "
-                   "calibrated now measures the same backend, a given one should have (moelab calibrate "
-                   "--device-backend)")
+    h.add_argument("--device-backend", metavar="BACKEND", default="auto",
+                   help="experts backend of the side-by-side's device lane (default: auto, the plain transformers "
+                   "experts implementation that runs fastest here in a short probe, so nothing enabled computes "
+                   "the resident experts as the best plain row does; or a backend's name, e.g. reference for "
+                   "eager maths in torch); a profile calibrated now measures the same backend, a given one "
+                   "should have (moelab calibrate --device-backend)")
     h.add_argument("--allow-busy", action="store_true",
                    help="print figures measured on a busy machine (flagged) instead of refusing them")
     h.set_defaults(func=run_hybrid)

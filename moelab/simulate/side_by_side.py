@@ -36,6 +36,32 @@ from moelab.timing.shapes import ModelShape
 #: the plain model's experts implementations the side-by-side table measures (transformers 5)
 PLAIN_EXPERTS: tuple[str, ...] = ("eager", "batched_mm", "grouped_mm")
 
+#: ``device_backend`` of :func:`side_by_side` meaning "the plain experts implementation that is
+#: fastest here" (:func:`fastest_plain`), so "nothing enabled" computes the resident experts as the
+#: best plain row does and the two rows differ by moelab's runtime only
+AUTO = "auto"
+
+
+def fastest_plain(model: Any, ids: torch.Tensor, steps: int, rounds: int = 3) -> tuple[str, dict[str, float]]:
+    """The plain experts implementation (:data:`PLAIN_EXPERTS`, each a registered experts backend)
+    whose decode loops of ``steps`` steps on ``model`` have the lowest median over ``rounds``
+    interleaved rounds (after a warm-up loop each), and each one's median seconds. The model's
+    experts implementation is left as it was."""
+    before = getattr(model.config, "_experts_implementation", None)
+    times: dict[str, list[float]] = {impl: [] for impl in PLAIN_EXPERTS}
+    try:
+        for impl in PLAIN_EXPERTS:
+            model.set_experts_implementation(impl)
+            _decode(model, ids, 2)
+        for _ in range(rounds):
+            for impl in PLAIN_EXPERTS:
+                model.set_experts_implementation(impl)
+                times[impl].append(_decode(model, ids, steps))
+    finally:
+        model.config._experts_implementation = before
+    med = {impl: statistics.median(t) for impl, t in times.items()}
+    return min(med, key=med.__getitem__), med
+
 
 def side_configs(profile_path: str, cache: Callable[[float], dict[str, Any]] | None = None,
                  device_backend: str = "reference") -> dict[str, dict[str, Any]]:
@@ -79,7 +105,7 @@ def event_record_us(n: int = 20000) -> float:
 
 
 def side_by_side(layers: int = 3, steps: int = 8, repeats: int = 7, profile: Any = None, *,
-                 allow_busy: bool = False, model: Any = None, device_backend: str = "reference") -> dict[str, Any]:
+                 allow_busy: bool = False, model: Any = None, device_backend: str = AUTO) -> dict[str, Any]:
     """Plain transformers (each experts implementation) vs moelab's real executor (nothing enabled,
     full configuration) vs the simulator's prediction of those runs, on :func:`realistic_model`.
 
@@ -93,20 +119,28 @@ def side_by_side(layers: int = 3, steps: int = 8, repeats: int = 7, profile: Any
     ``profile``: a calibrated profile file (``moelab calibrate --out``) or a profile's name, or None
     to calibrate now (``--quick`` settings; refused on a busy machine unless ``allow_busy``).
     ``model``: another model to measure instead of ``realistic_model(layers)``. ``device_backend``: the
-    experts backend of both runs' device lane (``reference``: eager maths; ``grouped_mm`` computes
-    the resident experts as that plain row does), which a profile calibrated now measures too (a
-    given profile should have been: ``moelab calibrate --device-backend``). Returns the rows
-    (``label``, ``measurement``, ``step_ms``, ``ratio``, ``sim_step_ms`` for moelab's runs) and the
-    profile used.
+    experts backend of both runs' device lane: ``auto`` (default), the plain experts implementation
+    that ran fastest in a short probe before anything else (:func:`fastest_plain`; the plain rows are
+    still measured in the rounds), so the resident experts are computed as the best plain row
+    computes them; or a backend's name (``reference``: eager maths in torch). A profile calibrated
+    now measures the same backend (a given one should have: ``moelab calibrate --device-backend``).
+    Returns the rows (``label``, ``measurement``, ``step_ms``, ``ratio``, ``sim_step_ms`` for
+    moelab's runs), the profile used, the device lane's backend and, for ``auto``, the probe's
+    median seconds per implementation (``device_backend_probe``).
     """
     if repeats < 1 or steps < 1:
         raise MoelabError(f"repeats={repeats}, steps={steps}: both must be ≥ 1 (issue #26 asks for ≥ 7 repeats).")
     from moelab.backends import get_backend
 
-    get_backend(device_backend)  # a did-you-mean error before anything runs
+    if device_backend != AUTO:
+        get_backend(device_backend)  # a did-you-mean error before anything runs
+    ids = torch.randint(3, 250, (1, 8), generator=torch.Generator().manual_seed(0))
+    probe = None
+    if device_backend == AUTO:  # (else the model is built once the profile is there: a refusal comes first)
+        model = realistic_model(layers) if model is None else model
+        device_backend, probe = fastest_plain(model, ids, steps)
     prof, path = profile_or_calibrated(profile, allow_busy=allow_busy, device_backend=device_backend)
     model = realistic_model(layers) if model is None else model
-    ids = torch.randint(3, 250, (1, 8), generator=torch.Generator().manual_seed(0))
     shape = ModelShape.from_model(model, name="v2-lite-shaped")
     add_us = event_record_us()
     memo: dict = {}  # the warm-start trace, recorded once
@@ -155,7 +189,7 @@ def side_by_side(layers: int = 3, steps: int = 8, repeats: int = 7, profile: Any
     for row in rows:
         row["ratio"] = _ratio(loops[row["key"]], loops[best["key"]])
     return {"rows": rows, "best_plain": best, "profile": path, "layers": layers, "steps": steps, "repeats": repeats,
-            "event_record_us": add_us}
+            "event_record_us": add_us, "device_backend": device_backend, "device_backend_probe": probe}
 
 
 def _ratio(a: list[float], b: list[float]) -> dict[str, float]:
@@ -167,7 +201,7 @@ def _ratio(a: list[float], b: list[float]) -> dict[str, float]:
 
 
 def side_table(out, layers: int, steps: int, repeats: int, profile: Any, allow_busy: bool,
-               flagged: list, device_backend: str = "reference") -> None:  # pragma: no cover - prints
+               flagged: list, device_backend: str = AUTO) -> None:  # pragma: no cover - prints
     r = side_by_side(layers, steps, repeats, profile, allow_busy=allow_busy, device_backend=device_backend)
     out(f"side by side, DeepSeek-V2-Lite MoE shapes x {layers} layers, bf16, decode batch 1, "
         f"{torch.get_num_threads()} torch threads; median of {repeats} loops of {steps} steps, the rows' loops "
@@ -181,6 +215,10 @@ def side_table(out, layers: int, steps: int, repeats: int, profile: Any, allow_b
         q = row["ratio"]
         out(f"  {row['label']:44}  {row['step_ms']:8.2f}  {_stat(row['measurement']):>18}  "
             f"{q['median']:12.2f}x ({q['q25']:.2f}-{q['q75']:.2f})  {tail}")
+    if r["device_backend_probe"] is not None:
+        out(f"  device lane: {r['device_backend']} experts (auto: the fastest plain experts in a probe of 3 loops "
+            "each before the rounds, median ms: "
+            + ", ".join(f"{impl} {t * 1e3:.2f}" for impl, t in r["device_backend_probe"].items()) + ")")
     for row in r["rows"]:
         if "device_pct" in row:
             out(f"  {row['kind']}: {row['device_pct']:.0f} % of the decode steps' expert work on the device lane "
@@ -193,4 +231,4 @@ def side_table(out, layers: int, steps: int, repeats: int, profile: Any, allow_b
         "full configuration within 1.25x of its simulated step; recording events ≤ 5 % of a step.")
 
 
-__all__ = ["PLAIN_EXPERTS", "device_share", "event_record_us", "side_by_side", "side_configs", "side_table"]
+__all__ = ["AUTO", "PLAIN_EXPERTS", "device_share", "fastest_plain", "event_record_us", "side_by_side", "side_configs", "side_table"]
