@@ -589,5 +589,5 @@ def test_the_cold_replay_evicts_twice_the_largest_cache_within_bounds(tmp_path):
     assert _evictor(cache_dir("l3", index0="32K", index2="1024K", index3="36608K")).nbytes == 2 * 36608 * 1024
     assert _evictor(cache_dir("small", index0="32K", index1="1M")).nbytes == 8 * mib
     assert _evictor(cache_dir("huge", index3="1G")).nbytes == 256 * mib
-    assert _evictor(cache_dir("bytes", index3="12582912", index4="n/a")).nbytes == 24 * mib
+    assert _evictor(cache_dir("bytes", index3="12582912", index4="n/a", index5="")).nbytes == 24 * mib
     assert _evictor(tmp_path / "none").nbytes == 32 * mib

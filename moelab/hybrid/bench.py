@@ -128,12 +128,11 @@ def _record_calls(planner, calls: list, copy_ns: list[int]) -> None:
     plan spent recording (inside the timed plan: the caller subtracts it)."""
     import time
 
-    kept = _kept
     plan_layer, carry = planner.plan_layer, [0]  # carry: a native try's recording, when it did not plan
 
     def recorded(*args):
         t0 = time.perf_counter_ns()
-        calls.append((False, kept(args)))
+        calls.append((False, _kept(args)))
         if args[2] == "decode":
             copy_ns.append(time.perf_counter_ns() - t0 + carry[0])
             carry[0] = 0
@@ -147,7 +146,7 @@ def _record_calls(planner, calls: list, copy_ns: list[int]) -> None:
 
     def recorded_tensors(*args):
         t0 = time.perf_counter_ns()
-        got = kept(args)
+        got = _kept(args)
         dt = time.perf_counter_ns() - t0
         lp = plan_tensors(*args)
         if lp is not None:
@@ -173,7 +172,7 @@ def _evictor(cache_dir: str | Path = "/sys/devices/system/cpu/cpu0/cache") -> np
             text = f.read_text().strip().upper()
             sizes.append(int(text[:-1]) * {"K": 2**10, "M": 2**20, "G": 2**30}[text[-1]] if text[-1] in "KMG"
                          else int(text))
-        except (OSError, ValueError, KeyError):
+        except (OSError, ValueError, KeyError, IndexError):  # unreadable, empty or another notation
             continue
     n = min(max(2 * max(sizes, default=16 * 2**20), 8 * 2**20), 256 * 2**20)
     return np.ones(n, dtype=np.uint8)
@@ -184,10 +183,11 @@ def _replay(run, calls: list, evict: np.ndarray | None = None) -> list[int]:
     same configuration outside the model (the planner alone: no tensors, no forward around
     it), each through the entry the run planned it with; checks that it plans exactly what
     the run planned. Each call gets copies of the recorded arguments (a deferral made in the
-    planner's call edits the slot states in place), made outside its time. With ``evict`` (:func:`_evictor`), every line of that buffer is read before
-    each decode-step plan, outside its time: the planner alone with cold caches, which is how a
-    forward's layers leave them (on the development VM the same calls took 13-14 µs one after
-    another and 60-85 µs each after 4 MiB were read, 2026-11-29)."""
+    planner's call edits the slot states in place), made outside its time. With ``evict``
+    (:func:`_evictor`), every line of that buffer is read before each decode-step plan, outside its
+    time: the planner alone with cold caches, which is how a forward's layers leave them (on the
+    development VM the same calls took 13-14 µs one after another and 60-85 µs each after 4 MiB
+    were read, 2026-11-29)."""
     import time
 
     from moelab.hybrid.planner import Planner, make_cache

@@ -231,4 +231,5 @@ def side_table(out, layers: int, steps: int, repeats: int, profile: Any, allow_b
         "full configuration within 1.25x of its simulated step; recording events ≤ 5 % of a step.")
 
 
-__all__ = ["AUTO", "PLAIN_EXPERTS", "device_share", "fastest_plain", "event_record_us", "side_by_side", "side_configs", "side_table"]
+__all__ = ["AUTO", "PLAIN_EXPERTS", "device_share", "event_record_us", "fastest_plain", "side_by_side", "side_configs",
+           "side_table"]
