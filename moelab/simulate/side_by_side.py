@@ -50,17 +50,28 @@ def fastest_plain(model: Any, ids: torch.Tensor, steps: int, rounds: int = 3) ->
     before = getattr(model.config, "_experts_implementation", None)
     times: dict[str, list[float]] = {impl: [] for impl in PLAIN_EXPERTS}
     try:
-        for impl in PLAIN_EXPERTS:
-            model.set_experts_implementation(impl)
-            _decode(model, ids, 2)
+        _plain_warmup(model, ids)
         for _ in range(rounds):
-            for impl in PLAIN_EXPERTS:
-                model.set_experts_implementation(impl)
-                times[impl].append(_decode(model, ids, steps))
+            _plain_round(model, ids, steps, times)
     finally:
         model.config._experts_implementation = before
     med = {impl: statistics.median(t) for impl, t in times.items()}
     return min(med, key=med.__getitem__), med
+
+
+def _plain_warmup(model: Any, ids: torch.Tensor) -> None:
+    """A short decode loop of every plain experts implementation: packing, first copies, allocator."""
+    for impl in PLAIN_EXPERTS:
+        model.set_experts_implementation(impl)
+        _decode(model, ids, 2)
+
+
+def _plain_round(model: Any, ids: torch.Tensor, steps: int, loops: dict[str, list[float]]) -> None:
+    """One timed decode loop of ``steps`` steps of every plain experts implementation, in
+    :data:`PLAIN_EXPERTS` order, each appended to ``loops[impl]`` (seconds)."""
+    for impl in PLAIN_EXPERTS:
+        model.set_experts_implementation(impl)
+        loops[impl].append(_decode(model, ids, steps))
 
 
 def side_configs(profile_path: str, cache: Callable[[float], dict[str, Any]] | None = None,
@@ -152,13 +163,9 @@ def side_by_side(layers: int = 3, steps: int = 8, repeats: int = 7, profile: Any
     events = dict.fromkeys(runs, 0)
     before = getattr(model.config, "_experts_implementation", None)
     try:
-        for impl in PLAIN_EXPERTS:  # warm-up: packing, first copies, allocator
-            model.set_experts_implementation(impl)
-            _decode(model, ids, 2)
+        _plain_warmup(model, ids)
         for _ in range(repeats):
-            for impl in PLAIN_EXPERTS:
-                model.set_experts_implementation(impl)
-                loops[impl].append(_decode(model, ids, steps))
+            _plain_round(model, ids, steps, loops)
             model.config._experts_implementation = before
             for label, run in runs.items():
                 with run:
