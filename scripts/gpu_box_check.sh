@@ -12,7 +12,8 @@
 #      DEVICE_BACKEND=batched_mm, transformers' fastest built-in on an H100, unless set), alone;
 #   4. `moelab bench throughput --device cuda` (MoE-Gen's offloaded decode beside its simulation), alone;
 #   5. `moelab bench kernels` (T=1 16 256) and `--prefill` on the best ISA path, alone.
-# ONLY="errors bench kernels" runs just those steps (names: tests, errors, bench, throughput, kernels, prefill;
+# ONLY="errors bench kernels" runs just those steps (names: tests, cuda (the CUDA tests alone), errors, bench,
+# throughput, kernels, prefill;
 # the environment and the build always run). "errors" runs the kernels' error-path tests alone and, when the
 # interpreter dies, a native backtrace under cuda-gdb (the image has no gdb).
 # Timings on the H100 box of 2026-11-28 (16 cores, torch 2.11): kernels build 40 s; CUDA tests 100 s; the ISA
@@ -59,12 +60,19 @@ step 200 $PY -c "import time; t = time.time(); from moelab.kernels.build import 
 BEST=$($PY -c "from moelab.kernels import supported_isas; print(supported_isas()[0])" 2>/dev/null)
 echo "best ISA path: ${BEST:-none}" | tee -a "$S"
 
+if want cuda; then  # the CUDA tests alone (TESTS= narrows them; see scripts/gpu_check.sh)
+echo "== CUDA tests" | tee -a "$S"
+mkdir -p "$OUT/gpu"
+OUT="$OUT/gpu" SKIP_BENCH=1 JOBS="${JOBS:-6}" step "${TESTS_S:-240}" bash scripts/gpu_check.sh > "$OUT/gpu/log.txt" 2>&1; grc=$?
+{ echo "-- CUDA tests (rc $grc)"; grep -E "passed|failed|error|SKIPPED|FAILED|ERROR" "$OUT/gpu/pytest.txt" | tail -25; } 2>&1 | tee -a "$S"
+fi
+
 if want tests; then
 echo "== tests (CUDA and ISA, side by side)" | tee -a "$S"
 mkdir -p "$OUT/isa" "$OUT/gpu"
-( OUT="$OUT/isa" JOBS=4 SKIP_BENCH=1 step 240 bash scripts/cpu_isa_check.sh > "$OUT/isa/log.txt" 2>&1 ) &
+( OUT="$OUT/isa" JOBS="${JOBS:-6}" SKIP_BENCH=1 step "${TESTS_S:-240}" bash scripts/cpu_isa_check.sh > "$OUT/isa/log.txt" 2>&1 ) &
 isa_pid=$!
-OUT="$OUT/gpu" SKIP_BENCH=1 step 240 bash scripts/gpu_check.sh > "$OUT/gpu/log.txt" 2>&1; grc=$?
+OUT="$OUT/gpu" SKIP_BENCH=1 step "${TESTS_S:-240}" bash scripts/gpu_check.sh > "$OUT/gpu/log.txt" 2>&1; grc=$?
 wait $isa_pid; irc=$?
 pkill -9 -f "pytest" 2>/dev/null  # workers a timed-out step left behind
 { echo "-- CUDA tests (rc $grc)"; grep -E "passed|failed|error|SKIPPED|FAILED|ERROR" "$OUT/gpu/pytest.txt" | tail -25

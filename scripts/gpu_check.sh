@@ -9,7 +9,7 @@
 # DeepSeek-V2-Lite MoE shapes). Exit status: non-zero when a test failed. About 3-4 minutes.
 # STEPS=N decode steps per bench point (8); HOST_BACKEND=moelab_bf16 times the native host kernels
 # (built on first use); DEVICE_BACKEND=batched_mm the GPU side with transformers' batched_mm;
-# SKIP_TESTS=1 runs only the bench, SKIP_BENCH=1 only the tests; POINTS="0:0 1:0" the bench's capacity:deferred
+# SKIP_TESTS=1 runs only the bench, SKIP_BENCH=1 only the tests; TESTS="FILE ..." the tests of those files only; POINTS="0:0 1:0" the bench's capacity:deferred
 # points; THREADS="16 14" runs each point once per MOELAB_KERNELS_THREADS value (the host kernels' threads). The bench also prints the simulator's prediction of each point's plans on
 # PROFILE (default h100-pcie5-ddr5) and plain transformers on the GPU (eager, batched_mm, grouped_mm experts).
 set -uo pipefail
@@ -45,10 +45,10 @@ PYEOF
 rc=0
 if [ -z "${SKIP_TESTS:-}" ]; then   # SKIP_TESTS=1: only the bench
 echo "== tests" | tee "$OUT/pytest.txt"
-timeout 300 $PY -m pytest -q -rs -p no:cacheprovider -n 4 tests/test_hybrid_cuda.py tests/test_hybrid.py \
-    "tests/test_backends.py::test_torch_backends_run_on_cuda_and_the_kernels_refuse_it" \
-    tests/test_predictors_protocol.py tests/test_simulate_prefill.py tests/test_hybrid_throughput_offload.py \
-    -k "cuda or hybrid" \
+# TESTS="tests/test_hybrid_cuda.py" runs those files only (default: every file with CUDA tests)
+read -r -a tests <<< "${TESTS:-tests/test_hybrid_cuda.py tests/test_hybrid.py tests/test_backends.py::test_torch_backends_run_on_cuda_and_the_kernels_refuse_it tests/test_predictors_protocol.py tests/test_simulate_prefill.py tests/test_hybrid_throughput_offload.py tests/test_plan_later.py}"
+timeout 300 $PY -m pytest -q -rs -p no:cacheprovider -n "${JOBS:-4}" "${tests[@]}" \
+    -k "cuda or hybrid or plan" \
     --deselect tests/test_hybrid.py::test_eval_under_a_hybrid_config_scores_what_the_policy_scores_and_records_the_config \
     --deselect tests/test_hybrid.py::test_eval_cli_says_which_hybrid_configuration_it_scored \
     2>&1 | tee -a "$OUT/pytest.txt"   # (those two need lm-eval, which GPU images rarely have)
@@ -127,7 +127,7 @@ try:
     print(f"this box: host read {read:.0f} GB/s, pinned host->device {link:.1f} GB/s, {os.cpu_count()} cores")
 except Exception as e:  # noqa: BLE001 - a check script: report and go on
     print("measuring this box failed:", type(e).__name__, e)
-rows, memo = [], {}
+rows, memo, profiled = [], {}, set()
 from moelab.timing.shapes import ModelShape
 shape = ModelShape.from_model(model, name="v2-lite-shaped")
 print("capacity  deferred  threads  step ms  busy device/host/copy/control %  overlap %  host calls: median ms, GB/s")
@@ -145,6 +145,33 @@ for cap, d, th in [(float(p.split(":")[0]), int(p.split(":")[1]), t) for p in po
     with run:
         decode_loop(model, ids.cuda(), 2)  # warm-up: first copies into the pool
         step = decode_loop(model, ids.cuda(), steps)
+        if os.environ.get("PROFILE_STEPS", "1") != "0" and (cap, d) not in profiled:
+            profiled.add((cap, d))  # where a step's time goes: the control thread's Python, torch's ops
+            import cProfile, io, pstats
+            from torch.profiler import ProfilerActivity, profile
+            pr = cProfile.Profile()
+            pr.enable()
+            decode_loop(model, ids.cuda(), 3)
+            pr.disable()
+            buf = io.StringIO()
+            pstats.Stats(pr, stream=buf).sort_stats("tottime").print_stats(22)
+            import warnings
+            with warnings.catch_warnings(record=True) as syncs:  # GPU synchronisations per decode step
+                warnings.simplefilter("always")
+                torch.cuda.set_sync_debug_mode("warn")
+                try:
+                    decode_loop(model, ids.cuda(), 3)
+                finally:
+                    torch.cuda.set_sync_debug_mode(0)
+            n_sync = sum("synchroniz" in str(w.message) for w in syncs)
+            print(f"          GPU synchronisations in the prompt and 3 decode steps: {n_sync}")
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                decode_loop(model, ids.cuda(), 3)
+            table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=22)
+            with open(os.path.join(os.environ["OUT"], f"profile-{cap}-{d}.txt"), "w") as f:
+                f.write(f"3 decode steps, capacity {cap}, deferred {d}\n\n== cProfile (control thread), by tottime\n")
+                f.write(buf.getvalue() + "\n== torch.profiler, by self CPU time\n" + table + "\n")
+            print("\n".join(table.splitlines()[:14]))
     s = run.summary()
     r = {"capacity": cap, "deferred": d, "threads": th or str(torch.get_num_threads()), "step_ms": step * 1e3,
          "overlap_pct": s["overlap_pct"], **{f"busy_{k}": v for k, v in s["busy_pct"].items()}}

@@ -200,3 +200,37 @@ def test_cuda_copies_low_priority_experts_in_chunks_that_assemble_the_expert():
     chunks = ev[ev["kind"] == "transfer-insert"]
     assert inserts and chunks["bytes"].sum() == sum(t.bytes for t in inserts)
     assert len(chunks) == 3 * len(inserts)
+
+
+@pytest.mark.parametrize("device_backend", ["batched_mm", "reference"])
+def test_cuda_every_expert_resident_computes_each_layer_before_its_plan(device_backend):
+    """Capacity 1.0, warm: every expert of every layer is in the GPU pool, so no plan can do anything but
+    compute on the device. The executor then runs each layer at once through its fixed expert → slot
+    map (no wait for the routing on the host) and the plans are made at the forward's end from pinned
+    copies of the routing: the same plans as the functional executor's, the same tokens, one device
+    event per layer with the plan's tokens and bytes, nothing on the host or copy lanes."""
+    from moelab.hybrid.bench import warm_cache
+
+    model = build_tiny("qwen3_moe", seed=0)
+    ids, mask = _inputs(1)
+    memo = {}
+    cache = warm_cache(1.0, model, ids, 3, memo)
+    cfg = {"cache": cache, "placement": "host-misses", "device_backend": device_backend}
+    with moelab.hybrid(model, {**cfg, "executor": "functional", "device": "cpu"}) as want_run:
+        want = _gen(model, ids, mask)
+    with moelab.hybrid(model, {**cfg, "executor": "real", "device": "cuda"}) as run:
+        got = _gen(model, ids.cuda(), mask.cuda())
+        assert run._executor._smaps is not None  # the resident path was taken
+    assert torch.equal(want[0], got[0])
+    rtol, atol = _tol(next(model.parameters()).dtype)
+    for a, b in zip(want[1], got[1], strict=True):
+        torch.testing.assert_close(b, a, rtol=rtol, atol=atol)
+    assert run.plans == want_run.plans and run.timing["plans"] == len(run.plans)
+    ev = _check_events(run)
+    dev = ev[ev["kind"] == "expert-device"]
+    assert len(dev) == len(run.plans) and set(ev["lane"]) == {"device", "control"}
+    by = {(p.forward, p.layer): p for p in run.plans}
+    for _, e in dev.iterrows():
+        p = by[(e["step"], e["layer"])]
+        assert e["tokens"] == sum(n for _, n in p.device) > 0
+        assert e["bytes"] == run.expert_bytes[p.layer] * len(p.device)

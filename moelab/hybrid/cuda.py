@@ -40,6 +40,7 @@ from typing import Any
 import torch
 
 from moelab.backends import get_backend
+from moelab.backends.base import Routing
 from moelab.errors import MoelabError
 from moelab.hybrid.events import control_span
 from moelab.hybrid.executors import LaneExecutor
@@ -163,6 +164,16 @@ class _Arrival:
         return self.value
 
 
+class _Later:
+    """A layer computed before its plan (:meth:`CudaExecutor.plan_later`): the columns of its device
+    event, filled in when the plan is made."""
+
+    __slots__ = ("kw",)
+
+    def __init__(self) -> None:
+        self.kw: dict[str, Any] = {"tokens": 0, "nbytes": 0, "cause": "hit"}
+
+
 def _timed(stream: torch.cuda.Stream) -> torch.cuda.Event:
     ev = torch.cuda.Event(enable_timing=True)
     ev.record(stream)
@@ -189,6 +200,8 @@ class CudaExecutor(LaneExecutor):
         self._pending: list[tuple] = []
         self._lock = threading.Lock()
         self._seq = itertools.count()
+        self._total = sum(layer.num_experts for layer in run.layers)
+        self._smaps: dict[int, torch.Tensor] | None = None  # expert -> slot per layer, once every expert is resident
         self.split.apply()
         try:
             resident = 0 if run.cache is None else int(sum(run.cache.slots_))
@@ -255,8 +268,99 @@ class CudaExecutor(LaneExecutor):
 
     # ------------------------------------------------------------------ handlers
     def on_forward_end(self, ctx, ok: bool) -> None:
+        if self.run._later:  # the layers computed before their plans (plan_later)
+            self.run.plan_pending(drop=not ok)
         super().on_forward_end(ctx, ok)
         self._flush(block=False)
+
+    def on_experts(self, ctx, layer, call) -> None:
+        later = ctx.scratch.get(("hybrid-plan", layer.index))
+        if type(later) is not _Later:
+            super().on_experts(ctx, layer, call)
+            return
+        control_span(self.log, self._last_mark, ctx.index, layer.index, "plan", "planner")
+        call.backend = self._resident(ctx.index, layer.index, later.kw)
+
+    # ------------------------------------------------------------------ every expert resident
+    def plan_later(self, ctx, layer, call) -> tuple | None:
+        """The run's hook for computing a layer before its plan (:meth:`HybridRun.plan_pending`).
+
+        Once every expert of every layer is resident in the pool and no copy is still landing, no
+        plan can do anything but compute the layer's experts on the GPU from their slots: every
+        access is a hit, so nothing is evicted, copied or sent to the host (and the run takes this
+        path only with a placement that keeps hits on the device, no prefetch, no routing policy).
+        The layer then runs at once on the current stream through its fixed expert → slot map, with
+        no wait for the routing on the host (the one thing that made each layer a GPU
+        synchronisation); its routing is copied asynchronously into pinned memory, and its plan is
+        made at the forward's end from that copy, by the same planner calls in the same order. The
+        plan is checked to be what the compute assumed (all hits on the device), and fills in the
+        device event's tokens and bytes. None (plan now) while some expert is not resident."""
+        if self._smaps is None and not self._every_expert_resident():
+            return None
+        ids, w = call.experts, call.weights
+        if ids.dim() != 2:
+            ids = ids.reshape(-1, ids.shape[-1])
+            w = w.reshape(ids.shape)
+        if ids.dtype != torch.long:
+            ids = ids.long()
+        ih = torch.empty(ids.shape, dtype=ids.dtype, pin_memory=True)
+        ih.copy_(ids, non_blocking=True)
+        wh = None  # one token's plan reads no weights (plan_pending)
+        if ids.shape[0] > 1:
+            wh = torch.empty(w.shape, dtype=w.dtype, pin_memory=True)
+            wh.copy_(w, non_blocking=True)
+        ready = torch.cuda.Event()
+        ready.record()
+        later = _Later()
+        ctx.scratch[("hybrid-plan", layer.index)] = later
+        L, ebytes = layer.index, self.run.expert_bytes[layer.index]
+
+        def received(lp) -> None:
+            if lp.host or lp.deferred or lp.transfers or lp.evictions or lp.misses:
+                raise MoelabError(
+                    f"MoE layer {L} of forward {lp.forward} ran every expert from the GPU pool before its plan "
+                    f"(every expert was resident), but the plan made afterwards differs: host {lp.host}, deferred "
+                    f"{lp.deferred}, misses {lp.misses}, {len(lp.transfers)} transfers, {len(lp.evictions)} "
+                    "evictions. This is a bug in the executor's residency check; report it with the config, and "
+                    "use device: cpu meanwhile.")
+            later.kw["tokens"] = sum(n for _, n in lp.device)
+            later.kw["nbytes"] = ebytes * len(lp.device)
+
+        return ih, wh, ready, received
+
+    def _every_expert_resident(self) -> bool:
+        """Whether the pool holds every expert of every layer, with its copy landed (and the placement
+        keeps hits on the device); if so, the fixed expert → slot maps :meth:`plan_later` computes with."""
+        pool = self.pool
+        if self.run.placement.steal or len(pool.where) != self._total:
+            return False
+        for f in pool.ready.values():
+            if not f.done() or f.exception() is not None or (f.result() is not None and not f.result().query()):
+                return False
+        pool.ready.clear()
+        maps = {}
+        for layer in self.run.layers:
+            m = torch.tensor([pool.where[(layer.index, e)] for e in range(layer.num_experts)], dtype=torch.long)
+            maps[layer.index] = m.to(self.device)
+        self._smaps = maps
+        return True
+
+    def _resident(self, step: int, L: int, kw: dict[str, Any]):
+        """The experts backend of a layer computed before its plan: the device backend on the pool's
+        slots through the layer's fixed map, on the current stream, timed with CUDA events."""
+        view, smap, backend, log, marks = self.views[L], self._smaps[L], self.device_backend, self.log, self._last_mark
+
+        def run(module, hidden, ids, weights, expert_map=None):
+            cur = torch.cuda.current_stream()
+            a = _timed(cur)
+            out = backend.compute(view, hidden, Routing(smap[ids], weights, None, True))
+            b = _timed(cur)
+            with self._lock:
+                self._pending.append((step, L, "device", "expert-device", a, b, kw))
+            control_span(log, marks, step, L, "dispatch", "launch")
+            return out
+
+        return run
 
     # ------------------------------------------------------------------ slots and copies
     def _copy(self, step: int, layer: int, expert: int, slot: int, priority: str) -> Future:

@@ -128,6 +128,8 @@ class HybridRun:
         self.timing_reset()
         self._handles: list[Handle] = []
         self._policies: list = []
+        self._plan_later: Any = None
+        self._later: list[tuple] = []
         self.active_ = False
 
     def timing_reset(self) -> None:
@@ -230,10 +232,17 @@ class HybridRun:
         self.device_ = cfg.resolved_device()
         self._executor = get_executor(cfg.executor).create(self)
         self._handles.extend(self._executor.install(mgr))
+        # an executor that can compute a layer before its plan (see plan_pending), where nothing but the
+        # cache decides: no routing policy edits the slots, no predictor proposes, no router scores feed it
+        later = getattr(self._executor, "plan_later", None)
+        self._plan_later = later if (later is not None and not self._policies and self.predictor is None
+                                     and not self._needs_scores) else None
 
     def remove(self) -> None:
         if _ACTIVE.get(self.model) is self:
             del _ACTIVE[self.model]
+        self._later.clear()
+        self._plan_later = None
         ex = getattr(self, "_executor", None)
         if ex is not None:
             ex.close()
@@ -321,6 +330,14 @@ class HybridRun:
     def _on_plan(self, ctx: ForwardContext, layer, call: ExpertsCall) -> None:
         t0 = time.perf_counter_ns()
         try:
+            if self._plan_later is not None and call._plan is None and call.pending is None and \
+                    ctx.mask_cpu is None and self._last_plan_handler():
+                got = self._plan_later(ctx, layer, call)
+                if got is not None:  # the executor computes this layer without its plan: made at the forward's end
+                    self._later.append((ctx, layer, *got))
+                    return
+            if self._later:  # a plan made now comes after the ones still waiting
+                self.plan_pending()
             if self.planner.path == "compiled":
                 if not self._plan_layer_native(ctx, layer, call):
                     self._plan_layer_arrays(ctx, layer, call)
@@ -455,6 +472,36 @@ class HybridRun:
             self._plan_order = order
             self._planner_last = bool(order) and order[-1] is self._planner_handle
         return self._planner_last
+
+    def plan_pending(self, drop: bool = False) -> None:
+        """Make the plans an executor let wait (``plan_later``), in the order of their layers.
+
+        An executor may compute a layer before its plan exists where no routing can change what
+        the plan decides (:meth:`moelab.hybrid.cuda.CudaExecutor.plan_later`: every expert of every
+        layer resident on the GPU, so every access is a hit and nothing moves). Its hook then
+        returns the layer's routing as host tensors being filled asynchronously (the weights None
+        for one token, whose plan does not read them), an object whose
+        ``synchronize()`` waits for them, and a function that receives the plan (and checks it is
+        what the compute assumed); the plans are made here from that routing, by the same planner
+        calls in the same order as :meth:`_on_plan` would have made them, so the run's plans, cache
+        statistics and events are the synchronous run's. The executor calls this at the forward's
+        end; a plan made synchronously calls it first. ``drop``: forget them (a failed forward)."""
+        later, self._later = self._later, []
+        if drop:
+            return
+        t0 = time.perf_counter_ns()
+        try:
+            for ctx, layer, ids, w, ready, received in later:
+                ready.synchronize()
+                T = ids.shape[0]
+                if self.planner.path == "compiled":
+                    self._plan_with(ctx, layer, _host_array(ids), _weights_array(w, T) if T > 1 else None, None,
+                                    None)
+                else:
+                    self._plan_with(ctx, layer, ids.tolist(), w.float().tolist() if T > 1 else None, None, None)
+                received(self.plans[-1])
+        finally:  # (counted in ``plans`` by _on_plan; the time is the planner's too)
+            self.timing["planner_ns"] += time.perf_counter_ns() - t0
 
     def _plan_with(self, ctx: ForwardContext, layer, ids, w, state, scores, defer: bool = False) -> None:
         """Plan the layer from its routing (lists or arrays) and the prefetch proposal waiting for it."""
