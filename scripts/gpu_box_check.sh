@@ -20,6 +20,10 @@
 # tests (four paths, beside the CUDA tests) over 240 s; the error paths 60 s; the bench's model 58 s, then
 # about 15 s per point; `bench kernels --tokens 1 16 256` over 100 s. A 15-minute lease (about 35 s to
 # start each machine) fits two calls, e.g. ONLY="tests" BUDGET=360, then ONLY="errors bench kernels".
+# On the H200 box of 2026-11-29 (16 cores, AMX, torch 2.11): kernels build 47-49 s; the CUDA tests 116 s beside
+# the ISA tests (JOBS=8: amx 57 s, avx512 52 s of pytest per path, five paths; 200 s ran two and a half);
+# test_hybrid_cuda.py alone did not finish in 90 s; the bench's model 58-62 s; `bench kernels --tokens 1 16 256
+# --repeat 3` 68 s; `--prefill` over 60 s (cut). The first call started in about 35 s.
 # Results: $OUT/summary.txt (the figures) and $OUT/all.tgz (every log), so they fit the device
 # tool's eight returned files. Exit status: non-zero when a test failed.
 set -uo pipefail
