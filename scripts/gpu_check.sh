@@ -196,10 +196,13 @@ for cap, d, th in [(float(p.split(":")[0]), int(p.split(":")[1]), t) for p in po
     # lane's dispatch spans run from a layer's end to the next layer's submit: attention, router, planner)
     ev["us"] = ev["t_end_us"] - ev["t_start_us"]
     forwards = max(int(ev["step"].nunique()), 1)
-    r["lane_kinds"] = {f"{lane}/{kind}": {"per_forward": len(g) / forwards, "median_us": float(g["us"].median())}
-                       for (lane, kind), g in ev.groupby(["lane", "kind"], sort=True)}
+    ev["what"] = ev["lane"] + "/" + ev["kind"] + (ev["lane"] == "control").map({True: "/", False: ""}) + \
+        ev["cause"].where(ev["lane"] == "control", "")  # the control lane's by cause too (head, after-forward)
+    r["lane_kinds"] = {what: {"per_forward": len(g) / forwards, "median_us": float(g["us"].median()),
+                              "max_us": float(g["us"].max())} for what, g in ev.groupby("what", sort=True)}
     print("          per forward, events x median us:",
-          ", ".join(f"{k} {v['per_forward']:.1f}x{v['median_us']:.0f}" for k, v in r["lane_kinds"].items()))
+          ", ".join(f"{k} {v['per_forward']:.1f}x{v['median_us']:.0f} (max {v['max_us']:.0f})"
+                    for k, v in r["lane_kinds"].items()))
     try:  # the simulator's prediction of the same plans on the spec-sheet profile of such a box
         from moelab.simulate.executor import simulate_plans
         sim = simulate_plans(list(run.plans), shape, os.environ.get("PROFILE", "h100-pcie5-ddr5"), context=8).summary()

@@ -202,19 +202,21 @@ def test_cuda_copies_low_priority_experts_in_chunks_that_assemble_the_expert():
     assert len(chunks) == 3 * len(inserts)
 
 
+@pytest.mark.parametrize("B", [1, 3])
 @pytest.mark.parametrize("device_backend", ["batched_mm", "reference"])
-def test_cuda_every_expert_resident_computes_each_layer_before_its_plan(device_backend):
+def test_cuda_every_expert_resident_computes_each_layer_before_its_plan(device_backend, B):
     """Capacity 1.0, warm: every expert of every layer is in the GPU pool, so no plan can do anything but
     compute on the device. The executor then runs each layer at once through its fixed expert → slot
     map (no wait for the routing on the host) and the plans are made at the forward's end from pinned
     copies of the routing: the same plans as the functional executor's, the same tokens, one device
-    event per layer with the plan's tokens and bytes, nothing on the host or copy lanes."""
+    event per layer with the plan's tokens and bytes, nothing on the host or copy lanes. With B = 3
+    the prompt is padded: planned at once (the synchronous path), its decode steps wait."""
     from moelab.hybrid.bench import warm_cache
 
     model = build_tiny("qwen3_moe", seed=0)
-    ids, mask = _inputs(1)
+    ids, mask = _inputs(B)
     memo = {}
-    cache = warm_cache(1.0, model, ids, 3, memo)
+    cache = warm_cache(1.0, model, _inputs(1)[0], 3, memo)
     cfg = {"cache": cache, "placement": "host-misses", "device_backend": device_backend}
     with moelab.hybrid(model, {**cfg, "executor": "functional", "device": "cpu"}) as want_run:
         want = _gen(model, ids, mask)
@@ -229,6 +231,13 @@ def test_cuda_every_expert_resident_computes_each_layer_before_its_plan(device_b
     ev = _check_events(run)
     dev = ev[ev["kind"] == "expert-device"]
     assert len(dev) == len(run.plans) and set(ev["lane"]) == {"device", "control"}
+    waited = dev[dev["cause"] == "hit"]  # the resident path's events (the synchronous path's: hit+fetch)
+    assert len(waited) == sum(1 for p in run.plans if B == 1 or p.phase == "decode") > 0
+    control = ev[ev["lane"] == "control"]
+    assert len(control[control["cause"] == "after-forward"]) == len({p.forward for p in run.plans
+                                                                      if B == 1 or p.phase == "decode"})
+    if B == 1:
+        assert not (control["kind"] == "wait").any()  # no layer waited for its lanes
     by = {(p.forward, p.layer): p for p in run.plans}
     for _, e in dev.iterrows():
         p = by[(e["step"], e["layer"])]

@@ -82,12 +82,16 @@ def test_plans_made_after_the_compute_equal_plans_made_before_it(waits, planner,
     assert all(lp.layer == L for L, lp in waits.seen)
 
 
-def test_plans_do_not_wait_where_a_routing_policy_or_predictor_decides(waits):
-    """Deferral edits the slots in the planner's call: with it the run never offers the executor
-    the wait (plans as they come, the executor's hook unused)."""
+@pytest.mark.parametrize("cfg", [
+    {"cache": {"capacity": 0.5, "policy": "lru"}, "routing": {"deferred": 1, "min_immediate": 1}},
+    {"cache": {"capacity": 0.5, "policy": "mrs"}},
+], ids=["deferral", "router-scores"])
+def test_plans_do_not_wait_where_a_routing_policy_or_the_router_scores_decide(waits, cfg):
+    """Deferral edits the slots in the planner's call, and an MRS cache reads the router's scores
+    as the layer runs: with either, the run never offers the executor the wait (plans as they come,
+    the executor's hook unused)."""
     model = build_tiny("qwen3_moe", seed=0)
     ids, mask = _inputs(1)
-    cfg = {"cache": {"capacity": 0.5, "policy": "lru"}, "routing": {"deferred": 1, "min_immediate": 1}}
     want = _plans(model, {**cfg, "executor": "functional"}, ids, mask)
     got = _plans(model, {**cfg, "executor": "test-plans-wait"}, ids, mask)
     assert got.plans == want.plans and waits.seen == []

@@ -202,6 +202,7 @@ class CudaExecutor(LaneExecutor):
         self._seq = itertools.count()
         self._total = sum(layer.num_experts for layer in run.layers)
         self._smaps: dict[int, torch.Tensor] | None = None  # expert -> slot per layer, once every expert is resident
+        self._resident_off = False  # a synchronous plan moved experts after all: plans are made before compute
         self.split.apply()
         try:
             resident = 0 if run.cache is None else int(sum(run.cache.slots_))
@@ -268,10 +269,19 @@ class CudaExecutor(LaneExecutor):
 
     # ------------------------------------------------------------------ handlers
     def on_forward_end(self, ctx, ok: bool) -> None:
-        if self.run._later:  # the layers computed before their plans (plan_later)
+        if not self.run._later:
+            super().on_forward_end(ctx, ok)
+            self._flush(block=False)
+            return
+        try:  # layers computed before their plans (plan_later): the head's span, then the plans'
+            if ok:
+                control_span(self.log, self._last_mark, ctx.index, -1, "dense", "head")
             self.run.plan_pending(drop=not ok)
-        super().on_forward_end(ctx, ok)
-        self._flush(block=False)
+            if ok:
+                control_span(self.log, self._last_mark, ctx.index, -1, "plan", "after-forward")
+        finally:
+            self._last_mark.pop(ctx.index, None)
+            self._flush(block=False)
 
     def on_experts(self, ctx, layer, call) -> None:
         later = ctx.scratch.get(("hybrid-plan", layer.index))
@@ -295,7 +305,7 @@ class CudaExecutor(LaneExecutor):
         made at the forward's end from that copy, by the same planner calls in the same order. The
         plan is checked to be what the compute assumed (all hits on the device), and fills in the
         device event's tokens and bytes. None (plan now) while some expert is not resident."""
-        if self._smaps is None and not self._every_expert_resident():
+        if self._smaps is None and (self._resident_off or not self._every_expert_resident()):
             return None
         ids, w = call.experts, call.weights
         if ids.dim() != 2:
@@ -345,9 +355,23 @@ class CudaExecutor(LaneExecutor):
         self._smaps = maps
         return True
 
+    def _leave_resident(self) -> None:
+        """A plan made synchronously moves experts after all (a cache policy that evicts on hits, a
+        cache changed from outside): no layer computes before its plan any more, and a copy into any
+        slot first waits for every read the resident path has queued on the current stream (those
+        reads left no per-slot record)."""
+        ev = torch.cuda.Event()
+        ev.record(torch.cuda.current_stream(self.device))
+        for s in self.pool.where.values():
+            self.pool.last_read[s] = ev
+        self._smaps = None
+        self._resident_off = True
+
     def _resident(self, step: int, L: int, kw: dict[str, Any]):
         """The experts backend of a layer computed before its plan: the device backend on the pool's
-        slots through the layer's fixed map, on the current stream, timed with CUDA events."""
+        slots through the layer's fixed map, on the current stream, timed with CUDA events. Every slot
+        is computed, as the plain model computes them (no routing policy runs on this path, so no
+        slot is masked; a router's ids are in range, and a zero weight multiplies a finite output)."""
         view, smap, backend, log, marks = self.views[L], self._smaps[L], self.device_backend, self.log, self._last_mark
 
         def run(module, hidden, ids, weights, expert_map=None):
@@ -402,6 +426,8 @@ class CudaExecutor(LaneExecutor):
         """Apply the plan's evictions and transfers to the pool; the device experts' slots, the copies
         their compute waits for, and the slots to free once it is launched."""
         pool, cache, L = self.pool, self.run.cache, lp.layer
+        if self._smaps is not None and (lp.evictions or lp.transfers):
+            self._leave_resident()
         needed = [e for e, _ in lp.device]
         slot_of = {e: pool.where[(L, e)] for e in needed if (L, e) in pool.where}
         held, release = set(slot_of.values()), []

@@ -337,7 +337,7 @@ class HybridRun:
                     self._later.append((ctx, layer, *got))
                     return
             if self._later:  # a plan made now comes after the ones still waiting
-                self.plan_pending()
+                self._make_pending()
             if self.planner.path == "compiled":
                 if not self._plan_layer_native(ctx, layer, call):
                     self._plan_layer_arrays(ctx, layer, call)
@@ -484,24 +484,36 @@ class HybridRun:
         ``synchronize()`` waits for them, and a function that receives the plan (and checks it is
         what the compute assumed); the plans are made here from that routing, by the same planner
         calls in the same order as :meth:`_on_plan` would have made them, so the run's plans, cache
-        statistics and events are the synchronous run's. The executor calls this at the forward's
-        end; a plan made synchronously calls it first. ``drop``: forget them (a failed forward)."""
+        statistics and device events are the synchronous run's. The executor calls this at the
+        forward's end; a plan made synchronously makes the waiting ones first. ``drop``: forget
+        them (a failed forward: its waiting layers are left unplanned). Every plan is made even if
+        a ``received`` check raises; the first such error is raised after the last plan.
+        """
+        t0 = time.perf_counter_ns()
+        try:
+            self._make_pending(drop)
+        finally:  # (counted in ``plans`` by _on_plan; the time is the planner's too)
+            self.timing["planner_ns"] += time.perf_counter_ns() - t0
+
+    def _make_pending(self, drop: bool = False) -> None:
+        """:meth:`plan_pending` without its timing (for a caller that times itself: _on_plan)."""
         later, self._later = self._later, []
         if drop:
             return
-        t0 = time.perf_counter_ns()
-        try:
-            for ctx, layer, ids, w, ready, received in later:
-                ready.synchronize()
-                T = ids.shape[0]
-                if self.planner.path == "compiled":
-                    self._plan_with(ctx, layer, _host_array(ids), _weights_array(w, T) if T > 1 else None, None,
-                                    None)
-                else:
-                    self._plan_with(ctx, layer, ids.tolist(), w.float().tolist() if T > 1 else None, None, None)
+        error = None
+        for ctx, layer, ids, w, ready, received in later:
+            ready.synchronize()
+            T = ids.shape[0]
+            if self.planner.path == "compiled":
+                self._plan_with(ctx, layer, _host_array(ids), _weights_array(w, T) if T > 1 else None, None, None)
+            else:
+                self._plan_with(ctx, layer, ids.tolist(), w.float().tolist() if T > 1 else None, None, None)
+            try:
                 received(self.plans[-1])
-        finally:  # (counted in ``plans`` by _on_plan; the time is the planner's too)
-            self.timing["planner_ns"] += time.perf_counter_ns() - t0
+            except Exception as e:  # noqa: BLE001 - the rest are still planned, then the first error raised
+                error = error or e
+        if error is not None:
+            raise error
 
     def _plan_with(self, ctx: ForwardContext, layer, ids, w, state, scores, defer: bool = False) -> None:
         """Plan the layer from its routing (lists or arrays) and the prefetch proposal waiting for it."""
