@@ -151,6 +151,7 @@ for cap, d, th in [(float(p.split(":")[0]), int(p.split(":")[1]), t) for p in po
         loops = sorted(decode_loop(model, ids.cuda(), steps) for _ in range(7))
         step = loops[3]
         torch.cuda.synchronize()
+        s, ev = run.summary(), run.events_table()  # (before the profiled steps below, which run slower)
         if os.environ.get("PROFILE_STEPS", "1") != "0" and (cap, d) not in profiled:
             profiled.add((cap, d))  # where a step's time goes: the control thread's Python, torch's ops
             import cProfile, io, pstats
@@ -178,11 +179,10 @@ for cap, d, th in [(float(p.split(":")[0]), int(p.split(":")[1]), t) for p in po
                 f.write(f"3 decode steps, capacity {cap}, deferred {d}\n\n== cProfile (control thread), by tottime\n")
                 f.write(buf.getvalue() + "\n== torch.profiler, by self CPU time\n" + table + "\n")
             print("\n".join(table.splitlines()[:14]))
-    s = run.summary()
     r = {"capacity": cap, "deferred": d, "threads": th or str(torch.get_num_threads()), "step_ms": step * 1e3,
          "loops_ms": [x * 1e3 for x in loops],
          "overlap_pct": s["overlap_pct"], **{f"busy_{k}": v for k, v in s["busy_pct"].items()}}
-    ev = run.events_table()  # the host lane's calls: their time and the weight bytes they read
+    # the host lane's calls: their time and the weight bytes they read
     h = ev[(ev["lane"] == "host") & ev["kind"].str.startswith("expert-")]
     dur = (h["t_end_us"] - h["t_start_us"]).to_numpy()
     r["host_call_ms"] = float(np.median(dur)) / 1e3 if len(dur) else 0.0
