@@ -12,18 +12,18 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
-import torch
 
 import moelab
 from moelab.forward import Order
 from moelab.hybrid.executors import EXECUTORS, FunctionalExecutor
+from moelab.hybrid.runtime import active_hybrid
 from moelab.models.tiny import build_tiny
 from tests.test_hybrid import _inputs
 
 
 class _Waits(FunctionalExecutor):
-    """Lets the plans of ``LAYERS`` (None: every layer) wait until the forward's end; records what
-    it received, in order, and each layer's routing as it was when handed over."""
+    """Lets the plans of ``LAYERS`` (None: every layer) wait until the forward's end; records the
+    plans it received, in order, with the layer each was handed over for."""
 
     name = "test-plans-wait"
     LAYERS: set[int] | None = None
@@ -45,10 +45,9 @@ class _Waits(FunctionalExecutor):
 
 @pytest.fixture
 def waits():
-    EXECUTORS.register("test-plans-wait", _Waits, overwrite=True)
     _Waits.LAYERS, _Waits.seen = None, []
-    yield _Waits
-    EXECUTORS._entries.pop("test-plans-wait", None)
+    with EXECUTORS.temporarily("test-plans-wait", _Waits):
+        yield _Waits
 
 
 def _plans(model, cfg, ids, mask, n=4):
@@ -116,4 +115,4 @@ def test_a_plan_the_executor_refuses_fails_the_forward(waits):
     with pytest.raises(moelab.MoelabError, match="refused"):
         _plans(model, {"cache": {"capacity": 0.5}, "executor": "test-plans-wait"}, ids, mask)
     assert moelab.forward.forward_hooks(model, create=False) is None
-    assert torch.equal(ids, _inputs(1)[0])
+    assert active_hybrid(model) is None
