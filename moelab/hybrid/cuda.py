@@ -203,6 +203,10 @@ class CudaExecutor(LaneExecutor):
         self._total = sum(layer.num_experts for layer in run.layers)
         self._smaps: dict[int, torch.Tensor] | None = None  # expert -> slot per layer, once every expert is resident
         self._resident_off = False  # a synchronous plan moved experts after all: plans are made before compute
+        # plan_later's pinned routing copies and their events, one set per layer, reused forward after forward
+        # (plan_pending reads a forward's copies before the next forward queues new ones)
+        self._pins: dict[tuple[int, str], torch.Tensor] = {}
+        self._ready: dict[int, torch.cuda.Event] = {}
         self.split.apply()
         try:
             resident = 0 if run.cache is None else int(sum(run.cache.slots_))
@@ -313,17 +317,19 @@ class CudaExecutor(LaneExecutor):
             w = w.reshape(ids.shape)
         if ids.dtype != torch.long:
             ids = ids.long()
-        ih = torch.empty(ids.shape, dtype=ids.dtype, pin_memory=True)
+        L, ebytes = layer.index, self.run.expert_bytes[layer.index]
+        ih = self._pinned(L, "ids", ids)
         ih.copy_(ids, non_blocking=True)
         wh = None  # one token's plan reads no weights (plan_pending)
         if ids.shape[0] > 1:
-            wh = torch.empty(w.shape, dtype=w.dtype, pin_memory=True)
+            wh = self._pinned(L, "weights", w)
             wh.copy_(w, non_blocking=True)
-        ready = torch.cuda.Event()
+        ready = self._ready.get(L)
+        if ready is None:
+            ready = self._ready[L] = torch.cuda.Event()
         ready.record()
         later = _Later()
         ctx.scratch[("hybrid-plan", layer.index)] = later
-        L, ebytes = layer.index, self.run.expert_bytes[layer.index]
 
         def received(lp) -> None:
             if lp.host or lp.deferred or lp.transfers or lp.evictions or lp.misses:
@@ -337,6 +343,18 @@ class CudaExecutor(LaneExecutor):
             later.kw["nbytes"] = ebytes * len(lp.device)
 
         return ih, wh, ready, received
+
+    def _pinned(self, L: int, kind: str, like: torch.Tensor) -> torch.Tensor:
+        """Layer ``L``'s pinned host buffer for its routing ``kind`` in the shape and dtype of
+        ``like``: one per layer and kind, grown when a forward needs more (a longer prompt), reused
+        otherwise. Allocating pinned memory each layer cost the control thread microseconds per MoE
+        layer; reuse is safe because :meth:`HybridRun.plan_pending` reads a forward's copies (after
+        their event) before the next forward queues its own, and no plan keeps the arrays."""
+        buf, n = self._pins.get((L, kind)), like.numel()
+        if buf is None or buf.dtype != like.dtype or buf.numel() < n:
+            buf = torch.empty(max(n, 64), dtype=like.dtype, pin_memory=True)
+            self._pins[(L, kind)] = buf
+        return buf[:n].view(like.shape)
 
     def _every_expert_resident(self) -> bool:
         """Whether the pool holds every expert of every layer, with its copy landed (and the placement
