@@ -22,7 +22,9 @@
 #include <algorithm>
 #include <charconv>
 #include <chrono>
+#include <atomic>
 #include <condition_variable>
+#include <cstdlib>
 #include <cstring>
 #include <deque>
 #include <map>
@@ -625,7 +627,7 @@ std::variant<at::Tensor, std::string> moe_forward(const at::Tensor& x, const at:
 struct Ticket {
   std::mutex m;
   std::condition_variable cv;
-  bool done = false;
+  std::atomic<bool> done{false};  // set under m (for cv); read without it while polling
   std::string error;
   std::shared_ptr<Job> job;
   int64_t t_submit_ns = 0, t_start_ns = 0, t_end_ns = 0;
@@ -633,29 +635,72 @@ struct Ticket {
 
 namespace {
 
+// How long an idle lane worker polls its queue before it sleeps on the condition variable, in
+// nanoseconds (MOELAB_LANE_SPIN_US at the first lane's start, or set_lane_spin_us). Waking a
+// sleeping thread is a futex system call on the submitting thread, and where the worker's CPU
+// has gone idle the kernel (or a hypervisor) must first wake that CPU: on the 2-vCPU development
+// VM a submit to a worker idle for 5 ms took ~96 us against ~11 us to one still running. A
+// decode step submits to a lane once or twice per MoE layer, so the worker polls across that gap
+// (KTransformers' CPU workers poll too) and the submit is a queue push; a worker that found no
+// work sleeps, so an idle run costs no CPU after the spin.
+constexpr int64_t kDefaultLaneSpinUs = 5000;  // moelab.kernels.op.DEFAULT_LANE_SPIN_US
+std::atomic<int64_t> lane_spin_ns{-1};  // -1: not read yet
+
+int64_t lane_spin() {
+  int64_t v = lane_spin_ns.load(std::memory_order_relaxed);
+  if (v >= 0) return v;
+  int64_t us = kDefaultLaneSpinUs;
+  if (const char* e = std::getenv("MOELAB_LANE_SPIN_US")) {
+    char* end = nullptr;
+    const long long p = std::strtoll(e, &end, 10);
+    if (end != e && *end == '\0' && p >= 0) us = p;  // else the default (the Python side names bad values)
+  }
+  int64_t expected = -1;
+  lane_spin_ns.compare_exchange_strong(expected, us * 1000);
+  return lane_spin_ns.load(std::memory_order_relaxed);
+}
+
+
 struct LaneWorker {
   std::mutex m;
   std::condition_variable cv;
   std::deque<std::shared_ptr<Ticket>> q;
+  std::atomic<int64_t> queued{0};  // q.size(), read without the lock while polling
+  bool sleeping = false;           // under m: the worker waits on cv (a push must notify)
 
   LaneWorker() { std::thread([this] { loop(); }).detach(); }
 
   void push(std::shared_ptr<Ticket> t) {
+    bool wake;
     {
       std::lock_guard<std::mutex> g(m);
       q.push_back(std::move(t));
+      queued.fetch_add(1, std::memory_order_release);
+      wake = sleeping;
     }
-    cv.notify_one();
+    if (wake) cv.notify_one();  // a polling worker sees `queued` and needs no system call
   }
 
   void loop() {
     for (;;) {
+      const int64_t spin = lane_spin();
+      if (spin > 0 && queued.load(std::memory_order_acquire) == 0) {
+        const int64_t until = monotonic_ns() + spin;
+        // yielding, not pausing: a thread that is ready to run on this CPU (an OpenMP team's
+        // member at a barrier, the control thread) runs at once instead of after a time slice
+        while (queued.load(std::memory_order_acquire) == 0 && monotonic_ns() < until) std::this_thread::yield();
+      }
       std::shared_ptr<Ticket> t;
       {
         std::unique_lock<std::mutex> g(m);
-        cv.wait(g, [this] { return !q.empty(); });
+        while (q.empty()) {
+          sleeping = true;
+          cv.wait(g);
+          sleeping = false;
+        }
         t = std::move(q.front());
         q.pop_front();
+        queued.fetch_sub(1, std::memory_order_relaxed);
       }
       std::string err;
       const int64_t t0 = monotonic_ns();
@@ -691,6 +736,13 @@ LaneWorker& lane_worker(int lane) {
 
 }  // namespace
 
+// The lane workers' polling time (see lane_spin), microseconds: read, or set for every lane.
+int64_t get_lane_spin_us() { return lane_spin() / 1000; }
+void set_lane_spin_us(int64_t us) {
+  if (us < 0) fail("moelab: lane spin ", us, " us is negative; give 0 (sleep at once) or more");  // no tensors: a throw is safe
+  lane_spin_ns.store(us * 1000, std::memory_order_relaxed);
+}
+
 // The queued call's ticket, or the message of the check that failed (see MOELAB_REQUIRE).
 std::variant<std::shared_ptr<Ticket>, std::string> moe_submit(
     const at::Tensor& x, const at::Tensor& ids, const at::Tensor& wts, const at::Tensor& w1, const at::Tensor& s1,
@@ -702,11 +754,9 @@ std::variant<std::shared_ptr<Ticket>, std::string> moe_submit(
   t->job = prepare(x, ids, wts, w1, s1, b1, w2, s2, b2, std::move(meta), alpha, limit, expert_map, err);
   if (!t->job) return err;
   t->t_submit_ns = monotonic_ns();
-  LaneWorker& w = lane_worker(int(lane));
-  {
-    pybind11::gil_scoped_release nogil;  // the push may wait on the queue's lock
-    w.push(t);
-  }
+  // with the GIL held: the queue's lock is held only for a push or a pop (the worker never takes
+  // the GIL), while releasing the GIL and taking it back can wait for another Python thread
+  lane_worker(int(lane)).push(t);
   return t;
 }
 
@@ -714,8 +764,16 @@ std::variant<std::shared_ptr<Ticket>, std::string> moe_submit(
 std::variant<at::Tensor, std::string> ticket_wait(Ticket& t) {
   {
     pybind11::gil_scoped_release nogil;
+    // the caller waits for the result it needs next: poll for the lane's spin time first (a
+    // worker's notify wakes a sleeping thread, and on an idle CPU that wake-up is slow), yielding
+    // so a thread ready to run on this CPU does
+    if (!t.done.load(std::memory_order_acquire)) {
+      const int64_t spin = lane_spin();
+      const int64_t until = spin > 0 ? monotonic_ns() + spin : 0;
+      while (!t.done.load(std::memory_order_acquire) && monotonic_ns() < until) std::this_thread::yield();
+    }
     std::unique_lock<std::mutex> g(t.m);
-    t.cv.wait(g, [&t] { return t.done; });
+    t.cv.wait(g, [&t] { return t.done.load(std::memory_order_relaxed); });
   }
   if (!t.job) return std::string("moelab: this ticket's result was already taken");
   at::Tensor out = t.job->out;
@@ -884,7 +942,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("alpha"), pybind11::arg("limit"), pybind11::arg("expert_map") = pybind11::none());
   pybind11::class_<moelab::Ticket, std::shared_ptr<moelab::Ticket>>(m, "Ticket")
       .def("wait", &moelab::ticket_wait, "block (GIL released) until the call ran; its output")
-      .def("done", [](moelab::Ticket& t) { std::lock_guard<std::mutex> g(t.m); return t.done; })
+      .def("done", [](moelab::Ticket& t) { return t.done.load(std::memory_order_acquire); })
       .def("times_ns", [](moelab::Ticket& t) {
         std::lock_guard<std::mutex> g(t.m);
         return std::vector<int64_t>{t.t_submit_ns, t.t_start_ns, t.t_end_ns};
@@ -905,6 +963,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("forward", &moelab::Prepared::forward, "moe_forward on this tail (positional: x, ids, wts, expert_map)")
       .def("submit", &moelab::Prepared::submit,
            "moe_submit on this tail (positional: x, ids, wts, expert_map, lane); a Ticket");
+  m.def("get_lane_spin_us", &moelab::get_lane_spin_us, "how long an idle lane worker polls its queue before it sleeps (us)");
+  m.def("set_lane_spin_us", &moelab::set_lane_spin_us, "set how long idle lane workers poll their queues (us)");
   m.def("fma_peak_gflops", &moelab::fma_peak_gflops, "measured fp32 FMA peak of an ISA path (GFLOP/s)");
   m.def("last_call_stats", &moelab::last_call_stats,
         "this thread's last moe_forward: stage wall seconds, per-thread busy seconds, task counts");

@@ -302,3 +302,78 @@ def test_a_prepared_call_follows_the_settings_its_path_and_threads_come_from(mon
     monkeypatch.setenv(ISA_ENV, "no-such-path")
     with pytest.raises(MoelabError, match=ISA_ENV):
         be.submit(mod, x, ids, w, None)
+
+
+def _result(call, timeout_s: float = 60.0):
+    """``call.result()``, failing (not hanging) if the lane never runs it: a lost wake-up."""
+    deadline = time.monotonic() + timeout_s
+    while not call.done():
+        assert time.monotonic() < deadline, "the lane worker never ran the call (a lost wake-up)"
+        time.sleep(1e-4)
+    return call.result()
+
+
+@pytest.mark.parametrize("spin_us", [0, 200, 50_000])
+def test_a_lane_worker_gives_the_same_results_polling_or_asleep(spin_us):
+    """A worker polls its queue ``spin_us`` after each call before it sleeps, and a ``result()``
+    polls as long before it sleeps: calls submitted while it polls (back to back), after it has
+    gone to sleep (a gap longer than the spin) and from two threads at once all get their own,
+    exact results; 0 never polls."""
+    from moelab.kernels.op import lane_spin_us, set_lane_spin_us
+
+    before = lane_spin_us()
+    w = _layer(8, 32, 64)
+    packed = pack_experts(spec=KernelSpec("bf16"), **w)
+    ids, wts = _routing(2, 8, 2)
+    xs = [torch.randn(2, 32, generator=torch.Generator().manual_seed(s)).to(torch.bfloat16) for s in range(6)]
+    want = [moe_experts(x, ids, wts, packed) for x in xs]
+    set_lane_spin_us(spin_us)
+    try:
+        assert lane_spin_us() == spin_us
+        got = [_result(moe_experts_submit(x, ids, wts, packed, lane=5)) for x in xs]  # back to back
+        for x in xs:  # each after the worker's spin has run out (asleep), but for the longest spin
+            time.sleep(min(spin_us, 2000) * 2e-6 + 1e-3)
+            got.append(_result(moe_experts_submit(x, ids, wts, packed, lane=5)))
+        pending = [moe_experts_submit(x, ids, wts, packed, lane=5) for x in xs]  # queued before any result
+        got += [_result(c) for c in pending]
+        for i, out in enumerate(got):
+            assert torch.equal(out, want[i % len(xs)]), i
+        errors: list[str] = []
+
+        def submitter(seed: int) -> None:
+            for j in range(20):
+                try:
+                    out = _result(moe_experts_submit(xs[(seed + j) % 6], ids, wts, packed, lane=6))
+                except AssertionError as e:  # a lost wake-up: a failure here, not a thread's warning
+                    errors.append(f"{seed}/{j}: {e}")
+                    return
+                if not torch.equal(out, want[(seed + j) % 6]):
+                    errors.append(f"{seed}/{j}: a wrong result")
+
+        threads = [threading.Thread(target=submitter, args=(s,)) for s in range(2)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+        assert not errors
+    finally:
+        set_lane_spin_us(before)
+
+
+def test_the_lane_spin_setting_refuses_bad_values():
+    from moelab.kernels.op import set_lane_spin_us
+
+    for bad in (-1, 1.5, "10", True):
+        with pytest.raises(MoelabError, match="non-negative integer of microseconds"):
+            set_lane_spin_us(bad)
+
+
+def test_a_bad_lane_spin_environment_variable_is_named_when_a_run_starts():
+    import subprocess
+    import sys
+
+    code = ("from moelab.hybrid.lanes import NativeLane\nfrom moelab.hybrid.events import EventLog\n"
+            "NativeLane('host', EventLog('r'), lane=0)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                       env={**__import__("os").environ, "MOELAB_LANE_SPIN_US": "5ms"})
+    assert r.returncode != 0 and "MOELAB_LANE_SPIN_US='5ms': expected a non-negative integer" in r.stderr

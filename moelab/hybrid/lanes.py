@@ -205,6 +205,9 @@ class NativeLane:
     an event when its result is first taken, with the worker's own start and end times."""
 
     def __init__(self, name: str, log: EventLog, lane: int) -> None:
+        from moelab.kernels.op import _check_lane_spin_env
+
+        _check_lane_spin_env()  # the worker polls its queue this long before it sleeps (lane_spin_us)
         self.name = name
         self.log = log
         self.lane = lane
