@@ -10,10 +10,11 @@
 // and accumulates router-weighted results straight into its slice of the output, so
 // there are no races and the result does not depend on the thread count.
 //
-// Worker pool: OpenMP's (libgomp keeps its threads alive between calls); schedule(dynamic, 1)
-// is the atomic task counter, so a skewed routing (one expert with most of the rows) is
-// spread over all threads by its slices. Per-thread busy time per stage is kept for the
-// benchmark's imbalance figure (last_call_stats).
+// Worker pool: a lane worker's calls run on the extension's pool (pool.h), any other thread's on
+// its OpenMP team (libgomp keeps its threads alive between calls; see parallel()); either way each
+// stage's tasks are claimed one at a time, so a skewed routing (one expert with most of the rows)
+// is spread over all threads by its slices. Per-worker busy time per stage is kept for the benchmark's
+// imbalance figure (last_call_stats).
 #include <omp.h>
 #include <torch/extension.h>
 #include <torch/csrc/Exceptions.h>
@@ -39,6 +40,7 @@
 #include <vector>
 
 #include "moe_kernels.h"
+#include "pool.h"
 
 namespace moelab {
 
@@ -126,6 +128,32 @@ struct CallBuffers {
   Reused panel1, panel2, hf, hb, hq, hsx, hcorr, xq, xsx, xcorr;
 };
 thread_local CallBuffers call_buffers;
+
+// Whether this thread is one of the extension's lane workers (set once by the worker).
+thread_local bool on_lane = false;
+
+// fn(task, worker) for every task in [0, n) on up to `threads` threads, tasks claimed one at a
+// time (dynamic scheduling). A lane worker's calls run on the extension's pool (pool.h); any other
+// thread's on its OpenMP team — torch's own threads run its operators there, and libgomp's idle
+// team members poll after a region: a pool beside them found them holding the CPUs (a bench
+// call right after a torch operator ran on one thread, half the read bandwidth), while a team per
+// lane worker made libgomp throttle every team's polling (pool.h).
+template <typename F>
+void parallel(int64_t n, int threads, F&& fn) {
+  threads = int(std::max<int64_t>(1, std::min<int64_t>(threads, n)));
+  if (threads == 1) {
+    for (int64_t t = 0; t < n; ++t) fn(t, 0);
+  } else if (on_lane) {
+    WorkerPool::get().run(n, threads, fn);
+  } else {
+#pragma omp parallel num_threads(threads)
+    {
+      const int w = omp_get_thread_num();
+#pragma omp for schedule(dynamic, 1)
+      for (int64_t t = 0; t < n; ++t) fn(t, w);
+    }
+  }
+}
 
 inline uint16_t f32_to_bf16(float f) {
   uint32_t u;
@@ -378,14 +406,14 @@ void compute(Job& j) {
     if (want_xf) {
       xf.assign(size_t(T) * Kp1, 0.0f);
       const uint16_t* src = static_cast<const uint16_t*>(a1.base);
-      // a few rows (decode) convert on the calling thread: a fork/join costs more than the work
-#pragma omp parallel for num_threads(nthreads) schedule(static) if (T >= 64)
-      for (int64_t t = 0; t < T; ++t)
+      // a few rows (decode) convert on the calling thread: handing them out costs more than the work
+      parallel(T, T >= 64 ? nthreads : 1, [&](int64_t t, int) {
         for (int k = 0; k < Kp1; ++k) {
           const uint32_t u = uint32_t(src[size_t(t) * Kp1 + k]) << 16;
           std::memcpy(&xf[size_t(t) * Kp1 + k], &u, 4);
           if (is_fp8) xf[size_t(t) * Kp1 + k] *= kFp8XScale;
         }
+      });
       a1.xf = xf.data();
     }
   } else {
@@ -394,12 +422,13 @@ void compute(Job& j) {
     int32_t* xcorr = bufs.xcorr.get<int32_t>(size_t(T) * G1);
     const bool in_f32 = x.scalar_type() == at::kFloat;
     const void* src = xc.data_ptr();
-    // each row as fp32, zero-padded to Kp1, in a per-thread row buffer, then quantised
-#pragma omp parallel num_threads(nthreads) if (T >= 64)  // decode: no fork/join
-    {
-      std::vector<float> row(Kp1, 0.0f);
-#pragma omp for schedule(static)
-      for (int64_t t = 0; t < T; ++t) {
+    // each row as fp32, zero-padded to Kp1, in a per-worker row buffer, then quantised
+    const int nq = T >= 64 ? nthreads : 1;  // decode: on the calling thread
+    std::vector<std::vector<float>> rows(size_t(std::min<int64_t>(nq, T)));
+    parallel(T, nq, [&](int64_t t, int w) {
+      std::vector<float>& row = rows[size_t(w)];
+      if (row.empty()) row.assign(size_t(Kp1), 0.0f);
+      {
         if (in_f32) {
           std::memcpy(row.data(), static_cast<const float*>(src) + size_t(t) * H, sizeof(float) * H);
         } else {
@@ -412,7 +441,7 @@ void compute(Job& j) {
         ops.quant(row.data(), Kp1, 1, Kp1, group, offset, xq + size_t(t) * Kp1, Kp1, xsx + size_t(t) * G1,
                   xcorr + size_t(t) * G1, G1);
       }
-    }
+    });
     a1.base = xq;
     a1.ld = size_t(Kp1);
     a1.sx = xsx;
@@ -435,15 +464,14 @@ void compute(Job& j) {
   uint8_t* panel2 = bufs.panel2.get<uint8_t>(poff2[E] * amx_panel_row_bytes(rb2));
   if (poff1[E] > 0) {
     const uint8_t* src = static_cast<const uint8_t*>(a1.base);
-#pragma omp parallel for num_threads(nthreads) schedule(dynamic, 1)
-    for (int e = 0; e < E; ++e) {
-      if (poff1[e + 1] == poff1[e]) continue;
+    parallel(E, nthreads, [&](int64_t e, int) {
+      if (poff1[e + 1] == poff1[e]) return;
       uint8_t* pe = panel1 + poff1[e] * amx_panel_row_bytes(rb1);
       for (int j = 0; j < cnt[e]; ++j) {
         const uint8_t* row = src + size_t(pair_tok[off[e] + j]) * a1.ld * esz;
         for (size_t k = 0; k < rb1; k += 64) std::memcpy(pe + amx_panel_at(size_t(j), k, rb1), row + k, std::min<size_t>(64, rb1 - k));
       }
-    }
+    });
   }
 
   // ---- stage-1 output (h) buffers, one row per pair ----
@@ -472,13 +500,12 @@ void compute(Job& j) {
   const int64_t ntask1 = int64_t(order.size()) * nsl1;
   const int tiles1 = 2 * S1 / 16;
   std::vector<double> busy1(nthreads, 0.0), busy2(nthreads, 0.0);
+  std::vector<std::vector<float>> gus(static_cast<size_t>(nthreads)), hlocs(static_cast<size_t>(nthreads));
   const double t_start = omp_get_wtime();
-#pragma omp parallel num_threads(nthreads)
   {
-    std::vector<float> gu, hloc;
-    double& busy = busy1[omp_get_thread_num()];
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t task = 0; task < ntask1; ++task) {
+    parallel(ntask1, nthreads, [&](int64_t task, int w) {
+      std::vector<float>& gu = gus[size_t(w)];
+      std::vector<float>& hloc = hlocs[size_t(w)];
       const double t0 = omp_get_wtime();
       const int e = order[task / nsl1], s = int(task % nsl1), n = cnt[e];
       gu.resize(size_t(n) * 2 * S1);
@@ -519,8 +546,8 @@ void compute(Job& j) {
                     &hsx[p * G2 + g0], &hcorr[p * G2 + g0], G2);
         }
       }
-      busy += omp_get_wtime() - t0;
-    }
+      busy1[size_t(w)] += omp_get_wtime() - t0;
+    });
   }
   const double t_mid = omp_get_wtime();
 
@@ -536,12 +563,11 @@ void compute(Job& j) {
   uint16_t* outb = out_f32 ? nullptr : reinterpret_cast<uint16_t*>(out.data_ptr());
   const int tiles_h = Hp / 16;
   const int nsl2 = (tiles_h * 16 + kSlice2 - 1) / kSlice2;
-#pragma omp parallel num_threads(nthreads)
+  std::vector<std::vector<float>> ys(static_cast<size_t>(nthreads)), accs(static_cast<size_t>(nthreads));
   {
-    std::vector<float> y, acc;
-    double& busy = busy2[omp_get_thread_num()];
-#pragma omp for schedule(dynamic, 1)
-    for (int s = 0; s < nsl2; ++s) {
+    parallel(nsl2, nthreads, [&](int64_t s, int w) {
+      std::vector<float>& y = ys[size_t(w)];
+      std::vector<float>& acc = accs[size_t(w)];
       const double t0 = omp_get_wtime();
       const int tile0 = s * (kSlice2 / 16);
       const int nt = std::min(kSlice2 / 16, tiles_h - tile0);
@@ -574,8 +600,8 @@ void compute(Job& j) {
         if (out_f32) std::memcpy(outf + size_t(t) * H + r0, src, sizeof(float) * (r1 - r0));
         else for (int r = r0; r < r1; ++r) outb[size_t(t) * H + r] = f32_to_bf16(src[r - r0]);
       }
-      busy += omp_get_wtime() - t0;
-    }
+      busy2[size_t(w)] += omp_get_wtime() - t0;
+    });
   }
   last_stats.busy1 = std::move(busy1);
   last_stats.busy2 = std::move(busy2);
@@ -622,8 +648,9 @@ std::variant<at::Tensor, std::string> moe_forward(const at::Tensor& x, const at:
 // C++ worker thread of the given lane, which runs it without the GIL; the returned Ticket's
 // wait() blocks (GIL released) until it is done and returns the output. Each lane is one
 // worker thread with a FIFO queue (condition variable), started on first use and never
-// stopped (it sleeps on its queue; a process exit ends it). Tensors are released by wait(),
-// on the Python thread, never by the worker.
+// stopped (it sleeps on its queue, after polling it for spin_ns(); a process exit ends it); its
+// call's parallel work runs on the shared pool. Tensors are released by wait(), on the Python
+// thread, never by the worker.
 struct Ticket {
   std::mutex m;
   std::condition_variable cv;
@@ -634,32 +661,6 @@ struct Ticket {
 };
 
 namespace {
-
-// How long an idle lane worker polls its queue before it sleeps on the condition variable, in
-// nanoseconds (MOELAB_LANE_SPIN_US at the first lane's start, or set_lane_spin_us). Waking a
-// sleeping thread is a futex system call on the submitting thread, and where the worker's CPU
-// has gone idle the kernel (or a hypervisor) must first wake that CPU: on the 2-vCPU development
-// VM a submit to a worker idle for 5 ms took ~96 us against ~11 us to one still running. A
-// decode step submits to a lane once or twice per MoE layer, so the worker polls across that gap
-// (KTransformers' CPU workers poll too) and the submit is a queue push; a worker that found no
-// work sleeps, so an idle run costs no CPU after the spin.
-constexpr int64_t kDefaultLaneSpinUs = 5000;  // moelab.kernels.op.DEFAULT_LANE_SPIN_US
-std::atomic<int64_t> lane_spin_ns{-1};  // -1: not read yet
-
-int64_t lane_spin() {
-  int64_t v = lane_spin_ns.load(std::memory_order_relaxed);
-  if (v >= 0) return v;
-  int64_t us = kDefaultLaneSpinUs;
-  if (const char* e = std::getenv("MOELAB_LANE_SPIN_US")) {
-    char* end = nullptr;
-    const long long p = std::strtoll(e, &end, 10);
-    if (end != e && *end == '\0' && p >= 0) us = p;  // else the default (the Python side names bad values)
-  }
-  int64_t expected = -1;
-  lane_spin_ns.compare_exchange_strong(expected, us * 1000);
-  return lane_spin_ns.load(std::memory_order_relaxed);
-}
-
 
 struct LaneWorker {
   std::mutex m;
@@ -682,14 +683,10 @@ struct LaneWorker {
   }
 
   void loop() {
+    on_lane = true;  // this thread's kernel calls run on the pool (parallel)
     for (;;) {
-      const int64_t spin = lane_spin();
-      if (spin > 0 && queued.load(std::memory_order_acquire) == 0) {
-        const int64_t until = monotonic_ns() + spin;
-        // yielding, not pausing: a thread that is ready to run on this CPU (an OpenMP team's
-        // member at a barrier, the control thread) runs at once instead of after a time slice
-        while (queued.load(std::memory_order_acquire) == 0 && monotonic_ns() < until) std::this_thread::yield();
-      }
+      // poll (yielding: a thread ready to run on this CPU runs at once) before sleeping (pool.h)
+      poll_for([this] { return queued.load(std::memory_order_acquire) != 0; });
       std::shared_ptr<Ticket> t;
       {
         std::unique_lock<std::mutex> g(m);
@@ -736,11 +733,11 @@ LaneWorker& lane_worker(int lane) {
 
 }  // namespace
 
-// The lane workers' polling time (see lane_spin), microseconds: read, or set for every lane.
-int64_t get_lane_spin_us() { return lane_spin() / 1000; }
+// The extension's polling time (spin_ns in pool.h), microseconds: read, or set for every lane.
+int64_t get_lane_spin_us() { return spin_ns() / 1000; }
 void set_lane_spin_us(int64_t us) {
   if (us < 0) fail("moelab: lane spin ", us, " us is negative; give 0 (sleep at once) or more");  // no tensors: a throw is safe
-  lane_spin_ns.store(us * 1000, std::memory_order_relaxed);
+  set_spin_us(us);
 }
 
 // The queued call's ticket, or the message of the check that failed (see MOELAB_REQUIRE).
@@ -767,11 +764,7 @@ std::variant<at::Tensor, std::string> ticket_wait(Ticket& t) {
     // the caller waits for the result it needs next: poll for the lane's spin time first (a
     // worker's notify wakes a sleeping thread, and on an idle CPU that wake-up is slow), yielding
     // so a thread ready to run on this CPU does
-    if (!t.done.load(std::memory_order_acquire)) {
-      const int64_t spin = lane_spin();
-      const int64_t until = spin > 0 ? monotonic_ns() + spin : 0;
-      while (!t.done.load(std::memory_order_acquire) && monotonic_ns() < until) std::this_thread::yield();
-    }
+    poll_for([&t] { return t.done.load(std::memory_order_acquire); });
     std::unique_lock<std::mutex> g(t.m);
     t.cv.wait(g, [&t] { return t.done.load(std::memory_order_relaxed); });
   }

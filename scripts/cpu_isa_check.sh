@@ -12,7 +12,7 @@
 # prefill-<isa>.txt / .json (`--prefill`), and for the avx2 / avx512vnni / avx512 paths below the CPU's best also
 # bench-<isa>-emulated.txt / .json (`--emulate <isa>`: transformers' built-ins held to that instruction
 # set too, as on a CPU whose best it is; EMULATE=0 skips them). Exit status: non-zero when a test failed.
-# SKIP_BENCH=1 runs the tests only; REPEAT=N bench repetitions (5); JOBS=N pytest workers (4).
+# SKIP_BENCH=1 runs the tests only; REPEAT=N bench repetitions (5); JOBS=N pytest workers (4); ISAS="amx" those paths only.
 # On an AMX CPU the paths are amx (bf16/fp8 experts with >= 16 tokens on tiles), avx512, avx512vnni, avx2, portable;
 # on a Cascade Lake or Ice Lake one avx512vnni, avx2, portable.
 set -uo pipefail
@@ -31,14 +31,15 @@ echo "== environment" | tee "$OUT/env.txt"
   grep -m1 "model name" /proc/cpuinfo
   grep -m1 -o -w -E "avx2|fma|f16c|avx512f|avx512bw|avx512vl|avx512dq|avx512_vnni|avx512_bf16|avx512vbmi|amx_tile|amx_bf16|amx_int8" /proc/cpuinfo | sort -u | tr '\n' ' '; echo
 } 2>&1 | tee -a "$OUT/env.txt"
-ISAS=$($PY -c "from moelab.kernels import supported_isas; print(' '.join(supported_isas()))") || { echo "building the kernels failed"; exit 1; }
+ALL=$($PY -c "from moelab.kernels import supported_isas; print(' '.join(supported_isas()))") || { echo "building the kernels failed"; exit 1; }
+ISAS="${ISAS:-$ALL}"  # ISAS="amx avx512" narrows the paths (each must be one this CPU runs)
 echo "moelab ISA paths: $ISAS" | tee -a "$OUT/env.txt"
 
 for isa in $ISAS; do
   echo "== tests, MOELAB_KERNELS_ISA=$isa"
   MOELAB_KERNELS_ISA=$isa $PY -m pytest -q -n "$JOBS" -p no:cacheprovider \
     tests/test_kernels_parity.py tests/test_kernels_regimes.py tests/test_kernels_errors.py \
-    tests/test_kernels_fp8.py tests/test_kernels_quant.py tests/test_kernels_integration.py \
+    tests/test_kernels_fp8.py tests/test_kernels_quant.py tests/test_kernels_integration.py tests/test_kernels_native_lane.py \
     2>&1 | tee "$OUT/pytest-$isa.txt" | tail -5
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 done

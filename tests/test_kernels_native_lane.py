@@ -377,3 +377,47 @@ def test_a_bad_lane_spin_environment_variable_is_named_when_a_run_starts():
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
                        env={**__import__("os").environ, "MOELAB_LANE_SPIN_US": "5ms"})
     assert r.returncode != 0 and "MOELAB_LANE_SPIN_US='5ms': expected a non-negative integer" in r.stderr
+
+
+def test_the_worker_pool_gives_every_caller_the_one_thread_result():
+    """Every kernel call's stages run on the extension's one worker pool (kernels/pool.h): the
+    caller and up to ``num_threads - 1`` workers claim tasks from a counter. Whatever the thread
+    count (beyond this machine's CPUs too), and with several callers sharing the workers at once
+    (Python threads calling synchronously, two lane workers), each output equals the one-thread
+    call's, bit for bit (stage 2 sums each output slice's experts in a fixed order), for a
+    decode-sized call and a prefill-sized one (the pool's row conversion and quantisation run only
+    from 64 tokens)."""
+    w = _layer(8, 64, 96)
+    cases = []
+    for spec in (KernelSpec("bf16"), KernelSpec("int8", 32)):
+        packed = pack_experts(spec=spec, **w)
+        for t in (1, 80):
+            ids, wts = _routing(t, 8, 2, seed=t)
+            x = torch.randn(t, 64, generator=torch.Generator().manual_seed(t))
+            x = x.to(torch.bfloat16) if spec.dtype == "bf16" else x
+            cases.append((x, ids, wts, packed, moe_experts(x, ids, wts, packed, num_threads=1)))
+    for threads in (2, 3, 8):
+        for x, ids, wts, packed, want in cases:
+            assert torch.equal(moe_experts(x, ids, wts, packed, num_threads=threads), want), threads
+    errors: list[str] = []
+
+    def caller(seed: int) -> None:
+        for j in range(12):
+            x, ids, wts, packed, want = cases[(seed + j) % len(cases)]
+            try:
+                if seed < 3:
+                    got = moe_experts(x, ids, wts, packed, num_threads=2 + seed)
+                else:  # a lane worker's call (its stages on the same pool)
+                    got = _result(moe_experts_submit(x, ids, wts, packed, lane=seed - 3))
+            except Exception as e:  # noqa: BLE001 - reported below, not as a thread's warning
+                errors.append(f"caller {seed} call {j}: {e}")
+                return
+            if not torch.equal(got, want):
+                errors.append(f"caller {seed} call {j}: a different result")
+
+    threads = [threading.Thread(target=caller, args=(s,)) for s in range(5)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert not errors, errors

@@ -26,18 +26,20 @@ THREADS_ENV = "MOELAB_KERNELS_THREADS"
 
 
 LANE_SPIN_ENV = "MOELAB_LANE_SPIN_US"
-#: How long an idle lane worker polls its queue before it sleeps, µs (kDefaultLaneSpinUs in kernels/moe_op.cpp).
-DEFAULT_LANE_SPIN_US = 5000
+#: How long an idle thread of the extension polls before it sleeps, µs (kDefaultSpinUs in kernels/pool.h).
+DEFAULT_LANE_SPIN_US = 0
 
 
 def lane_spin_us() -> int:
-    """How long (µs) an idle C++ lane worker polls its queue before it sleeps on it, and how long a
-    ``result()`` of a queued call polls before it sleeps: ``$MOELAB_LANE_SPIN_US`` when the first lane
-    started (default :data:`DEFAULT_LANE_SPIN_US`), or the last :func:`set_lane_spin_us`. Polling
-    spares a submit the wake-up of a sleeping worker (a system call, and where the worker's CPU went
-    idle, that CPU's wake-up: ~96 µs on the 2-vCPU development VM against ~11 µs to a worker still
-    polling), at the cost of one CPU for the spin time after each call (yielding to any thread ready
-    to run there)."""
+    """How long (µs) an idle thread of the kernels extension polls before it sleeps: a C++ lane
+    worker its queue, a worker of the kernels' pool its jobs, a ``result()`` of a queued call its
+    call. ``$MOELAB_LANE_SPIN_US`` when the extension first needed it (default
+    :data:`DEFAULT_LANE_SPIN_US`: sleep at once), or the last :func:`set_lane_spin_us`. Polling spares
+    a hand-off the wake-up of a sleeping thread (a system call, and where that thread's CPU went idle,
+    the CPU's wake-up: ~96 µs on the 2-vCPU development VM against ~11 µs to a worker still polling)
+    at the cost of a CPU for the spin time after each call (yielding to any thread ready to run
+    there). It pays where spare cores are; on that 2-vCPU VM the pollers crowded the control thread
+    (a tiny model's decode step 3.6-3.8 ms without polling, 7-9 ms with 5000 µs)."""
     _check_lane_spin_env()
     return int(load_extension().get_lane_spin_us())
 
