@@ -268,15 +268,21 @@ def measure_executor_overhead(*, host_backend: str = "reference", device_backend
             "other_control_us": other, "config": cfg}
 
 
-def control_overhead(repeats: int = 3, steps: int = 12) -> dict[str, Any]:
+def control_overhead(repeats: int = 3, steps: int = 12, device_backend: str = "moelab") -> dict[str, Any]:
     """The real executor's control-thread cost per MoE layer (:func:`measure_executor_overhead` with
-    the native host lane, ``moelab`` backend), ``repeats`` times in this process: the median of the
-    runs' medians, and each run's median for the spread (issue #26's target: ≤ 50 µs)."""
-    runs = [measure_executor_overhead(host_backend="moelab", device_backend="reference", steps=steps)
+    the native host lane, ``moelab`` backend, and a device lane on ``device_backend``), ``repeats``
+    times in this process: the median of the runs' medians, and each run's median for the spread
+    (issue #26's target: ≤ 50 µs). Where no GPU is, the device lane is a CPU worker that runs
+    "through the same compiled path" (issue #26, item 4): the native kernels on the extension's C++
+    lane 1 (``moelab``, the default here); ``reference`` puts torch's reference experts on a Python
+    lane thread instead, which holds the GIL between its operators and runs them on an OpenMP team
+    of its own beside the control thread's."""
+    runs = [measure_executor_overhead(host_backend="moelab", device_backend=device_backend, steps=steps)
             for _ in range(repeats)]
     m = from_samples([r["layer_us"] for r in runs])
     return {"layer_us": m.median, "measurement": m, "runs": [r["layer_us"] for r in runs],
-            "other_control_us": runs[-1]["other_control_us"], "config": runs[-1]["config"]}
+            "other_control_us": runs[-1]["other_control_us"], "config": runs[-1]["config"],
+            "device_backend": device_backend}
 
 
 def realistic_model(layers: int = 3, dtype: torch.dtype = torch.bfloat16):
@@ -399,10 +405,15 @@ def _planner_tables(out, models, flagged: list) -> None:  # pragma: no cover - p
             f"before each plan to evict the caches), predictor {r['predictor_us_per_layer']:.1f} µs "
             f"({r['plans']} layer plans; prefetch {r['prefetch']})")
     r = control_overhead()
-    flagged.append(r["measurement"])
+    ref = control_overhead(device_backend="reference")
+    flagged += [r["measurement"], ref["measurement"]]
+    from moelab.kernels.op import lane_spin_us
+
     out(f"real executor, control thread per MoE layer (plan + dispatch events: planner, policies, submitting, merging; "
-        f"tiny DeepSeek-V2, LRU 25 %, host-misses, deferral 1, native host lane): {r['layer_us']:.0f} µs "
-        f"[{_stat(r['measurement'])}] (runs {', '.join(f'{v:.0f}' for v in r['runs'])}; target ≤ 50 µs)")
+        f"tiny DeepSeek-V2, LRU 25 %, host-misses, deferral 1, native host and device lanes, lane spin "
+        f"{lane_spin_us()} µs): {r['layer_us']:.0f} µs [{_stat(r['measurement'])}] (runs "
+        f"{', '.join(f'{v:.0f}' for v in r['runs'])}; target ≤ 50 µs); with torch's reference experts on a "
+        f"Python device lane: {ref['layer_us']:.0f} µs [{_stat(ref['measurement'])}]")
     out("functional executor, nothing enabled, vs the plain model (median of 5 A/B pairs):")
     for m in models:
         r = functional_overhead(m)

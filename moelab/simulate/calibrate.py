@@ -329,16 +329,19 @@ def _kernel_points(backend_name: str, cfg: CalibrateConfig, tick, batches: tuple
 
 
 def _call_points(backend_name: str, sizes, tokens: tuple[int, ...], repeat: int, experts: int,
-                 tick=lambda: None) -> list[dict]:
+                 tick=lambda: None, lane: int = 0) -> list[dict]:
     """One experts-backend call (bf16, ``TOP_K`` of ``experts`` experts per token, every expert one
     token as at decode: at least ``tokens × TOP_K`` experts) per size and batch, timed on a lane
-    thread as the real executor's device/host lanes call it: µs, distinct experts read and their
-    bytes."""
+    thread as the real executor's device/host lanes call it (a native backend's on the extension's
+    C++ lane worker ``lane``: 0 host, 1 device, the executor's own): µs, distinct experts read and
+    their bytes."""
     import torch
 
     from moelab.backends import get_backend
+    from moelab.hybrid.lanes import native_lane_ok
 
     backend = get_backend(backend_name)
+    native = native_lane_ok(backend)
     experts = max(experts, max(tokens, default=1) * TOP_K)  # one row per expert (_Routing)
     out = []
     for h, i in sizes:
@@ -359,7 +362,25 @@ def _call_points(backend_name: str, sizes, tokens: tuple[int, ...], repeat: int,
                 sec = _median(fn, repeat, r.redraw, budget_s=0.3)
                 return sec, statistics.mean(used[WARMUP:])
 
-            sec, distinct = _on_lane(measure)
+            def on_worker(r=r, x=x, mod=mod):
+                # a native backend's calls run on the extension's C++ lane worker, as the real
+                # executor queues them: timed by the worker's own clock (its start and end), so the
+                # hand-off (runtime_call_us) and a waking thread's latency stay out of the call
+                used: list[int] = []
+                worker: list[float] = []
+
+                def fn():
+                    used.append(int(torch.unique(r.ids).numel()))
+                    with torch.no_grad():
+                        call = backend.submit(mod, x, r.ids, r.w, None, lane=lane)
+                        call.result()
+                    _, start, end = call.times_ns()
+                    worker.append((end - start) / 1e9)
+
+                _median(fn, repeat, r.redraw, budget_s=0.3)
+                return statistics.median(worker[WARMUP:]), statistics.mean(used[WARMUP:])
+
+            sec, distinct = on_worker() if native else _on_lane(measure)
             out.append({"backend": backend_name, "hidden": h, "intermediate": i, "tokens": t,
                         "distinct": distinct, "bytes": distinct * ebytes, "us": sec * 1e6})
             tick()
@@ -531,7 +552,7 @@ def calibrate(cfg: CalibrateConfig | None = None, *, progress: bool = True, allo
                                   lambda: tick("host calls"))
         # the device stand-in's torch reference backend takes ~0.1 s a call at full size: fewer repeats
         dev_calls = _call_points(cfg.device_backend, cfg.device_call_sizes, cfg.call_tokens,
-                                 max(min(cfg.repeat, 3), 1), cfg.experts, lambda: tick("device calls"))
+                                 max(min(cfg.repeat, 3), 1), cfg.experts, lambda: tick("device calls"), lane=1)
         dense = _dense_points(cfg.dense_sizes, cfg.dense_contexts, cfg.repeat, lambda: tick("dense"))
         runtime = measure_executor_overhead(host_backend=cfg.host_backend, device_backend=cfg.device_backend,
                                             steps=max(cfg.repeat, 4))
