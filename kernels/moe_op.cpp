@@ -28,6 +28,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <deque>
+#include <exception>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -145,13 +146,26 @@ void parallel(int64_t n, int threads, F&& fn) {
     for (int64_t t = 0; t < n; ++t) fn(t, 0);
   } else if (on_lane) {
     WorkerPool::get().run(n, threads, fn);
-  } else {
+  } else {  // an exception may not leave an OpenMP region (the process ends): kept, rethrown after it
+    std::exception_ptr error;
+    std::atomic<bool> failed{false};
+    std::mutex m;
 #pragma omp parallel num_threads(threads)
     {
       const int w = omp_get_thread_num();
 #pragma omp for schedule(dynamic, 1)
-      for (int64_t t = 0; t < n; ++t) fn(t, w);
+      for (int64_t t = 0; t < n; ++t) {
+        if (failed.load(std::memory_order_relaxed)) continue;  // the rest are not run
+        try {
+          fn(t, w);
+        } catch (...) {
+          std::lock_guard<std::mutex> g(m);
+          if (!error) error = std::current_exception();
+          failed.store(true, std::memory_order_relaxed);
+        }
+      }
     }
+    if (error) std::rethrow_exception(error);
   }
 }
 
@@ -500,16 +514,24 @@ void compute(Job& j) {
   const int64_t ntask1 = int64_t(order.size()) * nsl1;
   const int tiles1 = 2 * S1 / 16;
   std::vector<double> busy1(nthreads, 0.0), busy2(nthreads, 0.0);
-  std::vector<std::vector<float>> gus(static_cast<size_t>(nthreads)), hlocs(static_cast<size_t>(nthreads));
+  // per-worker scratch, sized on this thread before the stage runs (an allocation that fails
+  // raises here; inside a parallel region it would end the process); stage 1's is freed before
+  // stage 2's is made, so the two never add up
+  int maxcnt = 0;
+  for (int e = 0; e < E; ++e) maxcnt = std::max(maxcnt, cnt[e]);
+  const int nw1 = int(std::min<int64_t>(nthreads, ntask1));
   const double t_start = omp_get_wtime();
   {
+    std::vector<std::vector<float>> gus(size_t(std::max(nw1, 1))), hlocs(size_t(std::max(nw1, 1)));
+    for (int w = 0; w < nw1; ++w) {
+      gus[size_t(w)].resize(size_t(maxcnt) * 2 * S1);
+      hlocs[size_t(w)].resize(size_t(maxcnt) * S1);
+    }
     parallel(ntask1, nthreads, [&](int64_t task, int w) {
       std::vector<float>& gu = gus[size_t(w)];
       std::vector<float>& hloc = hlocs[size_t(w)];
       const double t0 = omp_get_wtime();
       const int e = order[task / nsl1], s = int(task % nsl1), n = cnt[e];
-      gu.resize(size_t(n) * 2 * S1);
-      hloc.resize(size_t(n) * S1);
       MatView m{static_cast<const uint8_t*>(w1.data_ptr()) + size_t(e) * e_bytes1, tb1,
                 has_scales ? sc1 + size_t(e) * (2 * Ip / 16) * st1 : nullptr, st1, Kp1, group,
                 wtype};
@@ -563,8 +585,13 @@ void compute(Job& j) {
   uint16_t* outb = out_f32 ? nullptr : reinterpret_cast<uint16_t*>(out.data_ptr());
   const int tiles_h = Hp / 16;
   const int nsl2 = (tiles_h * 16 + kSlice2 - 1) / kSlice2;
-  std::vector<std::vector<float>> ys(static_cast<size_t>(nthreads)), accs(static_cast<size_t>(nthreads));
   {
+    const int nw2 = int(std::min<int64_t>(nthreads, nsl2));
+    std::vector<std::vector<float>> ys(size_t(std::max(nw2, 1))), accs(size_t(std::max(nw2, 1)));
+    for (int w = 0; w < nw2; ++w) {
+      ys[size_t(w)].resize(size_t(maxcnt) * kSlice2);
+      accs[size_t(w)].resize(size_t(T) * kSlice2);
+    }
     parallel(nsl2, nthreads, [&](int64_t s, int w) {
       std::vector<float>& y = ys[size_t(w)];
       std::vector<float>& acc = accs[size_t(w)];
@@ -572,11 +599,10 @@ void compute(Job& j) {
       const int tile0 = s * (kSlice2 / 16);
       const int nt = std::min(kSlice2 / 16, tiles_h - tile0);
       const int r0 = tile0 * 16, rows = nt * 16;
-      acc.assign(size_t(T) * rows, 0.0f);
+      std::fill_n(acc.begin(), size_t(T) * rows, 0.0f);
       for (int e = 0; e < E; ++e) {
         const int n = cnt[e];
         if (n == 0) continue;
-        y.resize(size_t(n) * rows);
         MatView m{static_cast<const uint8_t*>(w2.data_ptr()) + size_t(e) * e_bytes2, tb2,
                   has_scales ? sc2 + size_t(e) * (Hp / 16) * st2 : nullptr, st2, Ip, group,
                   wtype};
@@ -844,6 +870,13 @@ void raise_probe(int64_t kind) {
     os << "moelab: probe ostream integer " << kind;
     throw std::runtime_error(os.str());
   }
+  if (kind == 4 || kind == 5) {  // a task of a parallel stage throws: 4 on an OpenMP team, 5 on the lanes' pool
+    auto task = [](int64_t t, int) {
+      if (t == 3) fail("moelab: probe exception in a parallel task");
+    };
+    if (kind == 4) parallel(16, 4, task);
+    else WorkerPool::get().run(16, 4, task);
+  }
 }
 
 std::vector<std::string> cpu_features() {
@@ -963,7 +996,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "this thread's last moe_forward: stage wall seconds, per-thread busy seconds, task counts");
   m.def("cpu_features", &moelab::cpu_features, "x86 features detected at run time");
   m.def("_raise_probe", &moelab::raise_probe, "throw one kind of C++ exception (0 c10::Error, 1 runtime_error, "
-        "2 pybind11 value_error, 3 runtime_error formatted by an ostringstream): which survive this torch");
+        "2 pybind11 value_error, 3 runtime_error formatted by an ostringstream, 4 / 5 runtime_error from a task of "
+        "a parallel stage on an OpenMP team / the lanes' pool): which survive this torch");
   moelab::register_fastcalls(m.ptr());  // plan_entry, params_key: METH_FASTCALL functions, not pybind11 ones
   PyModule_AddFunctions(m.ptr(), moelab::submit_methods);  // submit_prepared (after Ticket's registration)
   m.attr("ABI_VERSION") = 7;  // 4: expert_map, moe_submit/Ticket (C++ lane workers); 5: errors as returned
