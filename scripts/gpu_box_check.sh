@@ -24,6 +24,10 @@
 # the ISA tests (JOBS=8: amx 57 s, avx512 52 s of pytest per path, five paths; 200 s ran two and a half);
 # test_hybrid_cuda.py alone did not finish in 90 s; the bench's model 58-62 s; `bench kernels --tokens 1 16 256
 # --repeat 3` 68 s; `--prefill` over 60 s (cut). The first call started in about 35 s.
+# 2026-11-30 (H200, the same kind of box): build 45-47 s; TESTS="tests/test_hybrid_cuda.py tests/test_plan_later.py"
+# 81 s (28 tests, JOBS=8) beside ISAS=amx's 68 s; the bench's model 49-52 s, two points 30 s; `--prefill` (three
+# dtypes, built-ins included) 77 s; a one-shape T=1 kernels bench about 25 s. A call of 273 s and one of 389 s
+# fitted the 900 s budget with the starts.
 # Results: $OUT/summary.txt (the figures) and $OUT/all.tgz (every log), so they fit the device
 # tool's eight returned files. Exit status: non-zero when a test failed.
 set -uo pipefail

@@ -304,6 +304,15 @@ def test_a_prepared_call_follows_the_settings_its_path_and_threads_come_from(mon
         be.submit(mod, x, ids, w, None)
 
 
+def _in_threads(target, n: int) -> None:
+    """Run ``target(i)`` on ``n`` threads at once, i = 0 .. n - 1, and wait for all of them."""
+    threads = [threading.Thread(target=target, args=(i,)) for i in range(n)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+
+
 def _result(call, timeout_s: float = 60.0):
     """``call.result()``, failing (not hanging) if the lane never runs it: a lost wake-up."""
     deadline = time.monotonic() + timeout_s
@@ -350,11 +359,7 @@ def test_a_lane_worker_gives_the_same_results_polling_or_asleep(spin_us):
                 if not torch.equal(out, want[(seed + j) % 6]):
                     errors.append(f"{seed}/{j}: a wrong result")
 
-        threads = [threading.Thread(target=submitter, args=(s,)) for s in range(2)]
-        for th in threads:
-            th.start()
-        for th in threads:
-            th.join()
+        _in_threads(submitter, 2)
         assert not errors
     finally:
         set_lane_spin_us(before)
@@ -415,9 +420,5 @@ def test_the_worker_pool_gives_every_caller_the_one_thread_result():
             if not torch.equal(got, want):
                 errors.append(f"caller {seed} call {j}: a different result")
 
-    threads = [threading.Thread(target=caller, args=(s,)) for s in range(5)]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join()
+    _in_threads(caller, 5)
     assert not errors, errors
