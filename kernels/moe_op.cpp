@@ -439,9 +439,9 @@ void compute(Job& j) {
     // each row as fp32, zero-padded to Kp1, in a per-worker row buffer, then quantised
     const int nq = T >= 64 ? nthreads : 1;  // decode: on the calling thread
     std::vector<std::vector<float>> rows(size_t(std::min<int64_t>(nq, T)));
+    for (std::vector<float>& row : rows) row.assign(size_t(Kp1), 0.0f);  // made here, not in the stage
     parallel(T, nq, [&](int64_t t, int w) {
       std::vector<float>& row = rows[size_t(w)];
-      if (row.empty()) row.assign(size_t(Kp1), 0.0f);
       {
         if (in_f32) {
           std::memcpy(row.data(), static_cast<const float*>(src) + size_t(t) * H, sizeof(float) * H);
@@ -1000,6 +1000,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "a parallel stage on an OpenMP team / the lanes' pool): which survive this torch");
   moelab::register_fastcalls(m.ptr());  // plan_entry, params_key: METH_FASTCALL functions, not pybind11 ones
   PyModule_AddFunctions(m.ptr(), moelab::submit_methods);  // submit_prepared (after Ticket's registration)
-  m.attr("ABI_VERSION") = 7;  // 4: expert_map, moe_submit/Ticket (C++ lane workers); 5: errors as returned
-                             // strings; 6: Prepared (a layer's call tail kept in C++); 7: plan_entry
+  m.attr("ABI_VERSION") = 8;  // 4: expert_map, moe_submit/Ticket (C++ lane workers); 5: errors as returned
+                             // strings; 6: Prepared (a layer's call tail kept in C++); 7: plan_entry;
+                             // 8: the lanes' pool, get/set_lane_spin_us, _raise_probe 4 and 5
 }
