@@ -47,7 +47,8 @@ inline int64_t steady_ns() {
 // from 171-181 to 109-122 us. With this pool the same VM's decode step took 3.6-3.8 ms without
 // polling and 7-9 ms with 5 ms of it (two lane workers and a pool worker polling beside the control
 // thread on two CPUs): polling pays only where spare cores are (KTransformers' CPU workers poll).
-constexpr int64_t kDefaultSpinUs = 0;  // moelab.kernels.op.DEFAULT_LANE_SPIN_US
+constexpr int64_t kDefaultSpinUs = 0;        // moelab.kernels.op.DEFAULT_LANE_SPIN_US
+constexpr int64_t kMaxSpinUs = 1000 * 1000;  // moelab.kernels.op.MAX_LANE_SPIN_US
 inline std::atomic<int64_t> spin_ns_{-1};  // -1: not read yet
 
 inline int64_t spin_ns() {
@@ -57,14 +58,14 @@ inline int64_t spin_ns() {
   if (const char* e = std::getenv("MOELAB_LANE_SPIN_US")) {
     char* end = nullptr;
     const long long p = std::strtoll(e, &end, 10);
-    if (end != e && *end == '\0' && p >= 0) us = p;  // else the default (the Python side names bad values)
+    if (end != e && *end == '\0' && p >= 0 && p <= kMaxSpinUs) us = p;  // else the default (Python names bad values)
   }
   int64_t expected = -1;
   spin_ns_.compare_exchange_strong(expected, us * 1000);
   return spin_ns_.load(std::memory_order_relaxed);
 }
 
-inline void set_spin_us(int64_t us) { spin_ns_.store(us * 1000, std::memory_order_relaxed); }
+inline void set_spin_us(int64_t us) { spin_ns_.store(std::min(us, kMaxSpinUs) * 1000, std::memory_order_relaxed); }
 
 // Poll `ready()` (yielding) for spin_ns(); true if it became true meanwhile.
 template <typename F>

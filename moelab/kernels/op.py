@@ -28,6 +28,8 @@ THREADS_ENV = "MOELAB_KERNELS_THREADS"
 LANE_SPIN_ENV = "MOELAB_LANE_SPIN_US"
 #: How long an idle thread of the extension polls before it sleeps, µs (kDefaultSpinUs in kernels/pool.h).
 DEFAULT_LANE_SPIN_US = 0
+#: The longest polling time accepted, µs (one second: beyond any gap between a decode step's calls).
+MAX_LANE_SPIN_US = 1_000_000
 
 
 def lane_spin_us() -> int:
@@ -46,19 +48,19 @@ def lane_spin_us() -> int:
 
 def set_lane_spin_us(us: int) -> None:
     """Set :func:`lane_spin_us` for every lane (0: sleep at once, as a plain condition-variable queue)."""
-    if isinstance(us, bool) or not isinstance(us, int) or us < 0:
-        raise MoelabError(f"lane spin {us!r}: expected a non-negative integer of microseconds (0 sleeps at once; "
-                          f"the default is {DEFAULT_LANE_SPIN_US}).")
+    if isinstance(us, bool) or not isinstance(us, int) or not 0 <= us <= MAX_LANE_SPIN_US:
+        raise MoelabError(f"lane spin {us!r}: expected a non-negative integer of microseconds up to "
+                          f"{MAX_LANE_SPIN_US} (0 sleeps at once; the default is {DEFAULT_LANE_SPIN_US}).")
     load_extension().set_lane_spin_us(us)
 
 
 def _check_lane_spin_env() -> None:
     """Refuse a ``$MOELAB_LANE_SPIN_US`` the extension would ignore (it reads it at its first lane)."""
     v = env_value(LANE_SPIN_ENV)
-    if v is not None and not (v.isascii() and v.isdigit()):
-        raise MoelabError(f"{LANE_SPIN_ENV}={v!r}: expected a non-negative integer (µs an idle lane worker polls "
-                          f"its queue before it sleeps; 0 sleeps at once); unset it for the default "
-                          f"({DEFAULT_LANE_SPIN_US}).")
+    if v is not None and not (v.isascii() and v.isdigit() and int(v) <= MAX_LANE_SPIN_US):
+        raise MoelabError(f"{LANE_SPIN_ENV}={v!r}: expected a non-negative integer up to {MAX_LANE_SPIN_US} (µs an "
+                          f"idle lane worker polls its queue before it sleeps; 0 sleeps at once); unset it for the "
+                          f"default ({DEFAULT_LANE_SPIN_US}).")
 
 
 def default_threads() -> int:
