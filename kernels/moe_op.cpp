@@ -637,11 +637,6 @@ void compute(Job& j) {
   last_stats.tasks2 = nsl2;
 }
 
-int64_t monotonic_ns() {  // CLOCK_MONOTONIC: the clock of Python's time.perf_counter_ns on Linux
-  return std::chrono::duration_cast<std::chrono::nanoseconds>(
-             std::chrono::steady_clock::now().time_since_epoch()).count();
-}
-
 }  // namespace
 
 // The output, or the message of the check that failed (see MOELAB_REQUIRE).

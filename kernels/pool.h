@@ -33,7 +33,8 @@
 
 namespace moelab {
 
-inline int64_t steady_ns() {
+// CLOCK_MONOTONIC: the clock of Python's time.perf_counter_ns on Linux (a lane call's times_ns)
+inline int64_t monotonic_ns() {
   return std::chrono::duration_cast<std::chrono::nanoseconds>(
              std::chrono::steady_clock::now().time_since_epoch()).count();
 }
@@ -73,8 +74,8 @@ bool poll_for(F&& ready) {
   if (ready()) return true;
   const int64_t spin = spin_ns();
   if (spin <= 0) return false;
-  const int64_t until = steady_ns() + spin;
-  while (steady_ns() < until) {
+  const int64_t until = monotonic_ns() + spin;
+  while (monotonic_ns() < until) {
     if (ready()) return true;
     std::this_thread::yield();
   }
