@@ -352,19 +352,8 @@ def _call_points(backend_name: str, sizes, tokens: tuple[int, ...], repeat: int,
             x = (torch.randn(t, h, generator=torch.Generator().manual_seed(1)) * 0.5).to(torch.bfloat16)
 
             def measure(r=r, x=x, mod=mod):
-                used: list[int] = []
-
-                def fn():
-                    used.append(int(torch.unique(r.ids).numel()))
-                    with torch.no_grad():
-                        backend(mod, x, r.ids, r.w)
-
-                sec = _median(fn, repeat, r.redraw, budget_s=0.3)
-                return sec, statistics.mean(used[WARMUP:])
-
-            def on_worker(r=r, x=x, mod=mod):
                 # a native backend's calls run on the extension's C++ lane worker, as the real
-                # executor queues them: timed by the worker's own clock (its start and end), so the
+                # executor queues them, timed by the worker's own clock (its start and end): the
                 # hand-off (runtime_call_us) and a waking thread's latency stay out of the call
                 used: list[int] = []
                 worker: list[float] = []
@@ -372,15 +361,18 @@ def _call_points(backend_name: str, sizes, tokens: tuple[int, ...], repeat: int,
                 def fn():
                     used.append(int(torch.unique(r.ids).numel()))
                     with torch.no_grad():
+                        if not native:
+                            backend(mod, x, r.ids, r.w)
+                            return
                         call = backend.submit(mod, x, r.ids, r.w, None, lane=lane)
                         call.result()
                     _, start, end = call.times_ns()
                     worker.append((end - start) / 1e9)
 
-                _median(fn, repeat, r.redraw, budget_s=0.3)
-                return statistics.median(worker[WARMUP:]), statistics.mean(used[WARMUP:])
+                sec = _median(fn, repeat, r.redraw, budget_s=0.3)
+                return statistics.median(worker[WARMUP:]) if native else sec, statistics.mean(used[WARMUP:])
 
-            sec, distinct = on_worker() if native else _on_lane(measure)
+            sec, distinct = measure() if native else _on_lane(measure)
             out.append({"backend": backend_name, "hidden": h, "intermediate": i, "tokens": t,
                         "distinct": distinct, "bytes": distinct * ebytes, "us": sec * 1e6})
             tick()
